@@ -1,24 +1,40 @@
 """The one typed settings object of noisy-temp-server.
 
 Values come, in rising precedence, from the defaults here, environment variables prefixed
-`NTS_` (e.g. `NTS_CACHE_DIR`), and CLI flags (which build a `Settings` with overrides). A bad
+`NTS_` (e.g. `NTS_CACHE_DIR`, `NTS_PORT`), and CLI flags (`add_settings_arguments` adds one flag
+per field, `settings_from_args` builds the `Settings` with the flags given as overrides). A bad
 value is an error at startup, never silently replaced.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_cache_dir"]
+__all__ = [
+    "DEFAULT_PERTURBATION",
+    "Settings",
+    "add_settings_arguments",
+    "default_cache_dir",
+    "settings_as_json",
+    "settings_from_args",
+]
+
+DEFAULT_PERTURBATION = '{"kind": "weight_noise", "distribution": "gaussian", "scale": 0.02}'
+"""The perturbation `serve` applies to the default model when no served model is given."""
+
+RuleName = Literal["off", "fixed", "sqrt", "linear", "fisher", "schedule", "calibrated"]
+PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
 def default_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/noisy-temp-server`, or `~/.cache/noisy-temp-server`."""
-    import os
-
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "noisy-temp-server"
 
@@ -32,3 +48,155 @@ class Settings(BaseSettings):
         default_factory=default_cache_dir,
         description="Where converted and perturbed checkpoints are kept.",
     )
+
+    # --- HTTP ---
+    host: str = Field(default="127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0: any free port).")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="If set, /v1/* requires `Authorization: Bearer <key>`.",
+    )
+
+    # --- models ---
+    served_model: Path | None = Field(
+        default=None,
+        description="Checkpoint folder vLLM serves. Unset: the embedded default model "
+        "perturbed by --perturbation (written once to the cache).",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="Model id in the API (/v1/models, `model` field). Unset: the folder name.",
+    )
+    clean_model: Path | None = Field(
+        default=None,
+        description="Clean checkpoint for shadow scoring. Unset: the embedded default model when "
+        "serving the default pair, otherwise no shadow scoring.",
+    )
+    perturbation: str = Field(
+        default=DEFAULT_PERTURBATION,
+        description="Perturbation spec (JSON) applied to the default model when no served model "
+        "is given.",
+    )
+    profile: Path | None = Field(
+        default=None,
+        description="Profile file to start the policy from. Unset: T = 1 until the shadow "
+        "scorer has enough evidence.",
+    )
+
+    # --- temperature defaults (per-request nts_* keys override them) ---
+    default_rule: RuleName | None = Field(
+        default=None,
+        description="Rule forced on every request. Unset: the rule of the policy in force.",
+    )
+    default_t_min: PositiveFloat | None = Field(default=None, description="Lower bound on T*.")
+    default_t_max: PositiveFloat | None = Field(default=None, description="Upper bound on T*.")
+
+    # --- shadow scoring / online estimation ---
+    shadow_fraction: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of finished requests scored against the clean model (0: off).",
+    )
+    shadow_queue_size: int = Field(
+        default=64, ge=1, description="Finished requests waiting for scoring; beyond, dropped."
+    )
+    shadow_device: str = Field(
+        default="cpu",
+        description="Torch device of the shadow scorer's clean and served models (cpu, cuda).",
+    )
+    shadow_min_positions: int = Field(
+        default=2048,
+        ge=1,
+        description="Scored positions the estimator needs before it publishes its first policy.",
+    )
+
+    # --- engine ---
+    max_model_len: int = Field(default=2048, ge=16, description="Context length (tokens).")
+    kv_cache_gib: PositiveFloat = Field(
+        default=2.0,
+        description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, kv_cache_memory_bytes "
+        "on GPU).",
+    )
+    max_num_seqs: int = Field(default=32, ge=1, description="Most sequences in one engine batch.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight and activation dtype of the served model."
+    )
+    enforce_eager: bool = Field(
+        default=True, description="Skip graph capture / compilation (faster startup)."
+    )
+    trace_timeout_s: PositiveFloat = Field(
+        default=2.0,
+        description="How long a response waits for the engine's last T* trace steps.",
+    )
+
+    @field_validator("perturbation")
+    @classmethod
+    def _perturbation_is_a_spec(cls, value: str) -> str:
+        from noisy_temp_server.pairs.perturb import parse_spec
+
+        parse_spec(value)
+        return value
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> Settings:
+        low, high = self.default_t_min, self.default_t_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"default_t_min ({low}) must not exceed default_t_max ({high}); "
+                "swap or drop one of them."
+            )
+        return self
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _parse_bool(text: str) -> bool:
+    try:
+        return _BOOL_WORDS[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, fields: list[str] | None = None
+) -> None:
+    """Add a `--field-name` flag for each named `Settings` field (all fields if None).
+
+    Flags default to "not given" so environment variables and defaults still apply; booleans
+    take an explicit `true`/`false`. Values are parsed and validated by `Settings` itself.
+    """
+    names = list(Settings.model_fields) if fields is None else fields
+    group = parser.add_argument_group("settings (each also read from NTS_<NAME>)")
+    for name in names:
+        info = Settings.model_fields[name]
+        flag = "--" + name.replace("_", "-")
+        kind = _parse_bool if info.annotation is bool else str
+        group.add_argument(
+            flag,
+            dest=f"setting_{name}",
+            type=kind,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{info.description} [env NTS_{name.upper()}]",
+        )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """`Settings` from environment and defaults, with the flags added by
+    `add_settings_arguments` that were given on the command line as overrides.
+
+    Raises pydantic's `ValidationError` naming the bad field.
+    """
+    overrides: dict[str, Any] = {
+        key.removeprefix("setting_"): value
+        for key, value in vars(args).items()
+        if key.startswith("setting_")
+    }
+    return Settings(**overrides)
+
+
+def settings_as_json(settings: Settings) -> str:
+    """The settings as JSON with the API key masked (for startup logs)."""
+    return json.dumps(settings.model_dump(mode="json"), sort_keys=True)

@@ -1,0 +1,322 @@
+"""Per-row statistics of clean and served logits, and the KL that a temperature can fix.
+
+Every function takes logits of shape ``[batch, vocab]`` (any floating dtype, any device) and
+returns ``[batch]`` tensors on the same device. Arithmetic runs in float32 (float64 for float64
+input), so bf16/fp16 logits give the float32 answer. Inputs are never modified.
+
+Conventions:
+
+* ``-inf`` marks a masked token: it has probability 0 and is left out of every statistic. A row
+  that is entirely ``-inf`` has no distribution and is an error, as are NaN and ``+inf``
+  (:class:`NonFiniteLogitsError`).
+* Uniform variances (``tau2``, ``sigma2``) are population variances (divide by the number of
+  tokens counted), over the unmasked tokens.
+* A token whose clean probability is 0 in the compute dtype (masked, or below about 1e-45)
+  contributes nothing to ``KL(p || q)``. A token masked in the served row (``-inf``) that the
+  clean row gives positive probability makes the KL ``+inf`` at every temperature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KLTerms",
+    "NonFiniteLogitsError",
+    "PairStatistics",
+    "ServedRowFeatures",
+    "check_logits",
+    "compute_dtype",
+    "kl_to_clean",
+    "pair_statistics",
+    "served_row_features",
+    "stable_log_softmax",
+]
+
+# Below this, exp() is exactly 0 in float32 and float64, and its square is still finite: log
+# probabilities are floored here so that 0 * log(0) terms become 0 * finite = 0, not NaN.
+_LOG_PROB_FLOOR = -1.0e4
+_ROWS_SHOWN_IN_ERRORS = 8
+
+
+class NonFiniteLogitsError(ValueError):
+    """Logits contain NaN or +inf, or a row where every token is masked (-inf)."""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics of ``dtype`` logits are computed in: float64 stays, all else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _format_rows(rows: Tensor) -> str:
+    indices = rows.nonzero().flatten().tolist()
+    shown = ", ".join(str(i) for i in indices[:_ROWS_SHOWN_IN_ERRORS])
+    more = f", ... ({len(indices)} rows)" if len(indices) > _ROWS_SHOWN_IN_ERRORS else ""
+    return f"[{shown}{more}]"
+
+
+def check_logits(logits: Tensor, *, name: str = "logits") -> None:
+    """Raise unless ``logits`` is a ``[batch, vocab]`` floating tensor usable as logits.
+
+    Allowed: finite values and ``-inf`` (masked tokens). Raises :class:`NonFiniteLogitsError`
+    naming the offending rows for NaN, ``+inf``, or a row that is entirely ``-inf``; raises
+    ``ValueError`` for a wrong shape or dtype. Costs one ``[batch]`` max reduction (and one
+    device sync to read its verdict).
+    """
+    if logits.dim() != 2 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have shape [batch, vocab] with vocab >= 1, got {tuple(logits.shape)}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {logits.dtype}")
+    # amax propagates NaN, is +inf if any entry is +inf, and -inf only if the row is all -inf.
+    row_max = logits.amax(dim=-1)
+    bad = ~torch.isfinite(row_max)
+    if not bool(bad.any()):
+        return
+    non_finite = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1)
+    all_masked = bad & ~non_finite
+    problems = []
+    if bool(non_finite.any()):
+        problems.append(f"rows {_format_rows(non_finite)} contain NaN or +inf")
+    if bool(all_masked.any()):
+        problems.append(f"rows {_format_rows(all_masked)} are entirely -inf (every token masked)")
+    raise NonFiniteLogitsError(
+        f"{name}: {'; '.join(problems)}. Logits must be finite, with -inf only for masked "
+        "tokens and at least one unmasked token per row."
+    )
+
+
+def _check_pair(clean: Tensor, served: Tensor) -> None:
+    check_logits(clean, name="clean logits")
+    check_logits(served, name="served logits")
+    if clean.shape != served.shape:
+        raise ValueError(
+            f"clean and served logits must have the same shape, got {tuple(clean.shape)} "
+            f"and {tuple(served.shape)}"
+        )
+    if clean.device != served.device:
+        raise ValueError(
+            f"clean and served logits must be on the same device, got {clean.device} "
+            f"and {served.device}"
+        )
+
+
+def stable_log_softmax(logits: Tensor) -> Tensor:
+    """``log_softmax`` over the last dim, computed in :func:`compute_dtype` (max-shifted).
+
+    Returns a new tensor; masked tokens (-inf) get -inf. The input is not modified.
+    """
+    return torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise dot product of two ``[B, V]`` tensors -> ``[B]``, without a ``[B, V]`` product."""
+    return torch.einsum("bv,bv->b", a, b)
+
+
+def _softmax_moments(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(prob [B, V], neg_entropy [B], variance [B], top_prob [B])`` of ``softmax(logits)``.
+
+    ``variance`` is the softmax-weighted variance of the logits, computed as that of the log
+    probabilities (they differ by a per-row constant) with a two-pass centring. Two ``[B, V]``
+    temporaries: the probabilities (returned) and the log probabilities (reused in place).
+    """
+    log_prob = stable_log_softmax(logits)  # [B, V]
+    prob = log_prob.exp()  # [B, V]
+    top_prob = prob.amax(dim=-1)
+    log_prob.clamp_(min=_LOG_PROB_FLOOR)
+    neg_entropy = _row_dot(prob, log_prob)  # E_p[log p] = -H(p)
+    log_prob.sub_(neg_entropy.unsqueeze(-1)).square_()
+    variance = _row_dot(prob, log_prob)
+    return prob, neg_entropy.clamp(max=0.0), variance, top_prob
+
+
+def _uniform_variance(values: Tensor, counted: Tensor) -> Tensor:
+    """Population variance of ``values`` over the ``counted`` entries of each row (NaN if none)."""
+    count = counted.sum(dim=-1).to(values.dtype)
+    filled = torch.where(counted, values, 0.0)
+    mean = filled.sum(dim=-1) / count
+    deviation = torch.where(counted, values - mean.unsqueeze(-1), 0.0)
+    return deviation.square().sum(dim=-1) / count
+
+
+@dataclass(frozen=True)
+class ServedRowFeatures:
+    """What the served row alone shows; each field is ``[batch]`` in the compute dtype.
+
+    Attributes:
+        entropy: H(q) in nats, q = softmax(served).
+        var_q: Var_q(served), the softmax-weighted variance of the served logits.
+        top_prob: max_i q_i.
+    """
+
+    entropy: Tensor
+    var_q: Tensor
+    top_prob: Tensor
+
+
+def served_row_features(served: Tensor, *, validate: bool = True) -> ServedRowFeatures:
+    """Entropy, softmax-weighted variance and top probability of each served row.
+
+    Built for the per-step logits processor: one log-softmax and two ``[B, V]`` temporaries in
+    the compute dtype. With ``validate=False`` it skips :func:`check_logits` (and its device
+    sync); invalid rows then give NaN features instead of raising.
+    """
+    if validate:
+        check_logits(served, name="served logits")
+    _, neg_entropy, var_q, top_prob = _softmax_moments(served)
+    return ServedRowFeatures(entropy=-neg_entropy, var_q=var_q, top_prob=top_prob)
+
+
+@dataclass(frozen=True)
+class KLTerms:
+    """``KL(p || softmax(u * served))`` as a function of the inverse temperature ``u = 1/T``.
+
+    With ``s = served - max(served)`` (shift-invariant) and ``m = E_p[s]``::
+
+        KL(u)   = E_p[log p] - u * m + logsumexp(u * s)
+        KL'(u)  = E_{q_u}[s] - m
+        KL''(u) = Var_{q_u}(s) >= 0          (convex in u)
+
+    Build with :meth:`from_logits`. ``m`` is ``-inf`` (so KL is ``+inf`` at every ``u``) for rows
+    where the served row masks a token the clean row gives positive probability.
+
+    Attributes:
+        neg_entropy_clean: ``[B]`` E_p[log p].
+        served_mean_under_clean: ``[B]`` m = E_p[s].
+        served_shifted: ``[B, V]`` s, with -inf at masked tokens.
+        served_filled: ``[B, V]`` s with -inf replaced by 0 (for products with q, which is 0 there).
+    """
+
+    neg_entropy_clean: Tensor
+    served_mean_under_clean: Tensor
+    served_shifted: Tensor
+    served_filled: Tensor
+
+    @classmethod
+    def from_logits(cls, clean: Tensor, served: Tensor) -> KLTerms:
+        """Validate a ``[B, V]`` pair (same shape and device) and precompute its KL terms."""
+        _check_pair(clean, served)
+        prob, neg_entropy, _, _ = _softmax_moments(clean)
+        return cls._from_clean_prob(prob, neg_entropy, served)
+
+    @classmethod
+    def _from_clean_prob(cls, prob: Tensor, neg_entropy: Tensor, served: Tensor) -> KLTerms:
+        served = served.to(prob.dtype)
+        shifted = served - served.amax(dim=-1, keepdim=True)
+        filled = torch.nan_to_num(shifted, neginf=0.0)
+        supported = prob > 0
+        support_masked = (supported & torch.isneginf(shifted)).any(dim=-1)
+        mean = torch.where(support_masked, float("-inf"), _row_dot(prob, filled))
+        return cls(neg_entropy, mean, shifted, filled)
+
+    def kl(self, inverse_temperature: Tensor) -> Tensor:
+        """KL at ``u``: ``[B]`` -> ``[B]``, or ``[B, G]`` / ``[1, G]`` -> ``[B, G]``.
+
+        ``u`` must be > 0. Memory: one ``[B, G, V]`` temporary for 2-D ``u`` (chunk G yourself,
+        or use :func:`noisy_temp_server.temperature.oracle.kl_curve`). Clamped at 0 so rounding
+        never reports a negative divergence.
+        """
+        u = inverse_temperature.to(self.served_shifted.dtype)
+        if u.dim() == 1:
+            return self.kl(u.unsqueeze(-1)).squeeze(-1)
+        scaled = self.served_shifted.unsqueeze(1) * u.unsqueeze(-1)  # [B, G, V]
+        log_normaliser = torch.logsumexp(scaled, dim=-1)  # [B, G]
+        kl = (
+            self.neg_entropy_clean.unsqueeze(-1)
+            - u * self.served_mean_under_clean.unsqueeze(-1)
+            + log_normaliser
+        )
+        return kl.clamp(min=0.0)
+
+    def kl_with_derivatives(self, inverse_temperature: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(KL(u), KL'(u), KL''(u))`` for one ``u > 0`` per row (``[B]`` each)."""
+        u = inverse_temperature.to(self.served_shifted.dtype).unsqueeze(-1)  # [B, 1]
+        scaled = self.served_shifted * u  # [B, V]
+        log_normaliser = torch.logsumexp(scaled, dim=-1)  # [B]
+        q = scaled.sub_(log_normaliser.unsqueeze(-1)).exp_()  # softmax(u * s), in place
+        mean_q = _row_dot(q, self.served_filled)
+        var_q = _row_dot(q, (self.served_filled - mean_q.unsqueeze(-1)).square())
+        kl = self.neg_entropy_clean - u.squeeze(-1) * self.served_mean_under_clean + log_normaliser
+        return kl.clamp(min=0.0), mean_q - self.served_mean_under_clean, var_q
+
+
+@dataclass(frozen=True)
+class PairStatistics:
+    """Statistics of a clean/served pair of rows; every field is ``[batch]``.
+
+    Float fields are float32 (float64 for float64 input).
+
+    Attributes:
+        tau2: Var(z), uniform over the clean row's unmasked tokens.
+        sigma2: Var(z~ - z), uniform over tokens finite in both rows; NaN if there is none.
+        alpha: sigma2 / tau2. When tau2 == 0 (a flat clean row): 0 if sigma2 == 0, else +inf
+            (every rule then saturates at its upper bound, which is also where the oracle goes:
+            the flattest q is closest to a uniform p). NaN where sigma2 is NaN.
+        var_p_clean: Var_p(z), the softmax-weighted variance of the clean logits.
+        entropy_clean: H(p) in nats.
+        kl_at_one: KL(p || softmax(z~)); +inf if the served row masks a token p supports.
+        same_top: argmax z == argmax z~ (bool; ties go to the lowest index).
+    """
+
+    tau2: Tensor
+    sigma2: Tensor
+    alpha: Tensor
+    var_p_clean: Tensor
+    entropy_clean: Tensor
+    kl_at_one: Tensor
+    same_top: Tensor
+
+
+def pair_statistics(clean: Tensor, served: Tensor) -> PairStatistics:
+    """Per-row :class:`PairStatistics` of ``[B, V]`` clean and served logits.
+
+    Raises :class:`NonFiniteLogitsError` for NaN/+inf/all-masked rows, ``ValueError`` for
+    mismatched shapes or devices.
+    """
+    _check_pair(clean, served)
+    dtype = compute_dtype(clean.dtype)
+    z, z_served = clean.to(dtype), served.to(dtype)
+    clean_finite = torch.isfinite(z)
+    tau2 = _uniform_variance(z, clean_finite)
+    sigma2 = _uniform_variance(z_served - z, clean_finite & torch.isfinite(z_served))
+    alpha = torch.where(sigma2 == 0, 0.0, sigma2 / tau2)
+
+    prob, neg_entropy, var_p, _ = _softmax_moments(z)
+    terms = KLTerms._from_clean_prob(prob, neg_entropy, z_served)
+    kl_at_one = terms.kl(torch.ones_like(tau2))
+    return PairStatistics(
+        tau2=tau2,
+        sigma2=sigma2,
+        alpha=alpha,
+        var_p_clean=var_p,
+        entropy_clean=-neg_entropy,
+        kl_at_one=kl_at_one,
+        same_top=z.argmax(dim=-1) == z_served.argmax(dim=-1),
+    )
+
+
+def kl_to_clean(clean: Tensor, served: Tensor, temperature: float | Tensor) -> Tensor:
+    """``[B]`` KL(p || softmax(served / T)) with p = softmax(clean).
+
+    ``temperature`` is a float or a ``[B]`` tensor, finite and > 0 (``ValueError`` otherwise).
+    See the module docstring for masked tokens (+inf where served masks what p supports).
+    """
+    terms = KLTerms.from_logits(clean, served)
+    dtype = terms.served_shifted.dtype
+    batch = clean.shape[0]
+    t = torch.as_tensor(temperature, dtype=dtype, device=clean.device)
+    if t.dim() == 0:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(
+            f"temperature must be a float or a [batch] tensor, got shape {tuple(t.shape)} "
+            f"for batch {batch}"
+        )
+    if not bool(((t > 0) & torch.isfinite(t)).all()):
+        raise ValueError("temperature must be finite and > 0 in every row")
+    return terms.kl(t.reciprocal())

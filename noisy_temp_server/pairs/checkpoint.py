@@ -51,6 +51,7 @@ __all__ = [
     "load_causal_lm",
     "read_manifest",
     "save_checkpoint",
+    "sha256_file",
     "verify_checkpoint",
 ]
 
@@ -152,7 +153,8 @@ class CheckpointManifest:
             raise ValueError(f"malformed manifest ({error!r})") from error
 
 
-def _sha256_of(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of the file at `path`, read in 4 MiB chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(_HASH_CHUNK_BYTES):
@@ -223,7 +225,7 @@ def save_checkpoint(
                 f"save_pretrained did not write {missing} (got {os.listdir(staging)})"
             )
         files = {
-            path.name: FileRecord(size=path.stat().st_size, sha256=_sha256_of(path))
+            path.name: FileRecord(size=path.stat().st_size, sha256=sha256_file(path))
             for path in sorted(staging.iterdir())
             if path.is_file()
         }
@@ -297,7 +299,7 @@ def verify_checkpoint(
             raise CorruptCheckpointError(
                 path, f"{name} has {size} bytes, the manifest says {record.size}", remedy
             )
-        if full and _sha256_of(file_path) != record.sha256:
+        if full and sha256_file(file_path) != record.sha256:
             raise CorruptCheckpointError(
                 path, f"{name} does not match its sha256 in the manifest", remedy
             )

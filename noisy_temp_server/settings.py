@@ -113,8 +113,9 @@ class Settings(BaseSettings):
 
     # --- engine ---
     max_model_len: int = Field(default=2048, ge=16, description="Context length (tokens).")
-    kv_cache_gib: PositiveFloat = Field(
-        default=2.0,
+    kv_cache_gib: int = Field(
+        default=2,
+        ge=1,
         description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, kv_cache_memory_bytes "
         "on GPU).",
     )

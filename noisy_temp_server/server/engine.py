@@ -1,0 +1,150 @@
+"""The vLLM engine behind the server: environment, engine arguments, and a thin wrapper.
+
+Order matters, because vLLM and prometheus_client read their environment when first imported:
+
+1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) pins the
+   V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, see docs/architecture.md "Runner"), points
+   `PROMETHEUS_MULTIPROC_DIR` at a fresh directory (multiprocess metrics), sets the CPU KV cache
+   size and publishes the trace channel's address as `NTS_TRACE_ENDPOINT` for the engine
+   process;
+2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
+   `logprobs_mode="processed_logprobs"`; the temperature processor is loaded once, from its
+   entry point when the package is installed, else by class path) and starts `AsyncLLM`.
+
+`GenerationEngine` is the interface the HTTP layer needs; `AsyncLLM` satisfies it, and so does
+the small fake engine of the unit tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from noisy_temp_server.settings import Settings
+from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = [
+    "PROCESSOR_CLASS_PATH",
+    "EngineEnvironment",
+    "GenerationEngine",
+    "build_engine_args",
+    "prepare_environment",
+    "start_engine",
+]
+
+_LOGGER = logging.getLogger(__name__)
+
+PROCESSOR_CLASS_PATH = "noisy_temp_server.vllm_plugin.processor:NoisyTemperatureLogitsProcessor"
+_LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"
+
+
+class GenerationEngine(Protocol):
+    """What the HTTP layer uses of `AsyncLLM`."""
+
+    def generate(
+        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say)."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise when the engine cannot serve."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineEnvironment:
+    """What `prepare_environment` set up; `cleanup` removes the runtime directory."""
+
+    runtime_dir: Path
+    prometheus_dir: Path
+    trace_endpoint: str
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def prepare_environment(settings: Settings) -> EngineEnvironment:
+    """Set the environment vLLM, its engine process and prometheus_client will read.
+
+    Must run before `prometheus_client` is imported in this process (its multiprocess mode is
+    chosen at import): raises RuntimeError otherwise. Creates a fresh runtime directory (metric
+    files, the trace socket); the caller removes it with `EngineEnvironment.cleanup`.
+    """
+    if "prometheus_client" in sys.modules:
+        raise RuntimeError(
+            "prometheus_client was imported before prepare_environment(); metrics of the "
+            "engine process would be lost. Call prepare_environment() first thing at startup."
+        )
+    runtime_dir = Path(tempfile.mkdtemp(prefix="nts-serve-"))
+    prometheus_dir = runtime_dir / "prometheus"
+    prometheus_dir.mkdir()
+    trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+    os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
+    return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
+
+
+def _processor_from_entry_point() -> bool:
+    """Whether vLLM will load the temperature processor by itself (installed entry point)."""
+    return any(
+        ep.value == PROCESSOR_CLASS_PATH for ep in entry_points(group=_LOGITS_PROCESSORS_GROUP)
+    )
+
+
+def build_engine_args(settings: Settings, model_path: Path, model_name: str) -> Any:
+    """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`."""
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    processors = [] if _processor_from_entry_point() else [PROCESSOR_CLASS_PATH.replace(":", ".")]
+    kv_cache_bytes = None if current_platform.is_cpu() else settings.kv_cache_gib * 2**30
+    return AsyncEngineArgs(
+        model=str(model_path),
+        served_model_name=model_name,
+        tokenizer=str(model_path),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        enforce_eager=settings.enforce_eager,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        logprobs_mode="processed_logprobs",
+        max_logprobs=20,
+        logits_processors=processors or None,
+        disable_log_stats=False,
+        enable_log_requests=False,
+    )
+
+
+def start_engine(settings: Settings, model_path: Path, model_name: str) -> AsyncLLM:
+    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`)."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+        raise RuntimeError("call prepare_environment() before start_engine().")
+    from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+    started = time.perf_counter()
+    _LOGGER.info("Starting the vLLM engine on %s ...", model_path)
+    engine = AsyncLLM.from_engine_args(
+        build_engine_args(settings, model_path, model_name),
+        usage_context=UsageContext.OPENAI_API_SERVER,
+    )
+    _LOGGER.info("vLLM engine started in %.1f s", time.perf_counter() - started)
+    return engine

@@ -1,0 +1,232 @@
+"""The shadow scorer: online estimation from a sample of live traffic, off the serving path.
+
+`ShadowScorer.offer` is called by the HTTP layer for every finished choice. It samples a fraction
+of them and puts them on a bounded queue without ever blocking (a full queue drops the item and
+counts it). One daemon thread takes items off the queue, scores prompt + completion teacher-
+forced with the clean and the served model (`pairs.scorer.PairScorer`), feeds the per-position
+records to the online estimator and, when the estimator publishes a new policy version, updates
+the policy gauges. New requests pick the new version up from the estimator; requests in flight
+keep the version they were admitted with.
+
+Cost: the scorer runs two full forward passes per scored request on `shadow_device`, competing
+for the same cores as the engine when both are on the CPU; `nts_shadow_score_seconds` and
+`nts_shadow_tokens_scored_total` give its cost per scored token, and `status()` reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence, interpolate_kl
+from noisy_temp_server.server.metrics import ApiMetrics
+
+__all__ = ["PolicyEstimator", "SequenceScorer", "ShadowScorer"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class SequenceScorer(Protocol):
+    """What the shadow loop needs of `PairScorer`."""
+
+    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords: ...
+
+
+class PolicyEstimator(Protocol):
+    """What the shadow loop needs of `estimation.online.OnlineEstimator`."""
+
+    def add(self, records: PositionRecords) -> Any: ...
+
+    def current_policy(self) -> Any: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class _Item:
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    served_temperatures: tuple[float, ...]
+    sequence_id: int
+
+
+class ShadowScorer:
+    """Bounded-queue background scoring of sampled finished requests.
+
+    `on_policy(policy)` is called from the scorer thread whenever the estimator's policy
+    version changes (e.g. to update gauges). Thread-safe `offer`; `start` once, `close` once.
+    """
+
+    def __init__(
+        self,
+        scorer: SequenceScorer,
+        estimator: PolicyEstimator,
+        metrics: ApiMetrics,
+        *,
+        fraction: float,
+        queue_size: int,
+        version_of: Callable[[Any], int],
+        on_policy: Callable[[Any], None],
+        rng: random.Random | None = None,
+    ) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"shadow fraction must be in [0, 1], got {fraction}")
+        if queue_size < 1:
+            raise ValueError(f"shadow queue size must be >= 1, got {queue_size}")
+        self._scorer = scorer
+        self._estimator = estimator
+        self._metrics = metrics
+        self._fraction = fraction
+        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_size)
+        self._version_of = version_of
+        self._on_policy = on_policy
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._next_sequence_id = 0
+        self._counts = {"offered": 0, "sampled": 0, "scored": 0, "dropped_queue_full": 0}
+        self._counts |= {"dropped_error": 0, "tokens": 0}
+        self._seconds = 0.0
+        self._last_version = version_of(estimator.current_policy())
+
+    def offer(
+        self,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        served_temperatures: Sequence[float],
+    ) -> bool:
+        """Sample this finished choice for scoring; never blocks. Returns whether it was queued.
+
+        `served_temperatures`: the T* of each generated step (may be shorter than the
+        completion, or empty, when the trace is incomplete).
+        """
+        with self._lock:
+            self._counts["offered"] += 1
+            if not completion_ids or self._rng.random() >= self._fraction:
+                return False
+            self._counts["sampled"] += 1
+            sequence_id = self._next_sequence_id
+            self._next_sequence_id += 1
+        item = _Item(
+            tuple(prompt_ids), tuple(completion_ids), tuple(served_temperatures), sequence_id
+        )
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            with self._lock:
+                self._counts["dropped_queue_full"] += 1
+            self._metrics.shadow_requests_dropped.labels(reason="queue_full").inc()
+            return False
+        return True
+
+    def start(self) -> ShadowScorer:
+        """Start the scoring thread (daemon). Returns self."""
+        if self._thread is not None:
+            raise RuntimeError("ShadowScorer already started.")
+        self._thread = threading.Thread(target=self._loop, name="nts-shadow-scorer", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the item being scored; items still queued are discarded."""
+        if self._thread is None:
+            return
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every queued item has been handled (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._queue.unfinished_tasks == 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def status(self) -> dict[str, Any]:
+        """Counters, queue depth and measured cost (seconds per scored token)."""
+        with self._lock:
+            counts = dict(self._counts)
+            seconds = self._seconds
+        tokens = counts["tokens"]
+        return {
+            "enabled": True,
+            "fraction": self._fraction,
+            "queue_depth": self._queue.qsize(),
+            "queue_size": self._queue.maxsize,
+            **counts,
+            "score_seconds_total": seconds,
+            "seconds_per_scored_token": seconds / tokens if tokens else None,
+        }
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._score(item)
+            finally:
+                self._queue.task_done()
+
+    def _score(self, item: _Item) -> None:
+        started = time.perf_counter()
+        try:
+            sequence = ScoringSequence(
+                token_ids=[*item.prompt_ids, *item.completion_ids],
+                prompt_length=len(item.prompt_ids),
+                sequence_id=item.sequence_id,
+            )
+            records = self._scorer.score_sequence(sequence)
+            elapsed = time.perf_counter() - started
+            self._estimator.add(records)
+        except Exception:
+            _LOGGER.exception("Shadow scoring failed; the request is dropped from estimation")
+            with self._lock:
+                self._counts["dropped_error"] += 1
+            self._metrics.shadow_requests_dropped.labels(reason="error").inc()
+            return
+        self._observe(records, item, elapsed)
+        policy = self._estimator.current_policy()
+        version = self._version_of(policy)
+        if version != self._last_version:
+            self._last_version = version
+            _LOGGER.info("Online estimator published policy version %d", version)
+            self._on_policy(policy)
+
+    def _observe(self, records: PositionRecords, item: _Item, elapsed: float) -> None:
+        count = len(records)
+        with self._lock:
+            self._counts["scored"] += 1
+            self._counts["tokens"] += count
+            self._seconds += elapsed
+        metrics = self._metrics
+        metrics.shadow_requests_scored.inc()
+        metrics.shadow_tokens_scored.inc(count)
+        metrics.shadow_score_seconds.observe(elapsed)
+        kl_one = metrics.shadow_kl.labels(temperature="one")
+        for value in records.kl_at_one.tolist():
+            kl_one.observe(value)
+        traced = min(count, len(item.served_temperatures))
+        if traced:
+            temperatures = torch.tensor(item.served_temperatures[:traced], dtype=torch.float32)
+            served = interpolate_kl(
+                records.kl_curve[:traced], records.curve_temperatures, temperatures
+            )
+            kl_served = metrics.shadow_kl.labels(temperature="served")
+            for value in served.tolist():
+                kl_served.observe(value)

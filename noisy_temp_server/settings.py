@@ -88,6 +88,9 @@ class Settings(BaseSettings):
         default=None,
         description="Rule forced on every request. Unset: the rule of the policy in force.",
     )
+    default_t: PositiveFloat | None = Field(
+        default=None, description="The constant T* of the `fixed` rule when forced by default."
+    )
     default_t_min: PositiveFloat | None = Field(default=None, description="Lower bound on T*.")
     default_t_max: PositiveFloat | None = Field(default=None, description="Upper bound on T*.")
 
@@ -140,13 +143,18 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _bounds_are_ordered(self) -> Settings:
+    def _temperature_defaults_are_consistent(self) -> Settings:
+        from noisy_temp_server.temperature.rules import TemperatureBounds  # noqa: PLC0415
+
         low, high = self.default_t_min, self.default_t_max
         if low is not None and high is not None and low > high:
             raise ValueError(
                 f"default_t_min ({low}) must not exceed default_t_max ({high}); "
                 "swap or drop one of them."
             )
+        TemperatureBounds(t_min=1.0 if low is None else low, t_max=1.0 if high is None else high)
+        if self.default_rule == "fixed" and self.default_t is None:
+            raise ValueError("default_rule=fixed needs default_t (the constant T*).")
         return self
 
 

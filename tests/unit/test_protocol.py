@@ -1,0 +1,147 @@
+"""Protocol models: validation and conversion to vLLM SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from vllm.sampling_params import RequestOutputKind
+
+from noisy_temp_server.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResponse,
+    NtsSummary,
+)
+
+
+def _completion(**fields: object) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "hi", **fields})
+
+
+def _chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+
+
+def test_completion_fields_follow_the_openai_reference_order() -> None:
+    names = list(CompletionRequest.model_fields)
+    assert names[:4] == ["model", "prompt", "best_of", "echo"]
+    assert names.index("temperature") < names.index("top_p") < names.index("user")
+    assert names.index("user") < names.index("nts_tune") < names.index("vllm_xargs")
+
+
+def test_completion_converts_sampling_fields() -> None:
+    request = _completion(
+        temperature=0.7,
+        top_p=0.9,
+        stop=["\n"],
+        seed=11,
+        logprobs=3,
+        presence_penalty=0.5,
+        logit_bias={"5": -100},
+        n=3,
+    )
+    params = request.to_sampling_params(max_tokens=9, extra_args={"nts_trace_id": "x"}, choice=2)
+    assert params.n == 1
+    assert params.temperature == pytest.approx(0.7)
+    assert params.top_p == pytest.approx(0.9)
+    assert params.stop == ["\n"]
+    assert params.seed == 13  # seed + choice
+    assert params.logprobs == 3
+    assert params.max_tokens == 9
+    assert params.presence_penalty == pytest.approx(0.5)
+    assert params.logit_bias == {5: -100}
+    assert params.output_kind == RequestOutputKind.FINAL_ONLY
+    assert params.extra_args == {"nts_trace_id": "x"}
+
+
+def test_streaming_requests_get_delta_outputs() -> None:
+    request = _completion(stream=True, stream_options={"include_usage": True})
+    assert request.include_usage_in_stream
+    params = request.to_sampling_params(max_tokens=4, extra_args={})
+    assert params.output_kind == RequestOutputKind.DELTA
+
+
+def test_default_temperature_is_one_and_unseeded_choices_stay_unseeded() -> None:
+    params = _completion().to_sampling_params(max_tokens=4, extra_args={}, choice=1)
+    assert params.temperature == 1.0
+    assert params.seed is None
+
+
+def test_chat_logprobs_map_to_top_logprobs_count() -> None:
+    assert _chat().requested_logprobs() is None
+    assert _chat(logprobs=True).requested_logprobs() == 0
+    assert _chat(logprobs=True, top_logprobs=4).requested_logprobs() == 4
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        _chat(top_logprobs=4)
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert _chat(max_tokens=5).requested_max_tokens() == 5
+    assert _chat(max_tokens=5, max_completion_tokens=7).requested_max_tokens() == 7
+    assert _chat().requested_max_tokens() is None
+
+
+def test_chat_text_parts_are_joined_and_other_parts_refused() -> None:
+    request = _chat(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]
+    )
+    assert request.template_messages() == [{"role": "user", "content": "ab"}]
+    with pytest.raises(ValidationError, match="only text content parts"):
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_nts_keys_merge_from_top_level_and_vllm_xargs() -> None:
+    request = _completion(nts_rule="fixed", vllm_xargs={"nts_t": 1.5, "other": 1})
+    assert request.nts_request_args() == {"nts_rule": "fixed", "nts_t": 1.5}
+    params = request.to_sampling_params(max_tokens=2, extra_args={"nts_policy": "{}"})
+    assert params.extra_args == {"other": 1, "nts_policy": "{}"}
+
+
+def test_nts_key_given_twice_differently_is_refused() -> None:
+    request = _completion(nts_t=1.2, vllm_xargs={"nts_t": 1.5})
+    with pytest.raises(ValueError, match="given twice"):
+        request.nts_request_args()
+
+
+def test_server_keys_cannot_come_from_the_client() -> None:
+    with pytest.raises(ValueError, match="set by the server"):
+        _completion(vllm_xargs={"nts_policy": "{}"}).nts_request_args()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"bogus": 1}, "Extra inputs"),
+        ({"temperature": -1}, "greater than or equal"),
+        ({"n": 0}, "greater than or equal"),
+        ({"stream_options": {"include_usage": True}}, "only allowed when stream"),
+        ({"temperature": 0, "n": 2}, "n must be 1"),
+        ({"echo": True}, "echo is not supported"),
+        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"logit_bias": {"x": 1}}, "token ids"),
+    ],
+)
+def test_invalid_completion_requests_are_refused(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        _completion(**fields)
+
+
+def test_prompt_forms() -> None:
+    assert _completion(prompt=["only"]).prompt_text_or_ids() == "only"
+    assert _completion(prompt=[1, 2, 3]).prompt_text_or_ids() == [1, 2, 3]
+
+
+def test_response_serialises_with_nts_extension() -> None:
+    summary = NtsSummary(rule="fixed", policy_version=3, t_mean=1.5, t_min=1.5, t_max=1.5, steps=2)
+    response = CompletionResponse(id="cmpl-1", model="m", choices=[], nts=summary)
+    body = response.model_dump(mode="json")
+    assert body["object"] == "text_completion"
+    assert body["nts"]["rule"] == "fixed"
+    assert body["nts"]["trace"] is None

@@ -1,0 +1,72 @@
+"""The serving fields of Settings: environment, CLI flags, validation."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from noisy_temp_server.settings import (
+    DEFAULT_PERTURBATION,
+    Settings,
+    add_settings_arguments,
+    settings_as_json,
+    settings_from_args,
+)
+
+
+def _parse(argv: list[str]) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    return settings_from_args(parser.parse_args(argv))
+
+
+def test_defaults_serve_on_loopback_port_8000() -> None:
+    settings = Settings()
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert settings.api_key is None
+    assert settings.served_model is None
+    assert settings.perturbation == DEFAULT_PERTURBATION
+
+
+def test_environment_then_flags_take_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NTS_PORT", "9001")
+    monkeypatch.setenv("NTS_SHADOW_FRACTION", "0.5")
+    settings = _parse(["--shadow-fraction", "0.25", "--enforce-eager", "false"])
+    assert settings.port == 9001
+    assert settings.shadow_fraction == 0.25
+    assert settings.enforce_eager is False
+
+
+def test_flags_not_given_leave_defaults() -> None:
+    assert _parse([]) == Settings()
+
+
+def test_api_key_is_masked_in_the_startup_dump() -> None:
+    settings = _parse(["--api-key", "sekrit"])
+    assert settings.api_key is not None
+    assert settings.api_key.get_secret_value() == "sekrit"
+    assert "sekrit" not in settings_as_json(settings)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"shadow_fraction": 1.5}, "less than or equal"),
+        ({"default_t_min": 2.0, "default_t_max": 1.5}, "must not exceed"),
+        ({"default_t_min": 1.5}, "t_min"),
+        ({"default_rule": "fixed"}, "needs default_t"),
+        ({"default_rule": "hot"}, "Input should be"),
+        ({"perturbation": '{"kind": "magic"}'}, "perturbation spec"),
+        ({"kv_cache_gib": 0}, "greater than or equal"),
+    ],
+)
+def test_bad_values_fail_at_startup(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings(**fields)  # type: ignore[arg-type]
+
+
+def test_bad_flag_value_names_the_field() -> None:
+    with pytest.raises(ValidationError, match="port"):
+        _parse(["--port", "eighty"])

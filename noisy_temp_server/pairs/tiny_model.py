@@ -111,7 +111,8 @@ def build_tiny_llama(dest: Path, seed: int = 0, *, replace: bool = False) -> Pat
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    model = LlamaForCausalLM(config).eval()
+    with torch.random.fork_rng(devices=[]):  # the constructor's own init draws globally
+        model = LlamaForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters()):

@@ -101,7 +101,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD_PATH.read_text())  # type: ignore[no-any-return]
+    return json.loads(DASHBOARD_PATH.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -113,7 +113,7 @@ def dashboard_panel_targets(
 
 @pytest.fixture(scope="session")
 def alert_groups() -> list[dict[str, Any]]:
-    return yaml.safe_load(ALERTS_PATH.read_text())["groups"]  # type: ignore[no-any-return]
+    return yaml.safe_load(ALERTS_PATH.read_text())["groups"]
 
 
 @pytest.fixture(scope="session")

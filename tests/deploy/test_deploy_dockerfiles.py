@@ -82,7 +82,7 @@ def dockerignore_excludes(relative_path: str) -> bool:
 
 def copied_sources(dockerfile: str) -> list[tuple[str, str]]:
     """(source, destination) of every COPY from the build context."""
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for args in arguments_of(dockerfile, "COPY"):
         words = [w for w in shlex.split(args) if not w.startswith("--")]
         assert "--from" not in args, f"{dockerfile}: unexpected multi-stage COPY {args!r}"
@@ -188,7 +188,9 @@ def test_environment_matches_the_server_contract(dockerfile: str) -> None:
         if name.startswith("NTS_"):
             field = name.removeprefix("NTS_").lower()
             assert field in Settings.model_fields, f"{dockerfile}: {name} is no Settings field"
-    Settings(**{k.removeprefix("NTS_").lower(): v for k, v in env.items() if k.startswith("NTS_")})
+    Settings.model_validate(
+        {k.removeprefix("NTS_").lower(): v for k, v in env.items() if k.startswith("NTS_")}
+    )
 
 
 def test_gpu_and_cpu_images_share_the_runtime_layout() -> None:

@@ -309,7 +309,7 @@ def test_identical_or_shifted_served_rows_have_zero_kl(logits: np.ndarray, shift
     assert torch.all(identical.sigma2 == 0)
 
 
-@settings(max_examples=75, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(
     clean=logit_rows,
     noise_seed=st.integers(0, 2**16),

@@ -1,0 +1,469 @@
+"""The temperature policy: an immutable, versioned, JSON-serialisable snapshot of "which rule
+with which parameters", and :func:`policy_temperature`, the one implementation of rule -> T.
+
+A policy is fixed when a request is admitted (it rides in ``SamplingParams.extra_args`` as the
+compact JSON of :meth:`TemperaturePolicy.to_json`), so a request's T trace is reproducible.
+Every field is validated on construction; :class:`PolicyValidationError` names the bad field.
+
+Step buckets: ascending integer edges starting at 0, e.g. ``(0, 8, 32, 128, 512)``; bucket
+``i`` covers steps ``[edge_i, edge_{i+1})`` and the last bucket is open-ended. Entropy buckets
+of the calibrated table work the same way over the served row's entropy in nats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import torch
+from torch import Tensor
+
+from noisy_temp_server.temperature.rules import (
+    Rule,
+    TemperatureBounds,
+    clamp_temperature,
+    fisher_temperature,
+    linear_temperature,
+    schedule_temperature,
+    sqrt_temperature,
+)
+from noisy_temp_server.temperature.stats import served_row_features
+
+__all__ = [
+    "CalibratedTable",
+    "PolicyValidationError",
+    "TemperaturePolicy",
+    "policy_temperature",
+]
+
+
+class PolicyValidationError(ValueError):
+    """A policy (or its JSON) is malformed; the message names the field and what is expected."""
+
+
+def _fail(field: str, expected: str, value: object) -> PolicyValidationError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return PolicyValidationError(f"policy field {field!r} must be {expected}, got {shown}")
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _number(field: str, value: object, *, positive: bool = False) -> float:
+    """A finite float, > 0 if ``positive`` else >= 0."""
+    expected = "a finite number > 0" if positive else "a finite number >= 0"
+    if not _is_number(value) or not math.isfinite(value):
+        raise _fail(field, expected, value)
+    if value < 0 or (positive and value == 0):
+        raise _fail(field, expected, value)
+    return float(value)
+
+
+def _sequence(field: str, value: object, expected: str) -> Sequence[object]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise _fail(field, expected, value)
+    return value
+
+
+def _check_ascending(field: str, expected: str, edges: Sequence[float], original: object) -> None:
+    if not edges or edges[0] != 0 or any(b <= a for a, b in itertools.pairwise(edges)):
+        raise _fail(field, expected, original)
+
+
+def _step_edges(field: str, value: object) -> tuple[int, ...]:
+    expected = "a non-empty list of strictly ascending integers starting at 0"
+    edges = []
+    for item in _sequence(field, value, expected):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise _fail(field, expected, value)
+        edges.append(item)
+    _check_ascending(field, expected, edges, value)
+    return tuple(edges)
+
+
+def _entropy_edges(field: str, value: object) -> tuple[float, ...]:
+    expected = "a non-empty list of strictly ascending finite numbers starting at 0"
+    edges = []
+    for item in _sequence(field, value, expected):
+        if not _is_number(item) or not math.isfinite(item):
+            raise _fail(field, expected, value)
+        edges.append(float(item))
+    _check_ascending(field, expected, edges, value)
+    return tuple(edges)
+
+
+def _rule(value: object) -> Rule:
+    if isinstance(value, str):
+        try:
+            return Rule(value)
+        except ValueError:
+            pass
+    raise _fail("rule", f"one of: {' '.join(r.value for r in Rule)}", value)
+
+
+def _per_bucket(field: str, value: object, buckets: int, *, positive: bool) -> tuple[float, ...]:
+    expected = (
+        f"a list of {buckets} finite numbers {'> 0' if positive else '>= 0'} (one per bucket)"
+    )
+    items = _sequence(field, value, expected)
+    if len(items) != buckets:
+        raise _fail(field, expected, value)
+    try:
+        return tuple(_number(field, x, positive=positive) for x in items)
+    except PolicyValidationError:
+        raise _fail(field, expected, value) from None
+
+
+@dataclass(frozen=True)
+class CalibratedTable:
+    """T by (step bucket, served-entropy bucket); entries may be below or above 1.
+
+    ``temperatures[i][j]`` applies to steps in step bucket ``i`` whose served row has entropy in
+    entropy bucket ``j``. Sequences are normalised to tuples; validated on construction.
+    """
+
+    step_edges: tuple[int, ...] = (0,)
+    entropy_edges: tuple[float, ...] = (0.0,)
+    temperatures: tuple[tuple[float, ...], ...] = ((1.0,),)
+
+    def __post_init__(self) -> None:
+        step_edges = _step_edges("calibrated.step_edges", self.step_edges)
+        entropy_edges = _entropy_edges("calibrated.entropy_edges", self.entropy_edges)
+        field = "calibrated.temperatures"
+        expected = (
+            f"a {len(step_edges)} x {len(entropy_edges)} table (step buckets x entropy "
+            "buckets) of finite numbers > 0"
+        )
+        table = _sequence(field, self.temperatures, expected)
+        if len(table) != len(step_edges):
+            raise _fail(field, expected, self.temperatures)
+        rows = []
+        for row in table:
+            try:
+                rows.append(_per_bucket(field, row, len(entropy_edges), positive=True))
+            except PolicyValidationError:
+                raise _fail(field, expected, self.temperatures) from None
+        object.__setattr__(self, "step_edges", step_edges)
+        object.__setattr__(self, "entropy_edges", entropy_edges)
+        object.__setattr__(self, "temperatures", tuple(rows))
+
+
+_JSON_KEYS = (
+    "version",
+    "rule",
+    "t_min",
+    "t_max",
+    "fixed_temperature",
+    "step_edges",
+    "alpha_by_step",
+    "sigma2_by_step",
+    "fisher_var_floor",
+    "schedule_t_max",
+    "schedule_beta",
+    "calibrated",
+)
+_CALIBRATED_KEYS = ("step_edges", "entropy_edges", "temperatures")
+
+
+@dataclass(frozen=True)
+class TemperaturePolicy:
+    """An immutable, versioned snapshot of the temperature rule and all its parameters.
+
+    Attributes:
+        version: >= 0; increases with each published policy.
+        rule: the :class:`~noisy_temp_server.temperature.rules.Rule` to apply (a name is
+            accepted and converted).
+        bounds: T* is clamped into these.
+        fixed_temperature: T of the ``fixed`` rule (> 0).
+        step_edges: step bucket edges for ``alpha_by_step`` and ``sigma2_by_step``.
+        alpha_by_step: alpha = sigma2 / tau2 per step bucket (>= 0), for ``sqrt``/``linear``.
+        sigma2_by_step: logit noise variance per step bucket (>= 0), for ``fisher``.
+        fisher_var_floor: lower bound on Var_q in the ``fisher`` rule (> 0).
+        schedule_t_max, schedule_beta: T(step) = t_max / sqrt(1 + beta * step) (``schedule``).
+        calibrated: the table of the ``calibrated`` rule.
+
+    Sequences are normalised to tuples and numbers to float/int, so equal policies compare
+    (and hash) equal and round-trip exactly through JSON.
+    """
+
+    version: int = 0
+    rule: Rule = Rule.OFF
+    bounds: TemperatureBounds = dataclasses.field(default_factory=TemperatureBounds)
+    fixed_temperature: float = 1.0
+    step_edges: tuple[int, ...] = (0,)
+    alpha_by_step: tuple[float, ...] = (0.0,)
+    sigma2_by_step: tuple[float, ...] = (0.0,)
+    fisher_var_floor: float = 1.0
+    schedule_t_max: float = 1.0
+    schedule_beta: float = 0.0
+    calibrated: CalibratedTable = dataclasses.field(default_factory=CalibratedTable)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise _fail("version", "an integer >= 0", self.version)
+        rule = _rule(self.rule)
+        if not isinstance(self.bounds, TemperatureBounds):
+            raise _fail("bounds", "a TemperatureBounds", self.bounds)
+        if not isinstance(self.calibrated, CalibratedTable):
+            raise _fail("calibrated", "a CalibratedTable", self.calibrated)
+        edges = _step_edges("step_edges", self.step_edges)
+        values = {
+            "rule": rule,
+            "fixed_temperature": _number(
+                "fixed_temperature", self.fixed_temperature, positive=True
+            ),
+            "step_edges": edges,
+            "alpha_by_step": _per_bucket(
+                "alpha_by_step", self.alpha_by_step, len(edges), positive=False
+            ),
+            "sigma2_by_step": _per_bucket(
+                "sigma2_by_step", self.sigma2_by_step, len(edges), positive=False
+            ),
+            "fisher_var_floor": _number("fisher_var_floor", self.fisher_var_floor, positive=True),
+            "schedule_t_max": _number("schedule_t_max", self.schedule_t_max, positive=True),
+            "schedule_beta": _number("schedule_beta", self.schedule_beta),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def identity(cls) -> TemperaturePolicy:
+        """Version 0, rule ``off``: T* = 1 for every row."""
+        return cls()
+
+    def with_overrides(
+        self,
+        rule: Rule | str | None = None,
+        fixed_temperature: float | None = None,
+        t_min: float | None = None,
+        t_max: float | None = None,
+    ) -> TemperaturePolicy:
+        """A copy with a request's overrides applied (``None`` keeps the policy's value).
+
+        The version is kept: the overrides are part of the request, not a new policy. Raises
+        :class:`PolicyValidationError` for a bad override.
+        """
+        bounds = self.bounds
+        if t_min is not None or t_max is not None:
+            bounds = _bounds(
+                self.bounds.t_min if t_min is None else t_min,
+                self.bounds.t_max if t_max is None else t_max,
+            )
+        return dataclasses.replace(
+            self,
+            rule=self.rule if rule is None else _rule(rule),
+            fixed_temperature=(
+                self.fixed_temperature if fixed_temperature is None else fixed_temperature
+            ),
+            bounds=bounds,
+        )
+
+    def to_json(self) -> str:
+        """Compact JSON: fields equal to the identity policy's are left out (version and rule
+        always stay). ``from_json(p.to_json()) == p`` exactly."""
+        encoded = _encode(self)
+        defaults = _encode(TemperaturePolicy())
+        compact = {
+            key: value
+            for key, value in encoded.items()
+            if key in ("version", "rule") or value != defaults[key]
+        }
+        return json.dumps(compact, separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> TemperaturePolicy:
+        """Parse and validate :meth:`to_json` output; missing fields take the identity values.
+
+        Raises :class:`PolicyValidationError` for invalid JSON, a non-object, unknown fields,
+        NaN/Infinity, or any invalid field (named in the message).
+        """
+        try:
+            data = json.loads(text, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, TypeError) as error:
+            raise PolicyValidationError(f"policy is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise PolicyValidationError(f"policy JSON must be an object, got {type(data).__name__}")
+        _reject_unknown("policy", data, _JSON_KEYS)
+        defaults = TemperaturePolicy()
+        calibrated = defaults.calibrated
+        if "calibrated" in data:
+            table = data["calibrated"]
+            if not isinstance(table, dict):
+                raise _fail("calibrated", "an object", table)
+            _reject_unknown("policy field 'calibrated'", table, _CALIBRATED_KEYS)
+            calibrated = CalibratedTable(
+                step_edges=table.get("step_edges", calibrated.step_edges),
+                entropy_edges=table.get("entropy_edges", calibrated.entropy_edges),
+                temperatures=table.get("temperatures", calibrated.temperatures),
+            )
+        return cls(
+            version=data.get("version", defaults.version),
+            rule=data.get("rule", defaults.rule),
+            bounds=_bounds(
+                data.get("t_min", defaults.bounds.t_min), data.get("t_max", defaults.bounds.t_max)
+            ),
+            fixed_temperature=data.get("fixed_temperature", defaults.fixed_temperature),
+            step_edges=data.get("step_edges", defaults.step_edges),
+            alpha_by_step=data.get("alpha_by_step", defaults.alpha_by_step),
+            sigma2_by_step=data.get("sigma2_by_step", defaults.sigma2_by_step),
+            fisher_var_floor=data.get("fisher_var_floor", defaults.fisher_var_floor),
+            schedule_t_max=data.get("schedule_t_max", defaults.schedule_t_max),
+            schedule_beta=data.get("schedule_beta", defaults.schedule_beta),
+            calibrated=calibrated,
+        )
+
+
+def _bounds(t_min: object, t_max: object) -> TemperatureBounds:
+    try:
+        return TemperatureBounds(t_min, t_max)  # type: ignore[arg-type]
+    except ValueError as error:
+        raise PolicyValidationError(f"policy bounds: {error}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise PolicyValidationError(f"policy JSON must not contain {name}; numbers must be finite")
+
+
+def _reject_unknown(where: str, data: dict[str, Any], known: tuple[str, ...]) -> None:
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise PolicyValidationError(
+            f"{where} has unknown field(s) {unknown}; known fields: {', '.join(known)}"
+        )
+
+
+def _encode(policy: TemperaturePolicy) -> dict[str, Any]:
+    table = policy.calibrated
+    return {
+        "version": policy.version,
+        "rule": policy.rule.value,
+        "t_min": float(policy.bounds.t_min),
+        "t_max": float(policy.bounds.t_max),
+        "fixed_temperature": policy.fixed_temperature,
+        "step_edges": list(policy.step_edges),
+        "alpha_by_step": list(policy.alpha_by_step),
+        "sigma2_by_step": list(policy.sigma2_by_step),
+        "fisher_var_floor": policy.fisher_var_floor,
+        "schedule_t_max": policy.schedule_t_max,
+        "schedule_beta": policy.schedule_beta,
+        "calibrated": {
+            "step_edges": list(table.step_edges),
+            "entropy_edges": list(table.entropy_edges),
+            "temperatures": [list(row) for row in table.temperatures],
+        },
+    }
+
+
+@dataclass(frozen=True)
+class _PolicyTensors:
+    """A policy's lookup tables on one device (float32 values, int64 step edges)."""
+
+    step_edges: Tensor
+    alpha_by_step: Tensor
+    sigma2_by_step: Tensor
+    calibrated_step_edges: Tensor
+    calibrated_entropy_edges: Tensor
+    calibrated_temperatures: Tensor  # [step buckets * entropy buckets], row-major
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyTensors:
+    def values(data: Sequence[float]) -> Tensor:
+        return torch.tensor(data, dtype=torch.float32, device=device)
+
+    table = policy.calibrated
+    return _PolicyTensors(
+        step_edges=torch.tensor(policy.step_edges, dtype=torch.int64, device=device),
+        alpha_by_step=values(policy.alpha_by_step),
+        sigma2_by_step=values(policy.sigma2_by_step),
+        calibrated_step_edges=torch.tensor(table.step_edges, dtype=torch.int64, device=device),
+        calibrated_entropy_edges=values(table.entropy_edges),
+        calibrated_temperatures=values([t for row in table.temperatures for t in row]),
+    )
+
+
+def _bucket(values: Tensor, edges: Tensor) -> Tensor:
+    """Index i with ``edges[i] <= value < edges[i + 1]`` (values below edges[0] go to 0)."""
+    return (torch.bucketize(values, edges, right=True) - 1).clamp(min=0)
+
+
+def policy_temperature(
+    policy: TemperaturePolicy,
+    step: Tensor,
+    served_logits: Tensor | None = None,
+    *,
+    fixed: Tensor | None = None,
+    t_min: Tensor | None = None,
+    t_max: Tensor | None = None,
+    validate: bool = True,
+) -> Tensor:
+    """T* for each row under ``policy``: ``[B]`` float32 on ``step``'s device, in the bounds.
+
+    Args:
+        policy: the snapshot to apply (its lookup tables are cached per device).
+        step: ``[B]`` integer generation step of each row (0 = first generated token).
+        served_logits: ``[B, V]`` served logits; required only when
+            ``policy.rule.needs_served_logits`` (``fisher`` uses the served row's Var_q as its
+            Var_p estimate, ``calibrated`` its entropy), ignored otherwise. Not modified.
+        fixed: ``[B]`` per-row T of the ``fixed`` rule, overriding ``policy.fixed_temperature``.
+        t_min, t_max: ``[B]`` per-row bounds overriding ``policy.bounds`` (same contract as
+            :class:`~noisy_temp_server.temperature.rules.TemperatureBounds`; not re-checked).
+        validate: check ``served_logits`` with ``check_logits`` (one device sync); with
+            ``False`` a NaN row gets T* = 1 instead of raising.
+
+    Raises ``ValueError`` for wrong shapes or missing served logits, and
+    :class:`~noisy_temp_server.temperature.stats.NonFiniteLogitsError` for bad served rows.
+    """
+    if step.dim() != 1:
+        raise ValueError(f"step must have shape [batch], got {tuple(step.shape)}")
+    batch, device, rule = step.shape[0], step.device, policy.rule
+    if rule.needs_served_logits:
+        if served_logits is None:
+            raise ValueError(f"rule {rule.value!r} needs the served logits; pass served_logits")
+        if served_logits.dim() != 2 or served_logits.shape[0] != batch:
+            raise ValueError(
+                f"served_logits must have shape [{batch}, vocab], got {tuple(served_logits.shape)}"
+            )
+    for name, per_row in (("fixed", fixed), ("t_min", t_min), ("t_max", t_max)):
+        if per_row is not None and per_row.shape != (batch,):
+            raise ValueError(f"{name} must have shape [{batch}], got {tuple(per_row.shape)}")
+
+    tables = _policy_tensors(policy, device)
+    if rule is Rule.OFF:
+        temperature = torch.ones(batch, device=device)
+    elif rule is Rule.FIXED:
+        temperature = (
+            torch.full((batch,), policy.fixed_temperature, device=device)
+            if fixed is None
+            else fixed.to(torch.float32)
+        )
+    elif rule is Rule.SQRT:
+        temperature = sqrt_temperature(tables.alpha_by_step[_bucket(step, tables.step_edges)])
+    elif rule is Rule.LINEAR:
+        temperature = linear_temperature(tables.alpha_by_step[_bucket(step, tables.step_edges)])
+    elif rule is Rule.SCHEDULE:
+        temperature = schedule_temperature(step, policy.schedule_t_max, policy.schedule_beta)
+    else:
+        assert served_logits is not None
+        features = served_row_features(served_logits, validate=validate)
+        if rule is Rule.FISHER:
+            sigma2 = tables.sigma2_by_step[_bucket(step, tables.step_edges)]
+            temperature = fisher_temperature(sigma2, features.var_q, policy.fisher_var_floor)
+        else:
+            step_bucket = _bucket(step, tables.calibrated_step_edges)
+            entropy_bucket = _bucket(features.entropy.float(), tables.calibrated_entropy_edges)
+            entropy_buckets = tables.calibrated_entropy_edges.shape[0]
+            flat_index = step_bucket * entropy_buckets + entropy_bucket
+            temperature = tables.calibrated_temperatures[flat_index]
+    lower = policy.bounds.t_min if t_min is None else t_min
+    upper = policy.bounds.t_max if t_max is None else t_max
+    return clamp_temperature(temperature.to(torch.float32), lower, upper)

@@ -1,0 +1,324 @@
+"""Tests for noisy_temp_server.temperature.policy: validation, JSON, overrides, evaluation."""
+
+import dataclasses
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
+    PolicyValidationError,
+    TemperaturePolicy,
+    policy_temperature,
+)
+from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
+from noisy_temp_server.temperature.stats import NonFiniteLogitsError
+
+INF = float("inf")
+LN3 = math.log(3.0)
+EDGES = (0, 8, 32, 128, 512)
+
+
+def full_policy(rule: Rule = Rule.LINEAR) -> TemperaturePolicy:
+    return TemperaturePolicy(
+        version=7,
+        rule=rule,
+        bounds=TemperatureBounds(0.5, 3.0),
+        fixed_temperature=1.25,
+        step_edges=EDGES,
+        alpha_by_step=(0.0, 0.21, 0.44, 1.25, 8.0),
+        sigma2_by_step=(0.1, 0.2, 0.3, 0.4, 0.5),
+        fisher_var_floor=0.25,
+        schedule_t_max=2.0,
+        schedule_beta=0.5,
+        calibrated=CalibratedTable(
+            step_edges=(0, 16),
+            entropy_edges=(0.0, 0.5),
+            temperatures=((0.8, 1.1), (0.9, 1.3)),
+        ),
+    )
+
+
+# ---------------------------------------------------------------- evaluation, by hand
+
+
+def test_identity_policy_gives_one() -> None:
+    policy = TemperaturePolicy.identity()
+    assert (policy.version, policy.rule) == (0, Rule.OFF)
+    assert policy_temperature(policy, torch.tensor([0, 5, 1000])).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_closed_form_rules_by_step_bucket() -> None:
+    steps = torch.tensor([0, 7, 8, 31, 32, 200, 10_000])
+    # buckets 0 0 1 1 2 3 4 -> alpha 0, 0, .21, .21, .44, 1.25, 8
+    linear = policy_temperature(full_policy(Rule.LINEAR), steps)
+    assert linear.tolist() == pytest.approx([1.0, 1.0, 1.21, 1.21, 1.44, 2.25, 3.0])  # 9 -> t_max
+    sqrt = policy_temperature(full_policy(Rule.SQRT), steps)
+    assert sqrt.tolist() == pytest.approx([1.0, 1.0, 1.1, 1.1, 1.2, 1.5, 3.0])
+    # schedule: 2 / sqrt(1 + 0.5 step); step 6 -> 1; step 30 -> 0.5
+    schedule = policy_temperature(full_policy(Rule.SCHEDULE), torch.tensor([0, 6, 30, 10_000]))
+    assert schedule.tolist() == pytest.approx([2.0, 1.0, 0.5, 0.5])
+    fixed = policy_temperature(full_policy(Rule.FIXED), steps[:2])
+    assert fixed.tolist() == [1.25, 1.25]
+    assert linear.dtype == torch.float32
+
+
+def test_fisher_uses_the_served_row_variance_with_a_floor() -> None:
+    # row 0: q = [1/4, 3/4] -> Var_q = 3/16 ln3^2 = 0.2263 (below the 0.25 floor)
+    # row 1: q over [0, 2] -> Var_q = 0.7864 * 0.1192 * 4 = 0.4200
+    served = torch.tensor([[0.0, LN3], [2.0, 0.0]])
+    step = torch.tensor([0, 8])  # sigma2 0.1, 0.2
+    t = policy_temperature(full_policy(Rule.FISHER), step, served)
+    p = 1 / (1 + math.exp(-2))
+    assert t.tolist() == pytest.approx([1 + 0.1 / 0.25, 1 + 0.2 / (4 * p * (1 - p))], rel=1e-5)
+
+
+def test_calibrated_looks_up_step_and_served_entropy() -> None:
+    # entropy of [0, 0] = ln2 = 0.69 (bucket 1); of [0, -inf] = 0 (bucket 0)
+    served = torch.tensor([[0.0, 0.0], [0.0, -INF], [0.0, 0.0], [0.0, -INF]])
+    step = torch.tensor([0, 3, 16, 400])
+    t = policy_temperature(full_policy(Rule.CALIBRATED), served_logits=served, step=step)
+    assert t.tolist() == pytest.approx([1.1, 0.8, 1.3, 0.9])
+
+
+def test_per_row_overrides_replace_policy_values() -> None:
+    policy = full_policy(Rule.FIXED)
+    t = policy_temperature(
+        policy,
+        torch.tensor([0, 0, 0]),
+        fixed=torch.tensor([0.1, 2.0, 10.0]),
+        t_min=torch.tensor([0.2, 0.5, 0.5]),
+        t_max=torch.tensor([1.0, 4.0, 8.0]),
+    )
+    assert t.tolist() == pytest.approx([0.2, 2.0, 8.0])
+
+
+def test_rules_without_served_logits_ignore_them() -> None:
+    step = torch.tensor([8])
+    with_logits = policy_temperature(full_policy(), step, torch.full((1, 3), float("nan")))
+    assert with_logits.item() == pytest.approx(1.21)
+
+
+def test_served_logits_are_required_by_fisher_and_calibrated() -> None:
+    for rule in (Rule.FISHER, Rule.CALIBRATED):
+        with pytest.raises(ValueError, match="needs the served logits"):
+            policy_temperature(full_policy(rule), torch.tensor([0]))
+
+
+def test_bad_shapes_raise() -> None:
+    with pytest.raises(ValueError, match=r"step must have shape \[batch\]"):
+        policy_temperature(full_policy(), torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"served_logits must have shape \[2, vocab\]"):
+        policy_temperature(full_policy(Rule.FISHER), torch.tensor([0, 1]), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"t_max must have shape \[2\]"):
+        policy_temperature(full_policy(), torch.tensor([0, 1]), t_max=torch.ones(3))
+
+
+def test_nan_served_logits_raise_or_fall_back_to_one() -> None:
+    served = torch.tensor([[0.0, float("nan")], [0.0, LN3]])
+    policy = full_policy(Rule.FISHER)
+    with pytest.raises(NonFiniteLogitsError, match=r"rows \[0\]"):
+        policy_temperature(policy, torch.tensor([0, 0]), served)
+    t = policy_temperature(policy, torch.tensor([0, 0]), served, validate=False)
+    assert t.tolist() == pytest.approx([1.0, 1.4])
+
+
+def test_bf16_served_logits_give_the_float32_temperature() -> None:
+    served = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).bfloat16()
+    step = torch.arange(6)
+    for rule in (Rule.FISHER, Rule.CALIBRATED):
+        policy = full_policy(rule)
+        low = policy_temperature(policy, step, served)
+        assert low.dtype == torch.float32
+        torch.testing.assert_close(low, policy_temperature(policy, step, served.float()))
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def test_with_overrides() -> None:
+    policy = full_policy()
+    changed = policy.with_overrides(rule="fixed", fixed_temperature=0.7, t_max=1.5)
+    assert changed.rule is Rule.FIXED
+    assert changed.fixed_temperature == 0.7
+    assert changed.bounds == TemperatureBounds(0.5, 1.5)
+    assert changed.version == policy.version
+    assert policy.with_overrides() == policy
+    with pytest.raises(PolicyValidationError, match="rule"):
+        policy.with_overrides(rule="hotter")
+    with pytest.raises(PolicyValidationError, match="t_min"):
+        policy.with_overrides(t_min=2.0)
+    with pytest.raises(PolicyValidationError, match="fixed_temperature"):
+        policy.with_overrides(fixed_temperature=0.0)
+
+
+# ---------------------------------------------------------------- JSON
+
+
+def test_identity_json_is_tiny() -> None:
+    assert TemperaturePolicy.identity().to_json() == '{"version":0,"rule":"off"}'
+    assert TemperaturePolicy.from_json("{}") == TemperaturePolicy.identity()
+
+
+def test_full_policy_round_trips_and_stays_small() -> None:
+    policy = full_policy(Rule.CALIBRATED)
+    text = policy.to_json()
+    assert " " not in text
+    assert len(text) < 400
+    restored = TemperaturePolicy.from_json(text)
+    assert restored == policy
+    assert hash(restored) == hash(policy)
+    assert restored.to_json() == text
+
+
+def test_sequences_and_integers_are_normalised() -> None:
+    policy = TemperaturePolicy(
+        rule="linear",  # type: ignore[arg-type]
+        step_edges=[0, 4],  # type: ignore[arg-type]
+        alpha_by_step=[0, 1],  # type: ignore[arg-type]
+        sigma2_by_step=[0, 1],  # type: ignore[arg-type]
+        fixed_temperature=2,
+    )
+    assert policy.rule is Rule.LINEAR
+    assert policy.step_edges == (0, 4)
+    assert policy.alpha_by_step == (0.0, 1.0)
+    assert isinstance(policy.fixed_temperature, float)
+    assert TemperaturePolicy.from_json(policy.to_json()) == policy
+
+
+finite = st.floats(0.0, 50.0)
+positive = st.floats(0.01, 50.0)
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> TemperaturePolicy:
+    gaps = draw(st.lists(st.integers(1, 300), min_size=0, max_size=5))
+    edges = tuple(sum(gaps[:i]) for i in range(len(gaps) + 1))
+    entropy_gaps = draw(st.lists(st.floats(0.01, 3.0), min_size=0, max_size=3))
+    entropy_edges = tuple(float(sum(entropy_gaps[:i])) for i in range(len(entropy_gaps) + 1))
+    cal_steps = draw(st.sampled_from([(0,), (0, 8), (0, 8, 64)]))
+    table = draw(
+        st.lists(
+            st.lists(positive, min_size=len(entropy_edges), max_size=len(entropy_edges)),
+            min_size=len(cal_steps),
+            max_size=len(cal_steps),
+        )
+    )
+    return TemperaturePolicy(
+        version=draw(st.integers(0, 10**9)),
+        rule=draw(st.sampled_from(list(Rule))),
+        bounds=TemperatureBounds(draw(st.floats(0.05, 1.0)), draw(st.floats(1.0, 20.0))),
+        fixed_temperature=draw(positive),
+        step_edges=edges,
+        alpha_by_step=tuple(draw(finite) for _ in edges),
+        sigma2_by_step=tuple(draw(finite) for _ in edges),
+        fisher_var_floor=draw(positive),
+        schedule_t_max=draw(positive),
+        schedule_beta=draw(finite),
+        calibrated=CalibratedTable(cal_steps, entropy_edges, tuple(map(tuple, table))),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(policy=policies())
+def test_json_round_trip_is_exact(policy: TemperaturePolicy) -> None:
+    assert TemperaturePolicy.from_json(policy.to_json()) == policy
+
+
+@settings(max_examples=75, deadline=None)
+@given(
+    policy=policies(),
+    seed=st.integers(0, 2**20),
+    batch=st.integers(1, 6),
+    vocab=st.integers(2, 16),
+)
+def test_temperature_is_bounded_and_preserves_argmax_and_normalisation(
+    policy: TemperaturePolicy, seed: int, batch: int, vocab: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=generator) * 5
+    step = torch.randint(0, 2000, (batch,), generator=generator)
+    t = policy_temperature(policy, step, logits)
+    assert t.shape == (batch,)
+    assert torch.all(torch.isfinite(t))
+    assert torch.all((t >= policy.bounds.t_min) & (t <= policy.bounds.t_max))
+    tempered = logits / t.unsqueeze(-1)
+    assert torch.equal(tempered.argmax(-1), logits.argmax(-1))
+    torch.testing.assert_close(torch.softmax(tempered, -1).sum(-1), torch.ones(batch))
+
+
+def test_temperature_one_is_the_identity() -> None:
+    logits = torch.randn(4, 9)
+    t = policy_temperature(TemperaturePolicy.identity(), torch.arange(4), logits)
+    assert torch.equal(logits / t.unsqueeze(-1), logits)
+
+
+# ---------------------------------------------------------------- malformed policies
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        ("[1]", "must be an object"),
+        ('{"rule":"hot"}', "'rule' must be one of: off fixed sqrt"),
+        ('{"rule":3}', "'rule'"),
+        ('{"version":-1}', "'version' must be an integer >= 0"),
+        ('{"version":1.5}', "'version'"),
+        ('{"version":true}', "'version'"),
+        ('{"t_min":NaN}', "must not contain NaN"),
+        ('{"fixed_temperature":Infinity}', "must not contain Infinity"),
+        ('{"fixed_temperature":1e999}', "'fixed_temperature' must be a finite number > 0"),
+        ('{"fixed_temperature":"2"}', "'fixed_temperature'"),
+        ('{"t_min":1.5}', "t_min must satisfy 0 < t_min <= 1"),
+        ('{"t_max":0.5}', "t_max must satisfy t_max >= 1"),
+        ('{"colour":1}', r"unknown field\(s\) \['colour'\]"),
+        ('{"alpha_by_step":[0.1,0.2]}', "'alpha_by_step' must be a list of 1 finite numbers"),
+        ('{"alpha_by_step":[-0.1]}', "'alpha_by_step'"),
+        ('{"sigma2_by_step":"0.1"}', "'sigma2_by_step'"),
+        (
+            '{"step_edges":[0,8,4],"alpha_by_step":[0,0,0],"sigma2_by_step":[0,0,0]}',
+            "'step_edges' must be a non-empty list of strictly ascending integers",
+        ),
+        ('{"step_edges":[1]}', "'step_edges'"),
+        ('{"step_edges":[0.0]}', "'step_edges'"),
+        ('{"step_edges":[]}', "'step_edges'"),
+        ('{"fisher_var_floor":0}', "'fisher_var_floor'"),
+        ('{"schedule_beta":-1}', "'schedule_beta' must be a finite number >= 0"),
+        ('{"calibrated":[]}', "'calibrated' must be an object"),
+        ('{"calibrated":{"t":1}}', r"'calibrated' has unknown field\(s\) \['t'\]"),
+        ('{"calibrated":{"temperatures":[[1,2]]}}', "'calibrated.temperatures' must be a 1 x 1"),
+        ('{"calibrated":{"temperatures":[[0]]}}', "'calibrated.temperatures'"),
+        ('{"calibrated":{"entropy_edges":[0,0]}}', "'calibrated.entropy_edges'"),
+        ('{"calibrated":{"step_edges":[0,4]}}', "'calibrated.temperatures' must be a 2 x 1"),
+    ],
+)
+def test_malformed_json_raises_naming_the_field(text: str, message: str) -> None:
+    with pytest.raises(PolicyValidationError, match=message):
+        TemperaturePolicy.from_json(text)
+
+
+def test_direct_construction_is_validated_too() -> None:
+    with pytest.raises(PolicyValidationError, match="'alpha_by_step'"):
+        TemperaturePolicy(step_edges=(0, 8), alpha_by_step=(0.1,), sigma2_by_step=(0.1, 0.2))
+    with pytest.raises(PolicyValidationError, match="'bounds'"):
+        TemperaturePolicy(bounds=(0.5, 2.0))  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TemperaturePolicy().version = 3  # type: ignore[misc]
+
+
+def test_the_core_imports_no_serving_stack() -> None:
+    code = (
+        "import sys, noisy_temp_server.temperature; "
+        "print([m for m in ('vllm', 'transformers', 'pydantic', 'prometheus_client') "
+        "if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

@@ -46,7 +46,9 @@ def dockerfile_env(dockerfile: str) -> dict[str, str]:
     env: dict[str, str] = {}
     for line in text.splitlines():
         if line.startswith("ENV "):
-            env.update(word.split("=", 1) for word in shlex.split(line[4:]))
+            for word in shlex.split(line[4:]):
+                name, _, value = word.partition("=")
+                env[name] = value
     return env
 
 

@@ -33,7 +33,7 @@ from noisy_temp_server.temperature.rules import (
     schedule_temperature,
     sqrt_temperature,
 )
-from noisy_temp_server.temperature.stats import served_row_features
+from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
 
 __all__ = [
     "CalibratedTable",
@@ -401,6 +401,7 @@ def policy_temperature(
     step: Tensor,
     served_logits: Tensor | None = None,
     *,
+    served_features: ServedRowFeatures | None = None,
     fixed: Tensor | None = None,
     t_min: Tensor | None = None,
     t_max: Tensor | None = None,
@@ -411,28 +412,40 @@ def policy_temperature(
     Args:
         policy: the snapshot to apply (its lookup tables are cached per device).
         step: ``[B]`` integer generation step of each row (0 = first generated token).
-        served_logits: ``[B, V]`` served logits; required only when
+        served_logits: ``[B, V]`` served logits, read only when
             ``policy.rule.needs_served_logits`` (``fisher`` uses the served row's Var_q as its
-            Var_p estimate, ``calibrated`` its entropy), ignored otherwise. Not modified.
+            Var_p estimate, ``calibrated`` its entropy). Not modified.
+        served_features: instead of ``served_logits``, the rows' precomputed
+            :class:`~noisy_temp_server.temperature.stats.ServedRowFeatures` (``[B]`` fields),
+            e.g. from stored calibration records. Give at most one of the two.
         fixed: ``[B]`` per-row T of the ``fixed`` rule, overriding ``policy.fixed_temperature``.
         t_min, t_max: ``[B]`` per-row bounds overriding ``policy.bounds`` (same contract as
             :class:`~noisy_temp_server.temperature.rules.TemperatureBounds`; not re-checked).
         validate: check ``served_logits`` with ``check_logits`` (one device sync); with
             ``False`` a NaN row gets T* = 1 instead of raising.
 
-    Raises ``ValueError`` for wrong shapes or missing served logits, and
+    Raises ``ValueError`` for wrong shapes or missing served input, and
     :class:`~noisy_temp_server.temperature.stats.NonFiniteLogitsError` for bad served rows.
     """
     if step.dim() != 1:
         raise ValueError(f"step must have shape [batch], got {tuple(step.shape)}")
     batch, device, rule = step.shape[0], step.device, policy.rule
+    if served_logits is not None and served_features is not None:
+        raise ValueError("give served_logits or served_features, not both")
+    if served_logits is not None and (served_logits.dim() != 2 or served_logits.shape[0] != batch):
+        raise ValueError(
+            f"served_logits must have shape [{batch}, vocab], got {tuple(served_logits.shape)}"
+        )
     if rule.needs_served_logits:
-        if served_logits is None:
-            raise ValueError(f"rule {rule.value!r} needs the served logits; pass served_logits")
-        if served_logits.dim() != 2 or served_logits.shape[0] != batch:
-            raise ValueError(
-                f"served_logits must have shape [{batch}, vocab], got {tuple(served_logits.shape)}"
-            )
+        if served_features is None:
+            if served_logits is None:
+                raise ValueError(
+                    f"rule {rule.value!r} reads the served row; pass served_logits "
+                    "(or served_features)"
+                )
+            served_features = served_row_features(served_logits, validate=validate)
+        elif served_features.entropy.shape != (batch,) or served_features.var_q.shape != (batch,):
+            raise ValueError(f"served_features fields must have shape [{batch}]")
     for name, per_row in (("fixed", fixed), ("t_min", t_min), ("t_max", t_max)):
         if per_row is not None and per_row.shape != (batch,):
             raise ValueError(f"{name} must have shape [{batch}], got {tuple(per_row.shape)}")
@@ -453,14 +466,15 @@ def policy_temperature(
     elif rule is Rule.SCHEDULE:
         temperature = schedule_temperature(step, policy.schedule_t_max, policy.schedule_beta)
     else:
-        assert served_logits is not None
-        features = served_row_features(served_logits, validate=validate)
+        assert served_features is not None
         if rule is Rule.FISHER:
             sigma2 = tables.sigma2_by_step[_bucket(step, tables.step_edges)]
-            temperature = fisher_temperature(sigma2, features.var_q, policy.fisher_var_floor)
+            var_q = served_features.var_q.to(device)
+            temperature = fisher_temperature(sigma2, var_q, policy.fisher_var_floor)
         else:
             step_bucket = _bucket(step, tables.calibrated_step_edges)
-            entropy_bucket = _bucket(features.entropy.float(), tables.calibrated_entropy_edges)
+            entropy = served_features.entropy.to(device=device, dtype=torch.float32)
+            entropy_bucket = _bucket(entropy, tables.calibrated_entropy_edges)
             entropy_buckets = tables.calibrated_entropy_edges.shape[0]
             flat_index = step_bucket * entropy_buckets + entropy_bucket
             temperature = tables.calibrated_temperatures[flat_index]

@@ -17,7 +17,7 @@ from noisy_temp_server.temperature.policy import (
     policy_temperature,
 )
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
-from noisy_temp_server.temperature.stats import NonFiniteLogitsError
+from noisy_temp_server.temperature.stats import NonFiniteLogitsError, served_row_features
 
 INF = float("inf")
 LN3 = math.log(3.0)
@@ -106,8 +106,22 @@ def test_rules_without_served_logits_ignore_them() -> None:
 
 def test_served_logits_are_required_by_fisher_and_calibrated() -> None:
     for rule in (Rule.FISHER, Rule.CALIBRATED):
-        with pytest.raises(ValueError, match="needs the served logits"):
+        with pytest.raises(ValueError, match="reads the served row; pass served_logits"):
             policy_temperature(full_policy(rule), torch.tensor([0]))
+
+
+def test_precomputed_served_features_give_the_same_temperature() -> None:
+    served = torch.randn(8, 30, generator=torch.Generator().manual_seed(1)) * 2
+    step = torch.arange(0, 80, 10)
+    features = served_row_features(served)
+    for rule in (Rule.FISHER, Rule.CALIBRATED):
+        from_logits = policy_temperature(full_policy(rule), step, served)
+        from_features = policy_temperature(full_policy(rule), step, served_features=features)
+        torch.testing.assert_close(from_features, from_logits)
+    with pytest.raises(ValueError, match="not both"):
+        policy_temperature(full_policy(), step, served, served_features=features)
+    with pytest.raises(ValueError, match=r"served_features fields must have shape \[2\]"):
+        policy_temperature(full_policy(Rule.FISHER), step[:2], served_features=features)
 
 
 def test_bad_shapes_raise() -> None:

@@ -1,0 +1,261 @@
+"""The profile file: what calibration measured about one clean/served pair, and how to serve it.
+
+A profile (JSON, `Profile.save` / `Profile.load`) records the pair's identity (name and weights
+sha256 of both checkpoints, from their manifests), the perturbation spec, the calibration
+settings, alpha / sigma2 / tau2 by generation-step bucket, the fitted parameters of every rule
+(the calibrated table among them) and the held-out quality table. `Profile.to_policy(rule)`
+turns it into the `TemperaturePolicy` the server applies.
+
+`schema_version` is checked on load: a profile written by another schema is refused, not
+guessed at. Every failure to use a profile (unreadable file, bad JSON, wrong schema version,
+failed validation, a pair that is not the one served) raises `ProfileError`, whose message
+names the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from noisy_temp_server.pairs.checkpoint import read_manifest
+from noisy_temp_server.pairs.perturb import PerturbationSpec
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
+from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "CalibrationSettings",
+    "ModelIdentity",
+    "Profile",
+    "ProfileError",
+    "QualityRow",
+    "QualityTable",
+    "RuleParameters",
+    "StepBucketNoise",
+]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: unreadable, corrupt, another schema, or another pair."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelIdentity(_Frozen):
+    """A checkpoint as the profile knows it: folder name and sha256 of its weights file."""
+
+    name: str
+    weights_sha256: str
+
+    @classmethod
+    def of_checkpoint(cls, path: Path) -> ModelIdentity:
+        """Identity of a checkpoint folder, from its manifest (CorruptCheckpointError if none)."""
+        manifest = read_manifest(path)
+        return cls(name=Path(path).resolve().name, weights_sha256=manifest.weights_sha256)
+
+
+class CalibrationSettings(_Frozen):
+    """How the calibration data were made and the rules fitted (recorded for reproduction)."""
+
+    prompts: int = Field(ge=2)
+    max_new_tokens: int = Field(default=64, ge=1)
+    seed: int = 0
+    held_out_fraction: float = Field(default=0.5, gt=0.0, lt=1.0)
+    validation_fraction: float = Field(default=0.5, gt=0.0, lt=1.0)
+    step_edges: tuple[int, ...] = (0, 4, 16, 64)
+    entropy_buckets: int = Field(default=4, ge=1)
+    min_cell_positions: int = Field(default=40, ge=1)
+    min_quality_positions: int = Field(default=100, ge=1)
+    t_min: float = 0.25
+    t_max: float = 4.0
+
+    @property
+    def bounds(self) -> TemperatureBounds:
+        return TemperatureBounds(self.t_min, self.t_max)
+
+
+class StepBucketNoise(_Frozen):
+    """Noise of one generation-step bucket [step_start, step_stop) (stop None: open-ended).
+
+    alpha = mean sigma2 / mean tau2 over the bucket's positions (a ratio of means, robust to
+    positions with a tiny tau2).
+    """
+
+    step_start: int
+    step_stop: int | None
+    positions: int
+    alpha: float
+    sigma2: float
+    tau2: float
+
+
+class RuleParameters(_Frozen):
+    """Fitted parameters of every rule (the fields of `TemperaturePolicy`, less rule/version)."""
+
+    t_min: float
+    t_max: float
+    fixed_temperature: float
+    step_edges: tuple[int, ...]
+    alpha_by_step: tuple[float, ...]
+    sigma2_by_step: tuple[float, ...]
+    fisher_var_floor: float
+    schedule_t_max: float
+    schedule_beta: float
+    calibrated_step_edges: tuple[int, ...]
+    calibrated_entropy_edges: tuple[float, ...]
+    calibrated_temperatures: tuple[tuple[float, ...], ...]
+
+    def to_policy(self, rule: Rule | str, version: int = 0) -> TemperaturePolicy:
+        """The policy applying `rule` with these parameters."""
+        return TemperaturePolicy(
+            version=version,
+            rule=Rule(rule),
+            bounds=TemperatureBounds(self.t_min, self.t_max),
+            fixed_temperature=self.fixed_temperature,
+            step_edges=self.step_edges,
+            alpha_by_step=self.alpha_by_step,
+            sigma2_by_step=self.sigma2_by_step,
+            fisher_var_floor=self.fisher_var_floor,
+            schedule_t_max=self.schedule_t_max,
+            schedule_beta=self.schedule_beta,
+            calibrated=CalibratedTable(
+                step_edges=self.calibrated_step_edges,
+                entropy_edges=self.calibrated_entropy_edges,
+                temperatures=self.calibrated_temperatures,
+            ),
+        )
+
+
+class QualityRow(_Frozen):
+    """KL(p || served at the row's T) over held-out positions.
+
+    `stderr` is cluster-robust by sequence; `closure` = (KL(T=1) - KL) / (KL(T=1) - KL(oracle)),
+    None when the oracle gains nothing over T = 1; `mean_temperature` is the mean T served.
+    """
+
+    name: str
+    mean_kl: float
+    stderr: float
+    p50: float
+    p90: float
+    p99: float
+    closure: float | None
+    mean_temperature: float
+
+
+class QualityTable(_Frozen):
+    """Held-out quality of T = 1, every rule, calibrated and the oracle.
+
+    The same-top-token rate (served argmax == clean argmax, with its binomial standard error)
+    does not depend on temperature, so it is reported once for the pair.
+    """
+
+    positions: int
+    sequences: int
+    same_top_rate: float
+    same_top_stderr: float
+    rows: tuple[QualityRow, ...]
+
+    def row(self, name: str) -> QualityRow:
+        """The row called `name` (KeyError listing the names if there is none)."""
+        for candidate in self.rows:
+            if candidate.name == name:
+                return candidate
+        raise KeyError(f"no quality row {name!r}; rows: {[r.name for r in self.rows]}")
+
+    def to_markdown(self) -> str:
+        """The table as GitHub markdown, KL in units of 1e-3 nats."""
+        lines = [
+            f"Held-out positions: {self.positions} in {self.sequences} sequences; same top token "
+            f"{100 * self.same_top_rate:.2f}% ± {100 * self.same_top_stderr:.2f}% "
+            "(temperature-invariant).",
+            "",
+            "| T rule | mean KL (1e-3) | ± s.e. | p50 | p90 | p99 | closure | mean T |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in self.rows:
+            closure = "–" if r.closure is None else f"{100 * r.closure:.1f}%"
+            lines.append(
+                f"| {r.name} | {1e3 * r.mean_kl:.3f} | {1e3 * r.stderr:.3f} | {1e3 * r.p50:.3f} "
+                f"| {1e3 * r.p90:.3f} | {1e3 * r.p99:.3f} | {closure} | {r.mean_temperature:.3f} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+class Profile(_Frozen):
+    """Everything calibration learnt about one pair (see the module docstring)."""
+
+    schema_version: Literal[1] = 1
+    clean: ModelIdentity
+    served: ModelIdentity
+    perturbation: PerturbationSpec | None
+    settings: CalibrationSettings
+    noise_by_step: tuple[StepBucketNoise, ...]
+    parameters: RuleParameters
+    recommended_rule: Rule
+    quality: QualityTable
+
+    def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
+        """The policy for `rule` (default: `recommended_rule`) with the fitted parameters."""
+        return self.parameters.to_policy(self.recommended_rule if rule is None else rule, version)
+
+    def save(self, path: Path) -> None:
+        """Write the profile as indented JSON (written to a temporary file, then renamed)."""
+        path = Path(path)
+        staging = path.with_name(f".{path.name}.tmp")
+        staging.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        staging.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        """Read and validate a profile; `ProfileError` naming the file and the problem."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ProfileError(f"cannot read profile {path}: {error}") from error
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ProfileError(
+                f"profile {path} is not valid JSON ({error}); recreate it with "
+                "`noisy-temp-server calibrate`"
+            ) from error
+        version = document.get("schema_version") if isinstance(document, dict) else None
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ProfileError(
+                f"profile {path} has schema_version {version!r}, this noisy-temp-server reads "
+                f"version {PROFILE_SCHEMA_VERSION}; recreate it with `noisy-temp-server calibrate`"
+            )
+        try:
+            return cls.model_validate(document)
+        except ValidationError as error:
+            raise ProfileError(f"profile {path} failed validation: {error}") from error
+
+    def check_pair(self, clean: ModelIdentity, served: ModelIdentity) -> None:
+        """Raise `ProfileError` unless this profile was measured on exactly this pair."""
+        for role, recorded, actual in (
+            ("clean", self.clean, clean),
+            ("served", self.served, served),
+        ):
+            if recorded.weights_sha256 != actual.weights_sha256:
+                raise ProfileError(
+                    f"the profile was calibrated for {role} model {recorded.name} (weights sha256 "
+                    f"{recorded.weights_sha256[:12]}...), but the {role} model is {actual.name} "
+                    f"(weights sha256 {actual.weights_sha256[:12]}...); calibrate this pair with "
+                    "`noisy-temp-server calibrate`"
+                )
+
+    @classmethod
+    def load_for_pair(cls, path: Path, clean: ModelIdentity, served: ModelIdentity) -> Profile:
+        """`load`, then `check_pair`."""
+        profile = cls.load(path)
+        profile.check_pair(clean, served)
+        return profile

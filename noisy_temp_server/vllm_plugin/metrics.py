@@ -15,6 +15,7 @@ milliseconds it is noise. Label children are looked up once per (step bucket, ru
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 
@@ -23,12 +24,20 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 __all__ = [
     "STEP_TEMPERATURE_BUCKETS",
     "StepTemperatureMetrics",
+    "step_bucket_labels",
     "step_temperature_metrics",
 ]
 
 STEP_TEMPERATURE_BUCKETS: tuple[float, ...] = (
     0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0,
 )  # fmt: skip
+
+
+def step_bucket_labels(edges: Sequence[int]) -> tuple[str, ...]:
+    """Label of each step bucket given ascending edges starting at 0: bucket ``i`` covers
+    ``[edges[i], edges[i+1])``, e.g. ``(0, 8, 32)`` -> ``("0-7", "8-31", "32+")``."""
+    inner = [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(edges)]
+    return (*inner, f"{edges[-1]}+")
 
 
 class StepTemperatureMetrics:

@@ -1,0 +1,310 @@
+"""The flat per-request keys of noisy-temp-server, parsed from ``SamplingParams.extra_args``.
+
+One parser for both sides: the API server validates a request with `parse_request_args` (a
+``ValueError`` becomes HTTP 400) and writes the keys with `RequestTemperatureArgs.to_extra_args`;
+inside vLLM, `NoisyTemperatureLogitsProcessor.validate_params` and the processor's batch
+bookkeeping parse them again with the same function.
+
+| key | type | meaning |
+|---|---|---|
+| ``nts_tune`` | bool | tuning on/off for this request (default on) |
+| ``nts_rule`` | str | ``off fixed sqrt linear fisher schedule calibrated`` (default: policy's) |
+| ``nts_t`` | float | the constant T of the ``fixed`` rule (finite, > 0) |
+| ``nts_t_min``, ``nts_t_max`` | float | bounds on T*, ``0 < t_min <= 1 <= t_max`` |
+| ``nts_trace`` | bool | return the per-step T trace |
+| ``nts_policy`` | str | the policy snapshot as compact JSON (set by the server) |
+| ``nts_trace_id`` | str | key of the request on the trace channel (set by the server) |
+| ``nts_runtime_noise_sigma`` | float | runtime logit noise σ (`RuntimeLogitNoiseProcessor`) |
+
+Values may arrive as JSON types or as strings (vLLM's ``vllm_xargs`` carries strings, ints and
+floats): booleans accept ``true/false/1/0/yes/no/on/off``, numbers accept numeric strings. Any
+other ``nts_*`` key is rejected (a typo must not silently do nothing); keys without the prefix
+belong to others and are ignored.
+
+Without ``nts_policy`` (e.g. a stock vLLM server with this package installed), the policy comes
+from the JSON file named by ``NTS_POLICY_FILE`` (a `TemperaturePolicy` JSON), else the identity
+policy (rule ``off``): nothing is tuned unless a request asks for a rule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "POLICY_FILE_ENV",
+    "REQUEST_KEYS",
+    "RequestTemperatureArgs",
+    "ResolvedRequest",
+    "default_policy_json",
+    "parse_policy_json",
+    "parse_request_args",
+    "parse_runtime_noise_sigma",
+    "resolve_request",
+]
+
+POLICY_FILE_ENV = "NTS_POLICY_FILE"
+
+KEY_TUNE = "nts_tune"
+KEY_RULE = "nts_rule"
+KEY_T = "nts_t"
+KEY_T_MIN = "nts_t_min"
+KEY_T_MAX = "nts_t_max"
+KEY_TRACE = "nts_trace"
+KEY_POLICY = "nts_policy"
+KEY_TRACE_ID = "nts_trace_id"
+KEY_RUNTIME_NOISE_SIGMA = "nts_runtime_noise_sigma"
+
+REQUEST_KEYS: frozenset[str] = frozenset(
+    {
+        KEY_TUNE,
+        KEY_RULE,
+        KEY_T,
+        KEY_T_MIN,
+        KEY_T_MAX,
+        KEY_TRACE,
+        KEY_POLICY,
+        KEY_TRACE_ID,
+        KEY_RUNTIME_NOISE_SIGMA,
+    }
+)
+_KEY_PREFIX = "nts_"
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_RULE_NAMES = " ".join(rule.value for rule in Rule)
+_POLICY_CACHE_SIZE = 32
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM samples greedily below this request temperature (``_SAMPLING_EPS``); never tuned."""
+
+
+@dataclass(frozen=True)
+class RequestTemperatureArgs:
+    """One request's temperature settings, validated.
+
+    ``rule``/``fixed_t``/``t_min``/``t_max`` are the request's overrides of its policy (None:
+    the policy's own). ``policy_json`` is the snapshot the server pinned at admission (None: the
+    engine's default, see `default_policy_json`).
+    """
+
+    tune: bool = True
+    rule: Rule | None = None
+    fixed_t: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    trace: bool = False
+    policy_json: str | None = None
+    trace_id: str | None = None
+
+    def to_extra_args(self) -> dict[str, Any]:
+        """The flat keys for ``SamplingParams.extra_args`` (only the ones that differ from the
+        defaults); `parse_request_args` of the result gives back an equal object."""
+        keys: dict[str, Any] = {}
+        if not self.tune:
+            keys[KEY_TUNE] = False
+        if self.rule is not None:
+            keys[KEY_RULE] = self.rule.value
+        for key, value in ((KEY_T, self.fixed_t), (KEY_T_MIN, self.t_min), (KEY_T_MAX, self.t_max)):
+            if value is not None:
+                keys[key] = value
+        if self.trace:
+            keys[KEY_TRACE] = True
+        if self.policy_json is not None:
+            keys[KEY_POLICY] = self.policy_json
+        if self.trace_id is not None:
+            keys[KEY_TRACE_ID] = self.trace_id
+        return keys
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+    raise ValueError(f"{key} must be a boolean (true or false), got {value!r}.")
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{key} must be a number, got {value!r}.")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{key} must be a number, got {value!r}.") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{key} must be finite, got {value!r}.")
+    return number
+
+
+def _as_str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}.")
+    return value
+
+
+def _as_rule(value: Any) -> Rule:
+    name = value.strip().lower() if isinstance(value, str) else value
+    try:
+        return Rule(name)
+    except ValueError:
+        raise ValueError(
+            f"{KEY_RULE}={value!r} is not a rule; use one of: {_RULE_NAMES}."
+        ) from None
+
+
+def parse_request_args(extra_args: Mapping[str, Any] | None) -> RequestTemperatureArgs:
+    """Validate the ``nts_*`` keys of ``extra_args`` (None or empty: all defaults).
+
+    Raises ValueError, naming the key and what to send instead, for: an unknown ``nts_*`` key,
+    a value of the wrong type, an unknown rule, ``nts_t`` not finite or <= 0, bounds outside
+    ``0 < t_min <= 1 <= t_max`` or ``t_min > t_max``, ``nts_rule=fixed`` without ``nts_t``, and
+    an ``nts_policy`` that is not a valid policy JSON.
+    """
+    if not extra_args:
+        return RequestTemperatureArgs()
+    unknown = sorted(k for k in extra_args if k.startswith(_KEY_PREFIX) and k not in REQUEST_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Unknown noisy-temp-server request key(s) {', '.join(unknown)}; "
+            f"the known keys are {', '.join(sorted(REQUEST_KEYS))}."
+        )
+    get = extra_args.get
+    tune = _as_bool(KEY_TUNE, get(KEY_TUNE)) if get(KEY_TUNE) is not None else True
+    trace = _as_bool(KEY_TRACE, get(KEY_TRACE)) if get(KEY_TRACE) is not None else False
+    rule = _as_rule(get(KEY_RULE)) if get(KEY_RULE) is not None else None
+    fixed_t = _as_float(KEY_T, get(KEY_T)) if get(KEY_T) is not None else None
+    t_min = _as_float(KEY_T_MIN, get(KEY_T_MIN)) if get(KEY_T_MIN) is not None else None
+    t_max = _as_float(KEY_T_MAX, get(KEY_T_MAX)) if get(KEY_T_MAX) is not None else None
+    policy_json = _as_str(KEY_POLICY, get(KEY_POLICY)) if get(KEY_POLICY) is not None else None
+    trace_id = _as_str(KEY_TRACE_ID, get(KEY_TRACE_ID)) if get(KEY_TRACE_ID) is not None else None
+
+    if fixed_t is not None and fixed_t <= 0:
+        raise ValueError(f"{KEY_T} must be > 0, got {fixed_t!r}.")
+    if t_min is not None and t_max is not None and t_min > t_max:
+        raise ValueError(f"{KEY_T_MIN}={t_min!r} is greater than {KEY_T_MAX}={t_max!r}.")
+    try:
+        TemperatureBounds(
+            t_min=1.0 if t_min is None else t_min, t_max=1.0 if t_max is None else t_max
+        )
+    except ValueError as error:
+        raise ValueError(f"{KEY_T_MIN}/{KEY_T_MAX}: {error}.") from None
+    if policy_json is not None:
+        parse_policy_json(policy_json)
+    parse_runtime_noise_sigma(extra_args)
+    return RequestTemperatureArgs(
+        tune=tune,
+        rule=rule,
+        fixed_t=fixed_t,
+        t_min=t_min,
+        t_max=t_max,
+        trace=trace,
+        policy_json=policy_json,
+        trace_id=trace_id,
+    )
+
+
+def parse_runtime_noise_sigma(extra_args: Mapping[str, Any] | None) -> float | None:
+    """``nts_runtime_noise_sigma`` (None when absent). Raises ValueError unless finite and >= 0."""
+    if not extra_args or extra_args.get(KEY_RUNTIME_NOISE_SIGMA) is None:
+        return None
+    sigma = _as_float(KEY_RUNTIME_NOISE_SIGMA, extra_args[KEY_RUNTIME_NOISE_SIGMA])
+    if sigma < 0:
+        raise ValueError(f"{KEY_RUNTIME_NOISE_SIGMA} must be >= 0, got {sigma!r}.")
+    return sigma
+
+
+@lru_cache(maxsize=_POLICY_CACHE_SIZE)
+def parse_policy_json(text: str) -> TemperaturePolicy:
+    """Parse a policy snapshot; cached by its exact text (bounded LRU), so each policy version
+    is parsed once, not once per request. Raises ValueError when the text is not a policy."""
+    try:
+        return TemperaturePolicy.from_json(text)
+    except ValueError as error:
+        raise ValueError(f"{KEY_POLICY} is not a valid temperature policy JSON: {error}") from None
+
+
+@lru_cache(maxsize=1)
+def _policy_file_json(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"{POLICY_FILE_ENV}={path!r} cannot be read: {error}.") from None
+    try:
+        policy = TemperaturePolicy.from_json(text)
+    except ValueError as error:
+        raise ValueError(
+            f"{POLICY_FILE_ENV}={path!r} is not a temperature policy JSON: {error}"
+        ) from None
+    return policy.to_json()
+
+
+@lru_cache(maxsize=1)
+def _identity_policy_json() -> str:
+    return TemperaturePolicy.identity().to_json()
+
+
+@lru_cache(maxsize=_POLICY_CACHE_SIZE)
+def _policy_with_rule(policy_json: str, rule: Rule | None) -> TemperaturePolicy:
+    policy = parse_policy_json(policy_json)
+    return policy if rule is None else policy.with_overrides(rule=rule)
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """What the processor applies to a tuned request: its policy with the rule override in
+    place, and its per-row fixed T and bounds with the request's overrides resolved."""
+
+    policy: TemperaturePolicy
+    fixed_t: float
+    t_min: float
+    t_max: float
+    trace_id: str | None
+
+    @property
+    def rule(self) -> Rule:
+        return self.policy.rule
+
+
+def resolve_request(
+    args: RequestTemperatureArgs, request_temperature: float
+) -> ResolvedRequest | None:
+    """The request's tuning, or None when it is not tuned: ``nts_tune`` off, a greedy request
+    (``request_temperature < GREEDY_TEMPERATURE``) or rule ``off``. The server uses this to
+    know whether trace records will come (none come for an untuned request).
+
+    Raises ValueError when the default policy (``NTS_POLICY_FILE``) is needed and invalid.
+    """
+    if not args.tune or request_temperature < GREEDY_TEMPERATURE:
+        return None
+    policy = _policy_with_rule(args.policy_json or default_policy_json(), args.rule)
+    if policy.rule is Rule.OFF:
+        return None
+    bounds = policy.bounds
+    return ResolvedRequest(
+        policy=policy,
+        fixed_t=policy.fixed_temperature if args.fixed_t is None else args.fixed_t,
+        t_min=bounds.t_min if args.t_min is None else args.t_min,
+        t_max=bounds.t_max if args.t_max is None else args.t_max,
+        trace_id=args.trace_id,
+    )
+
+
+def default_policy_json() -> str:
+    """The compact JSON of the engine's default policy: ``$NTS_POLICY_FILE`` (read once per
+    path) or the identity policy. Raises ValueError when the file is unreadable or invalid."""
+    path = os.environ.get(POLICY_FILE_ENV, "").strip()
+    return _policy_file_json(path) if path else _identity_policy_json()

@@ -1,0 +1,265 @@
+"""`NoisyTemperatureLogitsProcessor` on hand-made batches (no engine)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
+from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
+from noisy_temp_server.vllm_plugin.runner import ModelRunnerV2Error
+from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
+
+VOCAB = 11
+LINEAR = TemperaturePolicy(
+    rule=Rule.LINEAR, step_edges=(0, 4), alpha_by_step=(0.5, 0.25), sigma2_by_step=(0.0, 0.0)
+)
+
+
+def _config(max_num_seqs: int = 8, **extra: Any) -> Any:
+    return SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs), **extra)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TRACE_ENDPOINT_ENV, raising=False)
+    monkeypatch.delenv(POLICY_FILE_ENV, raising=False)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+def _processor(registry: CollectorRegistry, **config: Any) -> NoisyTemperatureLogitsProcessor:
+    return NoisyTemperatureLogitsProcessor(
+        _config(**config), torch.device("cpu"), False, registry=registry
+    )
+
+
+def _params(temperature: float = 1.0, **keys: Any) -> SamplingParams:
+    return SamplingParams(temperature=temperature, extra_args=keys or None)
+
+
+def _linear(**keys: Any) -> dict[str, Any]:
+    return {"nts_policy": LINEAR.to_json(), **keys}
+
+
+def _add(
+    processor: NoisyTemperatureLogitsProcessor,
+    batch_size: int,
+    *requests: tuple[int, SamplingParams, list[int]],
+) -> None:
+    added = [(row, params, None, outputs) for row, params, outputs in requests]
+    processor.update_state(BatchUpdate(batch_size=batch_size, removed=[], added=added, moved=[]))
+
+
+def _logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def test_divides_exactly_the_tuned_rows_by_the_policy_temperature(
+    registry: CollectorRegistry,
+) -> None:
+    processor = _processor(registry)
+    _add(
+        processor,
+        4,
+        (0, _params(0.7, **_linear()), [1, 2]),  # step 2 -> bucket 0: T = 1.5
+        (1, _params(0.0, **_linear()), []),  # greedy: never tuned
+        (2, _params(1.0), []),  # identity policy: not tuned
+        (3, _params(1.0, **_linear()), [0] * 5),  # step 5 -> bucket 1: T = 1.25
+    )
+    logits = _logits(4)
+    before = logits.clone()
+    out = processor.apply(logits)
+    assert out is logits
+    torch.testing.assert_close(out[0], before[0] / 1.5, rtol=0, atol=0)
+    torch.testing.assert_close(out[3], before[3] / 1.25, rtol=0, atol=0)
+    assert torch.equal(out[1], before[1])
+    assert torch.equal(out[2], before[2])
+
+
+def test_step_follows_the_live_output_list(registry: CollectorRegistry) -> None:
+    processor = _processor(registry)
+    outputs: list[int] = [0, 0, 0]
+    _add(processor, 1, (0, _params(**_linear()), outputs))
+    logits = _logits(1)
+    torch.testing.assert_close(processor.apply(logits.clone()), logits / 1.5)
+    outputs.append(7)  # step 4: second bucket
+    processor.update_state(None)
+    torch.testing.assert_close(processor.apply(logits.clone()), logits / 1.25)
+
+
+def test_returns_early_when_no_row_is_tuned(registry: CollectorRegistry) -> None:
+    processor = _processor(registry)
+    _add(processor, 2, (0, _params(1.0), []), (1, _params(1.0, nts_tune=False, **_linear()), []))
+    logits = _logits(2)
+    before = logits.clone()
+    assert processor.apply(logits) is logits
+    assert torch.equal(logits, before)
+    assert (
+        registry.get_sample_value(
+            "nts_step_temperature_count", {"step_bucket": "0-3", "rule": "linear"}
+        )
+        is None
+    )
+
+
+def test_request_overrides_rule_fixed_t_and_bounds(registry: CollectorRegistry) -> None:
+    processor = _processor(registry)
+    _add(
+        processor,
+        3,
+        (0, _params(nts_rule="fixed", nts_t=2.0), []),
+        (1, _params(nts_rule="fixed", nts_t=3.0, nts_t_max=2.5), []),
+        (2, _params(**_linear(nts_t_max=1.1)), []),
+    )
+    logits = _logits(3)
+    out = processor.apply(logits.clone())
+    torch.testing.assert_close(out, logits / torch.tensor([[2.0], [2.5], [1.1]]))
+
+
+def test_fisher_reads_the_served_row_without_the_request_temperature(
+    registry: CollectorRegistry,
+) -> None:
+    policy = TemperaturePolicy(rule=Rule.FISHER, sigma2_by_step=(0.5,), fisher_var_floor=1e-3)
+    processor = _processor(registry)
+    _add(
+        processor,
+        2,
+        (0, _params(0.5, nts_policy=policy.to_json()), []),
+        (1, _params(1.0, nts_policy=policy.to_json()), []),
+    )
+    served = _logits(2)
+    scaled = served.clone()
+    scaled[0] /= 0.5  # what vLLM hands over: z~ / T_request
+    out = processor.apply(scaled.clone())
+    expected_t = policy_temperature(policy, torch.zeros(2, dtype=torch.int64), served)
+    torch.testing.assert_close(out[0], served[0] / 0.5 / expected_t[0])
+    torch.testing.assert_close(out[1], served[1] / expected_t[1])
+
+
+def test_rows_with_nan_logits_keep_their_logits_and_are_counted(
+    registry: CollectorRegistry,
+) -> None:
+    policy = TemperaturePolicy(rule=Rule.FISHER, sigma2_by_step=(0.5,))
+    processor = _processor(registry)
+    _add(processor, 3, *[(row, _params(nts_policy=policy.to_json()), []) for row in range(3)])
+    logits = _logits(3)
+    logits[1, 4] = math.nan
+    logits[2, 0] = math.inf
+    before = logits.clone()
+    out = processor.apply(logits)
+    assert torch.equal(out[1].isnan(), before[1].isnan())
+    assert torch.equal(out[1].nan_to_num(), before[1].nan_to_num())
+    assert torch.equal(out[2], before[2])
+    assert not torch.equal(out[0], before[0])
+    assert processor.bad_rows == 2
+
+
+def test_moves_carry_the_row_state(registry: CollectorRegistry) -> None:
+    processor = _processor(registry)
+    _add(
+        processor,
+        3,
+        (0, _params(nts_rule="fixed", nts_t=2.0), []),
+        (2, _params(nts_rule="fixed", nts_t=4.0), []),
+    )
+    processor.update_state(
+        BatchUpdate(
+            batch_size=2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]
+        )
+    )
+    logits = _logits(2)
+    out = processor.apply(logits.clone())
+    torch.testing.assert_close(out[0], logits[0] / 4.0)
+    assert torch.equal(out[1], logits[1])
+    processor.update_state(
+        BatchUpdate(
+            batch_size=2,
+            removed=[],
+            added=[(1, _params(nts_rule="fixed", nts_t=2.0), None, [])],
+            moved=[(0, 1, MoveDirectionality.SWAP)],
+        )
+    )
+    out = processor.apply(logits.clone())
+    torch.testing.assert_close(out, logits / torch.tensor([[2.0], [4.0]]))
+
+
+def test_observes_the_step_temperature_histogram(registry: CollectorRegistry) -> None:
+    processor = _processor(registry)
+    _add(processor, 2, (0, _params(**_linear()), []), (1, _params(**_linear()), [0] * 9))
+    processor.apply(_logits(2))
+    sample = registry.get_sample_value
+    assert sample("nts_step_temperature_count", {"step_bucket": "0-3", "rule": "linear"}) == 1
+    assert sample("nts_step_temperature_sum", {"step_bucket": "4+", "rule": "linear"}) == 1.25
+
+
+def test_sends_the_trace_of_rows_with_a_trace_id(
+    registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{tmp_path}/trace.sock"
+    with TraceCollector(endpoint) as collector:
+        monkeypatch.setenv(TRACE_ENDPOINT_ENV, endpoint)
+        processor = _processor(registry)
+        outputs: list[int] = []
+        _add(
+            processor,
+            2,
+            (0, _params(**_linear(nts_trace_id="req-1")), outputs),
+            (1, _params(**_linear()), []),
+        )
+        for _ in range(5):
+            processor.apply(_logits(2))
+            outputs.append(1)
+        assert collector.wait_for("req-1", 5, timeout=5.0) == [1.5] * 4 + [1.25]
+        assert processor.trace_sender is not None
+        processor.trace_sender.close()
+
+
+def test_default_policy_comes_from_the_policy_file(
+    registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text(TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=2.0).to_json())
+    monkeypatch.setenv(POLICY_FILE_ENV, str(path))
+    processor = _processor(registry)
+    _add(processor, 1, (0, _params(), []))
+    logits = _logits(1)
+    torch.testing.assert_close(processor.apply(logits.clone()), logits / 2.0)
+
+
+def test_refuses_model_runner_v2(registry: CollectorRegistry) -> None:
+    with pytest.raises(ModelRunnerV2Error, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        _processor(registry, use_v2_model_runner=True)
+
+
+def test_is_argmax_invariant(registry: CollectorRegistry) -> None:
+    assert _processor(registry).is_argmax_invariant()
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"nts_rule": "hot"}, "not a rule"),
+        ({"nts_t": 0}, "nts_t must be > 0"),
+        ({"nts_t": "inf"}, "finite"),
+        ({"nts_t_min": 0.9, "nts_t_max": 0.8}, "greater than"),
+        ({"nts_policy": "{"}, "not a valid temperature policy"),
+        ({"nts_tmin": 0.5}, "Unknown"),
+    ],
+)
+def test_validate_params_rejects_bad_keys(keys: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NoisyTemperatureLogitsProcessor.validate_params(SamplingParams(extra_args=keys))

@@ -36,8 +36,8 @@ __all__ = [
     "stable_log_softmax",
 ]
 
-# Below this, exp() is exactly 0 in float32 and float64, and its square is still finite: log
-# probabilities are floored here so that 0 * log(0) terms become 0 * finite = 0, not NaN.
+# Below this, exp() is exactly 0 in float32 and float64, and its square is still finite: shifted
+# logits are floored here so that 0 * (-inf) terms become 0 * finite = 0, not NaN.
 _LOG_PROB_FLOOR = -1.0e4
 _ROWS_SHOWN_IN_ERRORS = 8
 
@@ -119,20 +119,24 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _softmax_moments(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(prob [B, V], neg_entropy [B], variance [B], top_prob [B])`` of ``softmax(logits)``.
+    """``(weights [B, V], total [B], neg_entropy [B], variance [B])`` of ``softmax(logits)``.
 
-    ``variance`` is the softmax-weighted variance of the logits, computed as that of the log
-    probabilities (they differ by a per-row constant) with a two-pass centring. Two ``[B, V]``
-    temporaries: the probabilities (returned) and the log probabilities (reused in place).
+    With ``c = logits - max`` (<= 0): ``weights = exp(c)`` (unnormalised; the probabilities are
+    ``weights / total``), ``total = sum(weights) >= 1`` (so the top probability is
+    ``1 / total``), ``-H = E_q[c] - log(total)`` (a sum of two non-positive terms) and
+    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits).
+    One exp per element and two ``[B, V]`` temporaries: ``c`` (reused in place) and ``weights``.
     """
-    log_prob = stable_log_softmax(logits)  # [B, V]
-    prob = log_prob.exp()  # [B, V]
-    top_prob = prob.amax(dim=-1)
-    log_prob.clamp_(min=_LOG_PROB_FLOOR)
-    neg_entropy = _row_dot(prob, log_prob)  # E_p[log p] = -H(p)
-    log_prob.sub_(neg_entropy.unsqueeze(-1)).square_()
-    variance = _row_dot(prob, log_prob)
-    return prob, neg_entropy.clamp(max=0.0), variance, top_prob
+    dtype = compute_dtype(logits.dtype)
+    shifted = logits.to(dtype) - logits.amax(dim=-1, keepdim=True).to(dtype)  # [B, V]
+    weights = shifted.exp()  # [B, V]
+    total = weights.sum(dim=-1)
+    shifted.clamp_(min=_LOG_PROB_FLOOR)  # where exp() is 0, so -inf * 0 terms become 0
+    mean = _row_dot(weights, shifted) / total  # E_q[c] <= 0
+    shifted.sub_(mean.unsqueeze(-1)).square_()
+    variance = _row_dot(weights, shifted) / total
+    neg_entropy = (mean - total.log()).clamp(max=0.0)
+    return weights, total, neg_entropy, variance
 
 
 def _uniform_variance(values: Tensor, counted: Tensor) -> Tensor:
@@ -162,14 +166,14 @@ class ServedRowFeatures:
 def served_row_features(served: Tensor, *, validate: bool = True) -> ServedRowFeatures:
     """Entropy, softmax-weighted variance and top probability of each served row.
 
-    Built for the per-step logits processor: one log-softmax and two ``[B, V]`` temporaries in
-    the compute dtype. With ``validate=False`` it skips :func:`check_logits` (and its device
+    Built for the per-step logits processor: one exp per element and two ``[B, V]`` temporaries
+    in the compute dtype. With ``validate=False`` it skips :func:`check_logits` (and its device
     sync); invalid rows then give NaN features instead of raising.
     """
     if validate:
         check_logits(served, name="served logits")
-    _, neg_entropy, var_q, top_prob = _softmax_moments(served)
-    return ServedRowFeatures(entropy=-neg_entropy, var_q=var_q, top_prob=top_prob)
+    _, total, neg_entropy, var_q = _softmax_moments(served)
+    return ServedRowFeatures(entropy=-neg_entropy, var_q=var_q, top_prob=total.reciprocal())
 
 
 @dataclass(frozen=True)
@@ -201,8 +205,8 @@ class KLTerms:
     def from_logits(cls, clean: Tensor, served: Tensor) -> KLTerms:
         """Validate a ``[B, V]`` pair (same shape and device) and precompute its KL terms."""
         _check_pair(clean, served)
-        prob, neg_entropy, _, _ = _softmax_moments(clean)
-        return cls._from_clean_prob(prob, neg_entropy, served)
+        weights, total, neg_entropy, _ = _softmax_moments(clean)
+        return cls._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, served)
 
     @classmethod
     def _from_clean_prob(cls, prob: Tensor, neg_entropy: Tensor, served: Tensor) -> KLTerms:
@@ -286,8 +290,8 @@ def pair_statistics(clean: Tensor, served: Tensor) -> PairStatistics:
     sigma2 = _uniform_variance(z_served - z, clean_finite & torch.isfinite(z_served))
     alpha = torch.where(sigma2 == 0, 0.0, sigma2 / tau2)
 
-    prob, neg_entropy, var_p, _ = _softmax_moments(z)
-    terms = KLTerms._from_clean_prob(prob, neg_entropy, z_served)
+    weights, total, neg_entropy, var_p = _softmax_moments(z)
+    terms = KLTerms._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, z_served)
     kl_at_one = terms.kl(torch.ones_like(tau2))
     return PairStatistics(
         tau2=tau2,

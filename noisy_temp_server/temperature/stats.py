@@ -38,7 +38,7 @@ __all__ = [
 
 # Below this, exp() is exactly 0 in float32 and float64, and its square is still finite: shifted
 # logits are floored here so that 0 * (-inf) terms become 0 * finite = 0, not NaN.
-_LOG_PROB_FLOOR = -1.0e4
+_SHIFTED_LOGIT_FLOOR = -1.0e4
 _ROWS_SHOWN_IN_ERRORS = 8
 
 
@@ -131,7 +131,7 @@ def _softmax_moments(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     shifted = logits.to(dtype) - logits.amax(dim=-1, keepdim=True).to(dtype)  # [B, V]
     weights = shifted.exp()  # [B, V]
     total = weights.sum(dim=-1)
-    shifted.clamp_(min=_LOG_PROB_FLOOR)  # where exp() is 0, so -inf * 0 terms become 0
+    shifted.clamp_(min=_SHIFTED_LOGIT_FLOOR)  # where exp() is 0, so -inf * 0 terms become 0
     mean = _row_dot(weights, shifted) / total  # E_q[c] <= 0
     shifted.sub_(mean.unsqueeze(-1)).square_()
     variance = _row_dot(weights, shifted) / total

@@ -153,8 +153,6 @@ class Settings(BaseSettings):
                 "swap or drop one of them."
             )
         TemperatureBounds(t_min=1.0 if low is None else low, t_max=1.0 if high is None else high)
-        if self.default_rule == "fixed" and self.default_t is None:
-            raise ValueError("default_rule=fixed needs default_t (the constant T*).")
         return self
 
 

@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -58,7 +58,7 @@ class GenerationEngine(Protocol):
 
     def generate(
         self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say)."""
         ...
 
@@ -114,7 +114,9 @@ def build_engine_args(settings: Settings, model_path: Path, model_name: str) -> 
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
     from vllm.platforms import current_platform  # noqa: PLC0415
 
-    processors = [] if _processor_from_entry_point() else [PROCESSOR_CLASS_PATH.replace(":", ".")]
+    processors: list[Any] = (
+        [] if _processor_from_entry_point() else [PROCESSOR_CLASS_PATH.replace(":", ".")]
+    )
     kv_cache_bytes = None if current_platform.is_cpu() else settings.kv_cache_gib * 2**30
     return AsyncEngineArgs(
         model=str(model_path),

@@ -319,15 +319,17 @@ class NtsSummary(_Response):
 
     `t_mean`, `t_min`, `t_max` summarise T* over the generation steps (T* only: the effective
     temperature is the request's own temperature times T*). Greedy and tuning-off requests
-    report T* = 1. `trace` (per step) only when the request asked with `nts_trace`.
+    report T* = 1. `trace` (per step) only when the request asked with `nts_trace`. The T
+    statistics are null when the engine's trace did not arrive (then `steps` still counts the
+    generated tokens).
     """
 
     rule: str
     policy_version: int
     alpha: float | None = None
-    t_mean: float
-    t_min: float
-    t_max: float
+    t_mean: float | None
+    t_min: float | None
+    t_max: float | None
     steps: int
     trace: list[float] | None = None
 

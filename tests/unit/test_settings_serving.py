@@ -56,7 +56,6 @@ def test_api_key_is_masked_in_the_startup_dump() -> None:
         ({"shadow_fraction": 1.5}, "less than or equal"),
         ({"default_t_min": 2.0, "default_t_max": 1.5}, "must not exceed"),
         ({"default_t_min": 1.5}, "t_min"),
-        ({"default_rule": "fixed"}, "needs default_t"),
         ({"default_rule": "hot"}, "Input should be"),
         ({"perturbation": '{"kind": "magic"}'}, "perturbation spec"),
         ({"kv_cache_gib": 0}, "greater than or equal"),

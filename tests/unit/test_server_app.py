@@ -1,0 +1,483 @@
+"""The HTTP layer with a fake engine: protocol conversion, the nts summary, errors, metrics.
+
+The fake engine has AsyncLLM's `generate()` async-iterator interface and produces one token per
+step (ids counting up from the prompt length), so every test runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+from noisy_temp_server.server.app import create_app
+from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.server.temperature import StaticPolicySource
+from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+
+VOCAB = 1000
+MAX_MODEL_LEN = 64
+MODEL = "fake-model"
+
+
+class FakeEngine:
+    """AsyncLLM's generate(): `max_tokens` tokens, one per step, token id = position."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], SamplingParams, str]] = []
+        self.dead = False
+
+    async def generate(
+        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        ids = list(prompt["prompt_token_ids"])
+        if any(i >= VOCAB for i in ids):
+            raise VLLMValidationError("Token id out of vocabulary", parameter="prompt")
+        self.calls.append((ids, sampling_params, request_id))
+        count = sampling_params.max_tokens or 1
+        new = [(len(ids) + step) % VOCAB for step in range(count)]
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        for step, token in enumerate(new):
+            last = step == count - 1
+            if not delta and not last:
+                continue
+            tokens = [token] if delta else new
+            logprobs = None
+            if sampling_params.logprobs is not None:
+                logprobs = [
+                    {t: Logprob(-0.5, 1, f" t{t}"), t + 1: Logprob(float("-inf"), 2, f" t{t + 1}")}
+                    for t in tokens
+                ]
+            output = CompletionOutput(
+                index=0,
+                text="".join(f" t{t}" for t in tokens),
+                token_ids=tokens,
+                cumulative_logprob=None,
+                logprobs=logprobs,
+                finish_reason="length" if last else None,
+            )
+            yield RequestOutput(request_id, None, ids, None, [output], finished=last)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("engine is dead")
+
+
+class FakeTokenizer:
+    chat_template: str | None = "{{ messages }}"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeTraces:
+    """The trace channel: every tuned step ran at `temperature`."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.waited: list[tuple[str, int]] = []
+
+    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]:
+        self.waited.append((trace_id, n_steps))
+        return [self.temperature] * n_steps
+
+
+class Harness:
+    def __init__(self, client: TestClient, engine: FakeEngine, traces: FakeTraces) -> None:
+        self.client = client
+        self.engine = engine
+        self.traces = traces
+        self.registry: CollectorRegistry = client.app.state.registry  # type: ignore[attr-defined]
+
+    def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        return self.client.post(path, json=body, **kwargs)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+
+def _build(settings: Settings, policy: TemperaturePolicy, trace_t: float = 1.25) -> Harness:
+    engine, traces, registry = FakeEngine(), FakeTraces(trace_t), CollectorRegistry()
+    app = create_app(
+        settings,
+        engine,
+        tokenizer=FakeTokenizer(),
+        model_name=MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        policy_source=StaticPolicySource(policy, "test"),
+        metrics=ApiMetrics(registry),
+        metrics_registry=registry,
+        trace_source=traces,
+    )
+    app.state.registry = registry
+    return Harness(TestClient(app), engine, traces)
+
+
+POLICY = TemperaturePolicy(version=7, rule="sqrt", alpha_by_step=(0.5625,))
+
+
+@pytest.fixture
+def server() -> Harness:
+    return _build(Settings(), POLICY)
+
+
+def _events(response: Any) -> Iterator[Any]:
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+def test_completion_reports_tokens_usage_and_the_temperature_summary(server: Harness) -> None:
+    response = server.post("/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == " t3 t4 t5"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    nts = body["nts"]
+    assert nts["rule"] == "sqrt"
+    assert nts["policy_version"] == 7
+    assert nts["alpha"] == pytest.approx(0.5625)
+    assert (nts["t_mean"], nts["t_min"], nts["t_max"]) == (1.25, 1.25, 1.25)
+    assert nts["steps"] == 3
+    assert nts["trace"] is None
+    assert body["choices"][0]["nts"]["t_mean"] == 1.25
+
+
+def test_engine_request_carries_the_pinned_policy_and_a_trace_id(server: Harness) -> None:
+    server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "temperature": 0.5})
+    ((_, params, request_id),) = server.engine.calls
+    extra = params.extra_args or {}
+    assert TemperaturePolicy.from_json(extra["nts_policy"]) == POLICY
+    assert extra["nts_trace_id"] == request_id
+    assert params.temperature == 0.5
+    assert server.traces.waited == [(request_id, 2)]
+
+
+def test_fixed_rule_override_reports_its_rule_and_asked_trace(server: Harness) -> None:
+    server.traces.temperature = 1.5
+    response = server.post(
+        "/v1/completions",
+        {"prompt": "abc", "max_tokens": 4, "nts_rule": "fixed", "nts_t": 1.5, "nts_trace": True},
+    )
+    nts = response.json()["choices"][0]["nts"]
+    assert nts["rule"] == "fixed"
+    assert nts["trace"] == [1.5] * 4
+    extra = server.engine.calls[0][1].extra_args or {}
+    assert (extra["nts_rule"], extra["nts_t"], extra["nts_trace"]) == ("fixed", 1.5, True)
+
+
+def test_vllm_xargs_carry_the_same_keys(server: Harness) -> None:
+    response = server.post(
+        "/v1/completions",
+        {"prompt": "abc", "max_tokens": 1, "vllm_xargs": {"nts_rule": "linear", "nts_t_max": 2}},
+    )
+    assert response.json()["nts"]["rule"] == "linear"
+    assert (server.engine.calls[0][1].extra_args or {})["nts_t_max"] == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"temperature": 0},
+        {"nts_tune": False},
+        {"nts_rule": "off"},
+        {"vllm_xargs": {"nts_tune": "false"}},
+    ],
+)
+def test_greedy_and_untuned_requests_report_t_one(server: Harness, body: dict[str, Any]) -> None:
+    response = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, **body})
+    nts = response.json()["nts"]
+    assert nts["rule"] == "off"
+    assert (nts["t_mean"], nts["t_min"], nts["t_max"]) == (1.0, 1.0, 1.0)
+    assert server.traces.waited == []
+    assert "nts_trace_id" not in (server.engine.calls[0][1].extra_args or {})
+
+
+def test_n_choices_run_as_separate_seeded_engine_requests(server: Harness) -> None:
+    response = server.post("/v1/completions", {"prompt": "ab", "max_tokens": 2, "n": 3, "seed": 5})
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["nts"]["steps"] == 2 for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+    assert body["nts"]["steps"] == 6
+    seeds = sorted(params.seed for _, params, _ in server.engine.calls)
+    assert seeds == [5, 6, 7]
+    trace_ids = {(params.extra_args or {})["nts_trace_id"] for _, params, _ in server.engine.calls}
+    assert len(trace_ids) == 3
+
+
+def test_default_max_tokens_fill_the_context(server: Harness) -> None:
+    server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    ((prompt, params, _),) = server.engine.calls
+    assert params.max_tokens == MAX_MODEL_LEN - len(prompt)
+
+
+def test_completion_logprobs(server: Harness) -> None:
+    response = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "logprobs": 1})
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" t3", " t4"]
+    assert logprobs["token_logprobs"] == [-0.5, -0.5]
+    assert logprobs["top_logprobs"][0] == {" t3": -0.5, " t4": -9999.0}
+    assert logprobs["text_offset"] == [0, 3]
+
+
+def test_streamed_completion_ends_with_usage_and_summary(server: Harness) -> None:
+    response = server.post(
+        "/v1/completions",
+        {
+            "prompt": "abc",
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = list(_events(response))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts: dict[int, str] = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        assert chunk["usage"] is None
+        assert (choice["nts"] is not None) == (choice["finish_reason"] is not None)
+    assert texts == {0: " t3 t4 t5", 1: " t3 t4 t5"}
+    final = chunks[-1]
+    assert final["choices"] == []
+    assert final["usage"]["completion_tokens"] == 6
+    assert final["nts"]["t_mean"] == 1.25
+
+
+def test_stream_without_include_usage_has_no_usage(server: Harness) -> None:
+    response = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "stream": True})
+    chunks = [e for e in _events(response) if e != "[DONE]"]
+    assert all(chunk["usage"] is None for chunk in chunks)
+    assert chunks[-1]["nts"]["rule"] == "sqrt"
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_uses_the_chat_template(server: Harness) -> None:
+    response = server.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    expected = FakeTokenizer().encode("<user>hi<assistant>")
+    assert server.engine.calls[0][0] == expected
+    choice = body["choices"][0]
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": f" t{len(expected)} t{len(expected) + 1}",
+    }
+    content = choice["logprobs"]["content"]
+    assert content[0]["logprob"] == -0.5
+    assert [t["token"] for t in content[0]["top_logprobs"]] == [f" t{len(expected)}"]
+    assert choice["nts"]["rule"] == "sqrt"
+
+
+def test_streamed_chat_starts_with_the_role_and_ends_with_the_summary(server: Harness) -> None:
+    response = server.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    chunks = [e for e in _events(response) if e != "[DONE]"]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    content = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks[1:-1])
+    assert content.count(" t") == 2
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    assert chunks[-1]["nts"]["steps"] == 2
+
+
+def test_chat_without_template_is_a_400(server: Harness) -> None:
+    server.client.app.state.registry  # noqa: B018 (the app exists)
+    tokenizerless = _build(Settings(), POLICY)
+    FakeTokenizer.chat_template = None
+    try:
+        response = tokenizerless.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+        )
+    finally:
+        FakeTokenizer.chat_template = "{{ messages }}"
+    assert response.status_code == 400
+    assert "no chat template" in response.json()["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _assert_error(response: Any, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code
+    return dict(error)
+
+
+def test_malformed_json_is_a_400(server: Harness) -> None:
+    response = server.client.post(
+        "/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"}
+    )
+    error = _assert_error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"]
+
+
+def test_validation_error_is_a_400_naming_the_field(server: Harness) -> None:
+    error = _assert_error(server.post("/v1/completions", {"prompt": "a", "temperature": 5}), 400)
+    assert error["param"] == "temperature"
+    error = _assert_error(server.post("/v1/completions", {"prompt": "a", "nts_tmax": 2}), 400)
+    assert error["param"] == "nts_tmax"
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"nts_rule": "hot"}, "not a rule"),
+        ({"nts_t_min": 2.0}, "t_min"),
+        ({"vllm_xargs": {"nts_bogus": 1}}, "Unknown noisy-temp-server request key"),
+        ({"vllm_xargs": {"nts_trace_id": "mine"}}, "set by the server"),
+    ],
+)
+def test_bad_nts_keys_are_400s(server: Harness, keys: dict[str, Any], message: str) -> None:
+    error = _assert_error(server.post("/v1/completions", {"prompt": "a", **keys}), 400)
+    assert message in error["message"]
+    assert server.engine.calls == []
+
+
+def test_unknown_model_is_a_404(server: Harness) -> None:
+    error = _assert_error(
+        server.post("/v1/completions", {"model": "gpt-5", "prompt": "a"}), 404, "model_not_found"
+    )
+    assert error["param"] == "model"
+
+
+def test_over_context_length_is_a_400(server: Harness) -> None:
+    _assert_error(
+        server.post("/v1/completions", {"prompt": "a" * 60, "max_tokens": 10}),
+        400,
+        "context_length_exceeded",
+    )
+    _assert_error(
+        server.post("/v1/completions", {"prompt": "a" * MAX_MODEL_LEN, "max_tokens": None}),
+        400,
+        "context_length_exceeded",
+    )
+
+
+def test_engine_validation_error_is_a_400_streaming_or_not(server: Harness) -> None:
+    body = {"prompt": [5, VOCAB + 1], "max_tokens": 2}
+    _assert_error(server.post("/v1/completions", body), 400)
+    _assert_error(server.post("/v1/completions", {**body, "stream": True}), 400)
+
+
+def test_unknown_route_is_an_openai_404(server: Harness) -> None:
+    _assert_error(server.client.get("/v1/nothing"), 404)
+
+
+def test_bad_requests_do_not_disturb_the_next_ones(server: Harness) -> None:
+    good = {"prompt": "abc", "max_tokens": 2}
+    assert server.post("/v1/completions", good).status_code == 200
+    assert server.post("/v1/completions", {"prompt": "a", "n": 0}).status_code == 400
+    response = server.client.post(
+        "/v1/completions", content=b"nope", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert server.post("/v1/completions", {**good, "stream": True}).status_code == 200
+    assert server.post("/v1/completions", good).json()["choices"][0]["text"] == " t3 t4"
+
+
+def test_api_key_is_required_when_configured() -> None:
+    harness = _build(Settings(api_key="sekrit"), POLICY)  # type: ignore[arg-type]
+    body = {"prompt": "abc", "max_tokens": 1}
+    _assert_error(harness.post("/v1/completions", body), 401, "invalid_api_key")
+    _assert_error(
+        harness.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"}),
+        401,
+        "invalid_api_key",
+    )
+    ok = harness.post("/v1/completions", body, headers={"Authorization": "Bearer sekrit"})
+    assert ok.status_code == 200
+    assert harness.client.get("/health").status_code == 200
+    assert harness.client.get("/metrics").status_code == 200
+
+
+# ----------------------------------------------------------------------------- other routes
+
+
+def test_models_health_and_status(server: Harness) -> None:
+    models = server.client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert server.client.get("/health").status_code == 200
+    status = server.client.get("/v1/nts/status").json()
+    assert status["policy_version"] == 7
+    assert status["policy"]["rule"] == "sqrt"
+    assert status["alpha_by_step_bucket"] == {"0+": 0.5625}
+    assert status["estimator"] == {"enabled": False, "origin": "test"}
+    assert status["shadow"] == {"enabled": False}
+    server.engine.dead = True
+    assert server.client.get("/health").status_code == 500
+
+
+def test_server_defaults_apply_unless_the_request_overrides_them() -> None:
+    harness = _build(Settings(default_rule="fixed", default_t=1.5), POLICY, trace_t=1.5)
+    body = {"prompt": "abc", "max_tokens": 1}
+    assert harness.post("/v1/completions", body).json()["nts"]["rule"] == "fixed"
+    assert (
+        harness.post("/v1/completions", {**body, "nts_rule": "linear"}).json()["nts"]["rule"]
+        == "linear"
+    )
+
+
+def test_metrics_count_requests_and_temperatures(server: Harness) -> None:
+    server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2})
+    server.post("/v1/completions", {"prompt": "a", "n": 0})
+    server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "stream": True})
+    text = server.client.get("/metrics").text
+    assert "nts_http_requests_total" in text
+    route = "/v1/completions"
+    assert server.metric("nts_http_requests_total", method="POST", route=route, status="200") == 2
+    assert server.metric("nts_http_requests_total", method="POST", route=route, status="400") == 1
+    assert server.metric("nts_http_request_duration_seconds_count", route=route) == 3
+    assert server.metric("nts_request_temperature_mean_count", rule="sqrt") == 2
+    assert server.metric("nts_request_temperature_mean_sum", rule="sqrt") == 2.5

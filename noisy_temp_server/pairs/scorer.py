@@ -86,6 +86,50 @@ class PositionRecords:
     kl_curve: Tensor
     curve_temperatures: Tensor
 
+    @classmethod
+    def from_logits(
+        cls,
+        clean: Tensor,
+        served: Tensor,
+        *,
+        step: Tensor,
+        sequence_id: int | Tensor,
+        curve_temperatures: Tensor = KL_CURVE_TEMPERATURES,
+    ) -> PositionRecords:
+        """Records of `[B, V]` clean and served logits (served as sampled from, noise included).
+
+        step: int [B]; sequence_id: an int or int [B]. Statistics are computed on the logits'
+        device and returned on the CPU. Raises `NonFiniteLogitsError` for NaN/+inf rows.
+        """
+        count = clean.shape[0]
+        grid = curve_temperatures.to(clean.device)
+        stats = pair_statistics(clean, served)
+        features = served_row_features(served, validate=False)
+        oracle = oracle_temperature(clean, served)
+        curve = kl_curve(clean, served, grid)  # [B, G]
+
+        def cpu(t: Tensor) -> Tensor:
+            return t.detach().to("cpu", torch.float32)
+
+        ids = torch.as_tensor(sequence_id, dtype=torch.int64).expand(count).clone()
+        return cls(
+            sequence_id=ids,
+            step=step.detach().to("cpu", torch.int64),
+            tau2=cpu(stats.tau2),
+            sigma2=cpu(stats.sigma2),
+            alpha=cpu(stats.alpha),
+            var_p_clean=cpu(stats.var_p_clean),
+            kl_at_one=cpu(stats.kl_at_one),
+            oracle_t=cpu(oracle.temperature),
+            oracle_kl=cpu(oracle.kl),
+            same_top=stats.same_top.cpu(),
+            served_entropy=cpu(features.entropy),
+            served_var=cpu(features.var_q),
+            served_top_prob=cpu(features.top_prob),
+            kl_curve=cpu(curve),
+            curve_temperatures=cpu(curve_temperatures),
+        )
+
     def __len__(self) -> int:
         return int(self.step.shape[0])
 
@@ -247,38 +291,17 @@ class PairScorer:
             served = served_head(served_hidden[rows]).float()
             if generator is not None and self.runtime_noise is not None:
                 served = add_runtime_logit_noise(served, self.runtime_noise.sigma, generator)
-            parts.append(self._chunk_records(clean, served, grid, first, sequence.sequence_id))
+            steps = torch.arange(first, first + clean.shape[0])
+            parts.append(
+                PositionRecords.from_logits(
+                    clean,
+                    served,
+                    step=steps,
+                    sequence_id=sequence.sequence_id,
+                    curve_temperatures=grid,
+                )
+            )
         return PositionRecords.concat(parts)
-
-    def _chunk_records(
-        self, clean: Tensor, served: Tensor, grid: Tensor, first_step: int, sequence_id: int
-    ) -> PositionRecords:
-        count = clean.shape[0]
-        stats = pair_statistics(clean, served)
-        features = served_row_features(served, validate=False)
-        oracle = oracle_temperature(clean, served)
-        curve = kl_curve(clean, served, grid)  # [c, G]
-
-        def cpu(t: Tensor) -> Tensor:
-            return t.detach().to("cpu", torch.float32)
-
-        return PositionRecords(
-            sequence_id=torch.full((count,), sequence_id, dtype=torch.int64),
-            step=torch.arange(first_step, first_step + count, dtype=torch.int64),
-            tau2=cpu(stats.tau2),
-            sigma2=cpu(stats.sigma2),
-            alpha=cpu(stats.alpha),
-            var_p_clean=cpu(stats.var_p_clean),
-            kl_at_one=cpu(stats.kl_at_one),
-            oracle_t=cpu(oracle.temperature),
-            oracle_kl=cpu(oracle.kl),
-            same_top=stats.same_top.cpu(),
-            served_entropy=cpu(features.entropy),
-            served_var=cpu(features.var_q),
-            served_top_prob=cpu(features.top_prob),
-            kl_curve=cpu(curve),
-            curve_temperatures=self.curve_temperatures,
-        )
 
     def score(self, sequences: Iterable[ScoringSequence]) -> PositionRecords:
         """Records of all `sequences`, in order."""

@@ -23,15 +23,13 @@ from noisy_temp_server.pairs.scorer import (
     ScoringSequence,
     interpolate_kl,
 )
-from noisy_temp_server.pairs.tiny_model import build_tiny_llama
 from noisy_temp_server.temperature.oracle import kl_curve
 from noisy_temp_server.temperature.stats import kl_to_clean
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedModel, PreTrainedModel]:
-    path = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-    clean, _ = load_causal_lm(path)
+def pair(tiny_model_dir: Path) -> tuple[PreTrainedModel, PreTrainedModel]:
+    clean, _ = load_causal_lm(tiny_model_dir)
     served = copy.deepcopy(clean)
     apply_perturbation(served, WeightNoiseSpec(scale=0.3, seed=1))
     return clean, served
@@ -103,8 +101,10 @@ def test_chunk_size_does_not_change_records(
     one = PairScorer(clean, served, chunk_positions=1).score(_sequences())
     many = PairScorer(clean, served, chunk_positions=1000).score(_sequences())
     for name in PositionRecords._row_fields():
+        # the oracle solver stops at its own tolerance, which depends on the rows batched together
+        rtol = 1e-4 if name == "oracle_t" else 1e-5
         assert torch.allclose(
-            getattr(one, name).double(), getattr(many, name).double(), rtol=1e-5, atol=1e-6
+            getattr(one, name).double(), getattr(many, name).double(), rtol=rtol, atol=1e-6
         ), name
 
 

@@ -1,0 +1,179 @@
+"""Calibration fitting and the quality table, on synthetic records and on the tiny model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from noisy_temp_server.estimation.calibration import (
+    FITTED_RULES,
+    InsufficientDataError,
+    best_curve_temperature,
+    calibrate,
+    fit_calibrated_table,
+    load_pair,
+    noise_by_step,
+    quality_table,
+    rule_temperatures,
+    split_by_sequence,
+)
+from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
+from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.pairs.perturb import WeightNoiseSpec
+from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
+    TemperaturePolicy,
+    policy_temperature,
+)
+from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
+from noisy_temp_server.temperature.stats import kl_to_clean
+
+BOUNDS = TemperatureBounds()
+
+
+def _records(
+    rows: int,
+    *,
+    shrink: float,
+    noise: float,
+    sequences: int = 20,
+    seed: int = 0,
+    first_step: int = 0,
+) -> PositionRecords:
+    """Records of synthetic logits: served = shrink * clean + noise * N(0, 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    clean = torch.randn(rows, 300, generator=generator) * 2.5
+    served = shrink * clean + noise * torch.randn(rows, 300, generator=generator)
+    return PositionRecords.from_logits(
+        clean,
+        served,
+        step=torch.arange(rows) % 8 + first_step,
+        sequence_id=torch.arange(rows) % sequences + seed * 1000,
+    )
+
+
+def test_best_curve_temperature_matches_the_mean_of_per_row_minima_for_identical_rows() -> None:
+    records = _records(40, shrink=1.0, noise=1.5)
+    t = best_curve_temperature(records.kl_curve, records.curve_temperatures, BOUNDS)
+    # A fine scan of the exact mean KL must not find a better T.
+    assert 1.0 < t < 4.0
+    temps = torch.exp(torch.linspace(math.log(0.5), math.log(4.0), 300))
+    generator = torch.Generator().manual_seed(0)
+    clean = torch.randn(40, 300, generator=generator) * 2.5
+    served = clean + 1.5 * torch.randn(40, 300, generator=generator)
+    exact = torch.stack([kl_to_clean(clean, served, float(x)).mean() for x in temps])
+    assert t == pytest.approx(float(temps[exact.argmin()]), rel=0.02)
+
+
+def test_shrunk_signal_gives_a_temperature_below_one() -> None:
+    records = _records(60, shrink=0.6, noise=0.2)
+    assert best_curve_temperature(records.kl_curve, records.curve_temperatures, BOUNDS) < 0.8
+
+
+def test_split_is_by_sequence_and_disjoint() -> None:
+    ids = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 5, 5])
+    first, second = split_by_sequence(ids, 0.5, seed=3)
+    assert bool((first ^ second).all())
+    assert not set(ids[first].tolist()) & set(ids[second].tolist())
+    assert len(set(ids[second].tolist())) == 3
+    with pytest.raises(InsufficientDataError):
+        split_by_sequence(torch.zeros(5, dtype=torch.int64), 0.5, seed=0)
+
+
+def test_noise_by_step_is_a_ratio_of_means_and_fills_empty_buckets() -> None:
+    records = _records(64, shrink=1.0, noise=1.0)
+    buckets = noise_by_step(records, (0, 4, 100))
+    low = records.select(records.step < 4)
+    assert buckets[0].alpha == pytest.approx(float(low.sigma2.mean() / low.tau2.mean()), rel=1e-5)
+    assert buckets[2].positions == 0
+    assert buckets[2].alpha == buckets[1].alpha
+    assert buckets[2].step_stop is None
+
+
+def test_calibrated_cells_move_only_with_significant_evidence() -> None:
+    # steps 0-7: strong noise (T > 1 helps); steps 100-107: no noise (T = 1 is optimal)
+    noisy_fit, noisy_check = (_records(200, shrink=1.0, noise=2.0, seed=s) for s in (1, 2))
+    clean_fit, clean_check = (
+        _records(200, shrink=1.0, noise=1e-3, seed=s, first_step=100) for s in (3, 4)
+    )
+    fit = PositionRecords.concat([noisy_fit, clean_fit])
+    check = PositionRecords.concat([noisy_check, clean_check])
+    edges, table = fit_calibrated_table(
+        fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=50
+    )
+    assert edges == (0.0,)
+    assert table[0][0] > 1.3
+    assert table[1][0] == 1.0
+    # too little evidence: the noisy cell stays at 1 as well
+    _, sparse = fit_calibrated_table(
+        fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=500
+    )
+    assert sparse == ((1.0,), (1.0,))
+
+
+def test_rule_temperatures_from_features_match_policy_temperature_on_logits() -> None:
+    generator = torch.Generator().manual_seed(5)
+    clean = torch.randn(50, 200, generator=generator) * torch.rand(50, 1, generator=generator) * 5
+    served = clean + torch.randn(50, 200, generator=generator)
+    step = torch.arange(50) % 20
+    records = PositionRecords.from_logits(clean, served, step=step, sequence_id=0)
+    table = CalibratedTable(
+        step_edges=(0, 5),
+        entropy_edges=(0.0, 2.0, 4.0),
+        temperatures=((0.7, 1.2, 2.0), (1.5, 1.0, 3.0)),
+    )
+    for rule in Rule:
+        policy = TemperaturePolicy(
+            rule=rule,
+            fixed_temperature=1.3,
+            step_edges=(0, 10),
+            alpha_by_step=(0.2, 0.5),
+            sigma2_by_step=(1.0, 2.0),
+            fisher_var_floor=0.5,
+            schedule_t_max=2.0,
+            schedule_beta=0.1,
+            calibrated=table,
+        )
+        expected = policy_temperature(policy, step, served)
+        assert torch.allclose(rule_temperatures(policy, records), expected, rtol=1e-5), rule
+
+
+def test_quality_table_rows_closure_and_refusal() -> None:
+    records = _records(150, shrink=1.0, noise=1.5)
+    policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.5)
+    table = quality_table(records, [policy])
+    assert [r.name for r in table.rows] == ["T=1", "fixed", "oracle"]
+    assert table.row("T=1").closure == 0.0
+    assert table.row("oracle").closure == pytest.approx(1.0)
+    assert table.row("fixed").mean_kl < table.row("T=1").mean_kl
+    assert table.row("oracle").mean_kl <= table.row("fixed").mean_kl
+    assert table.same_top_rate == pytest.approx(float(records.same_top.double().mean()))
+    assert table.sequences == 20
+    assert "| fixed |" in table.to_markdown()
+    with pytest.raises(InsufficientDataError, match="at least 100"):
+        quality_table(records.select(torch.arange(99)), [policy])
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_model_dir: Path) -> Profile:
+    pair = load_pair(tiny_model_dir, spec=WeightNoiseSpec(scale=0.1, seed=2))
+    settings = CalibrationSettings(prompts=12, max_new_tokens=20, min_cell_positions=10)
+    return calibrate(pair, load_prompts()[:12], settings).profile
+
+
+def test_calibration_end_to_end_on_the_tiny_model(calibrated: Profile, tmp_path: Path) -> None:
+    quality = calibrated.quality
+    names = [r.name for r in quality.rows]
+    assert names == ["T=1", *(r.value for r in FITTED_RULES), "oracle"]
+    one, cal = quality.row("T=1"), quality.row("calibrated")
+    assert cal.mean_kl <= one.mean_kl + 2 * one.stderr
+    assert quality.row("oracle").mean_kl <= min(r.mean_kl for r in quality.rows) + 1e-6
+    assert quality.positions >= 100
+    assert calibrated.to_policy().rule == calibrated.recommended_rule
+    assert calibrated.to_policy("linear").alpha_by_step == calibrated.parameters.alpha_by_step
+    calibrated.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json") == calibrated

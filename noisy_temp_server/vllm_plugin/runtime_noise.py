@@ -1,0 +1,120 @@
+"""`RuntimeLogitNoiseProcessor`: fresh gaussian noise on the served logits at every step.
+
+Simulates analog or stochastic hardware: every row's logits get iid N(0, σ²) noise, drawn anew
+each step (`noisy_temp_server.pairs.perturb.add_runtime_logit_noise`, the one implementation the
+pair scorer uses too). It changes the argmax, so it is *not* argmax-invariant: vLLM runs it
+before penalties, the request temperature and `NoisyTemperatureLogitsProcessor`, greedy rows
+included — exactly as noisy hardware would.
+
+Configuration (read in the engine process when the processor is built):
+
+- ``NTS_RUNTIME_NOISE_SIGMA``: σ in logit units for every row (default 0: off);
+- ``NTS_RUNTIME_NOISE_SEED``: seed of the processor's generator (default 0). The noise drawn for
+  a row depends on the batch it shares, so it is reproducible for a fixed schedule only;
+- the request key ``nts_runtime_noise_sigma`` overrides σ for one request (0 turns it off).
+
+This class is *not* an entry point: the server registers it by name
+(``noisy_temp_server.vllm_plugin.runtime_noise:RuntimeLogitNoiseProcessor``) when runtime noise
+is configured, so a stock vLLM server in the same environment is never silently noised.
+Needs the V1 model runner (see `noisy_temp_server.vllm_plugin.runner`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from noisy_temp_server.pairs.perturb import add_runtime_logit_noise
+from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
+from noisy_temp_server.vllm_plugin.request_args import parse_runtime_noise_sigma
+from noisy_temp_server.vllm_plugin.runner import require_v1_model_runner
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = [
+    "RUNTIME_NOISE_SEED_ENV",
+    "RUNTIME_NOISE_SIGMA_ENV",
+    "RuntimeLogitNoiseProcessor",
+    "runtime_noise_from_env",
+]
+
+RUNTIME_NOISE_SIGMA_ENV = "NTS_RUNTIME_NOISE_SIGMA"
+RUNTIME_NOISE_SEED_ENV = "NTS_RUNTIME_NOISE_SEED"
+
+
+def runtime_noise_from_env() -> tuple[float, int]:
+    """(σ, seed) from ``NTS_RUNTIME_NOISE_SIGMA`` and ``NTS_RUNTIME_NOISE_SEED``.
+
+    Raises ValueError naming the variable when a value is not a finite σ ≥ 0 or an integer seed.
+    """
+    raw_sigma = os.environ.get(RUNTIME_NOISE_SIGMA_ENV, "").strip() or "0"
+    raw_seed = os.environ.get(RUNTIME_NOISE_SEED_ENV, "").strip() or "0"
+    try:
+        sigma = float(raw_sigma)
+    except ValueError:
+        sigma = math.nan
+    if not math.isfinite(sigma) or sigma < 0:
+        raise ValueError(
+            f"{RUNTIME_NOISE_SIGMA_ENV}={raw_sigma!r}: expected a finite number >= 0 (logit units)."
+        )
+    try:
+        seed = int(raw_seed)
+    except ValueError:
+        raise ValueError(f"{RUNTIME_NOISE_SEED_ENV}={raw_seed!r}: expected an integer.") from None
+    return sigma, seed
+
+
+class RuntimeLogitNoiseProcessor(LogitsProcessor):
+    """Adds iid N(0, σ²) noise to every row's logits at every step (see the module docstring)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Raises ValueError when ``nts_runtime_noise_sigma`` is not a finite number ≥ 0."""
+        parse_runtime_noise_sigma(sampling_params.extra_args)
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        require_v1_model_runner(vllm_config, type(self).__name__)
+        self.default_sigma, seed = runtime_noise_from_env()
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+        capacity = vllm_config.scheduler_config.max_num_seqs
+        # Rows whose σ differs from the default (a request override).
+        self._rows = BatchRows(capacity)
+        _, self._sigma = self._rows.array(torch.float32)
+
+    def is_argmax_invariant(self) -> bool:
+        """Noise reorders tokens, so greedy sampling sees it."""
+        return False
+
+    def _admit(self, row: int, params: SamplingParams, _output_ids: list[int]) -> bool:
+        sigma = parse_runtime_noise_sigma(params.extra_args)
+        if sigma is None or sigma == self.default_sigma:
+            return False
+        self._sigma[row] = sigma
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Track the rows that override σ."""
+        self._rows.update(batch_update, self._admit)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, V] float32. Returns the noised logits (a new tensor when every row shares
+        the default σ, else ``logits`` modified in place)."""
+        batch = logits.shape[0]
+        if self._rows.n_active == 0:
+            return add_runtime_logit_noise(logits, self.default_sigma, self._generator)
+        overridden = self._rows.active[:batch]
+        sigmas = self._sigma[:batch].copy()
+        sigmas[~overridden] = self.default_sigma
+        for sigma in {float(s) for s in sigmas}:
+            if sigma == 0:
+                continue
+            rows = torch.from_numpy((sigmas == sigma).nonzero()[0]).to(logits.device)
+            logits[rows] = add_runtime_logit_noise(logits[rows], sigma, self._generator)
+        return logits

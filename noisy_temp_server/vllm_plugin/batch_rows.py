@@ -6,10 +6,9 @@ batch, to be processed in the order removed → added → moved (see
 ``vllm/v1/sample/logits_processor/interface.py``). `BatchRows` applies that protocol to a set of
 columns, once, so each processor only says how a request becomes a row (`RowAdmission`).
 
-Columns are numpy arrays (views of CPU torch tensors, pinned when asked, so a processor can copy
-them to the device in one ``copy_``) plus plain Python lists for objects (e.g. the reference to a
-request's growing output-token list). A row is live iff ``active[row]``; a freed row's values
-are stale and never read.
+Columns are numpy arrays (views of CPU torch tensors) plus plain Python lists for objects (e.g.
+the reference to a request's growing output-token list). A row is live iff ``active[row]``; a
+freed row's values are stale and never read.
 """
 
 from __future__ import annotations
@@ -32,11 +31,10 @@ RowAdmission = Callable[[int, SamplingParams, list[int]], bool]
 class BatchRows:
     """``capacity`` rows (vLLM's ``max_num_seqs``) of typed array columns and object columns."""
 
-    def __init__(self, capacity: int, *, pin_memory: bool = False) -> None:
+    def __init__(self, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"batch capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._pin_memory = pin_memory
         self._arrays: list[np.ndarray[Any, Any]] = []
         self._objects: list[list[Any]] = []
         self.active_tensor, self.active = self.array(torch.bool)
@@ -46,7 +44,11 @@ class BatchRows:
         self, dtype: torch.dtype, fill: float = 0
     ) -> tuple[torch.Tensor, np.ndarray[Any, Any]]:
         """Add a column: a CPU tensor of ``capacity`` values and its numpy view (shared memory)."""
-        tensor = torch.full((self.capacity,), fill, dtype=dtype, pin_memory=self._pin_memory)
+        tensor = torch.full(
+            (self.capacity,),
+            fill,
+            dtype=dtype,
+        )
         view = tensor.numpy()
         self._arrays.append(view)
         return tensor, view

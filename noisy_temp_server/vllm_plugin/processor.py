@@ -110,7 +110,7 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
         require_v1_model_runner(vllm_config, type(self).__name__)
         self.device = torch.device(device)
         capacity = vllm_config.scheduler_config.max_num_seqs
-        self._rows = BatchRows(capacity, pin_memory=is_pin_memory)
+        self._rows = BatchRows(capacity)
         _, self._request_temperature = self._rows.array(torch.float32, 1.0)
         _, self._fixed_t = self._rows.array(torch.float32, 1.0)
         _, self._t_min = self._rows.array(torch.float32, 1.0)

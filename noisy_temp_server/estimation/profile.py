@@ -64,7 +64,7 @@ class ModelIdentity(_Frozen):
 class CalibrationSettings(_Frozen):
     """How the calibration data were made and the rules fitted (recorded for reproduction)."""
 
-    prompts: int = Field(ge=2)
+    prompts: int = Field(default=64, ge=2)
     max_new_tokens: int = Field(default=64, ge=1)
     seed: int = 0
     held_out_fraction: float = Field(default=0.5, gt=0.0, lt=1.0)

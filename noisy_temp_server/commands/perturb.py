@@ -1,0 +1,129 @@
+"""`noisy-temp-server perturb`: write a perturbed copy of a checkpoint.
+
+    noisy-temp-server perturb --spec SPEC --out DIR [--clean PATH] [--cache-dir DIR] [--replace]
+
+SPEC is a JSON file or inline JSON (see `noisy_temp_server.pairs.perturb`), e.g.
+`'{"kind": "weight_noise", "scale": 0.02}'` or `'{"kind": "quantization", "format": "int4"}'`.
+The clean checkpoint defaults to the embedded SmolLM2-135M-Instruct. The output folder is a
+checkpoint (safetensors, config, tokenizer) that transformers and vLLM both load; its manifest
+records the spec and the clean model's identity (name, weights sha256). The same spec on the
+same clean model gives byte-identical weights. A runtime-logit-noise spec writes the clean
+weights unchanged, with the spec recorded for the server's runtime noise processor.
+
+Prints the output folder on stdout and returns 0; on bad input prints what is wrong on stderr
+and returns 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from noisy_temp_server.pairs.perturb import PerturbationSpec
+
+__all__ = ["HELP", "add_arguments", "read_spec_argument", "run"]
+
+HELP = "Write a perturbed (noisy or quantised) copy of a checkpoint, with its spec recorded."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec", required=True, help="perturbation spec: a JSON file, or inline JSON"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output checkpoint folder")
+    parser.add_argument(
+        "--clean",
+        type=Path,
+        default=None,
+        help="clean checkpoint folder (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache folder of the default model (default: NTS_CACHE_DIR, else ~/.cache/...)",
+    )
+    parser.add_argument("--replace", action="store_true", help="overwrite --out if it exists")
+
+
+def read_spec_argument(value: str) -> PerturbationSpec:
+    """The spec of a `--spec` argument: inline JSON if it starts with `{`, else a file path.
+
+    Raises `PerturbationSpecError` (with what to fix) for unreadable or invalid specs.
+    """
+    from noisy_temp_server.pairs.perturb import load_spec, parse_spec  # noqa: PLC0415
+
+    return parse_spec(value) if value.lstrip().startswith("{") else load_spec(Path(value))
+
+
+def default_clean_path(cache_dir: Path | None) -> Path:
+    """The embedded default model's checkpoint folder (converted on first use)."""
+    from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.settings import Settings  # noqa: PLC0415
+
+    settings = Settings() if cache_dir is None else Settings(cache_dir=cache_dir)
+    return ensure_default_model(settings.cache_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from noisy_temp_server.pairs.checkpoint import (  # noqa: PLC0415
+        CorruptCheckpointError,
+        load_causal_lm,
+        read_manifest,
+        save_checkpoint,
+    )
+    from noisy_temp_server.pairs.perturb import (  # noqa: PLC0415
+        ExternalPairSpec,
+        PerturbationSpecError,
+        RuntimeLogitNoiseSpec,
+        apply_perturbation,
+        spec_to_json,
+    )
+
+    try:
+        spec = read_spec_argument(args.spec)
+        if isinstance(spec, ExternalPairSpec):
+            raise PerturbationSpecError(
+                "an external pair is already perturbed; pass it to `calibrate` instead"
+            )
+        if args.out.exists() and not args.replace:
+            raise FileExistsError(f"{args.out} exists; pass --replace to overwrite it")
+        clean_path = args.clean or default_clean_path(args.cache_dir)
+        clean_manifest = read_manifest(clean_path)
+        model, tokenizer = load_causal_lm(clean_path)
+        details: dict[str, object] = {}
+        if not isinstance(spec, RuntimeLogitNoiseSpec):
+            summary = apply_perturbation(model, spec)
+            details = {
+                "tensors": len(summary.tensors),
+                "elements": summary.elements,
+                "untied_output_head": summary.untied_output_head,
+            }
+        manifest = save_checkpoint(
+            args.out,
+            model,
+            tokenizer,
+            kind="perturbed",
+            description=f"{clean_path.resolve().name} with {spec.label}",
+            source=f"noisy-temp-server perturb --spec '{args.spec}'",
+            metadata={
+                "perturbation": spec_to_json(spec),
+                "clean": {
+                    "name": clean_path.resolve().name,
+                    "weights_sha256": clean_manifest.weights_sha256,
+                },
+                **details,
+            },
+            replace=args.replace,
+        )
+    except (PerturbationSpecError, CorruptCheckpointError, FileExistsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    logging.getLogger(__name__).info("weights sha256 %s", manifest.weights_sha256)
+    print(args.out)
+    return 0

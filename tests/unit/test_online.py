@@ -1,0 +1,94 @@
+"""Online estimator: starts at T = 1, refits with evidence, bounded window, thread safety."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from noisy_temp_server.estimation.online import OnlineEstimator
+from noisy_temp_server.estimation.profile import CalibrationSettings
+from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.rules import Rule
+
+
+def _request(request_id: int, rows: int = 40, noise: float = 2.0) -> PositionRecords:
+    generator = torch.Generator().manual_seed(request_id)
+    clean = torch.randn(rows, 200, generator=generator) * 2.5
+    served = clean + noise * torch.randn(rows, 200, generator=generator)
+    return PositionRecords.from_logits(
+        clean, served, step=torch.arange(rows), sequence_id=request_id
+    )
+
+
+def test_serves_t_one_until_enough_evidence_then_publishes_a_new_version() -> None:
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(
+        min_positions=400, refit_every=200, settings=settings, clock=lambda: 123.0
+    )
+    first = estimator.current_policy()
+    assert first.rule is Rule.CALIBRATED
+    assert bool((policy_temperature(first, torch.arange(5), torch.randn(5, 10)) == 1).all())
+    for request in range(9):
+        estimator.add(_request(request))
+    assert estimator.current_policy() is first  # 360 positions: not enough yet
+    estimator.add(_request(9))
+    policy = estimator.current_policy()
+    assert policy.version == first.version + 1
+    assert max(max(row) for row in policy.calibrated.temperatures) > 1.2
+    assert min(policy.alpha_by_step) > 0.3
+    status = estimator.status()
+    assert status["positions_seen"] == 400
+    assert status["healthy"] is True
+    assert status["last_refit_time"] == 123.0
+    assert len(status["alpha_by_step"]) == len(policy.step_edges)
+
+
+def test_keeps_the_rule_and_bounds_of_an_initial_policy() -> None:
+    initial = TemperaturePolicy(rule=Rule.LINEAR, version=7)
+    estimator = OnlineEstimator(initial, min_positions=100, refit_every=100)
+    for request in range(3):
+        estimator.add(_request(request))
+    policy = estimator.current_policy()
+    assert (policy.rule, policy.version, policy.bounds) == (Rule.LINEAR, 8, initial.bounds)
+
+
+def test_window_is_bounded_to_recent_requests() -> None:
+    estimator = OnlineEstimator(min_positions=100, refit_every=10_000, window_positions=100)
+    for request in range(10):
+        estimator.add(_request(request))
+    status = estimator.status()
+    assert status["positions_seen"] == 400
+    assert 100 <= status["window_positions"] < 140
+    assert status["window_requests"] == 3
+
+
+def test_failed_refit_keeps_policy_and_reports_unhealthy() -> None:
+    estimator = OnlineEstimator(min_positions=40, refit_every=40)
+    estimator.add(_request(0))  # one request: cannot split for the calibrated table
+    assert estimator.current_policy().version == 0
+    assert estimator.status()["healthy"] is False
+    assert "failed" in estimator.status()["last_error"]
+
+
+def test_concurrent_adds_and_reads() -> None:
+    estimator = OnlineEstimator(min_positions=200, refit_every=200)
+    versions: list[int] = []
+
+    def reader() -> None:
+        for _ in range(200):
+            versions.append(estimator.current_policy().version)
+            estimator.status()
+
+    threads = [threading.Thread(target=reader)] + [
+        threading.Thread(target=lambda k=k: [estimator.add(_request(10 * k + i)) for i in range(5)])
+        for k in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert estimator.status()["positions_seen"] == 600
+    assert versions == sorted(versions)
+    assert estimator.current_policy().version >= 1

@@ -139,31 +139,39 @@ def _convert(gguf_path: Path, dest: Path, identity: dict[str, Any], *, replace: 
     )
 
 
+def _reuse_problem(dest: Path, identity: dict[str, Any], *, full_verify: bool) -> str | None:
+    """Why the folder at `dest` cannot be reused, or None if it can."""
+    if not dest.exists():
+        return "it does not exist"
+    try:
+        manifest = verify_checkpoint(dest, full=full_verify, remedy=_REMEDY)
+    except CorruptCheckpointError as error:
+        return error.problem
+    return _stale_reason(manifest, identity)
+
+
 def ensure_default_model(cache_dir: Path, *, full_verify: bool = False) -> Path:
     """Return the converted default model folder under `cache_dir`, converting it if needed.
 
     An existing folder is reused if it passes `verify_checkpoint` (the fast size check, or the
     full sha256 check with `full_verify=True`) and was converted from the installed GGUF by this
-    converter version; otherwise it is converted again (logged as a warning with the reason).
-    Safe to call concurrently from several processes. Raises DefaultModelMissingError if the
-    GGUF is not installed.
+    converter version; reuse needs no write access. Otherwise it is converted again (logged as a
+    warning with the reason), under a lock file beside it, so concurrent callers from several
+    processes convert once. Raises DefaultModelMissingError if the GGUF is not installed.
     """
     gguf_path = default_gguf_path()
     dest = default_model_dir(cache_dir)
     identity = _source_identity(gguf_path)
+    if _reuse_problem(dest, identity, full_verify=full_verify) is None:
+        return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest.parent / f".{dest.name}.lock")):
+        problem = _reuse_problem(dest, identity, full_verify=full_verify)
+        if problem is None:
+            return dest
         if dest.exists():
-            try:
-                manifest = verify_checkpoint(dest, full=full_verify, remedy=_REMEDY)
-            except CorruptCheckpointError as error:
-                reason: str | None = error.problem
-            else:
-                reason = _stale_reason(manifest, identity)
-            if reason is None:
-                return dest
             logger.warning(
-                "default model at %s is unusable (%s); converting it again", dest, reason
+                "default model at %s is unusable (%s); converting it again", dest, problem
             )
         logger.info("converting the default model %s to %s (one time, ~40 s)", gguf_path.name, dest)
         started = time.monotonic()

@@ -85,6 +85,17 @@ def test_converts_once_then_reuses(tmp_path: Path, conversion: FakeConversion) -
 
 
 @pytest.mark.usefixtures("fake_gguf")
+def test_reuse_writes_nothing(tmp_path: Path, conversion: FakeConversion) -> None:
+    models = ensure_default_model(tmp_path / "cache").parent
+    for lock in models.glob(".*.lock"):
+        lock.unlink()
+    before = sorted(models.iterdir())
+    ensure_default_model(tmp_path / "cache")
+    assert sorted(models.iterdir()) == before
+    assert conversion.calls == 1
+
+
+@pytest.mark.usefixtures("fake_gguf")
 def test_truncated_weights_are_converted_again_with_a_warning(
     tmp_path: Path, conversion: FakeConversion, caplog: pytest.LogCaptureFixture
 ) -> None:

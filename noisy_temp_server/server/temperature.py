@@ -133,7 +133,8 @@ class RequestTemperature:
         )
 
     def combine(self, summaries: Sequence[NtsSummary]) -> NtsSummary:
-        """The request-level `nts` object over all choices (no per-step trace)."""
+        """The request-level `nts` object over all choices; it carries the per-step trace (when
+        asked) only for a single choice, otherwise each choice has its own."""
         steps = sum(s.steps for s in summaries)
         means = [(s.t_mean, s.steps) for s in summaries if s.t_mean is not None and s.steps]
         lows = [s.t_min for s in summaries if s.t_min is not None]
@@ -148,6 +149,7 @@ class RequestTemperature:
             t_min=min(lows, default=None),
             t_max=max(highs, default=None),
             steps=steps,
+            trace=summaries[0].trace if len(summaries) == 1 else None,
         )
 
 

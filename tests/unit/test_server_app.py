@@ -181,9 +181,11 @@ def test_fixed_rule_override_reports_its_rule_and_asked_trace(server: Harness) -
         "/v1/completions",
         {"prompt": "abc", "max_tokens": 4, "nts_rule": "fixed", "nts_t": 1.5, "nts_trace": True},
     )
-    nts = response.json()["choices"][0]["nts"]
+    body = response.json()
+    nts = body["choices"][0]["nts"]
     assert nts["rule"] == "fixed"
     assert nts["trace"] == [1.5] * 4
+    assert body["nts"]["trace"] == [1.5] * 4
     extra = server.engine.calls[0][1].extra_args or {}
     assert (extra["nts_rule"], extra["nts_t"], extra["nts_trace"]) == ("fixed", 1.5, True)
 
@@ -216,9 +218,13 @@ def test_greedy_and_untuned_requests_report_t_one(server: Harness, body: dict[st
 
 
 def test_n_choices_run_as_separate_seeded_engine_requests(server: Harness) -> None:
-    response = server.post("/v1/completions", {"prompt": "ab", "max_tokens": 2, "n": 3, "seed": 5})
+    response = server.post(
+        "/v1/completions",
+        {"prompt": "ab", "max_tokens": 2, "n": 3, "seed": 5, "nts_trace": True},
+    )
     body = response.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["nts"]["trace"] is None
     assert all(c["nts"]["steps"] == 2 for c in body["choices"])
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
     assert body["nts"]["steps"] == 6

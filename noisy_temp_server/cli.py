@@ -17,6 +17,9 @@ from noisy_temp_server import __version__
 # subcommand name -> module under noisy_temp_server.commands
 COMMANDS: dict[str, str] = {
     "model": "model",
+    "perturb": "perturb",
+    "calibrate": "calibrate",
+    "serve": "serve",
 }
 
 

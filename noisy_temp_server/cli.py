@@ -18,7 +18,6 @@ from noisy_temp_server import __version__
 COMMANDS: dict[str, str] = {
     "model": "model",
     "perturb": "perturb",
-    "calibrate": "calibrate",
     "serve": "serve",
 }
 

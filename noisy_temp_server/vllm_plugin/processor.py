@@ -58,6 +58,7 @@ from noisy_temp_server.vllm_plugin.metrics import (
     step_temperature_metrics,
 )
 from noisy_temp_server.vllm_plugin.request_args import (
+    default_policy_json,
     parse_request_args,
     resolve_request,
 )
@@ -106,8 +107,10 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
     ) -> None:
         """vLLM's constructor signature; ``registry`` (default: prometheus_client's ``REGISTRY``)
         receives ``nts_step_temperature``. The trace sender comes from ``NTS_TRACE_ENDPOINT``.
-        Raises `ModelRunnerV2Error` under Model Runner V2."""
+        Raises `ModelRunnerV2Error` under Model Runner V2, and ValueError when
+        ``NTS_POLICY_FILE`` is set but unreadable or invalid (at startup, not on a request)."""
         require_v1_model_runner(vllm_config, type(self).__name__)
+        default_policy_json()
         self.device = torch.device(device)
         capacity = vllm_config.scheduler_config.max_num_seqs
         self._rows = BatchRows(capacity)

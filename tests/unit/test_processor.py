@@ -240,6 +240,16 @@ def test_default_policy_comes_from_the_policy_file(
     torch.testing.assert_close(processor.apply(logits.clone()), logits / 2.0)
 
 
+def test_bad_policy_file_fails_at_startup(
+    registry: CollectorRegistry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "policy.json"
+    path.write_text('{"rule": "lukewarm"}')
+    monkeypatch.setenv(POLICY_FILE_ENV, str(path))
+    with pytest.raises(ValueError, match="NTS_POLICY_FILE"):
+        _processor(registry)
+
+
 def test_refuses_model_runner_v2(registry: CollectorRegistry) -> None:
     with pytest.raises(ModelRunnerV2Error, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         _processor(registry, use_v2_model_runner=True)

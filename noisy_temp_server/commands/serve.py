@@ -69,6 +69,7 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
     """
     from noisy_temp_server.pairs.checkpoint import (  # noqa: PLC0415
         load_causal_lm,
+        read_manifest,
         save_checkpoint,
         verify_checkpoint,
     )
@@ -98,7 +99,16 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
         kind="perturbed",
         description=f"{clean_dir.name} with {spec.label}",
         source=f"noisy-temp-server serve: {clean_dir} perturbed by the spec in metadata",
-        metadata={"spec": spec_to_json(spec), "perturbed_tensors": len(summary.tensors)},
+        metadata={
+            "perturbation": spec_to_json(spec),
+            "clean": {
+                "name": clean_dir.resolve().name,
+                "weights_sha256": read_manifest(clean_dir).weights_sha256,
+            },
+            "tensors": len(summary.tensors),
+            "elements": summary.elements,
+            "untied_output_head": summary.untied_output_head,
+        },
     )
     return dest
 
@@ -194,13 +204,16 @@ def run(args: argparse.Namespace) -> int:
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
     environment = prepare_environment(settings)
-    try:
-        return _serve(settings, environment.trace_endpoint, args.log_level)
-    finally:
-        environment.cleanup()
+    with contextlib.ExitStack() as stack:
+        stack.callback(environment.cleanup)
+        return _serve(settings, environment.trace_endpoint, args.log_level, stack)
 
 
-def _serve(settings: Settings, trace_endpoint: str, log_level: str) -> int:
+def _serve(
+    settings: Settings, trace_endpoint: str, log_level: str, stack: contextlib.ExitStack[Any]
+) -> int:
+    """Start everything, registering its teardown on `stack`, and serve until stopped. The
+    app's lifespan closes `stack` (see `create_app`'s `on_shutdown`)."""
     import uvicorn  # noqa: PLC0415
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -231,32 +244,32 @@ def _serve(settings: Settings, trace_endpoint: str, log_level: str) -> int:
     )
     _policy_gauges(metrics)(initial)
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
-    with contextlib.ExitStack() as stack:
-        collector = stack.enter_context(TraceCollector(trace_endpoint))
-        with _phase("Starting the vLLM engine"):
-            engine = start_engine(settings, pair.served, model_name)
-        stack.callback(engine.shutdown)
-        if shadow is not None:
-            shadow.start()
-            stack.callback(shadow.close)
-        app = create_app(
-            settings,
-            engine,
-            tokenizer=tokenizer,
-            model_name=model_name,
-            max_model_len=settings.max_model_len,
-            policy_source=policy_source,
-            metrics=metrics,
-            metrics_registry=serving_registry(),
-            trace_source=collector,
-            shadow=shadow,
-        )
-        _LOGGER.info(
-            "Serving %s on http://%s:%d (startup took %.1f s)",
-            model_name,
-            settings.host,
-            settings.port,
-            time.perf_counter() - started,
-        )
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    collector = stack.enter_context(TraceCollector(trace_endpoint))
+    with _phase("Starting the vLLM engine"):
+        engine = start_engine(settings, pair.served, model_name)
+    stack.callback(engine.shutdown)
+    if shadow is not None:
+        shadow.start()
+        stack.callback(shadow.close)
+    app = create_app(
+        settings,
+        engine,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        max_model_len=settings.max_model_len,
+        policy_source=policy_source,
+        metrics=metrics,
+        metrics_registry=serving_registry(),
+        trace_source=collector,
+        shadow=shadow,
+        on_shutdown=stack.close,
+    )
+    _LOGGER.info(
+        "Serving %s on http://%s:%d (startup took %.1f s)",
+        model_name,
+        settings.host,
+        settings.port,
+        time.perf_counter() - started,
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
     return 0

@@ -21,12 +21,13 @@ Greedy and tuning-off requests are never touched by the processor and report T* 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -194,15 +195,25 @@ def create_app(
     metrics_registry: CollectorRegistry,
     trace_source: TraceSource | None,
     shadow: ShadowScorer | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """Build the app. Nothing here starts or stops the engine, the trace collector or the shadow
-    thread: their owner (the `serve` command, or a test) does.
+    """Build the app. Nothing here starts the engine, the trace collector or the shadow thread:
+    their owner (the `serve` command, or a test) does, and passes `on_shutdown` to stop them
+    when the app's lifespan ends (uvicorn re-raises SIGTERM/SIGINT after its shutdown, so code
+    after `uvicorn.run` may never run).
 
     `metrics_registry` is what `/metrics` serves (in production the multiprocess registry, see
     `server.metrics`); `metrics` must be registered where that registry sees it. Without a
     `trace_source` tuned requests report no per-step T (`t_mean` etc. null).
     """
-    app = FastAPI(title="noisy-temp-server", version="1")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="noisy-temp-server", version="1", lifespan=lifespan)
     install_error_handlers(app)
     app.middleware("http")(http_metrics_middleware(metrics))
     api_key = settings.api_key.get_secret_value() if settings.api_key else None

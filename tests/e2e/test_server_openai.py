@@ -38,6 +38,26 @@ _SERVE = (
 )
 
 
+def _descendants(pid: int) -> set[int]:
+    """Process ids below `pid` (Linux /proc)."""
+    found: set[int] = set()
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found.add(child)
+            pending.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -87,6 +107,7 @@ def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             if time.monotonic() > deadline:
                 pytest.fail(f"server not healthy in time:\n{log_path.read_text()[-4000:]}")
             time.sleep(1.0)
+        engine_processes = _descendants(process.pid)
         yield url
     finally:
         process.terminate()
@@ -95,6 +116,13 @@ def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    deadline = time.monotonic() + 30
+    while _alive(engine_processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    leftover = _alive(engine_processes)
+    for pid in leftover:
+        os.kill(pid, 9)
+    assert not leftover, f"engine processes outlived the server: {leftover}"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,103 @@
+"""`noisy-temp-server calibrate`: fit every temperature rule on a clean/served pair.
+
+    noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
+        [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
+        [--held-out-fraction F] [--records FILE] [--report DIR] [--device DEV]
+
+The served model samples completions for the prompts (default: the shipped set), the pair is
+scored, every rule is fitted on part of the prompts and measured on the rest; the profile
+(`noisy_temp_server.estimation.profile`) is written to --out and the held-out quality table
+printed. `--records` also saves the per-position records (safetensors); `--report DIR` writes
+the markdown + PNG report of the four reference experiments on the clean model
+(`noisy_temp_server.estimation.report`), and may be given alone. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from noisy_temp_server.commands.perturb import default_clean_path, read_spec_argument
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "Fit every temperature rule on a clean/served pair and write the profile (and a report)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pair = parser.add_mutually_exclusive_group()
+    pair.add_argument("--served", type=Path, help="served checkpoint (e.g. from `perturb`)")
+    pair.add_argument("--spec", help="perturbation spec applied in memory (JSON file or inline)")
+    parser.add_argument("--out", type=Path, help="profile file to write (JSON)")
+    parser.add_argument(
+        "--clean", type=Path, default=None, help="clean checkpoint (default: embedded SmolLM2)"
+    )
+    parser.add_argument("--cache-dir", type=Path, default=None, help="cache of the default model")
+    parser.add_argument("--prompts", type=Path, default=None, help="JSONL prompt file")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="completion length")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and split seed")
+    parser.add_argument("--held-out-fraction", type=float, default=0.5)
+    parser.add_argument("--records", type=Path, default=None, help="save records here")
+    parser.add_argument("--report", type=Path, default=None, help="write the report here")
+    parser.add_argument("--device", default="cpu", help="torch device for scoring")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from noisy_temp_server.estimation.calibration import (  # noqa: PLC0415
+        InsufficientDataError,
+        calibrate,
+        load_pair,
+    )
+    from noisy_temp_server.estimation.profile import CalibrationSettings  # noqa: PLC0415
+    from noisy_temp_server.estimation.prompts import PromptSetError, load_prompts  # noqa: PLC0415
+    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
+
+    has_pair = args.served is not None or args.spec is not None
+    if not has_pair and args.report is None:
+        print("error: give --served or --spec (with --out), and/or --report", file=sys.stderr)
+        return 1
+    if has_pair and args.out is None:
+        print("error: --out PROFILE.json is required to calibrate a pair", file=sys.stderr)
+        return 1
+    try:
+        clean_path = args.clean or default_clean_path(args.cache_dir)
+        if has_pair:
+            prompts = load_prompts(args.prompts)[: args.num_prompts]
+            settings = CalibrationSettings(
+                prompts=len(prompts),
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                held_out_fraction=args.held_out_fraction,
+            )
+            spec = read_spec_argument(args.spec) if args.spec else None
+            pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
+            result = calibrate(pair, prompts, settings, device=args.device)
+            result.profile.save(args.out)
+            if args.records is not None:
+                from noisy_temp_server.pairs.scorer import PositionRecords  # noqa: PLC0415
+
+                PositionRecords.concat([result.fit, result.held_out]).save(args.records)
+            print(result.profile.quality.to_markdown())
+            print(f"recommended rule: {result.profile.recommended_rule.value}; profile: {args.out}")
+        if args.report is not None:
+            from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
+
+            print(write_report(clean_path, args.report, device=args.device))
+    except (
+        InsufficientDataError,
+        PromptSetError,
+        PerturbationSpecError,
+        CorruptCheckpointError,
+        ValidationError,
+        ValueError,
+    ) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,78 @@
+"""`perturb` and `calibrate` commands end to end on the tiny model (fast settings)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from noisy_temp_server.commands import calibrate as calibrate_command
+from noisy_temp_server.commands import perturb as perturb_command
+from noisy_temp_server.estimation.profile import ModelIdentity, Profile, ProfileError
+
+
+def _run(module: object, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return int(module.run(parser.parse_args(argv)))  # type: ignore[attr-defined]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_perturb_then_calibrate(tiny_model_dir: Path, tmp_path: Path) -> None:
+    spec = '{"kind": "quantization", "format": "int4", "group_size": 16}'
+    for name in ("a", "b"):
+        argv = ["--spec", spec, "--out", str(tmp_path / name), "--clean", str(tiny_model_dir)]
+        assert _run(perturb_command, argv) == 0
+    assert _sha(tmp_path / "a") == _sha(tmp_path / "b") != _sha(tiny_model_dir)
+
+    profile_path = tmp_path / "profile.json"
+    argv = [
+        "--clean",
+        str(tiny_model_dir),
+        "--served",
+        str(tmp_path / "a"),
+        "--out",
+        str(profile_path),
+        "--num-prompts",
+        "12",
+        "--max-new-tokens",
+        "20",
+        "--records",
+        str(tmp_path / "records.safetensors"),
+        "--report",
+        str(tmp_path / "report"),
+    ]
+    assert _run(calibrate_command, argv) == 0
+    clean, served = (ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, tmp_path / "a"))
+    profile = Profile.load_for_pair(profile_path, clean, served)
+    assert profile.perturbation is not None
+    assert profile.perturbation.kind == "quantization"
+    assert (tmp_path / "report" / "report.md").is_file()
+    assert len(list((tmp_path / "report").glob("*.png"))) == 4
+    with pytest.raises(ProfileError, match="served model"):
+        Profile.load_for_pair(profile_path, clean, clean)
+
+
+def test_calibrate_refuses_too_few_positions(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--clean",
+        str(tiny_model_dir),
+        "--spec",
+        '{"kind": "weight_noise", "scale": 0.1}',
+        "--out",
+        str(tmp_path / "p.json"),
+        "--num-prompts",
+        "4",
+        "--max-new-tokens",
+        "4",
+    ]
+    assert _run(calibrate_command, argv) == 1
+    assert "at least 100" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -390,7 +390,9 @@ def create_app(
         try:
             await engine.check_health()
         except Exception as error:
-            return openai_error_from_exception(error).response()
+            return OpenAIError(
+                f"The engine cannot serve ({type(error).__name__}: {error}).", status_code=503
+            ).response()
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -462,7 +462,7 @@ def test_models_health_and_status(server: Harness) -> None:
     assert status["estimator"] == {"enabled": False, "origin": "test"}
     assert status["shadow"] == {"enabled": False}
     server.engine.dead = True
-    assert server.client.get("/health").status_code == 500
+    assert server.client.get("/health").status_code == 503
 
 
 def test_server_defaults_apply_unless_the_request_overrides_them() -> None:

@@ -2,7 +2,9 @@
 
 Registered under the ``vllm.logits_processors`` entry point (``noisy_temperature``), so every
 vLLM engine in this environment loads it; it does nothing for a request unless that request (or
-the engine's default policy, ``NTS_POLICY_FILE``) selects a rule other than ``off``.
+the engine's default policy, ``NTS_POLICY_FILE``) selects a rule other than ``off``. Do not
+also pass it in ``logits_processors``: vLLM would build it twice; the second instance for the
+same engine config logs a warning and does nothing (`duplicate`), so T* is applied once.
 
 Where it runs (``vllm/v1/sample/sampler.py``): it is argmax-invariant, so vLLM applies it in
 ``Sampler.sample`` *after* penalties, the request's own temperature and the builtin min-p
@@ -42,6 +44,7 @@ with vLLM's Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=0``).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,6 +74,9 @@ if TYPE_CHECKING:
 __all__ = ["NoisyTemperatureLogitsProcessor"]
 
 _LOGGER = logging.getLogger(__name__)
+_INSTANCES: weakref.WeakValueDictionary[int, NoisyTemperatureLogitsProcessor] = (
+    weakref.WeakValueDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,16 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
         ``NTS_POLICY_FILE`` is set but unreadable or invalid (at startup, not on a request)."""
         require_v1_model_runner(vllm_config, type(self).__name__)
         default_policy_json()
+        # Loaded twice into one engine (entry point + logits_processors=[...]) it would apply
+        # T* twice; the second instance for the same config stays inert.
+        self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
+        self.duplicate = _INSTANCES.setdefault(id(vllm_config), self) is not self
+        if self.duplicate:
+            _LOGGER.warning(
+                "%s is loaded twice into one engine (it is an installed entry point; do not "
+                "also pass it in logits_processors). The second instance does nothing.",
+                type(self).__name__,
+            )
         self.device = torch.device(device)
         capacity = vllm_config.scheduler_config.max_num_seqs
         self._rows = BatchRows(capacity)
@@ -138,6 +154,8 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
         return True
 
     def _admit(self, row: int, params: SamplingParams, output_ids: list[int]) -> bool:
+        if self.duplicate:
+            return False
         resolved = resolve_request(parse_request_args(params.extra_args), params.temperature)
         if resolved is None:
             return False

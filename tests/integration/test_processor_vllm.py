@@ -1,7 +1,7 @@
 """The temperature processor inside a real vLLM engine (CPU, tiny model).
 
 The processor is an installed entry point (``vllm.logits_processors``), so every engine loads
-it; it must not also be passed in ``logits_processors`` (it would then run twice).
+it; it is not passed in ``logits_processors`` as well (a second copy would stay inert).
 """
 
 from __future__ import annotations

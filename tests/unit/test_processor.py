@@ -250,6 +250,17 @@ def test_bad_policy_file_fails_at_startup(
         _processor(registry)
 
 
+def test_second_instance_for_one_engine_is_inert(registry: CollectorRegistry) -> None:
+    config = _config()
+    first = NoisyTemperatureLogitsProcessor(config, torch.device("cpu"), False, registry=registry)
+    second = NoisyTemperatureLogitsProcessor(config, torch.device("cpu"), False, registry=registry)
+    assert (first.duplicate, second.duplicate) == (False, True)
+    for processor in (first, second):
+        _add(processor, 1, (0, _params(nts_rule="fixed", nts_t=2.0), []))
+    logits = _logits(1)
+    torch.testing.assert_close(second.apply(first.apply(logits.clone())), logits / 2.0)
+
+
 def test_refuses_model_runner_v2(registry: CollectorRegistry) -> None:
     with pytest.raises(ModelRunnerV2Error, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         _processor(registry, use_v2_model_runner=True)

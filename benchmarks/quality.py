@@ -1,6 +1,6 @@
 """Held-out quality of every temperature rule on the embedded default model, per perturbation.
 
-    .venv/bin/python benchmarks/quality.py [--num-prompts 24] [--max-new-tokens 32] [--device cpu]
+    .venv/bin/python benchmarks/quality.py [--num-prompts 24] [--max-new-tokens 32] [--threads N]
 
 For gaussian weight noise 0.01, 0.02, 0.05, int4 RTN (group 128), int8, fp8 e4m3 and runtime
 logit noise sigma = 1, runs the calibration pipeline (served-model completions, pair scoring,
@@ -16,6 +16,8 @@ import json
 import logging
 import time
 from pathlib import Path
+
+import torch
 
 from noisy_temp_server.estimation.calibration import calibrate, load_pair
 from noisy_temp_server.estimation.profile import CalibrationSettings
@@ -47,7 +49,15 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 is much faster on a loaded, shared machine",
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     started = time.monotonic()

@@ -1,7 +1,8 @@
 """The temperature processor inside a real vLLM engine (CPU, tiny model).
 
 The processor is an installed entry point (``vllm.logits_processors``), so every engine loads
-it; it is not passed in ``logits_processors`` as well (a second copy would stay inert).
+it. The engine here also gets it in ``logits_processors`` (as a user of a stock vLLM might do):
+the second instance must stay inert, which the exact-scale test below would catch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TraceCollect
 def llm(tiny_model_dir: Path, collector: TraceCollector) -> Iterator[Any]:
     from vllm import LLM  # noqa: PLC0415
 
+    from noisy_temp_server.vllm_plugin.processor import (  # noqa: PLC0415
+        NoisyTemperatureLogitsProcessor,
+    )
+
     saved = {k: os.environ.get(k) for k in (TRACE_ENDPOINT_ENV, "VLLM_USE_V2_MODEL_RUNNER")}
     os.environ[TRACE_ENDPOINT_ENV] = collector.endpoint
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -42,6 +47,7 @@ def llm(tiny_model_dir: Path, collector: TraceCollector) -> Iterator[Any]:
         max_model_len=256,
         max_num_seqs=8,
         logprobs_mode="processed_logprobs",
+        logits_processors=[NoisyTemperatureLogitsProcessor],
         enforce_eager=True,
         seed=0,
     )

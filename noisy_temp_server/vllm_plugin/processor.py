@@ -16,16 +16,18 @@ With ``logprobs_mode="processed_logprobs"`` the returned logprobs include T*.
 Per step, for the tuned rows only:
 
 1. the generation step of each row is ``len(output_token_ids)`` (vLLM keeps a live reference to
-   that list; 0 while the first token is sampled);
+   that list; 0 while the first token is sampled; vLLM's builtin min-tokens processor relies on
+   the same length);
 2. rows are grouped by (policy snapshot, rule) -- usually one or two groups -- and
    `policy_temperature` (the one implementation of rule → T) runs once per group. Rules that
    read the served row (`Rule.needs_served_logits`) get the logits multiplied back by the
    request temperature, i.e. the served logits z̃ (after penalties);
 3. the rows' logits are divided by T* in place; untuned rows are not touched.
 
-Bad rows never stop the engine: a row whose logits contain NaN or +inf (or are all -inf), or
-whose T* comes out non-finite, gets T* = 1 (its logits are left as they are) and is counted in
-`NoisyTemperatureLogitsProcessor.bad_rows` (the first one is logged).
+Bad rows never stop the engine: a row whose logits contain NaN or +inf, or whose T* comes out
+non-finite or <= 0, gets T* = 1 (its logits are left as they are) and is counted in
+`NoisyTemperatureLogitsProcessor.bad_rows` (the first one is logged). (A rule that reads a row
+with no finite logit gets NaN statistics, which `policy_temperature` already maps to T* = 1.)
 
 Reporting: T* reaches the host with one ``.tolist()`` of the tuned rows' values per step (free
 on CPU; one small device→host sync on GPU), then feeds the ``nts_step_temperature`` histogram

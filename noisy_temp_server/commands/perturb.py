@@ -71,54 +71,22 @@ def default_clean_path(cache_dir: Path | None) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from noisy_temp_server.pairs.checkpoint import (  # noqa: PLC0415
-        CorruptCheckpointError,
-        load_causal_lm,
-        read_manifest,
-        save_checkpoint,
-    )
-    from noisy_temp_server.pairs.perturb import (  # noqa: PLC0415
-        ExternalPairSpec,
-        PerturbationSpecError,
-        RuntimeLogitNoiseSpec,
-        apply_perturbation,
-        spec_to_json,
+    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbed_checkpoint import (  # noqa: PLC0415
+        write_perturbed_checkpoint,
     )
 
     try:
         spec = read_spec_argument(args.spec)
-        if isinstance(spec, ExternalPairSpec):
-            raise PerturbationSpecError(
-                "an external pair is already perturbed; pass it to `calibrate` instead"
-            )
         if args.out.exists() and not args.replace:
             raise FileExistsError(f"{args.out} exists; pass --replace to overwrite it")
         clean_path = args.clean or default_clean_path(args.cache_dir)
-        clean_manifest = read_manifest(clean_path)
-        model, tokenizer = load_causal_lm(clean_path)
-        details: dict[str, object] = {}
-        if not isinstance(spec, RuntimeLogitNoiseSpec):
-            summary = apply_perturbation(model, spec)
-            details = {
-                "tensors": len(summary.tensors),
-                "elements": summary.elements,
-                "untied_output_head": summary.untied_output_head,
-            }
-        manifest = save_checkpoint(
+        manifest = write_perturbed_checkpoint(
+            clean_path,
+            spec,
             args.out,
-            model,
-            tokenizer,
-            kind="perturbed",
-            description=f"{clean_path.resolve().name} with {spec.label}",
             source=f"noisy-temp-server perturb --spec '{args.spec}'",
-            metadata={
-                "perturbation": spec_to_json(spec),
-                "clean": {
-                    "name": clean_path.resolve().name,
-                    "weights_sha256": clean_manifest.weights_sha256,
-                },
-                **details,
-            },
             replace=args.replace,
         )
     except (PerturbationSpecError, CorruptCheckpointError, FileExistsError) as error:

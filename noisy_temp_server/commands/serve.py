@@ -67,17 +67,10 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
     `cache_dir/served/<clean name>-<spec hash>`; later calls reuse it after the fast integrity
     check. Raises ValueError for a spec that does not change weights.
     """
-    from noisy_temp_server.pairs.checkpoint import (  # noqa: PLC0415
-        load_causal_lm,
-        read_manifest,
-        save_checkpoint,
-        verify_checkpoint,
-    )
-    from noisy_temp_server.pairs.perturb import (  # noqa: PLC0415
-        QuantizationSpec,
-        WeightNoiseSpec,
-        apply_perturbation,
-        spec_to_json,
+    from noisy_temp_server.pairs.checkpoint import verify_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import QuantizationSpec, WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbed_checkpoint import (  # noqa: PLC0415
+        write_perturbed_checkpoint,
     )
 
     if not isinstance(spec, WeightNoiseSpec | QuantizationSpec):
@@ -90,25 +83,11 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
     if dest.exists():
         verify_checkpoint(dest, full=False)
         return dest
-    model, tokenizer = load_causal_lm(clean_dir)
-    summary = apply_perturbation(model, spec)
-    save_checkpoint(
+    write_perturbed_checkpoint(
+        clean_dir,
+        spec,
         dest,
-        model,
-        tokenizer,
-        kind="perturbed",
-        description=f"{clean_dir.name} with {spec.label}",
         source=f"noisy-temp-server serve: {clean_dir} perturbed by the spec in metadata",
-        metadata={
-            "perturbation": spec_to_json(spec),
-            "clean": {
-                "name": clean_dir.resolve().name,
-                "weights_sha256": read_manifest(clean_dir).weights_sha256,
-            },
-            "tensors": len(summary.tensors),
-            "elements": summary.elements,
-            "untied_output_head": summary.untied_output_head,
-        },
     )
     return dest
 

@@ -12,14 +12,18 @@ The pipeline (`calibrate`):
    on Var_q; `schedule` fits (t_max, beta); `calibrated` is a `CalibratedTable` (see
    `fit_calibrated_table`);
 5. the quality table (`quality_table`) compares T = 1, every rule, calibrated and the oracle on
-   the held-out prompts.
+   the held-out prompts;
+6. the recommended rule (`recommend_rule`) is the lowest-KL rule whose paired held-out gain over
+   T = 1 is significant, else `off`: no rule is served on the strength of noise.
 
 KL of a rule at a position is read off the position's KL curve at the rule's T
 (`interpolate_kl`, within about 0.2% of the exact KL); T = 1 and the oracle use the exact values.
 
 Standard errors of mean KL are cluster-robust by sequence (positions of one completion are
-correlated, so treating them as independent would overstate the evidence); the same-top-token
-rate gets the binomial standard error. Temperature never changes the argmax, so that rate is a
+correlated, so treating them as independent would overstate the evidence); so are those of the
+paired gains KL(T=1) - KL(rule), which decide significance: a gain is significant when its mean
+minus `SIGNIFICANCE_STDERRS` (2) standard errors is > 0. The same-top-token rate gets the
+binomial standard error. Temperature never changes the argmax, so that rate is a
 property of the pair, the same for every rule.
 """
 
@@ -79,6 +83,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FITTED_RULES",
+    "SIGNIFICANCE_STDERRS",
     "CalibrationResult",
     "InsufficientDataError",
     "LoadedPair",
@@ -91,6 +96,7 @@ __all__ = [
     "load_pair",
     "noise_by_step",
     "quality_table",
+    "recommend_rule",
     "rule_temperatures",
     "score_pair",
     "split_by_sequence",
@@ -106,6 +112,8 @@ FITTED_RULES: tuple[Rule, ...] = (
     Rule.SCHEDULE,
     Rule.CALIBRATED,
 )
+SIGNIFICANCE_STDERRS = 2.0
+"""A gain is significant when its mean minus this many standard errors is > 0."""
 _SEARCH_POINTS = 801
 _FISHER_FLOORS = torch.logspace(-3, 3, 61)
 _SCHEDULE_BETAS = torch.cat([torch.zeros(1), torch.logspace(-4, 1, 41)])
@@ -228,6 +236,11 @@ def _cluster_stderr(values: Tensor, sequence_ids: Tensor) -> float:
     return math.sqrt(correction * float(sums.square().sum())) / count
 
 
+def _is_significant(gain: float, stderr: float) -> bool:
+    """Whether a mean gain with this standard error is significant (module docstring)."""
+    return gain - SIGNIFICANCE_STDERRS * stderr > 0
+
+
 def _entropy_edges(entropy: Tensor, buckets: int) -> tuple[float, ...]:
     """Edges (from 0) splitting the served entropy into `buckets` quantile buckets."""
     if buckets == 1 or entropy.numel() == 0:
@@ -285,7 +298,7 @@ def fit_calibrated_table(
                 torch.full((len(check_rows),), t),
             )
             gain = check_rows.kl_at_one.double() - at_t.double()
-            if float(gain.mean()) - 2 * _cluster_stderr(gain, check_rows.sequence_id) > 0:
+            if _is_significant(float(gain.mean()), _cluster_stderr(gain, check_rows.sequence_id)):
                 table[s][e] = t
     return entropy_edges, tuple(tuple(row) for row in table)
 
@@ -400,6 +413,7 @@ def _quality_row(
     kl: Tensor,
     temperatures: Tensor,
     sequence_ids: Tensor,
+    kl_at_one: Tensor,
     kl_one: float,
     kl_oracle: float,
 ) -> QualityRow:
@@ -407,10 +421,13 @@ def _quality_row(
     mean = float(kl.mean())
     percentiles = torch.quantile(kl, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
     gap = kl_one - kl_oracle
+    gain = kl_at_one.double() - kl
     return QualityRow(
         name=name,
         mean_kl=mean,
         stderr=_cluster_stderr(kl, sequence_ids),
+        gain=float(gain.mean()),
+        gain_stderr=_cluster_stderr(gain, sequence_ids),
         p50=percentiles[0],
         p90=percentiles[1],
         p99=percentiles[2],
@@ -426,6 +443,8 @@ def quality_table(
 ) -> QualityTable:
     """The quality table on `records` (held-out): T = 1, each policy's rule, and the oracle.
 
+    Rows are named by rule value (give at most one policy per rule), with "T=1" and "oracle".
+
     Positions whose KL is infinite at every T (the served row masks a token the clean row
     supports) are left out. Raises `InsufficientDataError` below `min_positions` positions.
     """
@@ -440,7 +459,13 @@ def quality_table(
     kl_one = float(records.kl_at_one.double().mean())
     kl_oracle = float(records.oracle_kl.double().mean())
     ids = records.sequence_id
-    row = functools.partial(_quality_row, sequence_ids=ids, kl_one=kl_one, kl_oracle=kl_oracle)
+    row = functools.partial(
+        _quality_row,
+        sequence_ids=ids,
+        kl_at_one=records.kl_at_one,
+        kl_one=kl_one,
+        kl_oracle=kl_oracle,
+    )
     rows = [row("T=1", kl=records.kl_at_one, temperatures=ones)]
     for policy in policies:
         t = rule_temperatures(policy, records)
@@ -456,6 +481,24 @@ def quality_table(
         same_top_stderr=math.sqrt(rate * (1 - rate) / len(records)),
         rows=tuple(rows),
     )
+
+
+def recommend_rule(quality: QualityTable, rules: Sequence[Rule] = FITTED_RULES) -> Rule:
+    """The rule to serve: among `rules` (rows of `quality`, held-out), the one with the lowest
+    mean KL among those whose paired gain over T = 1 is significant; `Rule.OFF` when none is.
+
+    A rule that looks better than T = 1 only by noise is never recommended, so the served rule
+    is not worse than T = 1 beyond statistical noise. (Six rules are tested at about 2 standard
+    errors each; the held-out set is not used for fitting, only for this choice.)
+    """
+    significant = [
+        row
+        for row in (quality.row(rule.value) for rule in rules)
+        if _is_significant(row.gain, row.gain_stderr)
+    ]
+    if not significant:
+        return Rule.OFF
+    return Rule(min(significant, key=lambda row: row.mean_kl).name)
 
 
 class _RuntimeNoise(LogitsProcessor):
@@ -649,8 +692,8 @@ def calibrate_records(
 ) -> CalibrationResult:
     """Split `records` by prompt, fit every rule on the fit part, measure on the held-out part.
 
-    The recommended rule is the one with the lowest held-out mean KL among `off` and the fitted
-    rules. Raises `InsufficientDataError` when the held-out part is too small to report on.
+    The recommended rule is `recommend_rule` on the held-out quality table. Raises
+    `InsufficientDataError` when the held-out part is too small to report on.
     """
     fit_mask, held_mask = split_by_sequence(
         records.sequence_id, settings.held_out_fraction, settings.seed
@@ -659,9 +702,7 @@ def calibrate_records(
     parameters, noise = fit_rules(fit, settings)
     policies = [parameters.to_policy(rule) for rule in FITTED_RULES]
     quality = quality_table(held_out, policies, settings.min_quality_positions)
-    candidates = [quality.row("T=1"), *(quality.row(r.value) for r in FITTED_RULES)]
-    best = min(candidates, key=lambda r: r.mean_kl)
-    recommended = Rule.OFF if best.name == "T=1" else Rule(best.name)
+    recommended = recommend_rule(quality)
     profile = Profile(
         clean=pair_identity[0],
         served=pair_identity[1],

@@ -17,13 +17,19 @@ from noisy_temp_server.estimation.calibration import (
     load_pair,
     noise_by_step,
     quality_table,
+    recommend_rule,
     rule_temperatures,
     split_by_sequence,
 )
-from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
+from noisy_temp_server.estimation.profile import (
+    CalibrationSettings,
+    Profile,
+    QualityRow,
+    QualityTable,
+)
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
-from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.pairs.scorer import KL_CURVE_TEMPERATURES, PositionRecords
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     TemperaturePolicy,
@@ -158,6 +164,93 @@ def test_quality_table_rows_closure_and_refusal() -> None:
         quality_table(records.select(torch.arange(99)), [policy])
 
 
+def _curve_records(log_optimum: list[float], *, positions: int = 10) -> PositionRecords:
+    """Records whose KL curves are exactly 0.01 + 0.1 (ln T - ln t_s)^2, one optimum t_s per
+    sequence (`positions` positions each): the paired gain of any T is known in closed form."""
+    rows = len(log_optimum) * positions
+    optimum = torch.tensor(log_optimum).repeat_interleave(positions)  # [N]
+    grid = KL_CURVE_TEMPERATURES
+
+    def kl(log_t: torch.Tensor) -> torch.Tensor:
+        return 0.01 + 0.1 * (log_t - optimum).square()
+
+    curve = 0.01 + 0.1 * (grid.log()[None, :] - optimum[:, None]).square()
+    ones = torch.ones(rows)
+    return PositionRecords(
+        sequence_id=torch.arange(len(log_optimum)).repeat_interleave(positions),
+        step=torch.arange(rows) % positions,
+        tau2=ones,
+        sigma2=ones,
+        alpha=ones,
+        var_p_clean=ones,
+        kl_at_one=kl(torch.zeros(rows)),
+        oracle_t=optimum.exp(),
+        oracle_kl=kl(optimum),
+        same_top=torch.ones(rows, dtype=torch.bool),
+        served_entropy=ones,
+        served_var=ones,
+        served_top_prob=ones / 2,
+        kl_curve=curve,
+        curve_temperatures=grid,
+    )
+
+
+def _step_policies(temperature: float) -> list[TemperaturePolicy]:
+    """fixed, linear and sqrt policies that all serve `temperature` at every step."""
+    return [
+        TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=temperature),
+        TemperaturePolicy(rule=Rule.LINEAR, alpha_by_step=(temperature - 1,)),
+        TemperaturePolicy(rule=Rule.SQRT, alpha_by_step=(temperature**2 - 1,)),
+    ]
+
+
+def test_a_gain_within_noise_is_not_recommended() -> None:
+    # Optima alternate between e^0.32 and e^-0.28 by sequence (mean ln t = 0.02): T = 1.01 is
+    # better than T = 1 on average, but by far less than its paired standard error.
+    records = _curve_records([0.02 + 0.3 * (-1) ** s for s in range(20)])
+    table = quality_table(records, _step_policies(1.01), min_positions=100)
+    for rule in ("fixed", "linear", "sqrt"):
+        row = table.row(rule)
+        assert 0 < row.gain < 2 * row.gain_stderr, rule
+        assert row.mean_kl < table.row("T=1").mean_kl
+    assert recommend_rule(table, (Rule.FIXED, Rule.LINEAR, Rule.SQRT)) is Rule.OFF
+
+
+def test_a_clear_gain_is_recommended_and_the_best_significant_rule_wins() -> None:
+    records = _curve_records([0.25 + 0.05 * (-1) ** s for s in range(20)])
+    policies = [
+        TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.28),
+        TemperaturePolicy(rule=Rule.LINEAR, alpha_by_step=(0.1,)),
+    ]
+    table = quality_table(records, policies, min_positions=100)
+    assert table.row("fixed").gain > 10 * table.row("fixed").gain_stderr
+    assert table.row("linear").gain > 2 * table.row("linear").gain_stderr
+    assert recommend_rule(table, (Rule.FIXED, Rule.LINEAR)) is Rule.FIXED
+
+
+def test_a_lower_but_insignificant_kl_loses_to_a_significant_rule() -> None:
+    def row(name: str, mean_kl: float, gain_stderr: float) -> QualityRow:
+        return QualityRow(
+            name=name,
+            mean_kl=mean_kl,
+            stderr=0.01,
+            gain=0.1 - mean_kl,
+            gain_stderr=gain_stderr,
+            p50=mean_kl,
+            p90=mean_kl,
+            p99=mean_kl,
+            closure=None,
+            mean_temperature=1.0,
+        )
+
+    rows = (row("T=1", 0.1, 0.0), row("fixed", 0.08, 0.011), row("linear", 0.09, 0.004))
+    table = QualityTable(
+        positions=1000, sequences=10, same_top_rate=1.0, same_top_stderr=0.0, rows=rows
+    )
+    assert recommend_rule(table, (Rule.FIXED, Rule.LINEAR)) is Rule.LINEAR
+    assert recommend_rule(table, (Rule.FIXED,)) is Rule.OFF
+
+
 @pytest.fixture(scope="module")
 def calibrated(tiny_model_dir: Path) -> Profile:
     pair = load_pair(tiny_model_dir, spec=WeightNoiseSpec(scale=0.1, seed=2))
@@ -174,6 +267,7 @@ def test_calibration_end_to_end_on_the_tiny_model(calibrated: Profile, tmp_path:
     assert quality.row("oracle").mean_kl <= min(r.mean_kl for r in quality.rows) + 1e-6
     assert quality.positions >= 100
     assert calibrated.to_policy().rule == calibrated.recommended_rule
+    assert calibrated.recommended_rule == recommend_rule(quality)
     assert calibrated.to_policy("linear").alpha_by_step == calibrated.parameters.alpha_by_step
     calibrated.save(tmp_path / "profile.json")
     assert Profile.load(tmp_path / "profile.json") == calibrated

@@ -30,6 +30,8 @@ def _profile() -> Profile:
         name="T=1",
         mean_kl=0.1,
         stderr=0.01,
+        gain=0.0,
+        gain_stderr=0.0,
         p50=0.05,
         p90=0.2,
         p99=0.5,

@@ -30,6 +30,7 @@ property of the pair, the same for every rule.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import math
@@ -74,9 +75,9 @@ from noisy_temp_server.temperature.rules import (
     Rule,
     TemperatureBounds,
     clamp_temperature,
-    fisher_temperature,
     schedule_temperature,
 )
+from noisy_temp_server.temperature.stats import ServedRowFeatures
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -303,14 +304,12 @@ def fit_calibrated_table(
     return entropy_edges, tuple(tuple(row) for row in table)
 
 
-def _fisher_floor(records: PositionRecords, sigma2: Tensor, bounds: TemperatureBounds) -> float:
-    """The Var_q floor (searched over 1e-3..1e3) minimising mean KL of the fisher rule."""
+def _fisher_floor(records: PositionRecords, fisher: TemperaturePolicy) -> float:
+    """The Var_q floor (searched over 1e-3..1e3) minimising mean KL of the `fisher` policy."""
     best, best_kl = float(_FISHER_FLOORS[0]), math.inf
     for floor in _FISHER_FLOORS.tolist():
-        t = clamp_temperature(
-            fisher_temperature(sigma2, records.served_var, floor), bounds.t_min, bounds.t_max
-        )
-        kl = float(_mean_kl(records, t))
+        candidate = dataclasses.replace(fisher, fisher_var_floor=floor)
+        kl = float(_mean_kl(records, rule_temperatures(candidate, records)))
         if kl < best_kl:
             best, best_kl = floor, kl
     return best
@@ -350,8 +349,6 @@ def fit_rules(
     """
     bounds = settings.bounds
     noise = noise_by_step(records, settings.step_edges)
-    sigma2_by_step = torch.tensor([n.sigma2 for n in noise], dtype=torch.float32)
-    row_sigma2 = sigma2_by_step[_step_bucket(records.step, settings.step_edges)]
     table_fit, table_check = split_by_sequence(
         records.sequence_id, settings.validation_fraction, settings.seed + 1
     )
@@ -364,16 +361,26 @@ def fit_rules(
         min_cell_positions=settings.min_cell_positions,
     )
     t_max, beta = _schedule(records, bounds)
+    step_edges = tuple(settings.step_edges)
+    alpha_by_step = tuple(max(n.alpha, 0.0) for n in noise)
+    sigma2_by_step = tuple(max(n.sigma2, 0.0) for n in noise)
+    fisher = TemperaturePolicy(
+        rule=Rule.FISHER,
+        bounds=bounds,
+        step_edges=step_edges,
+        alpha_by_step=alpha_by_step,
+        sigma2_by_step=sigma2_by_step,
+    )
     parameters = RuleParameters(
         t_min=bounds.t_min,
         t_max=bounds.t_max,
         fixed_temperature=best_curve_temperature(
             records.kl_curve, records.curve_temperatures, bounds
         ),
-        step_edges=tuple(settings.step_edges),
-        alpha_by_step=tuple(max(n.alpha, 0.0) for n in noise),
-        sigma2_by_step=tuple(max(n.sigma2, 0.0) for n in noise),
-        fisher_var_floor=_fisher_floor(records, row_sigma2, bounds),
+        step_edges=step_edges,
+        alpha_by_step=alpha_by_step,
+        sigma2_by_step=sigma2_by_step,
+        fisher_var_floor=_fisher_floor(records, fisher),
         schedule_t_max=t_max,
         schedule_beta=beta,
         calibrated_step_edges=tuple(settings.step_edges),
@@ -386,25 +393,15 @@ def fit_rules(
 def rule_temperatures(policy: TemperaturePolicy, records: PositionRecords) -> Tensor:
     """T of `policy` at every position of `records` -> float32 [N], within the policy bounds.
 
-    Rules that read only the step go through `policy_temperature`. `fisher` and `calibrated`
-    read the served row, which records keep as features (Var_q, entropy) rather than logits,
-    so they are evaluated here from those features with the policy's own tables and the rule
-    functions, exactly as `policy_temperature` does from logits.
+    `policy_temperature` (the one implementation of rule -> T), with the served-row features
+    the records keep (entropy, Var_q, top probability) in place of the served logits.
     """
-    rule = policy.rule
-    if not rule.needs_served_logits:
-        return policy_temperature(policy, records.step)
-    if rule is Rule.FISHER:
-        sigma2 = torch.tensor(policy.sigma2_by_step)[_step_bucket(records.step, policy.step_edges)]
-        t = fisher_temperature(sigma2, records.served_var, policy.fisher_var_floor)
-    else:
-        table = policy.calibrated
-        temperatures = torch.tensor(table.temperatures, dtype=torch.float32).flatten()
-        cell = _step_bucket(records.step, table.step_edges) * len(
-            table.entropy_edges
-        ) + _entropy_bucket(records.served_entropy, table.entropy_edges)
-        t = temperatures[cell]
-    return clamp_temperature(t.float(), policy.bounds.t_min, policy.bounds.t_max)
+    features = ServedRowFeatures(
+        entropy=records.served_entropy,
+        var_q=records.served_var,
+        top_prob=records.served_top_prob,
+    )
+    return policy_temperature(policy, records.step, served_features=features)
 
 
 def _quality_row(

@@ -259,6 +259,29 @@ def _entropy_bucket(entropy: Tensor, edges: Sequence[float]) -> Tensor:
     return (torch.bucketize(entropy.float(), boundaries, right=True) - 1).clamp(min=0)
 
 
+def _refined_temperature(
+    parent: float,
+    fit: PositionRecords,
+    validation: PositionRecords,
+    bounds: TemperatureBounds,
+    min_positions: int,
+) -> float:
+    """The best shared T of `fit`, if it beats `parent` significantly on `validation`; else
+    `parent`. Cells with fewer than `min_positions` positions in either set keep `parent`."""
+    if min(len(fit), len(validation)) < min_positions:
+        return parent
+    candidate = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
+    at_parent, at_candidate = (
+        interpolate_kl(
+            validation.kl_curve, validation.curve_temperatures, torch.full((len(validation),), t)
+        ).double()
+        for t in (parent, candidate)
+    )
+    gain = at_parent - at_candidate
+    significant = _is_significant(float(gain.mean()), _cluster_stderr(gain, validation.sequence_id))
+    return candidate if significant else parent
+
+
 def fit_calibrated_table(
     fit: PositionRecords,
     validation: PositionRecords,
@@ -268,40 +291,44 @@ def fit_calibrated_table(
     bounds: TemperatureBounds,
     min_cell_positions: int,
 ) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
-    """The calibrated table: one T per (step bucket, served-entropy bucket).
+    """The calibrated table: one T per (step bucket, served-entropy bucket), fitted top-down.
 
-    Entropy edges are quantiles of `fit`'s served entropy. A cell's T is the best shared T of
-    its `fit` positions, kept only if the cell has at least `min_cell_positions` positions in
-    both sets and its improvement over T = 1 on `validation` is significant: the mean paired
-    difference KL(1) - KL(T) minus 2 cluster-robust standard errors is > 0. Every other cell
-    stays at T = 1, so the table never does worse than T = 1 beyond statistical noise.
-    Returns (entropy_edges, temperatures [step buckets][entropy buckets]).
+    Every node of the hierarchy (all positions -> step bucket -> step bucket x entropy bucket)
+    starts from its parent's T (the root's parent is T = 1). Its own T is the best shared T of
+    its `fit` positions, kept only if the node has at least `min_cell_positions` positions in
+    both sets and that T beats the parent's on the node's `validation` positions significantly
+    (paired gain minus 2 cluster-robust standard errors > 0); otherwise the node inherits the
+    parent's T. So a single global T is found whenever the evidence supports one, a split is
+    made only where the cell's own evidence demands it, a cell with thin evidence takes the
+    coarser estimate rather than 1, and with no evidence at all the table stays at T = 1: it
+    never does worse than T = 1 beyond statistical noise. Entropy edges are quantiles of
+    `fit`'s served entropy. Returns (entropy_edges, temperatures [step buckets][entropy
+    buckets]).
     """
     entropy_edges = _entropy_edges(fit.served_entropy, entropy_buckets)
-    fit_cells = _step_bucket(fit.step, step_edges) * len(entropy_edges) + _entropy_bucket(
-        fit.served_entropy, entropy_edges
+    refine = functools.partial(
+        _refined_temperature, bounds=bounds, min_positions=min_cell_positions
     )
-    validation_cells = _step_bucket(validation.step, step_edges) * len(
-        entropy_edges
-    ) + _entropy_bucket(validation.served_entropy, entropy_edges)
-    table = [[1.0] * len(entropy_edges) for _ in step_edges]
+    fit_steps, validation_steps = (_step_bucket(r.step, step_edges) for r in (fit, validation))
+    fit_entropy, validation_entropy = (
+        _entropy_bucket(r.served_entropy, entropy_edges) for r in (fit, validation)
+    )
+    root = refine(1.0, fit, validation)
+    table = []
     for s in range(len(step_edges)):
-        for e in range(len(entropy_edges)):
-            cell = s * len(entropy_edges) + e
-            fit_rows = fit.select(fit_cells == cell)
-            check_rows = validation.select(validation_cells == cell)
-            if min(len(fit_rows), len(check_rows)) < min_cell_positions:
-                continue
-            t = best_curve_temperature(fit_rows.kl_curve, fit_rows.curve_temperatures, bounds)
-            at_t = interpolate_kl(
-                check_rows.kl_curve,
-                check_rows.curve_temperatures,
-                torch.full((len(check_rows),), t),
+        step_fit, step_validation = fit_steps == s, validation_steps == s
+        step_t = refine(root, fit.select(step_fit), validation.select(step_validation))
+        table.append(
+            tuple(
+                refine(
+                    step_t,
+                    fit.select(step_fit & (fit_entropy == e)),
+                    validation.select(step_validation & (validation_entropy == e)),
+                )
+                for e in range(len(entropy_edges))
             )
-            gain = check_rows.kl_at_one.double() - at_t.double()
-            if _is_significant(float(gain.mean()), _cluster_stderr(gain, check_rows.sequence_id)):
-                table[s][e] = t
-    return entropy_edges, tuple(tuple(row) for row in table)
+        )
+    return entropy_edges, tuple(table)
 
 
 def _fisher_floor(records: PositionRecords, fisher: TemperaturePolicy) -> float:
@@ -345,8 +372,11 @@ def fit_rules(
     """Fit every rule's parameters on `records` (the fit set; see the module docstring).
 
     The calibrated table is fitted on part of the sequences and checked on the others
-    (`settings.validation_fraction`), so the held-out set stays untouched.
+    (`settings.validation_fraction`), so the held-out set stays untouched. Positions whose KL
+    is infinite at every T (the served row masks a token the clean row supports) carry no
+    information about T and are left out, as in `quality_table`.
     """
+    records = records.select(torch.isfinite(records.kl_at_one))
     bounds = settings.bounds
     noise = noise_by_step(records, settings.step_edges)
     table_fit, table_check = split_by_sequence(

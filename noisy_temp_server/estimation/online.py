@@ -5,8 +5,8 @@ model and hands each request's `PositionRecords` to `OnlineEstimator.add`. The e
 bounded window of the most recent records and, once it holds `min_positions` positions and at
 least `refit_every` new ones arrived since the last fit, refits every rule with the calibration
 code (`fit_rules`: alpha / sigma2 by step bucket, fisher floor, schedule, and the calibrated
-table with its significance check) and publishes a new `TemperaturePolicy` whose version is one
-higher. The rule served stays the one it started with.
+table, fitted top-down with a significance check at every split) and publishes a new
+`TemperaturePolicy` whose version is one higher. The rule served stays the one it started with.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit

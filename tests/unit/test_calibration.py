@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,56 @@ def test_noise_by_step_is_a_ratio_of_means_and_fills_empty_buckets() -> None:
     assert buckets[2].step_stop is None
 
 
-def test_calibrated_cells_move_only_with_significant_evidence() -> None:
+def _hierarchy_records(
+    log_optimum_of_step: Callable[[torch.Tensor], torch.Tensor], seed: int, spread: float = 0.05
+) -> tuple[PositionRecords, PositionRecords]:
+    """(fit, validation) records of 40 sequences x 24 steps each: the optimum of a position is
+    exp(log_optimum_of_step(step) + a per-sequence N(0, spread^2) offset)."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences, steps = 40, 24
+    offset = spread * torch.randn(sequences, generator=generator)
+    step = torch.arange(steps).repeat(sequences)
+    sequence_id = torch.arange(sequences).repeat_interleave(steps)
+    records = _curve_records(
+        log_optimum_of_step(step) + offset[sequence_id], sequence_id=sequence_id, step=step
+    )
+    return records.select(sequence_id < 20), records.select(sequence_id >= 20)
+
+
+def _fit_table(fit: PositionRecords, validation: PositionRecords) -> torch.Tensor:
+    edges, table = fit_calibrated_table(
+        fit,
+        validation,
+        step_edges=(0, 4, 12),
+        entropy_buckets=2,
+        bounds=BOUNDS,
+        min_cell_positions=40,
+    )
+    assert edges == (0.0, 1.5)
+    return torch.tensor(table)
+
+
+def test_calibrated_table_finds_one_global_temperature() -> None:
+    fit, validation = _hierarchy_records(lambda step: torch.full(step.shape, math.log(1.1)), 1)
+    table = _fit_table(fit, validation)
+    assert table.shape == (3, 2)
+    assert bool(((table - 1.1).abs() < 0.04).all()), table
+    assert torch.unique(table).numel() == 1  # no cell beats the global T on its own evidence
+
+
+def test_calibrated_table_splits_by_step_bucket_when_the_optimum_differs() -> None:
+    fit, validation = _hierarchy_records(lambda step: torch.where(step < 4, 0.4, 0.0), 2)
+    table = _fit_table(fit, validation)
+    assert bool(((table[0] - math.exp(0.4)).abs() < 0.06).all()), table
+    assert bool(((table[1:] - 1.0).abs() < 0.04).all()), table
+
+
+def test_calibrated_table_stays_at_one_on_pure_noise() -> None:
+    fit, validation = _hierarchy_records(lambda step: torch.zeros(step.shape), 3, spread=0.3)
+    assert bool((_fit_table(fit, validation) == 1.0).all())
+
+
+def test_calibrated_table_needs_evidence_in_every_node() -> None:
     # steps 0-7: strong noise (T > 1 helps); steps 100-107: no noise (T = 1 is optimal)
     noisy_fit, noisy_check = (_records(200, shrink=1.0, noise=2.0, seed=s) for s in (1, 2))
     clean_fit, clean_check = (
@@ -113,8 +163,13 @@ def test_calibrated_cells_move_only_with_significant_evidence() -> None:
     )
     assert edges == (0.0,)
     assert table[0][0] > 1.3
-    assert table[1][0] == 1.0
-    # too little evidence: the noisy cell stays at 1 as well
+    assert table[1][0] == pytest.approx(1.0, abs=0.01)
+    # a bucket too thin to judge alone inherits the global T, not 1
+    _, thin = fit_calibrated_table(
+        fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=300
+    )
+    assert thin[0][0] == thin[1][0] > 1.1
+    # too little evidence anywhere: T = 1 everywhere
     _, sparse = fit_calibrated_table(
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=500
     )
@@ -164,34 +219,44 @@ def test_quality_table_rows_closure_and_refusal() -> None:
         quality_table(records.select(torch.arange(99)), [policy])
 
 
-def _curve_records(log_optimum: list[float], *, positions: int = 10) -> PositionRecords:
-    """Records whose KL curves are exactly 0.01 + 0.1 (ln T - ln t_s)^2, one optimum t_s per
-    sequence (`positions` positions each): the paired gain of any T is known in closed form."""
-    rows = len(log_optimum) * positions
-    optimum = torch.tensor(log_optimum).repeat_interleave(positions)  # [N]
+def _curve_records(
+    log_optimum: torch.Tensor, *, sequence_id: torch.Tensor, step: torch.Tensor
+) -> PositionRecords:
+    """Records whose KL curves are exactly 0.01 + 0.1 (ln T - log_optimum)^2 (all [N]), so the
+    gain of any T is known in closed form. Served entropy is 1 + step % 2."""
+    rows = log_optimum.shape[0]
     grid = KL_CURVE_TEMPERATURES
 
     def kl(log_t: torch.Tensor) -> torch.Tensor:
-        return 0.01 + 0.1 * (log_t - optimum).square()
+        return 0.01 + 0.1 * (log_t - log_optimum).square()
 
-    curve = 0.01 + 0.1 * (grid.log()[None, :] - optimum[:, None]).square()
     ones = torch.ones(rows)
     return PositionRecords(
-        sequence_id=torch.arange(len(log_optimum)).repeat_interleave(positions),
-        step=torch.arange(rows) % positions,
+        sequence_id=sequence_id,
+        step=step,
         tau2=ones,
         sigma2=ones,
         alpha=ones,
         var_p_clean=ones,
         kl_at_one=kl(torch.zeros(rows)),
-        oracle_t=optimum.exp(),
-        oracle_kl=kl(optimum),
+        oracle_t=log_optimum.exp(),
+        oracle_kl=kl(log_optimum),
         same_top=torch.ones(rows, dtype=torch.bool),
-        served_entropy=ones,
+        served_entropy=1.0 + (step % 2).float(),
         served_var=ones,
         served_top_prob=ones / 2,
-        kl_curve=curve,
+        kl_curve=0.01 + 0.1 * (grid.log()[None, :] - log_optimum[:, None]).square(),
         curve_temperatures=grid,
+    )
+
+
+def _sequence_records(log_optimum: list[float], positions: int = 10) -> PositionRecords:
+    """`_curve_records` with one optimum per sequence, `positions` positions (steps) each."""
+    count = len(log_optimum)
+    return _curve_records(
+        torch.tensor(log_optimum).repeat_interleave(positions),
+        sequence_id=torch.arange(count).repeat_interleave(positions),
+        step=torch.arange(positions).repeat(count),
     )
 
 
@@ -207,7 +272,7 @@ def _step_policies(temperature: float) -> list[TemperaturePolicy]:
 def test_a_gain_within_noise_is_not_recommended() -> None:
     # Optima alternate between e^0.32 and e^-0.28 by sequence (mean ln t = 0.02): T = 1.01 is
     # better than T = 1 on average, but by far less than its paired standard error.
-    records = _curve_records([0.02 + 0.3 * (-1) ** s for s in range(20)])
+    records = _sequence_records([0.02 + 0.3 * (-1) ** s for s in range(20)])
     table = quality_table(records, _step_policies(1.01), min_positions=100)
     for rule in ("fixed", "linear", "sqrt"):
         row = table.row(rule)
@@ -217,7 +282,7 @@ def test_a_gain_within_noise_is_not_recommended() -> None:
 
 
 def test_a_clear_gain_is_recommended_and_the_best_significant_rule_wins() -> None:
-    records = _curve_records([0.25 + 0.05 * (-1) ** s for s in range(20)])
+    records = _sequence_records([0.25 + 0.05 * (-1) ** s for s in range(20)])
     policies = [
         TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.28),
         TemperaturePolicy(rule=Rule.LINEAR, alpha_by_step=(0.1,)),

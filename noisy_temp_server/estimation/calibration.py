@@ -54,7 +54,7 @@ from noisy_temp_server.estimation.profile import (
     StepBucketNoise,
 )
 from noisy_temp_server.estimation.prompts import Prompt, encode_prompt
-from noisy_temp_server.pairs.checkpoint import load_causal_lm, read_manifest
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import (
     PerturbationSpec,
     QuantizationSpec,
@@ -62,7 +62,6 @@ from noisy_temp_server.pairs.perturb import (
     WeightNoiseSpec,
     add_runtime_logit_noise,
     apply_perturbation,
-    parse_spec,
 )
 from noisy_temp_server.pairs.scorer import (
     PairScorer,
@@ -631,36 +630,33 @@ def load_pair(
     With `served_path` (a checkpoint, e.g. from `noisy-temp-server perturb`), its manifest's
     recorded perturbation is used, and a recorded clean identity must match `clean_path`
     (ValueError naming both otherwise). With `spec` instead, weight perturbations are applied to
-    an in-memory copy of the clean model (its identity then carries the clean weights' sha256
-    and the spec names the change), and a runtime-noise spec serves the clean weights.
+    an in-memory copy of the clean model and a runtime-noise spec serves the clean weights; the
+    served identity is then `ModelIdentity.perturbed(clean, spec)`, which a profile matches
+    against the checkpoint `perturb` writes for the same spec.
     """
     clean_model, tokenizer = load_causal_lm(clean_path, device=device)
     clean = ModelIdentity.of_checkpoint(clean_path)
     if served_path is not None:
         served_model, _ = load_causal_lm(served_path, device=device)
         served = ModelIdentity.of_checkpoint(served_path)
-        metadata = read_manifest(served_path).metadata
-        recorded_clean = metadata.get("clean")
-        if recorded_clean and recorded_clean.get("weights_sha256") != clean.weights_sha256:
+        recorded_clean = served.clean_weights_sha256
+        if recorded_clean is not None and recorded_clean != clean.weights_sha256:
             raise ValueError(
-                f"{served_path} was made from {recorded_clean.get('name')} (weights sha256 "
-                f"{str(recorded_clean.get('weights_sha256'))[:12]}...), not from {clean_path}; "
-                "pass the clean checkpoint it was made from"
+                f"{served_path} was made from weights sha256 {recorded_clean[:12]}..., not from "
+                f"{clean_path} ({clean.describe()}); pass the clean checkpoint it was made from"
             )
-        recorded = metadata.get("perturbation")
-        spec = parse_spec(recorded) if recorded else spec
+        spec = served.perturbation or spec
         return LoadedPair(clean_model, served_model, tokenizer, clean, served, spec)
     if spec is None:
         raise ValueError("give a served checkpoint or a perturbation spec")
     if isinstance(spec, WeightNoiseSpec | QuantizationSpec):
         served_model = copy.deepcopy(clean_model)
         apply_perturbation(served_model, spec)
-        served = ModelIdentity(
-            name=f"{clean.name} + {spec.label} (in memory)", weights_sha256=clean.weights_sha256
-        )
+        served = ModelIdentity.perturbed(clean, spec)
         return LoadedPair(clean_model, served_model, tokenizer, clean, served, spec)
     if isinstance(spec, RuntimeLogitNoiseSpec):
-        return LoadedPair(clean_model, clean_model, tokenizer, clean, clean, spec)
+        served = ModelIdentity.perturbed(clean, spec)
+        return LoadedPair(clean_model, clean_model, tokenizer, clean, served, spec)
     return load_pair(spec.clean_path, served_path=spec.served_path, device=device)
 
 

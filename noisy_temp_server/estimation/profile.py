@@ -1,7 +1,9 @@
 """The profile file: what calibration measured about one clean/served pair, and how to serve it.
 
-A profile (JSON, `Profile.save` / `Profile.load`) records the pair's identity (name and weights
-sha256 of both checkpoints, from their manifests), the perturbation spec, the calibration
+A profile (JSON, `Profile.save` / `Profile.load`) records the pair's identity (`ModelIdentity`:
+name and weights sha256 of both models, and for a perturbed one the clean weights' sha256 and
+the spec, so a profile calibrated with the perturbation applied in memory is accepted for the
+checkpoint `perturb` or `serve` writes for the same spec), the perturbation spec, the calibration
 settings, alpha / sigma2 / tau2 by generation-step bucket, the fitted parameters of every rule
 (the calibrated table among them) and the held-out quality table. `Profile.to_policy(rule)`
 turns it into the `TemperaturePolicy` the server applies.
@@ -21,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from noisy_temp_server.pairs.checkpoint import read_manifest
-from noisy_temp_server.pairs.perturb import PerturbationSpec
+from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec, parse_spec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
@@ -49,16 +51,82 @@ class _Frozen(BaseModel):
 
 
 class ModelIdentity(_Frozen):
-    """A checkpoint as the profile knows it: folder name and sha256 of its weights file."""
+    """A model as a profile knows it.
+
+    Attributes:
+        name: a display name (the checkpoint folder's name).
+        weights_sha256: sha256 of the weights file; None for weights that exist only in memory
+            (a perturbation applied at calibration time, never written).
+        clean_weights_sha256: for a model made from a clean checkpoint by `perturbation`, that
+            checkpoint's weights sha256 (recorded in the manifest `perturb` and `serve` write).
+        perturbation: the spec that made this model from that clean checkpoint (a runtime
+            logit noise spec leaves the weights as they are but is part of what is served).
+
+    Two identities `match` when they record the same perturbation (or none) and either the same
+    weights or the same clean weights: the same spec on the same clean weights gives
+    byte-identical weights, whether written by `perturb`, by `serve`, or applied in memory.
+    """
 
     name: str
-    weights_sha256: str
+    weights_sha256: str | None
+    clean_weights_sha256: str | None = None
+    perturbation: PerturbationSpec | None = None
 
     @classmethod
     def of_checkpoint(cls, path: Path) -> ModelIdentity:
-        """Identity of a checkpoint folder, from its manifest (CorruptCheckpointError if none)."""
+        """Identity of a checkpoint folder, from its manifest (CorruptCheckpointError if none;
+        PerturbationSpecError if the manifest records an invalid perturbation)."""
         manifest = read_manifest(path)
-        return cls(name=Path(path).resolve().name, weights_sha256=manifest.weights_sha256)
+        recorded_clean = manifest.metadata.get("clean")
+        recorded_spec = manifest.metadata.get("perturbation")
+        return cls(
+            name=Path(path).resolve().name,
+            weights_sha256=manifest.weights_sha256,
+            clean_weights_sha256=(
+                recorded_clean.get("weights_sha256") if isinstance(recorded_clean, dict) else None
+            ),
+            perturbation=parse_spec(recorded_spec) if recorded_spec else None,
+        )
+
+    @classmethod
+    def perturbed(cls, clean: ModelIdentity, spec: PerturbationSpec) -> ModelIdentity:
+        """`clean` perturbed by `spec` in memory: no weights sha256 (the weights were never
+        written), except for runtime logit noise, which serves the clean weights."""
+        unchanged = isinstance(spec, RuntimeLogitNoiseSpec)
+        return cls(
+            name=f"{clean.name} + {spec.label}",
+            weights_sha256=clean.weights_sha256 if unchanged else None,
+            clean_weights_sha256=clean.weights_sha256,
+            perturbation=spec,
+        )
+
+    def matches(self, other: ModelIdentity) -> bool:
+        """Whether `other` is the same model (see the class docstring)."""
+        if self.perturbation != other.perturbation:
+            return False
+        same_weights = self.weights_sha256 is not None and (
+            self.weights_sha256 == other.weights_sha256
+        )
+        same_clean = self.clean_weights_sha256 is not None and (
+            self.clean_weights_sha256 == other.clean_weights_sha256
+        )
+        return same_weights or same_clean
+
+    def describe(self) -> str:
+        """One line for error messages: name, weights and how the model was made."""
+        weights = (
+            "weights only in memory"
+            if self.weights_sha256 is None
+            else f"weights sha256 {self.weights_sha256[:12]}..."
+        )
+        if self.perturbation is None:
+            return f"{self.name} ({weights})"
+        clean = (
+            "an unrecorded clean model"
+            if self.clean_weights_sha256 is None
+            else f"clean weights sha256 {self.clean_weights_sha256[:12]}..."
+        )
+        return f"{self.name} ({weights}; {self.perturbation.label} of {clean})"
 
 
 class CalibrationSettings(_Frozen):
@@ -252,22 +320,26 @@ class Profile(_Frozen):
             raise ProfileError(f"profile {path} failed validation: {error}") from error
 
     def check_pair(self, clean: ModelIdentity, served: ModelIdentity) -> None:
-        """Raise `ProfileError` unless this profile was measured on exactly this pair."""
+        """Raise `ProfileError` unless this profile was measured on this pair: each recorded
+        identity must `match` the actual one (same weights, or the same perturbation of the
+        same clean weights)."""
         for role, recorded, actual in (
             ("clean", self.clean, clean),
             ("served", self.served, served),
         ):
-            if recorded.weights_sha256 != actual.weights_sha256:
+            if not recorded.matches(actual):
                 raise ProfileError(
-                    f"the profile was calibrated for {role} model {recorded.name} (weights sha256 "
-                    f"{recorded.weights_sha256[:12]}...), but the {role} model is {actual.name} "
-                    f"(weights sha256 {actual.weights_sha256[:12]}...); calibrate this pair with "
+                    f"the profile was calibrated for {role} model {recorded.describe()}, but the "
+                    f"{role} model is {actual.describe()}; calibrate this pair with "
                     "`noisy-temp-server calibrate`"
                 )
 
     @classmethod
     def load_for_pair(cls, path: Path, clean: ModelIdentity, served: ModelIdentity) -> Profile:
-        """`load`, then `check_pair`."""
+        """`load`, then `check_pair` (its `ProfileError` then names the file as well)."""
         profile = cls.load(path)
-        profile.check_pair(clean, served)
+        try:
+            profile.check_pair(clean, served)
+        except ProfileError as error:
+            raise ProfileError(f"profile {path}: {error}") from error
         return profile

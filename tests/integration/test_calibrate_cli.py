@@ -56,6 +56,36 @@ def test_perturb_then_calibrate(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert len(list((tmp_path / "report").glob("*.png"))) == 4
     with pytest.raises(ProfileError, match="served model"):
         Profile.load_for_pair(profile_path, clean, clean)
+    # the same spec applied in memory is the same served model
+    assert profile.perturbation is not None
+    in_memory = ModelIdentity.perturbed(clean, profile.perturbation)
+    assert Profile.load_for_pair(profile_path, clean, in_memory) == profile
+
+
+def test_profile_calibrated_in_memory_serves_the_perturbed_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    spec = '{"kind": "weight_noise", "scale": 0.1, "seed": 3}'
+    profile_path = tmp_path / "profile.json"
+    argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(profile_path)]
+    assert _run(calibrate_command, [*argv, "--num-prompts", "12", "--max-new-tokens", "20"]) == 0
+    for name, written_spec in (("same", spec), ("other", spec.replace('"seed": 3', '"seed": 4'))):
+        argv = [
+            "--spec",
+            written_spec,
+            "--out",
+            str(tmp_path / name),
+            "--clean",
+            str(tiny_model_dir),
+        ]
+        assert _run(perturb_command, argv) == 0
+    clean, same, other = (
+        ModelIdentity.of_checkpoint(p)
+        for p in (tiny_model_dir, tmp_path / "same", tmp_path / "other")
+    )
+    assert Profile.load_for_pair(profile_path, clean, same).served.weights_sha256 is None
+    with pytest.raises(ProfileError, match=r"weights only in memory.*the served model is other"):
+        Profile.load_for_pair(profile_path, clean, other)
 
 
 def test_calibrate_refuses_too_few_positions(

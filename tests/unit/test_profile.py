@@ -17,7 +17,7 @@ from noisy_temp_server.estimation.profile import (
     RuleParameters,
     StepBucketNoise,
 )
-from noisy_temp_server.pairs.perturb import QuantizationSpec
+from noisy_temp_server.pairs.perturb import QuantizationSpec, RuntimeLogitNoiseSpec
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -96,6 +96,60 @@ def test_mismatched_pair_names_the_model(tmp_path: Path) -> None:
         Profile.load_for_pair(tmp_path / "p.json", CLEAN, other)
     with pytest.raises(ProfileError, match="clean model clean"):
         Profile.load_for_pair(tmp_path / "p.json", other, SERVED)
+
+
+INT4 = QuantizationSpec(format="int4", group_size=64)
+WRITTEN_INT4 = ModelIdentity(
+    name="written", weights_sha256="d" * 64, clean_weights_sha256="a" * 64, perturbation=INT4
+)
+
+
+@pytest.mark.parametrize(
+    ("recorded", "actual"),
+    [
+        (ModelIdentity.perturbed(CLEAN, INT4), WRITTEN_INT4),
+        (WRITTEN_INT4, ModelIdentity.perturbed(CLEAN, INT4)),
+        (WRITTEN_INT4, WRITTEN_INT4.model_copy(update={"name": "copied"})),
+    ],
+    ids=["in-memory profile, written model", "written profile, in-memory model", "same weights"],
+)
+def test_same_perturbation_of_the_same_clean_model_is_the_same_served_model(
+    tmp_path: Path, recorded: ModelIdentity, actual: ModelIdentity
+) -> None:
+    _profile().model_copy(update={"served": recorded}).save(tmp_path / "p.json")
+    assert Profile.load_for_pair(tmp_path / "p.json", CLEAN, actual).served == recorded
+
+
+@pytest.mark.parametrize(
+    ("recorded", "actual", "message"),
+    [
+        (
+            ModelIdentity.perturbed(CLEAN, INT4),
+            WRITTEN_INT4.model_copy(
+                update={"perturbation": INT4.model_copy(update={"group_size": 32})}
+            ),
+            r"int4 RTN \(group 64\) of clean .* model is written .*int4 RTN \(group 32\)",
+        ),
+        (
+            ModelIdentity.perturbed(CLEAN, INT4),
+            WRITTEN_INT4.model_copy(update={"clean_weights_sha256": "e" * 64}),
+            r"of clean weights sha256 aaaaaaaaaaaa.*of clean weights sha256 eeeeeeeeeeee",
+        ),
+        (ModelIdentity.perturbed(CLEAN, INT4), CLEAN, r"\(weights only in memory; int4"),
+        (
+            ModelIdentity.perturbed(CLEAN, RuntimeLogitNoiseSpec(sigma=1.0)),
+            CLEAN,
+            r"runtime logit noise sigma=1 of clean.*the served model is clean \(weights sha256",
+        ),
+    ],
+    ids=["other spec", "other clean model", "clean model served", "runtime noise missing"],
+)
+def test_another_served_model_is_refused_with_both_identities(
+    tmp_path: Path, recorded: ModelIdentity, actual: ModelIdentity, message: str
+) -> None:
+    _profile().model_copy(update={"served": recorded}).save(tmp_path / "p.json")
+    with pytest.raises(ProfileError, match=rf"p\.json: .*served model .*{message}"):
+        Profile.load_for_pair(tmp_path / "p.json", CLEAN, actual)
 
 
 @pytest.mark.parametrize(

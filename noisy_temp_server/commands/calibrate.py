@@ -7,9 +7,10 @@
 The served model samples completions for the prompts (default: the shipped set), the pair is
 scored, every rule is fitted on part of the prompts and measured on the rest; the profile
 (`noisy_temp_server.estimation.profile`) is written to --out and the held-out quality table
-printed. `--records` also saves the per-position records (safetensors); `--report DIR` writes
-the markdown + PNG report of the four reference experiments on the clean model
-(`noisy_temp_server.estimation.report`), and may be given alone. Progress goes to stderr.
+printed, with the recommended rule: the lowest-KL rule whose held-out gain over T = 1 is
+significant, else `off`. `--records` also saves the per-position records (safetensors);
+`--report DIR` writes the markdown + PNG report of the four reference experiments on the clean
+model (`noisy_temp_server.estimation.report`), and may be given alone. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -85,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
 
                 PositionRecords.concat([result.fit, result.held_out]).save(args.records)
             print(result.profile.quality.to_markdown())
-            print(f"recommended rule: {result.profile.recommended_rule.value}; profile: {args.out}")
+            rule = result.profile.recommended_rule.value
+            why = (
+                "no rule's held-out gain over T=1 exceeds 2 standard errors"
+                if rule == "off"
+                else "the lowest held-out KL among rules whose gain over T=1 exceeds 2 s.e."
+            )
+            print(f"recommended rule: {rule} ({why}); profile: {args.out}")
         if args.report is not None:
             from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
 

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "model": "model",
     "perturb": "perturb",
     "calibrate": "calibrate",
+    "policy": "policy",
     "serve": "serve",
 }
 

@@ -9,7 +9,8 @@ Order matters, because vLLM and prometheus_client read their environment when fi
    process;
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
    `logprobs_mode="processed_logprobs"`; the temperature processor is loaded once, from its
-   entry point when the package is installed, else by class path) and starts `AsyncLLM`.
+   entry point when the package is installed, else by its `<module>:<type>` name) and starts
+   `AsyncLLM`.
 
 `GenerationEngine` is the interface the HTTP layer needs; `AsyncLLM` satisfies it, and so does
 the small fake engine of the unit tests.
@@ -114,9 +115,7 @@ def build_engine_args(settings: Settings, model_path: Path, model_name: str) -> 
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
     from vllm.platforms import current_platform  # noqa: PLC0415
 
-    processors: list[Any] = (
-        [] if _processor_from_entry_point() else [PROCESSOR_CLASS_PATH.replace(":", ".")]
-    )
+    processors: list[str] = [] if _processor_from_entry_point() else [PROCESSOR_CLASS_PATH]
     kv_cache_bytes = None if current_platform.is_cpu() else settings.kv_cache_gib * 2**30
     return AsyncEngineArgs(
         model=str(model_path),

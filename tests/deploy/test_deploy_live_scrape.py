@@ -7,8 +7,6 @@ without error.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from server_helpers import free_port, stop, wait_until
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.vllm]
 
@@ -26,44 +25,6 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SERVER_START_TIMEOUT_S = 600
 SHADOW_TIMEOUT_S = 300
 SCRAPE_INTERVAL = "1s"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(
-    what: str, timeout_s: float, check: Any, process: subprocess.Popen[bytes], log: Path
-) -> None:
-    """Poll `check()` until it is truthy; fail, with the log's tail, if `process` exits or time
-    runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"{what}: exited with {process.returncode}\n{log_tail(log)}")
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"{what}: not within {timeout_s} s\n{log_tail(log)}")
-
-
-def log_tail(path: Path, lines: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

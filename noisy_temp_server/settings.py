@@ -60,8 +60,9 @@ class Settings(BaseSettings):
     # --- models ---
     served_model: Path | None = Field(
         default=None,
-        description="Checkpoint folder vLLM serves. Unset: the embedded default model "
-        "perturbed by --perturbation (written once to the cache).",
+        description="Checkpoint folder vLLM serves (with the runtime logit noise its manifest "
+        "records, if any). Unset: --clean-model or the embedded default model perturbed by "
+        "--perturbation (weight perturbations are written once to the cache).",
     )
     served_model_name: str | None = Field(
         default=None,
@@ -69,13 +70,15 @@ class Settings(BaseSettings):
     )
     clean_model: Path | None = Field(
         default=None,
-        description="Clean checkpoint for shadow scoring. Unset: the embedded default model when "
-        "serving the default pair, otherwise no shadow scoring.",
+        description="Clean checkpoint for shadow scoring, and the one --perturbation applies "
+        "to. Unset: the embedded default model when no served model is given; the served folder "
+        "itself when its manifest records runtime logit noise on its own weights; otherwise no "
+        "shadow scoring.",
     )
     perturbation: str = Field(
         default=DEFAULT_PERTURBATION,
-        description="Perturbation spec (JSON) applied to the default model when no served model "
-        "is given.",
+        description="Perturbation spec (JSON) applied to the clean model when no served model "
+        "is given; runtime_logit_noise serves the clean weights with noise added in the engine.",
     )
     profile: Path | None = Field(
         default=None,

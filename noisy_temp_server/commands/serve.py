@@ -3,8 +3,10 @@
 With no arguments it serves the embedded default model (SmolLM2-135M-Instruct, converted once
 into the cache) perturbed by the default spec (gaussian weight noise, 0.02 of each weight
 matrix's std; written once to the cache), keeps the clean model for shadow scoring, runs on the
-CPU and listens on 127.0.0.1:8000. Every setting is a flag here and an `NTS_*` environment
-variable (see `noisy_temp_server.settings`).
+CPU and listens on 127.0.0.1:8000. A runtime logit noise spec (`--perturbation`, or recorded in
+the manifest of `--served-model`) serves unchanged weights and adds the noise in the engine
+(`RuntimeLogitNoiseProcessor`) and in the shadow scorer. Every setting is a flag here and an
+`NTS_*` environment variable (see `noisy_temp_server.settings`).
 
 Startup order (see `server.engine`): environment first (before vLLM and prometheus_client are
 imported), then checkpoints, trace channel, engine, shadow scorer, HTTP server. Each phase is
@@ -32,13 +34,22 @@ from noisy_temp_server.settings import (
 
 if TYPE_CHECKING:
     from noisy_temp_server.estimation.profile import Profile
-    from noisy_temp_server.pairs.perturb import PerturbationSpec
+    from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
+    from noisy_temp_server.pairs.scorer import PairScorer
     from noisy_temp_server.server.metrics import ApiMetrics
     from noisy_temp_server.server.shadow import ShadowScorer
     from noisy_temp_server.server.temperature import PolicySource
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
-__all__ = ["HELP", "add_arguments", "ensure_perturbed_checkpoint", "run"]
+__all__ = [
+    "HELP",
+    "ServedPair",
+    "add_arguments",
+    "ensure_perturbed_checkpoint",
+    "pair_scorer",
+    "resolve_pair",
+    "run",
+]
 
 HELP = "Serve a (perturbed) model over the OpenAI API with tuned temperatures."
 
@@ -75,8 +86,8 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
 
     if not isinstance(spec, WeightNoiseSpec | QuantizationSpec):
         raise ValueError(
-            f"serve can write a perturbed checkpoint for weight noise and quantization specs, "
-            f"not {spec.kind}; pass --served-model (and --clean-model) instead."
+            f"only weight noise and quantization specs change weights, not {spec.kind}: "
+            "runtime logit noise serves the clean weights, an external pair names its folders."
         )
     digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:12]
     dest = cache_dir / "served" / f"{clean_dir.name}-{digest}"
@@ -93,26 +104,100 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
 
 
 @dataclass(frozen=True)
-class _Pair:
+class ServedPair:
+    """What `serve` serves (`served`), what it scores against (`clean`, None: no shadow
+    scoring) and how the two differ (`spec`, None when unknown)."""
+
     served: Path
     clean: Path | None
     spec: PerturbationSpec | None
 
+    @property
+    def runtime_noise(self) -> RuntimeLogitNoiseSpec | None:
+        """The runtime logit noise the engine and the shadow scorer add, if any."""
+        from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec  # noqa: PLC0415
 
-def _resolve_pair(settings: Settings) -> _Pair:
+        return self.spec if isinstance(self.spec, RuntimeLogitNoiseSpec) else None
+
+
+def _served_checkpoint_pair(settings: Settings, served: Path) -> ServedPair:
+    """The pair of `--served-model`: the perturbation recorded in its manifest, if it has one.
+
+    A runtime-noise checkpoint (`perturb` copies the clean weights and records the spec) is
+    served with that noise, and is its own clean reference unless `--clean-model` says otherwise.
+    """
+    from noisy_temp_server.estimation.profile import ModelIdentity  # noqa: PLC0415
+    from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec  # noqa: PLC0415
+
+    if not (served / MANIFEST_FILENAME).is_file():
+        return ServedPair(served, settings.clean_model, None)
+    identity = ModelIdentity.of_checkpoint(served)
+    spec = identity.perturbation
+    clean = settings.clean_model
+    if isinstance(spec, RuntimeLogitNoiseSpec):
+        if clean is None and identity.clean_weights_sha256 == identity.weights_sha256:
+            clean = served
+        _LOGGER.info(
+            "%s records %s in its manifest: serving it with that runtime noise, scored against %s",
+            served,
+            spec.label,
+            clean or "nothing (no clean model known; pass --clean-model)",
+        )
+    return ServedPair(served, clean, spec)
+
+
+def resolve_pair(settings: Settings) -> ServedPair:
+    """The served/clean pair the settings name, writing the served checkpoint if needed.
+
+    `--served-model` wins (see `_served_checkpoint_pair`); else `--perturbation` applies to
+    `--clean-model` or the default model: an external pair names both folders, runtime logit
+    noise serves the clean weights as they are, and weight perturbations are written once to the
+    cache (`ensure_perturbed_checkpoint`).
+    """
     from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import ExternalPairSpec, parse_spec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import (  # noqa: PLC0415
+        ExternalPairSpec,
+        RuntimeLogitNoiseSpec,
+        parse_spec,
+    )
 
     if settings.served_model is not None:
-        return _Pair(settings.served_model, settings.clean_model, None)
+        return _served_checkpoint_pair(settings, settings.served_model)
     spec = parse_spec(settings.perturbation)
     if isinstance(spec, ExternalPairSpec):
-        return _Pair(spec.served_path, settings.clean_model or spec.clean_path, spec)
+        return ServedPair(spec.served_path, settings.clean_model or spec.clean_path, spec)
     with _phase("Preparing the default model (converting the embedded GGUF if needed)"):
         clean = settings.clean_model or ensure_default_model(settings.cache_dir)
+    if isinstance(spec, RuntimeLogitNoiseSpec):
+        _LOGGER.info("Serving the clean weights of %s with %s", clean, spec.label)
+        return ServedPair(clean, clean, spec)
     with _phase(f"Preparing the served model ({spec.label}; written once to the cache)"):
         served = ensure_perturbed_checkpoint(clean, spec, settings.cache_dir)
-    return _Pair(served, clean, spec)
+    return ServedPair(served, clean, spec)
+
+
+def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
+    """The shadow scorer's `PairScorer` for `pair` (which must have a clean model), on
+    `settings.shadow_device`, with the pair's runtime noise. A pair whose two folders are the
+    same (runtime noise on clean weights) loads the model once."""
+    from noisy_temp_server.pairs.checkpoint import load_causal_lm  # noqa: PLC0415
+    from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
+
+    if pair.clean is None:
+        raise ValueError("shadow scoring needs a clean model; pass --clean-model")
+    with _phase(
+        f"Loading the clean and served models for shadow scoring on {settings.shadow_device}"
+    ):
+        clean_model, _ = load_causal_lm(pair.clean, device=settings.shadow_device)
+        served_model = (
+            clean_model
+            if pair.served.resolve() == pair.clean.resolve()
+            else load_causal_lm(pair.served, device=settings.shadow_device)[0]
+        )
+    return PairScorer(
+        clean_model, served_model, runtime_noise=pair.runtime_noise, device=settings.shadow_device
+    )
 
 
 def _load_profile(settings: Settings) -> Profile | None:
@@ -137,26 +222,15 @@ def _policy_gauges(metrics: ApiMetrics) -> Any:
 
 
 def _shadow(
-    settings: Settings, pair: _Pair, profile: Profile | None, metrics: ApiMetrics
+    settings: Settings, pair: ServedPair, profile: Profile | None, metrics: ApiMetrics
 ) -> tuple[PolicySource | None, ShadowScorer | None]:
     """The online estimator and its shadow scorer, or (None, None) when scoring is off."""
     if pair.clean is None or settings.shadow_fraction == 0.0:
         return None, None
     from noisy_temp_server.estimation.online import OnlineEstimator  # noqa: PLC0415
-    from noisy_temp_server.pairs.checkpoint import load_causal_lm  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec  # noqa: PLC0415
-    from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
     from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
 
-    with _phase(
-        f"Loading the clean and served models for shadow scoring on {settings.shadow_device}"
-    ):
-        clean_model, _ = load_causal_lm(pair.clean, device=settings.shadow_device)
-        served_model, _ = load_causal_lm(pair.served, device=settings.shadow_device)
-    runtime_noise = pair.spec if isinstance(pair.spec, RuntimeLogitNoiseSpec) else None
-    scorer = PairScorer(
-        clean_model, served_model, runtime_noise=runtime_noise, device=settings.shadow_device
-    )
+    scorer = pair_scorer(settings, pair)
     estimator = OnlineEstimator(
         profile,
         min_positions=settings.shadow_min_positions,
@@ -205,7 +279,7 @@ def _serve(
     from noisy_temp_server.vllm_plugin.trace_channel import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
-    pair = _resolve_pair(settings)
+    pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
     profile = _load_profile(settings)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
@@ -225,7 +299,7 @@ def _serve(
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     collector = stack.enter_context(TraceCollector(trace_endpoint))
     with _phase("Starting the vLLM engine"):
-        engine = start_engine(settings, pair.served, model_name)
+        engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
     stack.callback(engine.shutdown)
     if shadow is not None:
         shadow.start()

@@ -10,7 +10,10 @@ Order matters, because vLLM and prometheus_client read their environment when fi
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
    `logprobs_mode="processed_logprobs"`; the temperature processor is loaded once, from its
    entry point when the package is installed, else by its `<module>:<type>` name) and starts
-   `AsyncLLM`.
+   `AsyncLLM`. For runtime logit noise it also registers `RuntimeLogitNoiseProcessor` by name
+   (it is no entry point) and sets its σ and seed in the environment the engine process
+   inherits (`NTS_RUNTIME_NOISE_SIGMA`, `NTS_RUNTIME_NOISE_SEED`); vLLM runs it before the
+   temperature processor because it is not argmax-invariant.
 
 `GenerationEngine` is the interface the HTTP layer needs; `AsyncLLM` satisfies it, and so does
 the small fake engine of the unit tests.
@@ -39,8 +42,11 @@ if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
+
 __all__ = [
     "PROCESSOR_CLASS_PATH",
+    "RUNTIME_NOISE_PROCESSOR_CLASS_PATH",
     "EngineEnvironment",
     "GenerationEngine",
     "build_engine_args",
@@ -51,6 +57,9 @@ __all__ = [
 _LOGGER = logging.getLogger(__name__)
 
 PROCESSOR_CLASS_PATH = "noisy_temp_server.vllm_plugin.processor:NoisyTemperatureLogitsProcessor"
+RUNTIME_NOISE_PROCESSOR_CLASS_PATH = (
+    "noisy_temp_server.vllm_plugin.runtime_noise:RuntimeLogitNoiseProcessor"
+)
 _LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"
 
 
@@ -110,12 +119,25 @@ def _processor_from_entry_point() -> bool:
     )
 
 
-def build_engine_args(settings: Settings, model_path: Path, model_name: str) -> Any:
-    """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`."""
+def build_engine_args(
+    settings: Settings,
+    model_path: Path,
+    model_name: str,
+    runtime_noise: RuntimeLogitNoiseSpec | None = None,
+) -> Any:
+    """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`.
+
+    With `runtime_noise`, `RuntimeLogitNoiseProcessor` is registered too; its σ and seed reach
+    it through the environment (`start_engine` sets them), not through these arguments.
+    """
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
     from vllm.platforms import current_platform  # noqa: PLC0415
 
-    processors: list[str] = [] if _processor_from_entry_point() else [PROCESSOR_CLASS_PATH]
+    processors: list[str | type[Any]] = []
+    if not _processor_from_entry_point():
+        processors.append(PROCESSOR_CLASS_PATH)
+    if runtime_noise is not None:
+        processors.append(RUNTIME_NOISE_PROCESSOR_CLASS_PATH)
     kv_cache_bytes = None if current_platform.is_cpu() else settings.kv_cache_gib * 2**30
     return AsyncEngineArgs(
         model=str(model_path),
@@ -134,17 +156,39 @@ def build_engine_args(settings: Settings, model_path: Path, model_name: str) -> 
     )
 
 
-def start_engine(settings: Settings, model_path: Path, model_name: str) -> AsyncLLM:
-    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`)."""
+def start_engine(
+    settings: Settings,
+    model_path: Path,
+    model_name: str,
+    runtime_noise: RuntimeLogitNoiseSpec | None = None,
+) -> AsyncLLM:
+    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`).
+
+    With `runtime_noise`, sets `NTS_RUNTIME_NOISE_SIGMA` and `NTS_RUNTIME_NOISE_SEED` in this
+    process's environment (inherited by the engine process) before the engine starts.
+    """
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
         raise RuntimeError("call prepare_environment() before start_engine().")
     from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
+    from noisy_temp_server.vllm_plugin.runtime_noise import (  # noqa: PLC0415
+        RUNTIME_NOISE_SEED_ENV,
+        RUNTIME_NOISE_SIGMA_ENV,
+    )
+
+    if runtime_noise is not None:
+        os.environ[RUNTIME_NOISE_SIGMA_ENV] = repr(runtime_noise.sigma)
+        os.environ[RUNTIME_NOISE_SEED_ENV] = str(runtime_noise.seed)
+        _LOGGER.info(
+            "Runtime logit noise: sigma %g, seed %d (RuntimeLogitNoiseProcessor)",
+            runtime_noise.sigma,
+            runtime_noise.seed,
+        )
     started = time.perf_counter()
     _LOGGER.info("Starting the vLLM engine on %s ...", model_path)
     engine = AsyncLLM.from_engine_args(
-        build_engine_args(settings, model_path, model_name),
+        build_engine_args(settings, model_path, model_name, runtime_noise),
         usage_context=UsageContext.OPENAI_API_SERVER,
     )
     _LOGGER.info("vLLM engine started in %.1f s", time.perf_counter() - started)

@@ -1,0 +1,94 @@
+"""`serve`'s pair resolution: which folder is served, what it is scored against, which runtime
+noise the engine and the shadow scorer add (tiny model; no engine is started)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from noisy_temp_server.commands.serve import (
+    ServedPair,
+    ensure_perturbed_checkpoint,
+    pair_scorer,
+    resolve_pair,
+)
+from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
+from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, WeightNoiseSpec
+from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
+from noisy_temp_server.settings import Settings
+
+NOISE = RuntimeLogitNoiseSpec(sigma=1.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def runtime_noise_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `noisy-temp-server perturb` writes for runtime noise: clean weights + the spec."""
+    dest = tmp_path_factory.mktemp("perturbed") / "tiny-runtime-noise"
+    write_perturbed_checkpoint(tiny_model_dir, NOISE, dest, source="test")
+    return dest
+
+
+def test_runtime_noise_perturbation_serves_the_clean_weights_without_a_copy(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = Settings(
+        perturbation=NOISE.model_dump_json(), clean_model=tiny_model_dir, cache_dir=tmp_path
+    )
+    pair = resolve_pair(settings)
+    assert pair == ServedPair(tiny_model_dir, tiny_model_dir, NOISE)
+    assert pair.runtime_noise == NOISE
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_served_model_recording_runtime_noise_is_served_with_it_and_scores_against_itself(
+    runtime_noise_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="noisy_temp_server.serve"):
+        pair = resolve_pair(Settings(served_model=runtime_noise_dir))
+    assert pair == ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
+    assert pair.runtime_noise == NOISE
+    assert "runtime logit noise sigma=1" in caplog.text
+
+
+def test_an_explicit_clean_model_is_kept_for_a_runtime_noise_checkpoint(
+    runtime_noise_dir: Path, tiny_model_dir: Path
+) -> None:
+    pair = resolve_pair(Settings(served_model=runtime_noise_dir, clean_model=tiny_model_dir))
+    assert (pair.clean, pair.runtime_noise) == (tiny_model_dir, NOISE)
+
+
+def test_served_weight_perturbation_adds_no_runtime_noise(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    spec = WeightNoiseSpec(scale=0.1)
+    served = ensure_perturbed_checkpoint(tiny_model_dir, spec, tmp_path)
+    pair = resolve_pair(Settings(served_model=served))
+    assert pair == ServedPair(served, None, spec)
+    assert pair.runtime_noise is None
+
+
+def test_served_folder_without_manifest_has_no_spec(tiny_model_dir: Path, tmp_path: Path) -> None:
+    plain = shutil.copytree(tiny_model_dir, tmp_path / "plain")
+    (plain / MANIFEST_FILENAME).unlink()
+    assert resolve_pair(Settings(served_model=plain)) == ServedPair(plain, None, None)
+
+
+def test_shadow_scorer_gets_the_runtime_noise_and_loads_a_shared_folder_once(
+    runtime_noise_dir: Path,
+) -> None:
+    scorer = pair_scorer(Settings(), ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE))
+    assert scorer.runtime_noise == NOISE
+    assert scorer.served_model is scorer.clean_model
+
+
+def test_shadow_scorer_of_a_weight_perturbation_has_two_models_and_no_noise(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    spec = WeightNoiseSpec(scale=0.1)
+    served = ensure_perturbed_checkpoint(tiny_model_dir, spec, tmp_path)
+    scorer = pair_scorer(Settings(), ServedPair(served, tiny_model_dir, spec))
+    assert scorer.runtime_noise is None
+    assert scorer.served_model is not scorer.clean_model

@@ -3,10 +3,9 @@
 Order matters, because vLLM and prometheus_client read their environment when first imported:
 
 1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) pins the
-   V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, see docs/architecture.md "Runner"), points
-   `PROMETHEUS_MULTIPROC_DIR` at a fresh directory (multiprocess metrics), sets the CPU KV cache
-   size and publishes the trace channel's address as `NTS_TRACE_ENDPOINT` for the engine
-   process;
+   V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, see docs/architecture.md "Runner"), settles
+   the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
+   trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
    `logprobs_mode="processed_logprobs"`; the temperature processor is loaded once, from its
    entry point when the package is installed, else by its `<module>:<type>` name) and starts
@@ -14,6 +13,13 @@ Order matters, because vLLM and prometheus_client read their environment when fi
    (it is no entry point) and sets its σ and seed in the environment the engine process
    inherits (`NTS_RUNTIME_NOISE_SIGMA`, `NTS_RUNTIME_NOISE_SEED`); vLLM runs it before the
    temperature processor because it is not argmax-invariant.
+
+Multiprocess metrics directory: a `PROMETHEUS_MULTIPROC_DIR` given by the deployment (the
+Docker image sets one; Kubernetes mounts an in-memory volume there) is used as it is: created if
+missing, and its metric files (`*.db`) are deleted at start, because a restarted server must not
+sum the samples of an earlier run into `/metrics`; other files are left alone and the directory
+stays after shutdown. Unset (or empty), the server uses a fresh directory of its own, removed at
+shutdown. Two servers must never share one directory.
 
 `GenerationEngine` is the interface the HTTP layer needs; `AsyncLLM` satisfies it, and so does
 the small fake engine of the unit tests.
@@ -61,6 +67,7 @@ RUNTIME_NOISE_PROCESSOR_CLASS_PATH = (
     "noisy_temp_server.vllm_plugin.runtime_noise:RuntimeLogitNoiseProcessor"
 )
 _LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"
+_PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class GenerationEngine(Protocol):
@@ -79,7 +86,8 @@ class GenerationEngine(Protocol):
 
 @dataclass(frozen=True)
 class EngineEnvironment:
-    """What `prepare_environment` set up; `cleanup` removes the runtime directory."""
+    """What `prepare_environment` set up; `cleanup` removes the runtime directory (which holds
+    `prometheus_dir` unless the deployment chose that directory)."""
 
     runtime_dir: Path
     prometheus_dir: Path
@@ -93,8 +101,10 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     """Set the environment vLLM, its engine process and prometheus_client will read.
 
     Must run before `prometheus_client` is imported in this process (its multiprocess mode is
-    chosen at import): raises RuntimeError otherwise. Creates a fresh runtime directory (metric
-    files, the trace socket); the caller removes it with `EngineEnvironment.cleanup`.
+    chosen at import): raises RuntimeError otherwise. Creates a fresh runtime directory (the
+    trace socket; the metric files unless `PROMETHEUS_MULTIPROC_DIR` is already set, see the
+    module docstring, whose stale `*.db` files it then deletes); the caller removes it with
+    `EngineEnvironment.cleanup`.
     """
     if "prometheus_client" in sys.modules:
         raise RuntimeError(
@@ -102,14 +112,35 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
             "engine process would be lost. Call prepare_environment() first thing at startup."
         )
     runtime_dir = Path(tempfile.mkdtemp(prefix="nts-serve-"))
-    prometheus_dir = runtime_dir / "prometheus"
-    prometheus_dir.mkdir()
+    prometheus_dir = _multiprocess_directory(runtime_dir)
     trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
+    os.environ[_PROMETHEUS_DIR_ENV] = str(prometheus_dir)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
+
+
+def _multiprocess_directory(runtime_dir: Path) -> Path:
+    """The deployment's `PROMETHEUS_MULTIPROC_DIR`, created and cleared of metric files, or a
+    fresh `runtime_dir/prometheus`."""
+    given = os.environ.get(_PROMETHEUS_DIR_ENV, "").strip()
+    if not given:
+        fresh = runtime_dir / "prometheus"
+        fresh.mkdir()
+        return fresh
+    directory = Path(given)
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = sorted(directory.glob("*.db"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    _LOGGER.info(
+        "Multiprocess metrics in %s (%s); removed %d stale metric files",
+        directory,
+        _PROMETHEUS_DIR_ENV,
+        len(stale),
+    )
+    return directory
 
 
 def _processor_from_entry_point() -> bool:

@@ -3,6 +3,8 @@ started)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from noisy_temp_server.vllm_plugin.runtime_noise import (
     RuntimeLogitNoiseProcessor,
     runtime_noise_from_env,
 )
+from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 
 def _entry_points_return(found: list[EntryPoint], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,3 +84,54 @@ def test_start_engine_sets_the_runtime_noise_environment_before_the_engine_start
     assert engine.start_engine(Settings(), tiny_model_dir, "m", noise) == "engine"
     assert seen["noise"] == (0.75, 11)
     assert engine.RUNTIME_NOISE_PROCESSOR_CLASS_PATH in seen["processors"]  # type: ignore[operator]
+
+
+@pytest.fixture
+def clean_process_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """What `prepare_environment` sets is restored after the test; prometheus_client looks
+    not yet imported (its module object is put back afterwards)."""
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_KVCACHE_SPACE", TRACE_ENDPOINT_ENV):
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)
+    return monkeypatch
+
+
+def test_without_a_given_metrics_directory_a_fresh_one_is_made_and_removed(
+    clean_process_environment: pytest.MonkeyPatch,
+) -> None:
+    environment = engine.prepare_environment(Settings())
+    try:
+        assert environment.prometheus_dir.is_dir()
+        assert list(environment.prometheus_dir.iterdir()) == []
+        assert environment.prometheus_dir.is_relative_to(environment.runtime_dir)
+        assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(environment.prometheus_dir)
+    finally:
+        environment.cleanup()
+    assert not environment.prometheus_dir.exists()
+
+
+def test_a_given_metrics_directory_is_used_created_and_cleared_of_stale_metric_files(
+    clean_process_environment: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    given = tmp_path / "multiproc"
+    given.mkdir()
+    for name in ("counter_101.db", "histogram_101.db", "gauge_livesum_7.db", "README"):
+        (given / name).write_text("old")
+    clean_process_environment.setenv("PROMETHEUS_MULTIPROC_DIR", str(given))
+    environment = engine.prepare_environment(Settings())
+    environment.cleanup()
+    assert environment.prometheus_dir == given
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(given)
+    assert [p.name for p in given.iterdir()] == ["README"]  # kept, as is the directory
+
+
+def test_a_given_metrics_directory_that_does_not_exist_is_created(
+    clean_process_environment: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    given = tmp_path / "volume" / "multiproc"
+    clean_process_environment.setenv("PROMETHEUS_MULTIPROC_DIR", str(given))
+    environment = engine.prepare_environment(Settings())
+    environment.cleanup()
+    assert environment.prometheus_dir == given
+    assert given.is_dir()

@@ -126,6 +126,12 @@ class Settings(BaseSettings):
         "on GPU).",
     )
     max_num_seqs: int = Field(default=32, ge=1, description="Most sequences in one engine batch.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs of one node the served model is sharded over (vLLM tensor "
+        "parallelism; must divide the model's attention heads).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weight and activation dtype of the served model."
     )

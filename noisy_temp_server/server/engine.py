@@ -177,6 +177,7 @@ def build_engine_args(
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=settings.enforce_eager,
         kv_cache_memory_bytes=kv_cache_bytes,
         logprobs_mode="processed_logprobs",

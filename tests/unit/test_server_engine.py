@@ -43,6 +43,11 @@ def test_processor_not_installed_is_registered_by_a_name_vllm_loads(
     assert _load_logitsprocs_by_fqcns(args.logits_processors) == [NoisyTemperatureLogitsProcessor]
 
 
+def test_tensor_parallel_size_reaches_the_engine(tiny_model_dir: Path) -> None:
+    args = engine.build_engine_args(Settings(tensor_parallel_size=2), tiny_model_dir, "m")
+    assert args.tensor_parallel_size == 2
+
+
 def test_installed_processor_is_left_to_vllm(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -39,6 +39,15 @@ def test_environment_then_flags_take_precedence(monkeypatch: pytest.MonkeyPatch)
     assert settings.enforce_eager is False
 
 
+def test_tensor_parallel_size_defaults_to_one_gpu_and_is_read_from_env_and_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings().tensor_parallel_size == 1
+    monkeypatch.setenv("NTS_TENSOR_PARALLEL_SIZE", "4")
+    assert _parse([]).tensor_parallel_size == 4
+    assert _parse(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+
+
 def test_flags_not_given_leave_defaults() -> None:
     assert _parse([]) == Settings()
 
@@ -59,6 +68,7 @@ def test_api_key_is_masked_in_the_startup_dump() -> None:
         ({"default_rule": "hot"}, "Input should be"),
         ({"perturbation": '{"kind": "magic"}'}, "perturbation spec"),
         ({"kv_cache_gib": 0}, "greater than or equal"),
+        ({"tensor_parallel_size": 0}, "greater than or equal"),
     ],
 )
 def test_bad_values_fail_at_startup(fields: dict[str, object], message: str) -> None:

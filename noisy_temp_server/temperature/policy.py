@@ -422,7 +422,8 @@ def policy_temperature(
         t_min, t_max: ``[B]`` per-row bounds overriding ``policy.bounds`` (same contract as
             :class:`~noisy_temp_server.temperature.rules.TemperatureBounds`; not re-checked).
         validate: check ``served_logits`` with ``check_logits`` (one device sync); with
-            ``False`` a NaN row gets T* = 1 instead of raising.
+            ``False`` a row with NaN statistics (NaN or +inf logits, or every token masked)
+            gets T* = 1 instead of raising, under every rule that reads the served row.
 
     Raises ``ValueError`` for wrong shapes or missing served input, and
     :class:`~noisy_temp_server.temperature.stats.NonFiniteLogitsError` for bad served rows.
@@ -477,7 +478,10 @@ def policy_temperature(
             entropy_bucket = _bucket(entropy, tables.calibrated_entropy_edges)
             entropy_buckets = tables.calibrated_entropy_edges.shape[0]
             flat_index = step_bucket * entropy_buckets + entropy_bucket
-            temperature = tables.calibrated_temperatures[flat_index]
+            # bucketize puts NaN in the last bucket; a row with no entropy gets NaN, i.e. T* = 1.
+            temperature = torch.where(
+                entropy.isnan(), torch.nan, tables.calibrated_temperatures[flat_index]
+            )
     lower = policy.bounds.t_min if t_min is None else t_min
     upper = policy.bounds.t_max if t_max is None else t_max
     return clamp_temperature(temperature.to(torch.float32), lower, upper)

@@ -24,10 +24,9 @@ Per step, for the tuned rows only:
    request temperature, i.e. the served logits z̃ (after penalties);
 3. the rows' logits are divided by T* in place; untuned rows are not touched.
 
-Bad rows never stop the engine: a row whose logits contain NaN or +inf, or whose T* comes out
-non-finite or <= 0, gets T* = 1 (its logits are left as they are) and is counted in
-`NoisyTemperatureLogitsProcessor.bad_rows` (the first one is logged). (A rule that reads a row
-with no finite logit gets NaN statistics, which `policy_temperature` already maps to T* = 1.)
+Bad rows never stop the engine: a row whose logits contain NaN or +inf, or are all -inf (every
+token masked), or whose T* comes out non-finite or <= 0, gets T* = 1 (its logits are left as they
+are) and is counted in `NoisyTemperatureLogitsProcessor.bad_rows` (the first one is logged).
 
 Reporting: T* reaches the host with one ``.tolist()`` of the tuned rows' values per step (free
 on CPU; one small device→host sync on GPU), then feeds the ``nts_step_temperature`` histogram
@@ -217,8 +216,8 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
             return logits
         steps = torch.tensor(list(map(len, self._tuned_outputs)), dtype=torch.int64)
         steps_device = steps.to(self.device, non_blocking=True)
-        # A row is bad when its sum is NaN or +inf (any NaN, any +inf); -inf (masked) is fine.
-        row_ok = logits.sum(dim=1) < float("inf")  # [B]
+        # amax is NaN or +inf for any NaN or +inf, and -inf only when every token is masked.
+        row_ok = torch.isfinite(logits.amax(dim=1))  # [B]
         temperatures = torch.cat(
             [
                 self._group_temperature(group, logits, steps_device[group.start : group.stop])
@@ -265,8 +264,9 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
         if n_bad:
             if not self.bad_rows:
                 _LOGGER.warning(
-                    "noisy-temp-server: %d row(s) had NaN/+inf logits or a non-finite T*; "
-                    "they were sampled at T* = 1 (further occurrences are only counted).",
+                    "noisy-temp-server: %d row(s) had NaN/+inf or all -inf logits or a "
+                    "non-finite T*; they were sampled at T* = 1 (further occurrences are only "
+                    "counted).",
                     n_bad,
                 )
             self.bad_rows += n_bad

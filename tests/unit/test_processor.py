@@ -13,7 +13,11 @@ from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
+    TemperaturePolicy,
+    policy_temperature,
+)
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
@@ -166,6 +170,27 @@ def test_rows_with_nan_logits_keep_their_logits_and_are_counted(
     assert torch.equal(out[2], before[2])
     assert not torch.equal(out[0], before[0])
     assert processor.bad_rows == 2
+
+
+def test_calibrated_rows_without_an_entropy_keep_their_logits_and_are_counted(
+    registry: CollectorRegistry,
+) -> None:
+    table = CalibratedTable(entropy_edges=(0.0, 1.0), temperatures=((2.0, 3.0),))
+    policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table)
+    processor = _processor(registry)
+    _add(processor, 3, *[(row, _params(nts_policy=policy.to_json()), []) for row in range(3)])
+    logits = _logits(3)
+    logits[0] = math.nan  # NaN entropy: the calibrated table must not be read
+    logits[1] = -math.inf  # every token masked: no entropy either
+    before = logits.clone()
+    out = processor.apply(logits)
+    assert out[0].isnan().all()
+    assert torch.equal(out[1], before[1])
+    torch.testing.assert_close(out[2], before[2] / 3.0, rtol=0, atol=0)  # H(11 tokens) > 1
+    assert processor.bad_rows == 2
+    assert registry.get_sample_value(
+        "nts_step_temperature_sum", {"step_bucket": "0+", "rule": "calibrated"}
+    ) == pytest.approx(1.0 + 1.0 + 3.0)
 
 
 def test_moves_carry_the_row_state(registry: CollectorRegistry) -> None:

@@ -133,13 +133,19 @@ def test_bad_shapes_raise() -> None:
         policy_temperature(full_policy(), torch.tensor([0, 1]), t_max=torch.ones(3))
 
 
-def test_nan_served_logits_raise_or_fall_back_to_one() -> None:
-    served = torch.tensor([[0.0, float("nan")], [0.0, LN3]])
-    policy = full_policy(Rule.FISHER)
-    with pytest.raises(NonFiniteLogitsError, match=r"rows \[0\]"):
-        policy_temperature(policy, torch.tensor([0, 0]), served)
-    t = policy_temperature(policy, torch.tensor([0, 0]), served, validate=False)
-    assert t.tolist() == pytest.approx([1.0, 1.4])
+@pytest.mark.parametrize(
+    ("rule", "good_row_t"),
+    [(Rule.FISHER, 1.4), (Rule.CALIBRATED, 1.1)],  # [0, ln3]: Var_q below the floor; H = 0.56
+)
+def test_nan_served_logits_raise_or_fall_back_to_one(rule: Rule, good_row_t: float) -> None:
+    nan = float("nan")
+    served = torch.tensor([[0.0, nan], [0.0, LN3], [-INF, -INF], [nan, nan]])
+    step = torch.zeros(4, dtype=torch.long)
+    policy = full_policy(rule)
+    with pytest.raises(NonFiniteLogitsError, match=r"rows \[0, 3\]"):
+        policy_temperature(policy, step, served)
+    t = policy_temperature(policy, step, served, validate=False)
+    assert t.tolist() == pytest.approx([1.0, good_row_t, 1.0, 1.0])
 
 
 def test_bf16_served_logits_give_the_float32_temperature() -> None:

@@ -116,6 +116,18 @@ class _Choice:
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """What one response object reports of a choice: all of it (JSON response) or what one
+    engine step added (stream chunk). `text_offset`: where `text` starts in the choice's text."""
+
+    token_ids: Sequence[int]
+    text: str
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None
+    text_offset: int
+
+
+@dataclass(frozen=True)
 class _Prepared:
     """A validated request, ready for the engine."""
 
@@ -334,23 +346,36 @@ def create_app(
         ]
         return merge_async_iterators(*generators)
 
-    def absorb(choice: _Choice, output: CompletionOutput) -> tuple[list[int], str]:
-        """Append a DELTA (or the FINAL_ONLY) output; return its new token ids and text."""
-        new_ids = list(output.token_ids)
-        choice.token_ids.extend(new_ids)
-        choice.text += output.text
-        choice.finish_reason = output.finish_reason
-        return new_ids, output.text
+    def absorb(choice: _Choice, output: CompletionOutput) -> _Piece:
+        """Append a DELTA (or the FINAL_ONLY) output to its choice; return what it added."""
+        piece = _Piece(
+            token_ids=list(output.token_ids),
+            text=output.text,
+            logprobs=output.logprobs,
+            finish_reason=output.finish_reason,
+            text_offset=len(choice.text),
+        )
+        choice.token_ids.extend(piece.token_ids)
+        choice.text += piece.text
+        choice.finish_reason = piece.finish_reason
+        return piece
 
-    async def run_to_end(prepared: _Prepared) -> list[tuple[_Choice, CompletionOutput]]:
+    async def run_to_end(prepared: _Prepared) -> list[tuple[_Choice, _Piece]]:
+        """Run every choice to its end; each with its summary and all of its output."""
         finals: dict[int, CompletionOutput] = {}
-        async for index, request_output in engine_streams(prepared):
-            output = request_output.outputs[0]
-            absorb(prepared.choices[index], output)
-            finals[index] = output
-        for choice in prepared.choices:
-            choice.summary = await summarize(prepared, choice)
-        return [(c, finals[c.index]) for c in prepared.choices]
+        try:
+            async for index, request_output in engine_streams(prepared):
+                output = request_output.outputs[0]
+                absorb(prepared.choices[index], output)
+                finals[index] = output
+            for choice in prepared.choices:
+                choice.summary = await summarize(prepared, choice)
+        except Exception as error:
+            raise openai_error_from_exception(error) from error
+        return [
+            (c, _Piece(c.token_ids, c.text, finals[c.index].logprobs, c.finish_reason, 0))
+            for c in prepared.choices
+        ]
 
     async def primed(
         stream: AsyncIterator[tuple[int, RequestOutput]],
@@ -372,16 +397,45 @@ def create_app(
 
         return rest()
 
-    def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
-        async def guarded() -> AsyncIterator[str]:
+    async def stream_choices(
+        request: CompletionRequest | ChatCompletionRequest,
+        prepared: _Prepared,
+        chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
+        chunk_choice: Callable[[_Choice, _Piece], Any],
+        opening: Sequence[Any] = (),
+    ) -> StreamingResponse:
+        """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
+        made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
+        then `[DONE]`. Errors before the first output raise (proper status code); later ones
+        are reported in-band."""
+        stream = await primed(engine_streams(prepared))
+
+        def chunk(choices: list[Any], **extra: Any) -> str:
+            response = chunk_type(
+                id=prepared.request_id, model=model_name, choices=choices, **extra
+            )
+            return _sse(response.model_dump(mode="json"))
+
+        async def events() -> AsyncIterator[str]:
             try:
-                async for chunk in body:
-                    yield chunk
+                for choice in opening:
+                    yield chunk([choice])
+                async for index, request_output in stream:
+                    choice = prepared.choices[index]
+                    piece = absorb(choice, request_output.outputs[0])
+                    if piece.finish_reason is not None:
+                        choice.summary = await summarize(prepared, choice)
+                    yield chunk([chunk_choice(choice, piece)])
+                yield chunk(
+                    [],
+                    usage=usage(prepared) if request.include_usage_in_stream else None,
+                    nts=overall(prepared),
+                )
             except Exception as error:  # after the 200 status line: report in-band
                 yield _sse(openai_error_from_exception(error).body())
             yield _sse("[DONE]")
 
-        return StreamingResponse(guarded(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ routes
 
@@ -421,70 +475,30 @@ def create_app(
         prompt = request.prompt_text_or_ids()
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         prepared = prepare(request, prompt_ids, "cmpl", "prompt")
+
+        def completion_choice(choice: _Choice, piece: _Piece) -> CompletionChoice:
+            return CompletionChoice(
+                text=piece.text,
+                index=choice.index,
+                logprobs=None
+                if piece.logprobs is None
+                else _completion_logprobs(piece.token_ids, piece.logprobs, piece.text_offset),
+                finish_reason=piece.finish_reason,
+                nts=choice.summary,
+            )
+
         if request.stream:
-            return stream_response(await stream_completion(request, prepared))
-        try:
-            finished = await run_to_end(prepared)
-        except Exception as error:
-            raise openai_error_from_exception(error) from error
+            return await stream_choices(
+                request, prepared, CompletionStreamResponse, completion_choice
+            )
+        finished = await run_to_end(prepared)
         return CompletionResponse(
             id=prepared.request_id,
             model=model_name,
-            choices=[
-                CompletionChoice(
-                    text=choice.text,
-                    index=choice.index,
-                    logprobs=None
-                    if output.logprobs is None
-                    else _completion_logprobs(choice.token_ids, output.logprobs, 0),
-                    finish_reason=choice.finish_reason,
-                    nts=choice.summary,
-                )
-                for choice, output in finished
-            ],
+            choices=[completion_choice(choice, piece) for choice, piece in finished],
             usage=usage(prepared),
             nts=overall(prepared),
         )
-
-    async def stream_completion(
-        request: CompletionRequest, prepared: _Prepared
-    ) -> AsyncIterator[str]:
-        stream = await primed(engine_streams(prepared))
-
-        def chunk(choices: list[CompletionChoice], **extra: Any) -> str:
-            response = CompletionStreamResponse(
-                id=prepared.request_id, model=model_name, choices=choices, **extra
-            )
-            return _sse(response.model_dump(mode="json"))
-
-        async def gen() -> AsyncIterator[str]:
-            async for index, request_output in stream:
-                choice = prepared.choices[index]
-                offset = len(choice.text)
-                output = request_output.outputs[0]
-                new_ids, new_text = absorb(choice, output)
-                if output.finish_reason is not None:
-                    choice.summary = await summarize(prepared, choice)
-                yield chunk(
-                    [
-                        CompletionChoice(
-                            text=new_text,
-                            index=index,
-                            logprobs=None
-                            if output.logprobs is None
-                            else _completion_logprobs(new_ids, output.logprobs, offset),
-                            finish_reason=output.finish_reason,
-                            nts=choice.summary,
-                        )
-                    ]
-                )
-            yield chunk(
-                [],
-                usage=usage(prepared) if request.include_usage_in_stream else None,
-                nts=overall(prepared),
-            )
-
-        return gen()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)], response_model=None)
     async def chat_completions(
@@ -509,72 +523,47 @@ def create_app(
         prompt_ids = tokenizer.encode(str(text), add_special_tokens=False)
         prepared = prepare(request, prompt_ids, "chatcmpl", "messages")
         top = request.top_logprobs or 0
+
+        def chat_logprobs(piece: _Piece) -> ChatCompletionLogprobs | None:
+            return (
+                None
+                if piece.logprobs is None
+                else _chat_logprobs(piece.token_ids, piece.logprobs, top)
+            )
+
+        def delta_choice(choice: _Choice, piece: _Piece) -> ChatChunkChoice:
+            return ChatChunkChoice(
+                index=choice.index,
+                delta=ChatDelta(content=piece.text),
+                logprobs=chat_logprobs(piece),
+                finish_reason=piece.finish_reason,
+                nts=choice.summary,
+            )
+
         if request.stream:
-            return stream_response(await stream_chat(request, prepared, top))
-        try:
-            finished = await run_to_end(prepared)
-        except Exception as error:
-            raise openai_error_from_exception(error) from error
+            roles = [
+                ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant"))
+                for choice in prepared.choices
+            ]
+            return await stream_choices(
+                request, prepared, ChatCompletionChunk, delta_choice, opening=roles
+            )
+        finished = await run_to_end(prepared)
         return ChatCompletionResponse(
             id=prepared.request_id,
             model=model_name,
             choices=[
                 ChatCompletionChoice(
                     index=choice.index,
-                    message=ChatResponseMessage(content=choice.text),
-                    logprobs=None
-                    if output.logprobs is None
-                    else _chat_logprobs(choice.token_ids, output.logprobs, top),
-                    finish_reason=choice.finish_reason,
+                    message=ChatResponseMessage(content=piece.text),
+                    logprobs=chat_logprobs(piece),
+                    finish_reason=piece.finish_reason,
                     nts=choice.summary,
                 )
-                for choice, output in finished
+                for choice, piece in finished
             ],
             usage=usage(prepared),
             nts=overall(prepared),
         )
-
-    async def stream_chat(
-        request: ChatCompletionRequest, prepared: _Prepared, top: int
-    ) -> AsyncIterator[str]:
-        stream = await primed(engine_streams(prepared))
-
-        def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
-            response = ChatCompletionChunk(
-                id=prepared.request_id, model=model_name, choices=choices, **extra
-            )
-            return _sse(response.model_dump(mode="json"))
-
-        async def gen() -> AsyncIterator[str]:
-            for choice in prepared.choices:
-                yield chunk(
-                    [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant"))]
-                )
-            async for index, request_output in stream:
-                choice = prepared.choices[index]
-                output = request_output.outputs[0]
-                new_ids, new_text = absorb(choice, output)
-                if output.finish_reason is not None:
-                    choice.summary = await summarize(prepared, choice)
-                yield chunk(
-                    [
-                        ChatChunkChoice(
-                            index=index,
-                            delta=ChatDelta(content=new_text),
-                            logprobs=None
-                            if output.logprobs is None
-                            else _chat_logprobs(new_ids, output.logprobs, top),
-                            finish_reason=output.finish_reason,
-                            nts=choice.summary,
-                        )
-                    ]
-                )
-            yield chunk(
-                [],
-                usage=usage(prepared) if request.include_usage_in_stream else None,
-                nts=overall(prepared),
-            )
-
-        return gen()
 
     return app

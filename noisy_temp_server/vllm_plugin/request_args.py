@@ -170,9 +170,13 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RequestTemperatu
     """Validate the ``nts_*`` keys of ``extra_args`` (None or empty: all defaults).
 
     Raises ValueError, naming the key and what to send instead, for: an unknown ``nts_*`` key,
-    a value of the wrong type, an unknown rule, ``nts_t`` not finite or <= 0, bounds outside
-    ``0 < t_min <= 1 <= t_max`` or ``t_min > t_max``, ``nts_rule=fixed`` without ``nts_t``, and
-    an ``nts_policy`` that is not a valid policy JSON.
+    a value of the wrong type, an unknown rule, ``nts_t`` not finite or <= 0, ``nts_t`` with an
+    ``nts_rule`` other than ``fixed``, bounds outside ``0 < t_min <= 1 <= t_max`` or
+    ``t_min > t_max``, and an ``nts_policy`` that is not a valid policy JSON.
+
+    ``nts_rule=fixed`` without ``nts_t`` uses the policy's ``fixed_temperature`` (fitted when the
+    policy comes from a profile; 1 under the identity policy). ``nts_t`` without ``nts_rule``
+    applies only when the policy's own rule is ``fixed``.
     """
     if not extra_args:
         return RequestTemperatureArgs()
@@ -194,6 +198,11 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RequestTemperatu
 
     if fixed_t is not None and fixed_t <= 0:
         raise ValueError(f"{KEY_T} must be > 0, got {fixed_t!r}.")
+    if fixed_t is not None and rule not in (None, Rule.FIXED):
+        raise ValueError(
+            f"{KEY_T} only applies to {KEY_RULE}=fixed, got {KEY_RULE}={rule.value!r}; "
+            f"drop {KEY_T} or send {KEY_RULE}=fixed."
+        )
     if t_min is not None and t_max is not None and t_min > t_max:
         raise ValueError(f"{KEY_T_MIN}={t_min!r} is greater than {KEY_T_MAX}={t_max!r}.")
     try:

@@ -79,6 +79,10 @@ def test_accepts_strings_and_numbers(
         ({"nts_trace_id": ""}, "nts_trace_id must be a non-empty string"),
         ({"nts_temperature": 2}, "Unknown noisy-temp-server request key"),
         ({"nts_runtime_noise_sigma": -1}, "nts_runtime_noise_sigma must be >= 0"),
+        (
+            {"nts_rule": "linear", "nts_t": 1.5},
+            "nts_t only applies to nts_rule=fixed, got nts_rule='linear'",
+        ),
     ],
 )
 def test_rejects_bad_values_with_a_clear_message(keys: dict[str, Any], message: str) -> None:
@@ -97,6 +101,26 @@ def test_resolve_applies_overrides_on_the_policy() -> None:
     )
     assert fixed is not None
     assert (fixed.rule, fixed.fixed_t, fixed.policy.version) == (Rule.FIXED, 2.0, 3)
+
+
+def test_fixed_without_nts_t_uses_the_policy_fixed_temperature() -> None:
+    fitted = TemperaturePolicy(version=2, rule=Rule.SQRT, fixed_temperature=1.7)
+    args = parse_request_args({"nts_policy": fitted.to_json(), "nts_rule": "fixed"})
+    resolved = resolve_request(args, 1.0)
+    assert resolved is not None
+    assert (resolved.rule, resolved.fixed_t) == (Rule.FIXED, 1.7)
+
+
+def test_nts_t_without_a_rule_applies_to_a_fixed_policy_only() -> None:
+    fixed = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.7)
+    resolved = resolve_request(
+        parse_request_args({"nts_policy": fixed.to_json(), "nts_t": 1.2}), 1.0
+    )
+    assert resolved is not None
+    assert (resolved.rule, resolved.fixed_t) == (Rule.FIXED, 1.2)
+    linear = resolve_request(parse_request_args({"nts_policy": SQRT.to_json(), "nts_t": 1.2}), 1.0)
+    assert linear is not None
+    assert linear.rule is Rule.SQRT
 
 
 @pytest.mark.parametrize(

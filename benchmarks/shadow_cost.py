@@ -1,0 +1,320 @@
+"""What the shadow scorer costs in serving throughput: its sampling fraction vs fraction 0.
+
+Two `noisy-temp-server serve` processes run side by side on the same default pair (the embedded
+SmolLM2-135M-Instruct, served perturbed by the default spec, the clean model kept for scoring),
+identical except for ``--shadow-fraction``: ``off`` (0) and ``shadow`` (``--fraction``, default
+the setting's default, 0.1). Rounds alternate between the two servers, so both see the same
+machine load. A round sends ``--requests`` completions through HTTP from ``--streams``
+concurrent clients (``max_tokens=--max-tokens``, EOS ignored, ``nts_tune=false`` so the two
+servers do the same engine work and only the scorer differs) and measures
+
+- serving throughput: generated tokens / round wall time (what clients see while the scorer
+  competes with the engine for the CPU or GPU);
+- drain time: after a ``shadow`` round, how long the scorer still works on the requests it
+  sampled in that round (the next round starts only when it is idle, so no round pays for
+  another's scoring). Sustained throughput = tokens / (round + drain) is the throughput the
+  server could keep up indefinitely while scoring every sampled request.
+
+Reported: medians over ``--repeats`` rounds per server (after one warm-up round each), the
+shadow/off throughput ratios, and the scorer's own cost from ``/v1/nts/status``
+(``seconds_per_scored_token``: clean + served teacher-forced passes per completion token), as
+a table on stdout and as JSON + markdown under ``benchmarks/results/``. Sampling is random, so
+the number of scored requests per round varies; it is reported.
+
+    .venv/bin/python benchmarks/shadow_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
+from noisy_temp_server.pairs.default_model import ensure_default_model
+from noisy_temp_server.pairs.perturb import parse_spec
+from noisy_temp_server.settings import Settings
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODEL_NAME = "shadow-cost"
+PROMPT = "Write a short story about a lighthouse keeper who"
+
+
+@dataclass(frozen=True)
+class Round:
+    server: str
+    repeat: int
+    seconds: float
+    drain_seconds: float
+    tokens: int
+    scored_requests: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    server: str
+    fraction: float
+    rounds: int
+    tokens_per_s: float
+    sustained_tokens_per_s: float
+    ratio_to_off: float
+    sustained_ratio_to_off: float
+    scored_requests: int
+    scored_tokens: int
+    seconds_per_scored_token: float | None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """One `serve` subprocess; its log goes to `log_path`."""
+
+    def __init__(
+        self, name: str, fraction: float, pair: tuple[Path, Path], args: argparse.Namespace
+    ) -> None:
+        self.name = name
+        self.fraction = fraction
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.gettempdir()) / f"nts-shadow-cost-{name}-{self.port}.log"
+        served, clean = pair
+        command = [
+            sys.executable, "-m", "noisy_temp_server.cli", "serve",
+            "--served-model", str(served), "--clean-model", str(clean),
+            "--served-model-name", MODEL_NAME, "--port", str(self.port),
+            "--shadow-fraction", str(fraction),
+            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.streams),
+            "--kv-cache-gib", str(args.kv_cache_gib), "--log-level", "warning",
+        ]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each server its own fresh directory
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} server not healthy in time; see {self.log_path}")
+            time.sleep(1.0)
+
+    def shadow_status(self) -> dict[str, Any]:
+        status: dict[str, Any] = httpx.get(f"{self.url}/v1/nts/status", timeout=10).json()
+        return dict(status["shadow"])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@contextmanager
+def _servers(args: argparse.Namespace, pair: tuple[Path, Path]) -> Iterator[list[Server]]:
+    with ExitStack() as stack:
+        servers = []
+        for name, fraction in (("off", 0.0), ("shadow", args.fraction)):
+            server = Server(name, fraction, pair, args)
+            stack.callback(server.stop)
+            servers.append(server)
+        for server in servers:
+            server.wait_healthy(args.startup_timeout)
+        yield servers
+
+
+async def _load(server: Server, args: argparse.Namespace, seed: int) -> int:
+    """Send `args.requests` completions over `args.streams` concurrent clients; return the
+    number of generated tokens."""
+    pending = list(range(args.requests))
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+        "nts_tune": False,
+    }
+
+    async def client(http: httpx.AsyncClient) -> int:
+        tokens = 0
+        while pending:
+            request = pending.pop()
+            response = await http.post("/v1/completions", json={**body, "seed": seed + request})
+            response.raise_for_status()
+            tokens += int(response.json()["usage"]["completion_tokens"])
+        return tokens
+
+    limits = httpx.Limits(max_connections=args.streams)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+        counts = await asyncio.gather(*(client(http) for _ in range(args.streams)))
+    return sum(counts)
+
+
+def _drain(server: Server, timeout: float) -> float:
+    """Seconds until every request the scorer sampled has been scored or dropped."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        status = server.shadow_status()
+        if not status.get("enabled"):
+            return 0.0
+        handled = status["scored"] + status["dropped_queue_full"] + status["dropped_error"]
+        if handled >= status["sampled"]:
+            return time.perf_counter() - started
+        time.sleep(0.05)
+    raise RuntimeError(f"the {server.name} server's scorer did not drain in {timeout} s")
+
+
+def _scored(server: Server) -> tuple[int, int]:
+    status = server.shadow_status()
+    return (int(status["scored"]), int(status["tokens"])) if status.get("enabled") else (0, 0)
+
+
+def _run(args: argparse.Namespace, pair: tuple[Path, Path]) -> tuple[list[Round], list[Summary]]:
+    rounds: list[Round] = []
+    with _servers(args, pair) as servers:
+        baseline: dict[str, tuple[int, int]] = {}
+        for repeat in range(args.repeats + 1):
+            for server in servers:
+                scored_before, _ = _scored(server)
+                started = time.perf_counter()
+                tokens = asyncio.run(_load(server, args, seed=1000 * repeat))
+                seconds = time.perf_counter() - started
+                drain = _drain(server, args.drain_timeout)
+                expected = args.requests * args.max_tokens
+                if tokens != expected:
+                    raise RuntimeError(f"{server.name}: expected {expected} tokens, got {tokens}")
+                if repeat == 0:  # warm-up round, not reported
+                    baseline[server.name] = _scored(server)
+                    continue
+                scored_after, _ = _scored(server)
+                rounds.append(
+                    Round(server.name, repeat, seconds, drain, tokens, scored_after - scored_before)
+                )
+                print(
+                    f"round {repeat} {server.name:>6}: {tokens / seconds:6.1f} tokens/s, "
+                    f"drain {drain:5.2f} s, scored {scored_after - scored_before}",
+                    flush=True,
+                )
+        final = {server.name: (server, server.shadow_status()) for server in servers}
+    summaries: list[Summary] = []
+    off_rate = off_sustained = 0.0
+    for name, (server, status) in final.items():
+        mine = [r for r in rounds if r.server == name]
+        rate = statistics.median(r.tokens / r.seconds for r in mine)
+        sustained = statistics.median(r.tokens / (r.seconds + r.drain_seconds) for r in mine)
+        if name == "off":
+            off_rate, off_sustained = rate, sustained
+        enabled = bool(status.get("enabled"))
+        warm_scored, warm_tokens = baseline[name]
+        summaries.append(
+            Summary(
+                server=name,
+                fraction=server.fraction,
+                rounds=len(mine),
+                tokens_per_s=rate,
+                sustained_tokens_per_s=sustained,
+                ratio_to_off=rate / off_rate,
+                sustained_ratio_to_off=sustained / off_sustained,
+                scored_requests=int(status["scored"]) - warm_scored if enabled else 0,
+                scored_tokens=int(status["tokens"]) - warm_tokens if enabled else 0,
+                seconds_per_scored_token=status.get("seconds_per_scored_token"),
+            )
+        )
+    return rounds, summaries
+
+
+def _table(summaries: list[Summary]) -> str:
+    lines = [
+        "| server | shadow fraction | tokens/s | ratio to off | sustained tokens/s "
+        "| sustained ratio | scored requests | scored tokens | scorer s/scored token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        cost = "-" if s.seconds_per_scored_token is None else f"{s.seconds_per_scored_token:.4f}"
+        lines.append(
+            f"| {s.server} | {s.fraction:g} | {s.tokens_per_s:.1f} | {s.ratio_to_off:.3f} | "
+            f"{s.sustained_tokens_per_s:.1f} | {s.sustained_ratio_to_off:.3f} | "
+            f"{s.scored_requests} | {s.scored_tokens} | {cost} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fraction", type=float, default=Settings().shadow_fraction)
+    parser.add_argument("--streams", type=int, default=16, help="concurrent HTTP clients")
+    parser.add_argument("--requests", type=int, default=32, help="completions per round")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="measured rounds per server")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--drain-timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    if not 0.0 < args.fraction <= 1.0:
+        parser.error(f"--fraction must be in (0, 1], got {args.fraction}")
+
+    cache = Settings().cache_dir
+    clean = ensure_default_model(cache)
+    served = ensure_perturbed_checkpoint(clean, parse_spec(Settings().perturbation), cache)
+    rounds, summaries = _run(args, (served, clean))
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    command = "benchmarks/shadow_cost.py " + " ".join(sys.argv[1:])
+    machine = f"{platform.platform()} ({os.cpu_count()} CPUs)"
+    table = _table(summaries)
+    print(table)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    document = {
+        "command": command,
+        "machine": machine,
+        "timestamp": stamp,
+        "settings": vars(args),
+        "served_model": str(served),
+        "clean_model": str(clean),
+        "summaries": [asdict(s) for s in summaries],
+        "rounds": [asdict(r) for r in rounds],
+    }
+    (RESULTS_DIR / f"shadow-cost-{stamp}.json").write_text(json.dumps(document, indent=2) + "\n")
+    markdown = (
+        "# Shadow scorer cost: serving throughput with and without scoring\n\n"
+        f"`{command}` on {machine}, {stamp}; {args.streams} concurrent streams, "
+        f"{args.requests} completions of {args.max_tokens} tokens per round, medians over "
+        f"{args.repeats} rounds per server. Sustained = tokens / (round + time the scorer "
+        "still needs for that round's samples).\n\n" + table + "\n"
+    )
+    (RESULTS_DIR / f"shadow-cost-{stamp}.md").write_text(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

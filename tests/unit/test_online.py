@@ -81,9 +81,12 @@ def test_concurrent_adds_and_reads() -> None:
             versions.append(estimator.current_policy().version)
             estimator.status()
 
+    def writer(first_request: int) -> None:
+        for request in range(first_request, first_request + 5):
+            estimator.add(_request(request))
+
     threads = [threading.Thread(target=reader)] + [
-        threading.Thread(target=lambda k=k: [estimator.add(_request(10 * k + i)) for i in range(5)])
-        for k in range(3)
+        threading.Thread(target=writer, args=(10 * k,)) for k in range(3)
     ]
     for thread in threads:
         thread.start()

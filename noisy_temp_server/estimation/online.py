@@ -6,7 +6,10 @@ bounded window of the most recent records and, once it holds `min_positions` pos
 least `refit_every` new ones arrived since the last fit, refits every rule with the calibration
 code (`fit_rules`: alpha / sigma2 by step bucket, fisher floor, schedule, and the calibrated
 table, fitted top-down with a significance check at every split) and publishes a new
-`TemperaturePolicy` whose version is one higher. The rule served stays the one it started with.
+`TemperaturePolicy` whose version is one higher. The rule served stays the one it started with,
+except that a profile recommending `off` starts on `calibrated` with the profile's table: that
+table is significance-gated (all ones where nothing beat T = 1), so it serves T = 1 until the live
+evidence says otherwise instead of pinning the server at T = 1 for good.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -40,8 +43,9 @@ class OnlineEstimator:
     """Refits the temperature policy from a window of recent pair records (see module doc).
 
     Args:
-        initial: a `Profile` (its recommended rule, parameters and fit settings), a
-            `TemperaturePolicy` (its rule and bounds are kept), or None (calibrated rule, T = 1).
+        initial: a `Profile` (its recommended rule, `calibrated` when that is `off`; its
+            parameters and fit settings), a `TemperaturePolicy` (its rule and bounds are kept),
+            or None (calibrated rule, T = 1).
         min_positions: positions needed in the window before the first refit.
         refit_every: new positions needed between refits.
         window_positions: the window keeps at least the most recent this-many positions
@@ -66,7 +70,8 @@ class OnlineEstimator:
                 "need min_positions >= 1, refit_every >= 1 and window_positions >= min_positions"
             )
         if isinstance(initial, Profile):
-            policy = initial.to_policy()
+            recommended = initial.recommended_rule
+            policy = initial.to_policy(Rule.CALIBRATED if recommended is Rule.OFF else recommended)
             settings = settings or initial.settings
         elif isinstance(initial, TemperaturePolicy):
             policy = initial

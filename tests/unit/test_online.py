@@ -7,7 +7,13 @@ import threading
 import torch
 
 from noisy_temp_server.estimation.online import OnlineEstimator
-from noisy_temp_server.estimation.profile import CalibrationSettings
+from noisy_temp_server.estimation.profile import (
+    CalibrationSettings,
+    ModelIdentity,
+    Profile,
+    QualityTable,
+    RuleParameters,
+)
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
@@ -43,6 +49,54 @@ def test_serves_t_one_until_enough_evidence_then_publishes_a_new_version() -> No
     assert status["healthy"] is True
     assert status["last_refit_time"] == 123.0
     assert len(status["alpha_by_step"]) == len(policy.step_edges)
+
+
+def _profile(recommended: Rule, settings: CalibrationSettings) -> Profile:
+    ones = tuple((1.0,) for _ in settings.step_edges)
+    return Profile(
+        clean=ModelIdentity(name="clean", weights_sha256="a" * 64),
+        served=ModelIdentity(name="served", weights_sha256="b" * 64),
+        perturbation=None,
+        settings=settings,
+        noise_by_step=(),
+        parameters=RuleParameters(
+            t_min=settings.t_min,
+            t_max=settings.t_max,
+            fixed_temperature=1.1,
+            step_edges=settings.step_edges,
+            alpha_by_step=tuple(0.0 for _ in settings.step_edges),
+            sigma2_by_step=tuple(0.0 for _ in settings.step_edges),
+            fisher_var_floor=1.0,
+            schedule_t_max=1.0,
+            schedule_beta=0.0,
+            calibrated_step_edges=settings.step_edges,
+            calibrated_entropy_edges=(0.0,),
+            calibrated_temperatures=ones,
+        ),
+        recommended_rule=recommended,
+        quality=QualityTable(
+            positions=0, sequences=0, same_top_rate=1.0, same_top_stderr=0.0, rows=()
+        ),
+    )
+
+
+def test_a_profile_recommending_off_learns_with_the_calibrated_rule() -> None:
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(_profile(Rule.OFF, settings), min_positions=400, refit_every=400)
+    first = estimator.current_policy()
+    assert first.rule is Rule.CALIBRATED
+    assert bool((policy_temperature(first, torch.arange(30), torch.randn(30, 10)) == 1).all())
+    for request in range(10):
+        estimator.add(_request(request))
+    policy = estimator.current_policy()
+    assert (policy.rule, policy.version) == (Rule.CALIBRATED, 1)
+    assert max(max(row) for row in policy.calibrated.temperatures) > 1.2
+
+
+def test_keeps_a_rule_the_profile_recommends() -> None:
+    settings = CalibrationSettings(step_edges=(0, 20))
+    policy = OnlineEstimator(_profile(Rule.FIXED, settings)).current_policy()
+    assert (policy.rule, policy.fixed_temperature) == (Rule.FIXED, 1.1)
 
 
 def test_keeps_the_rule_and_bounds_of_an_initial_policy() -> None:

@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,6 +118,7 @@ _SEARCH_POINTS = 801
 _FISHER_FLOORS = torch.logspace(-3, 3, 61)
 _SCHEDULE_BETAS = torch.cat([torch.zeros(1), torch.logspace(-4, 1, 41)])
 _SCHEDULE_T_MAX_POINTS = 97
+_SCHEDULE_CHUNK_ROWS = 1 << 16
 
 
 class InsufficientDataError(ValueError):
@@ -342,77 +343,103 @@ def _fisher_floor(records: PositionRecords, fisher: TemperaturePolicy) -> float:
 
 
 def _schedule(records: PositionRecords, bounds: TemperatureBounds) -> tuple[float, float]:
-    """(t_max, beta) of T(step) = t_max / sqrt(1 + beta step) minimising mean KL (grid search)."""
+    """(t_max, beta) of T(step) = t_max / sqrt(1 + beta step) minimising mean KL (grid search).
+
+    Exact over all positions, evaluated a chunk of positions at a time so that the rows of one
+    `interpolate_kl` call (t_max grid points x positions) stay below `_SCHEDULE_CHUNK_ROWS`:
+    memory is bounded (tens of MB) whatever the number of positions.
+    """
     t_max_grid = torch.exp(
         torch.linspace(math.log(bounds.t_min), math.log(bounds.t_max), _SCHEDULE_T_MAX_POINTS)
     )
-    best, best_kl = (1.0, 0.0), math.inf
-    for beta in _SCHEDULE_BETAS.tolist():
-        shape = schedule_temperature(records.step, 1.0, beta)  # [N]
-        t = clamp_temperature(t_max_grid[:, None] * shape[None, :], bounds.t_min, bounds.t_max)
-        curves = records.kl_curve.unsqueeze(0).expand(len(t_max_grid), -1, -1)
-        kl = (
-            interpolate_kl(
-                curves.reshape(-1, curves.shape[-1]), records.curve_temperatures, t.reshape(-1)
-            )
-            .reshape(len(t_max_grid), -1)
-            .double()
-            .mean(dim=1)
-        )
-        index = int(kl.argmin())
-        if float(kl[index]) < best_kl:
-            best, best_kl = (float(t_max_grid[index]), float(beta)), float(kl[index])
-    return best
+    betas = _SCHEDULE_BETAS.tolist()
+    kl_sums = torch.zeros(len(betas), len(t_max_grid), dtype=torch.float64)
+    chunk = max(1, _SCHEDULE_CHUNK_ROWS // len(t_max_grid))
+    for first in range(0, len(records), chunk):
+        steps = records.step[first : first + chunk]
+        curves = records.kl_curve[first : first + chunk]
+        expanded = curves.unsqueeze(0).expand(len(t_max_grid), -1, -1).reshape(-1, curves.shape[-1])
+        for b, beta in enumerate(betas):
+            shape = schedule_temperature(steps, 1.0, beta)  # [chunk]
+            t = clamp_temperature(t_max_grid[:, None] * shape[None, :], bounds.t_min, bounds.t_max)
+            kl = interpolate_kl(expanded, records.curve_temperatures, t.reshape(-1))
+            kl_sums[b] += kl.reshape(len(t_max_grid), -1).double().sum(dim=1)
+    best = int(kl_sums.argmin())  # row-major: the smallest beta, then t_max, among ties
+    beta_index, t_max_index = divmod(best, len(t_max_grid))
+    return float(t_max_grid[t_max_index]), float(betas[beta_index])
 
 
 def fit_rules(
-    records: PositionRecords, settings: CalibrationSettings
+    records: PositionRecords,
+    settings: CalibrationSettings,
+    rules: Collection[Rule] = FITTED_RULES,
 ) -> tuple[RuleParameters, list[StepBucketNoise]]:
-    """Fit every rule's parameters on `records` (the fit set; see the module docstring).
+    """Fit the parameters of `rules` (default: every rule) on `records` (the fit set; see the
+    module docstring).
 
-    The calibrated table is fitted on part of the sequences and checked on the others
+    The noise by step bucket (alpha and sigma2, all that `sqrt` and `linear` need) is always
+    fitted; `fixed` adds the best shared T, `fisher` the Var_q floor, `schedule` (t_max, beta)
+    and `calibrated` the table. The parameters of rules not in `rules` are the neutral ones of
+    `TemperaturePolicy` (T = 1: fixed T 1, floor 1, schedule t_max 1 / beta 0, an all-ones
+    table). The calibrated table is fitted on part of the sequences and checked on the others
     (`settings.validation_fraction`), so the held-out set stays untouched. Positions whose KL
     is infinite at every T (the served row masks a token the clean row supports) carry no
-    information about T and are left out, as in `quality_table`.
+    information about T and are left out, as in `quality_table`. Raises
+    `InsufficientDataError` when there is nothing to fit on (or, for `calibrated`, fewer than
+    two sequences).
     """
     records = records.select(torch.isfinite(records.kl_at_one))
     bounds = settings.bounds
-    noise = noise_by_step(records, settings.step_edges)
-    table_fit, table_check = split_by_sequence(
-        records.sequence_id, settings.validation_fraction, settings.seed + 1
-    )
-    entropy_edges, table = fit_calibrated_table(
-        records.select(table_fit),
-        records.select(table_check),
-        step_edges=settings.step_edges,
-        entropy_buckets=settings.entropy_buckets,
-        bounds=bounds,
-        min_cell_positions=settings.min_cell_positions,
-    )
-    t_max, beta = _schedule(records, bounds)
     step_edges = tuple(settings.step_edges)
+    noise = noise_by_step(records, step_edges)
     alpha_by_step = tuple(max(n.alpha, 0.0) for n in noise)
     sigma2_by_step = tuple(max(n.sigma2, 0.0) for n in noise)
-    fisher = TemperaturePolicy(
-        rule=Rule.FISHER,
-        bounds=bounds,
-        step_edges=step_edges,
-        alpha_by_step=alpha_by_step,
-        sigma2_by_step=sigma2_by_step,
+    neutral = TemperaturePolicy()
+    entropy_edges: tuple[float, ...] = (0.0,)
+    table: tuple[tuple[float, ...], ...] = tuple((1.0,) for _ in step_edges)
+    if Rule.CALIBRATED in rules:
+        table_fit, table_check = split_by_sequence(
+            records.sequence_id, settings.validation_fraction, settings.seed + 1
+        )
+        entropy_edges, table = fit_calibrated_table(
+            records.select(table_fit),
+            records.select(table_check),
+            step_edges=step_edges,
+            entropy_buckets=settings.entropy_buckets,
+            bounds=bounds,
+            min_cell_positions=settings.min_cell_positions,
+        )
+    t_max, beta = (
+        _schedule(records, bounds)
+        if Rule.SCHEDULE in rules
+        else (neutral.schedule_t_max, neutral.schedule_beta)
     )
+    fixed_temperature = (
+        best_curve_temperature(records.kl_curve, records.curve_temperatures, bounds)
+        if Rule.FIXED in rules
+        else neutral.fixed_temperature
+    )
+    fisher_var_floor = neutral.fisher_var_floor
+    if Rule.FISHER in rules:
+        fisher = TemperaturePolicy(
+            rule=Rule.FISHER,
+            bounds=bounds,
+            step_edges=step_edges,
+            alpha_by_step=alpha_by_step,
+            sigma2_by_step=sigma2_by_step,
+        )
+        fisher_var_floor = _fisher_floor(records, fisher)
     parameters = RuleParameters(
         t_min=bounds.t_min,
         t_max=bounds.t_max,
-        fixed_temperature=best_curve_temperature(
-            records.kl_curve, records.curve_temperatures, bounds
-        ),
+        fixed_temperature=fixed_temperature,
         step_edges=step_edges,
         alpha_by_step=alpha_by_step,
         sigma2_by_step=sigma2_by_step,
-        fisher_var_floor=_fisher_floor(records, fisher),
+        fisher_var_floor=fisher_var_floor,
         schedule_t_max=t_max,
         schedule_beta=beta,
-        calibrated_step_edges=tuple(settings.step_edges),
+        calibrated_step_edges=step_edges,
         calibrated_entropy_edges=entropy_edges,
         calibrated_temperatures=table,
     )

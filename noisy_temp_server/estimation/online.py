@@ -3,13 +3,16 @@
 The server's shadow scorer scores a sample of finished requests with the clean and the served
 model and hands each request's `PositionRecords` to `OnlineEstimator.add`. The estimator keeps a
 bounded window of the most recent records and, once it holds `min_positions` positions and at
-least `refit_every` new ones arrived since the last fit, refits every rule with the calibration
-code (`fit_rules`: alpha / sigma2 by step bucket, fisher floor, schedule, and the calibrated
-table, fitted top-down with a significance check at every split) and publishes a new
-`TemperaturePolicy` whose version is one higher. The rule served stays the one it started with,
-except that a profile recommending `off` starts on `calibrated` with the profile's table: that
-table is significance-gated (all ones where nothing beat T = 1), so it serves T = 1 until the live
-evidence says otherwise instead of pinning the server at T = 1 for good.
+least `refit_every` new ones arrived since the last fit, refits with the calibration code
+(`fit_rules`) what the served rule needs: alpha / sigma2 by step bucket always (they also feed
+the metrics), plus the best shared T for `fixed`, the floor for `fisher`, (t_max, beta) for
+`schedule`, or the table for `calibrated` (fitted top-down with a significance check at every
+split). It publishes a new `TemperaturePolicy` whose version is one higher, in which the other
+rules' parameters (which a request may select by override) stay as they were. The rule served
+stays the one it started with, except that a profile recommending `off` starts on `calibrated`
+with the profile's table: that table is significance-gated (all ones where nothing beat T = 1),
+so it serves T = 1 until the live evidence says otherwise instead of pinning the server at
+T = 1 for good.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -37,6 +40,14 @@ from noisy_temp_server.temperature.rules import Rule
 __all__ = ["OnlineEstimator"]
 
 logger = logging.getLogger(__name__)
+
+_PARAMETERS_OF_RULE: dict[Rule, tuple[str, ...]] = {
+    Rule.FIXED: ("fixed_temperature",),
+    Rule.FISHER: ("fisher_var_floor",),
+    Rule.SCHEDULE: ("schedule_t_max", "schedule_beta"),
+    Rule.CALIBRATED: ("calibrated",),
+}
+"""`TemperaturePolicy` fields fitted for one rule only (alpha / sigma2 are always fitted)."""
 
 
 class OnlineEstimator:
@@ -81,6 +92,7 @@ class OnlineEstimator:
             t_min=policy.bounds.t_min, t_max=policy.bounds.t_max
         )
         self._policy = policy
+        self._fitted_rules = frozenset({policy.rule}) & _PARAMETERS_OF_RULE.keys()
         self._noise: tuple[StepBucketNoise, ...] = (
             initial.noise_by_step if isinstance(initial, Profile) else ()
         )
@@ -127,15 +139,22 @@ class OnlineEstimator:
                 window = PositionRecords.concat(list(self._window))
                 self._since_refit = 0
             try:
-                parameters, noise = fit_rules(window, self._settings)
+                parameters, noise = fit_rules(window, self._settings, self._fitted_rules)
             except ValueError as error:
                 with self._lock:
                     self._last_error = f"refit on {len(window)} positions failed: {error}"
                 logger.warning("%s", self._last_error)
                 return False
             with self._lock:
-                fitted = parameters.to_policy(self._policy.rule, self._policy.version + 1)
-                self._policy = dataclasses.replace(fitted, bounds=self._policy.bounds)
+                previous = self._policy
+                fitted = parameters.to_policy(previous.rule, previous.version + 1)
+                kept = {
+                    name: getattr(previous, name)
+                    for rule, names in _PARAMETERS_OF_RULE.items()
+                    if rule not in self._fitted_rules
+                    for name in names
+                }
+                self._policy = dataclasses.replace(fitted, bounds=previous.bounds, **kept)
                 self._noise = tuple(noise)
                 self._last_refit = self._clock()
                 self._last_error = None

@@ -5,16 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from noisy_temp_server.estimation import calibration
 from noisy_temp_server.estimation.calibration import (
     FITTED_RULES,
     InsufficientDataError,
     best_curve_temperature,
     calibrate,
     fit_calibrated_table,
+    fit_rules,
     load_pair,
     noise_by_step,
     quality_table,
@@ -61,6 +64,43 @@ def _records(
         step=torch.arange(rows) % 8 + first_step,
         sequence_id=torch.arange(rows) % sequences + seed * 1000,
     )
+
+
+def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    records = _records(400, shrink=0.6, noise=0.5)
+    settings = CalibrationSettings(step_edges=(0, 4), entropy_buckets=1, min_cell_positions=40)
+    calls: list[str] = []
+    for name in ("_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"):
+        original = getattr(calibration, name)
+
+        def spy(
+            *args: object, _name: str = name, _original: Any = original, **kwargs: object
+        ) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(calibration, name, spy)
+    everything, _ = fit_rules(records, settings)
+    assert {"_schedule", "_fisher_floor", "fit_calibrated_table"} <= set(calls)
+    assert everything.schedule_t_max < 1
+    assert everything.fixed_temperature < 1
+    calls.clear()
+    only_table, noise = fit_rules(records, settings, rules={Rule.CALIBRATED})
+    assert "_schedule" not in calls
+    assert "_fisher_floor" not in calls
+    assert only_table.calibrated_temperatures == everything.calibrated_temperatures
+    assert only_table.alpha_by_step == everything.alpha_by_step
+    assert len(noise) == 2
+    assert (only_table.fixed_temperature, only_table.schedule_t_max) == (1.0, 1.0)
+
+
+def test_schedule_fit_in_chunks_matches_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _records(300, shrink=0.6, noise=0.5)
+    whole = calibration._schedule(records, BOUNDS)
+    monkeypatch.setattr(calibration, "_SCHEDULE_CHUNK_ROWS", 97 * 7)
+    assert calibration._schedule(records, BOUNDS) == pytest.approx(whole)
 
 
 def test_best_curve_temperature_matches_the_mean_of_per_row_minima_for_identical_rows() -> None:

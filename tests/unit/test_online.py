@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+import pytest
 import torch
 
+from noisy_temp_server.estimation import calibration
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.profile import (
     CalibrationSettings,
@@ -97,6 +100,40 @@ def test_keeps_a_rule_the_profile_recommends() -> None:
     settings = CalibrationSettings(step_edges=(0, 20))
     policy = OnlineEstimator(_profile(Rule.FIXED, settings)).current_policy()
     assert (policy.rule, policy.fixed_temperature) == (Rule.FIXED, 1.1)
+
+
+def test_refits_only_what_the_served_rule_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("_schedule", "_fisher_floor", "best_curve_temperature"):
+        original = getattr(calibration, name)
+
+        def spy(
+            *args: object, _name: str = name, _original: Any = original, **kwargs: object
+        ) -> Any:
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(calibration, name, spy)
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(settings=settings, min_positions=400, refit_every=400)
+    for request in range(10):
+        estimator.add(_request(request))
+    assert estimator.current_policy().version == 1
+    assert "_schedule" not in calls
+    assert "_fisher_floor" not in calls
+
+
+def test_parameters_of_other_rules_are_kept() -> None:
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    profile = _profile(Rule.FIXED, settings)
+    estimator = OnlineEstimator(profile, min_positions=400, refit_every=400)
+    for request in range(10):
+        estimator.add(_request(request))
+    policy = estimator.current_policy()
+    assert (policy.rule, policy.version) == (Rule.FIXED, 1)
+    assert policy.fixed_temperature > 1.2
+    assert policy.calibrated == profile.to_policy().calibrated
+    assert policy.schedule_t_max == profile.parameters.schedule_t_max
 
 
 def test_keeps_the_rule_and_bounds_of_an_initial_policy() -> None:

@@ -13,7 +13,6 @@ of the calibrated table work the same way over the served row's entropy in nats.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -375,8 +374,26 @@ class _PolicyTensors:
     calibrated_temperatures: Tensor  # [step buckets * entropy buckets], row-major
 
 
-@functools.lru_cache(maxsize=64)
+_TABLES_CACHE_SIZE = 64
+# (id(policy), device) -> (policy, its tables). Each entry keeps its policy alive, so the id
+# stays unique while the entry exists; the key costs no hash of the policy's contents.
+_tables_by_policy: dict[tuple[int, torch.device], tuple[TemperaturePolicy, _PolicyTensors]] = {}
+
+
 def _policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyTensors:
+    """The policy's lookup tables on ``device``, built once per policy object (bounded FIFO)."""
+    key = (id(policy), device)
+    cached = _tables_by_policy.get(key)
+    if cached is not None:
+        return cached[1]
+    tables = _build_policy_tensors(policy, device)
+    if len(_tables_by_policy) >= _TABLES_CACHE_SIZE:
+        _tables_by_policy.pop(next(iter(_tables_by_policy)), None)
+    _tables_by_policy[key] = (policy, tables)
+    return tables
+
+
+def _build_policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyTensors:
     def values(data: Sequence[float]) -> Tensor:
         return torch.tensor(data, dtype=torch.float32, device=device)
 
@@ -410,7 +427,8 @@ def policy_temperature(
     """T* for each row under ``policy``: ``[B]`` float32 on ``step``'s device, in the bounds.
 
     Args:
-        policy: the snapshot to apply (its lookup tables are cached per device).
+        policy: the snapshot to apply (its lookup tables are cached per policy object and
+            device, so pass the same object each step).
         step: ``[B]`` integer generation step of each row (0 = first generated token).
         served_logits: ``[B, V]`` served logits, read only when
             ``policy.rule.needs_served_logits`` (``fisher`` uses the served row's Var_q as its
@@ -444,7 +462,9 @@ def policy_temperature(
                     f"rule {rule.value!r} reads the served row; pass served_logits "
                     "(or served_features)"
                 )
-            served_features = served_row_features(served_logits, validate=validate)
+            served_features = served_row_features(
+                served_logits, validate=validate, need_variance=rule is Rule.FISHER
+            )
         elif served_features.entropy.shape != (batch,) or served_features.var_q.shape != (batch,):
             raise ValueError(f"served_features fields must have shape [{batch}]")
     for name, per_row in (("fixed", fixed), ("t_min", t_min), ("t_max", t_max)):

@@ -118,13 +118,16 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
     return torch.einsum("bv,bv->b", a, b)
 
 
-def _softmax_moments(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _softmax_moments(
+    logits: Tensor, *, need_variance: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(weights [B, V], total [B], neg_entropy [B], variance [B])`` of ``softmax(logits)``.
 
     With ``c = logits - max`` (<= 0): ``weights = exp(c)`` (unnormalised; the probabilities are
     ``weights / total``), ``total = sum(weights) >= 1`` (so the top probability is
     ``1 / total``), ``-H = E_q[c] - log(total)`` (a sum of two non-positive terms) and
-    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits).
+    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits;
+    NaN without its second pass when ``need_variance`` is false).
     One exp per element and two ``[B, V]`` temporaries: ``c`` (reused in place) and ``weights``.
     """
     dtype = compute_dtype(logits.dtype)
@@ -133,9 +136,11 @@ def _softmax_moments(logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     total = weights.sum(dim=-1)
     shifted.clamp_(min=_SHIFTED_LOGIT_FLOOR)  # where exp() is 0, so -inf * 0 terms become 0
     mean = _row_dot(weights, shifted) / total  # E_q[c] <= 0
+    neg_entropy = (mean - total.log()).clamp(max=0.0)
+    if not need_variance:
+        return weights, total, neg_entropy, torch.full_like(mean, torch.nan)
     shifted.sub_(mean.unsqueeze(-1)).square_()
     variance = _row_dot(weights, shifted) / total
-    neg_entropy = (mean - total.log()).clamp(max=0.0)
     return weights, total, neg_entropy, variance
 
 
@@ -154,7 +159,8 @@ class ServedRowFeatures:
 
     Attributes:
         entropy: H(q) in nats, q = softmax(served).
-        var_q: Var_q(served), the softmax-weighted variance of the served logits.
+        var_q: Var_q(served), the softmax-weighted variance of the served logits (all NaN when
+            built with ``need_variance=False``).
         top_prob: max_i q_i.
     """
 
@@ -163,16 +169,19 @@ class ServedRowFeatures:
     top_prob: Tensor
 
 
-def served_row_features(served: Tensor, *, validate: bool = True) -> ServedRowFeatures:
+def served_row_features(
+    served: Tensor, *, validate: bool = True, need_variance: bool = True
+) -> ServedRowFeatures:
     """Entropy, softmax-weighted variance and top probability of each served row.
 
     Built for the per-step logits processor: one exp per element and two ``[B, V]`` temporaries
     in the compute dtype. With ``validate=False`` it skips :func:`check_logits` (and its device
-    sync); invalid rows then give NaN features instead of raising.
+    sync); invalid rows then give NaN features instead of raising. With
+    ``need_variance=False`` it skips the second pass over the row and ``var_q`` is all NaN.
     """
     if validate:
         check_logits(served, name="served logits")
-    _, total, neg_entropy, var_q = _softmax_moments(served)
+    _, total, neg_entropy, var_q = _softmax_moments(served, need_variance=need_variance)
     return ServedRowFeatures(entropy=-neg_entropy, var_q=var_q, top_prob=total.reciprocal())
 
 

@@ -89,7 +89,6 @@ class _Group:
     step_bucket_labels: tuple[str, ...]  # [K]
     start: int
     stop: int
-    rows: torch.Tensor  # [n] int64 batch rows, on the device
     request_temperature: torch.Tensor  # [n, 1] float32 on the device
     fixed_t: torch.Tensor  # [n] float32 on the device
     t_min: torch.Tensor  # [n]
@@ -188,7 +187,6 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
                     step_bucket_labels=step_bucket_labels(policy.step_edges),
                     start=len(order),
                     stop=len(order) + len(rows),
-                    rows=self._to_device(torch.tensor(rows, dtype=torch.int64)),
                     request_temperature=self._to_device(
                         torch.from_numpy(self._request_temperature[rows]).unsqueeze(1)
                     ),
@@ -216,38 +214,41 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
             return logits
         steps = torch.tensor(list(map(len, self._tuned_outputs)), dtype=torch.int64)
         steps_device = steps.to(self.device, non_blocking=True)
+        # [n_tuned, V] in tuned order: a view when the tuned rows are the batch's first rows,
+        # else a copy written back below.
+        in_place = self._tuned_in_order
+        tuned = (
+            logits[: self._tuned_rows.shape[0]]
+            if in_place
+            else logits.index_select(0, self._tuned_rows)
+        )
         # amax is NaN or +inf for any NaN or +inf, and -inf only when every token is masked.
-        row_ok = torch.isfinite(logits.amax(dim=1))  # [B]
+        row_ok = torch.isfinite(tuned.amax(dim=1))  # [n_tuned]
         temperatures = torch.cat(
             [
-                self._group_temperature(group, logits, steps_device[group.start : group.stop])
+                self._group_temperature(
+                    group, tuned[group.start : group.stop], steps_device[group.start : group.stop]
+                )
                 for group in self._groups
             ]
         )  # [n_tuned], tuned order
-        ok = (
-            row_ok.index_select(0, self._tuned_rows)
-            & torch.isfinite(temperatures)
-            & (temperatures > 0)
-        )
+        ok = row_ok & torch.isfinite(temperatures) & (temperatures > 0)
         temperatures = torch.where(ok, temperatures, torch.ones_like(temperatures))
-        if self._tuned_in_order and temperatures.shape[0] == logits.shape[0]:
-            logits.div_(temperatures.unsqueeze(1))
-        else:
-            rows = self._tuned_rows
-            logits.index_copy_(
-                0, rows, logits.index_select(0, rows).div_(temperatures.unsqueeze(1))
-            )
+        tuned.div_(temperatures.unsqueeze(1))
+        if not in_place:
+            logits.index_copy_(0, self._tuned_rows, tuned)
         host_temperatures, host_ok = torch.stack((temperatures, ok.float())).tolist()  # one sync
         self._report(steps, host_temperatures, [flag == 1.0 for flag in host_ok])
         return logits
 
     def _group_temperature(
-        self, group: _Group, logits: torch.Tensor, steps: torch.Tensor
+        self, group: _Group, group_logits: torch.Tensor, steps: torch.Tensor
     ) -> torch.Tensor:
+        """T* of the group's rows; ``group_logits`` ([n, V], as vLLM hands them) is not modified."""
         served: torch.Tensor | None = None
         if group.policy.rule.needs_served_logits:
             # Undo the request temperature: the rule reads the served row z~, not z~ / T_req.
-            served = logits.index_select(0, group.rows).mul_(group.request_temperature)
+            served = group_logits.mul(group.request_temperature)
         return policy_temperature(
             group.policy,
             steps,

@@ -154,6 +154,28 @@ def test_fisher_reads_the_served_row_without_the_request_temperature(
     torch.testing.assert_close(out[1], served[1] / expected_t[1])
 
 
+def test_scattered_tuned_rows_read_their_own_served_rows(registry: CollectorRegistry) -> None:
+    policy = TemperaturePolicy(rule=Rule.FISHER, sigma2_by_step=(0.5,), fisher_var_floor=1e-3)
+    processor = _processor(registry)
+    _add(
+        processor,
+        4,
+        (0, _params(1.0), []),  # untuned, with NaN logits: neither touched nor counted
+        (1, _params(0.5, nts_policy=policy.to_json()), []),
+        (2, _params(1.0), []),
+        (3, _params(2.0, nts_policy=policy.to_json()), []),
+    )
+    served = _logits(4)
+    served[0, 3] = math.nan
+    handed = served / torch.tensor([[1.0], [0.5], [1.0], [2.0]])
+    out = processor.apply(handed.clone())
+    expected_t = policy_temperature(policy, torch.zeros(2, dtype=torch.int64), served[[1, 3]])
+    torch.testing.assert_close(out[[1, 3]], handed[[1, 3]] / expected_t.unsqueeze(1))
+    assert torch.equal(out[2], handed[2])
+    assert torch.equal(out[0].nan_to_num(), handed[0].nan_to_num())
+    assert processor.bad_rows == 0
+
+
 def test_rows_with_nan_logits_keep_their_logits_and_are_counted(
     registry: CollectorRegistry,
 ) -> None:

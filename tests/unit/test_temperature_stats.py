@@ -86,6 +86,16 @@ def test_served_row_features_by_hand() -> None:
     assert features.top_prob.item() == pytest.approx(0.75)
 
 
+def test_served_row_features_without_variance_skip_only_var_q() -> None:
+    served = torch.randn(5, 40, generator=torch.Generator().manual_seed(3)) * 3
+    full = served_row_features(served)
+    light = served_row_features(served, need_variance=False)
+    assert torch.equal(light.entropy, full.entropy)
+    assert torch.equal(light.top_prob, full.top_prob)
+    assert light.var_q.shape == (5,)
+    assert light.var_q.isnan().all()
+
+
 def test_one_hot_served_row_has_zero_entropy_and_variance() -> None:
     features = served_row_features(rows([0.0, -INF, -INF]))
     assert features.entropy.item() == 0.0

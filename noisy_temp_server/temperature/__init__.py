@@ -13,6 +13,7 @@ from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     PolicyValidationError,
     TemperaturePolicy,
+    bucket_index,
     policy_temperature,
 )
 from noisy_temp_server.temperature.rules import (
@@ -50,6 +51,7 @@ __all__ = [
     "TemperatureBounds",
     "TemperaturePolicy",
     "best_shared_temperature",
+    "bucket_index",
     "check_logits",
     "clamp_temperature",
     "fisher_temperature",

@@ -38,6 +38,7 @@ __all__ = [
     "CalibratedTable",
     "PolicyValidationError",
     "TemperaturePolicy",
+    "bucket_index",
     "policy_temperature",
 ]
 
@@ -408,9 +409,15 @@ def _build_policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _P
     )
 
 
-def _bucket(values: Tensor, edges: Tensor) -> Tensor:
-    """Index i with ``edges[i] <= value < edges[i + 1]`` (values below edges[0] go to 0)."""
-    return (torch.bucketize(values, edges, right=True) - 1).clamp(min=0)
+def bucket_index(values: Tensor, edges: Tensor) -> Tensor:
+    """The bucket of each value: int64 ``i`` with ``edges[i] <= value < edges[i + 1]``.
+
+    ``edges`` is 1-D, strictly ascending and starts at 0 (step or entropy bucket edges, as in a
+    policy); the last bucket is open-ended and values below the first edge go to bucket 0.
+    ``values`` has any shape (same device as ``edges``); the result has its shape. NaN values
+    land in the last bucket, so callers that may see NaN must handle it themselves.
+    """
+    return (torch.bucketize(values, edges, right=True) - 1).clamp_(min=0)
 
 
 def policy_temperature(
@@ -481,21 +488,23 @@ def policy_temperature(
             else fixed.to(torch.float32)
         )
     elif rule is Rule.SQRT:
-        temperature = sqrt_temperature(tables.alpha_by_step[_bucket(step, tables.step_edges)])
+        temperature = sqrt_temperature(tables.alpha_by_step[bucket_index(step, tables.step_edges)])
     elif rule is Rule.LINEAR:
-        temperature = linear_temperature(tables.alpha_by_step[_bucket(step, tables.step_edges)])
+        temperature = linear_temperature(
+            tables.alpha_by_step[bucket_index(step, tables.step_edges)]
+        )
     elif rule is Rule.SCHEDULE:
         temperature = schedule_temperature(step, policy.schedule_t_max, policy.schedule_beta)
     else:
         assert served_features is not None
         if rule is Rule.FISHER:
-            sigma2 = tables.sigma2_by_step[_bucket(step, tables.step_edges)]
+            sigma2 = tables.sigma2_by_step[bucket_index(step, tables.step_edges)]
             var_q = served_features.var_q.to(device)
             temperature = fisher_temperature(sigma2, var_q, policy.fisher_var_floor)
         else:
-            step_bucket = _bucket(step, tables.calibrated_step_edges)
+            step_bucket = bucket_index(step, tables.calibrated_step_edges)
             entropy = served_features.entropy.to(device=device, dtype=torch.float32)
-            entropy_bucket = _bucket(entropy, tables.calibrated_entropy_edges)
+            entropy_bucket = bucket_index(entropy, tables.calibrated_entropy_edges)
             entropy_buckets = tables.calibrated_entropy_edges.shape[0]
             flat_index = step_bucket * entropy_buckets + entropy_bucket
             # bucketize puts NaN in the last bucket; a row with no entropy gets NaN, i.e. T* = 1.

@@ -54,7 +54,11 @@ from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    TemperaturePolicy,
+    bucket_index,
+    policy_temperature,
+)
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
 from noisy_temp_server.vllm_plugin.metrics import (
     StepTemperatureMetrics,
@@ -272,13 +276,7 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
                 )
             self.bad_rows += n_bad
         for group in self._groups:
-            buckets = (
-                torch.bucketize(
-                    steps_cpu[group.start : group.stop], group.step_bucket_edges, right=True
-                )
-                .sub_(1)
-                .clamp_(min=0)
-            )
+            buckets = bucket_index(steps_cpu[group.start : group.stop], group.step_bucket_edges)
             labels = [group.step_bucket_labels[b] for b in buckets.tolist()]
             self.metrics.observe(
                 group.policy.rule.value, labels, temperatures[group.start : group.stop]

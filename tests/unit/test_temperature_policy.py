@@ -14,6 +14,7 @@ from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     PolicyValidationError,
     TemperaturePolicy,
+    bucket_index,
     policy_temperature,
 )
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
@@ -51,6 +52,15 @@ def test_identity_policy_gives_one() -> None:
     policy = TemperaturePolicy.identity()
     assert (policy.version, policy.rule) == (0, Rule.OFF)
     assert policy_temperature(policy, torch.tensor([0, 5, 1000])).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_bucket_index_follows_the_edge_convention() -> None:
+    steps = torch.tensor([[0, 7, 8], [31, 32, 10_000]])
+    assert bucket_index(steps, torch.tensor([0, 8, 32])).tolist() == [[0, 0, 1], [1, 2, 2]]
+    entropy = torch.tensor([-0.1, 0.0, 0.49, 0.5, 9.0])
+    edges = torch.tensor([0.0, 0.5])
+    assert bucket_index(entropy, edges).tolist() == [0, 0, 0, 1, 1]
+    assert bucket_index(entropy, edges).dtype == torch.int64
 
 
 def test_closed_form_rules_by_step_bucket() -> None:

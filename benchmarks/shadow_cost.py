@@ -286,10 +286,12 @@ def main() -> int:
     cache = Settings().cache_dir
     clean = ensure_default_model(cache)
     served = ensure_perturbed_checkpoint(clean, parse_spec(Settings().perturbation), cache)
+    load_before = os.getloadavg()
     rounds, summaries = _run(args, (served, clean))
+    load = f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    command = "benchmarks/shadow_cost.py " + " ".join(sys.argv[1:])
+    command = " ".join(["benchmarks/shadow_cost.py", *sys.argv[1:]])
     machine = f"{platform.platform()} ({os.cpu_count()} CPUs)"
     table = _table(summaries)
     print(table)
@@ -297,6 +299,7 @@ def main() -> int:
     document = {
         "command": command,
         "machine": machine,
+        "load": load,
         "timestamp": stamp,
         "settings": vars(args),
         "served_model": str(served),
@@ -307,7 +310,7 @@ def main() -> int:
     (RESULTS_DIR / f"shadow-cost-{stamp}.json").write_text(json.dumps(document, indent=2) + "\n")
     markdown = (
         "# Shadow scorer cost: serving throughput with and without scoring\n\n"
-        f"`{command}` on {machine}, {stamp}; {args.streams} concurrent streams, "
+        f"`{command}` on {machine} ({load}), {stamp}; {args.streams} concurrent streams, "
         f"{args.requests} completions of {args.max_tokens} tokens per round, medians over "
         f"{args.repeats} rounds per server. Sustained = tokens / (round + time the scorer "
         "still needs for that round's samples).\n\n" + table + "\n"

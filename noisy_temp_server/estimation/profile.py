@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from noisy_temp_server.pairs.checkpoint import read_manifest
 from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec, parse_spec
@@ -144,6 +144,18 @@ class CalibrationSettings(_Frozen):
     t_min: float = 0.25
     t_max: float = 4.0
 
+    @model_validator(mode="after")
+    def _check_bounds_and_step_edges(self) -> Self:
+        """Bounds and step edges as `TemperaturePolicy` accepts them (ValueError otherwise)."""
+        buckets = len(self.step_edges)
+        TemperaturePolicy(
+            bounds=self.bounds,
+            step_edges=self.step_edges,
+            alpha_by_step=(0.0,) * buckets,
+            sigma2_by_step=(0.0,) * buckets,
+        )
+        return self
+
     @property
     def bounds(self) -> TemperatureBounds:
         return TemperatureBounds(self.t_min, self.t_max)
@@ -165,7 +177,13 @@ class StepBucketNoise(_Frozen):
 
 
 class RuleParameters(_Frozen):
-    """Fitted parameters of every rule (the fields of `TemperaturePolicy`, less rule/version)."""
+    """Fitted parameters of every rule (the fields of `TemperaturePolicy`, less rule/version).
+
+    Validated as `TemperaturePolicy` validates them (finite, positive temperatures, bounds with
+    0 < t_min <= 1 <= t_max, one value per step bucket, a table of the edges' shape): every
+    rule's policy is built once on construction, so invalid parameters fail here (ValueError
+    naming the field), never later when a policy is served.
+    """
 
     t_min: float
     t_max: float
@@ -179,6 +197,12 @@ class RuleParameters(_Frozen):
     calibrated_step_edges: tuple[int, ...]
     calibrated_entropy_edges: tuple[float, ...]
     calibrated_temperatures: tuple[tuple[float, ...], ...]
+
+    @model_validator(mode="after")
+    def _check_every_policy(self) -> Self:
+        for rule in Rule:
+            self.to_policy(rule)
+        return self
 
     def to_policy(self, rule: Rule | str, version: int = 0) -> TemperaturePolicy:
         """The policy applying `rule` with these parameters."""
@@ -317,7 +341,10 @@ class Profile(_Frozen):
         try:
             return cls.model_validate(document)
         except ValidationError as error:
-            raise ProfileError(f"profile {path} failed validation: {error}") from error
+            raise ProfileError(
+                f"profile {path} failed validation (recreate it with `noisy-temp-server "
+                f"calibrate`): {error}"
+            ) from error
 
     def check_pair(self, clean: ModelIdentity, served: ModelIdentity) -> None:
         """Raise `ProfileError` unless this profile was measured on this pair: each recorded

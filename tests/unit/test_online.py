@@ -7,16 +7,11 @@ from typing import Any
 
 import pytest
 import torch
+from profile_helpers import sample_profile
 
 from noisy_temp_server.estimation import calibration
 from noisy_temp_server.estimation.online import OnlineEstimator
-from noisy_temp_server.estimation.profile import (
-    CalibrationSettings,
-    ModelIdentity,
-    Profile,
-    QualityTable,
-    RuleParameters,
-)
+from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
@@ -54,41 +49,11 @@ def test_serves_t_one_until_enough_evidence_then_publishes_a_new_version() -> No
     assert len(status["alpha_by_step"]) == len(policy.step_edges)
 
 
-def _profile(recommended: Rule, settings: CalibrationSettings) -> Profile:
-    ones = tuple((1.0,) for _ in settings.step_edges)
-    return Profile(
-        clean=ModelIdentity(name="clean", weights_sha256="a" * 64),
-        served=ModelIdentity(name="served", weights_sha256="b" * 64),
-        perturbation=None,
-        settings=settings,
-        noise_by_step=(),
-        parameters=RuleParameters(
-            t_min=settings.t_min,
-            t_max=settings.t_max,
-            fixed_temperature=1.1,
-            step_edges=settings.step_edges,
-            alpha_by_step=tuple(0.0 for _ in settings.step_edges),
-            sigma2_by_step=tuple(0.0 for _ in settings.step_edges),
-            fisher_var_floor=1.0,
-            schedule_t_max=1.0,
-            schedule_beta=0.0,
-            calibrated_step_edges=settings.step_edges,
-            calibrated_entropy_edges=(0.0,),
-            calibrated_temperatures=ones,
-        ),
-        recommended_rule=recommended,
-        quality=QualityTable(
-            positions=0, sequences=0, same_top_rate=1.0, same_top_stderr=0.0, rows=()
-        ),
-    )
-
-
-def test_a_profile_recommending_off_learns_with_the_calibrated_rule() -> None:
+def test_a_profile_recommending_off_learns_with_its_calibrated_table() -> None:
+    profile = sample_profile(Rule.OFF)
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
-    estimator = OnlineEstimator(_profile(Rule.OFF, settings), min_positions=400, refit_every=400)
-    first = estimator.current_policy()
-    assert first.rule is Rule.CALIBRATED
-    assert bool((policy_temperature(first, torch.arange(30), torch.randn(30, 10)) == 1).all())
+    estimator = OnlineEstimator(profile, settings=settings, min_positions=400, refit_every=400)
+    assert estimator.current_policy() == profile.to_policy(Rule.CALIBRATED)
     for request in range(10):
         estimator.add(_request(request))
     policy = estimator.current_policy()
@@ -97,9 +62,8 @@ def test_a_profile_recommending_off_learns_with_the_calibrated_rule() -> None:
 
 
 def test_keeps_a_rule_the_profile_recommends() -> None:
-    settings = CalibrationSettings(step_edges=(0, 20))
-    policy = OnlineEstimator(_profile(Rule.FIXED, settings)).current_policy()
-    assert (policy.rule, policy.fixed_temperature) == (Rule.FIXED, 1.1)
+    profile = sample_profile(Rule.FIXED)
+    assert OnlineEstimator(profile).current_policy() == profile.to_policy(Rule.FIXED)
 
 
 def test_refits_only_what_the_served_rule_needs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,16 +88,20 @@ def test_refits_only_what_the_served_rule_needs(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_parameters_of_other_rules_are_kept() -> None:
+    profile = sample_profile(Rule.FIXED)
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
-    profile = _profile(Rule.FIXED, settings)
-    estimator = OnlineEstimator(profile, min_positions=400, refit_every=400)
+    estimator = OnlineEstimator(profile, settings=settings, min_positions=400, refit_every=400)
     for request in range(10):
         estimator.add(_request(request))
-    policy = estimator.current_policy()
+    policy, initial = estimator.current_policy(), profile.to_policy()
     assert (policy.rule, policy.version) == (Rule.FIXED, 1)
     assert policy.fixed_temperature > 1.2
-    assert policy.calibrated == profile.to_policy().calibrated
-    assert policy.schedule_t_max == profile.parameters.schedule_t_max
+    assert policy.step_edges == (0, 20)
+    assert policy.calibrated == initial.calibrated
+    assert (policy.schedule_t_max, policy.fisher_var_floor) == (
+        initial.schedule_t_max,
+        initial.fisher_var_floor,
+    )
 
 
 def test_keeps_the_rule_and_bounds_of_an_initial_policy() -> None:

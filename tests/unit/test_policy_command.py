@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from profile_helpers import sample_profile
 
 from noisy_temp_server.cli import main
 from noisy_temp_server.estimation import profile as profile_module
@@ -16,6 +18,20 @@ def test_bad_profile_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     profile.write_text("{not json", encoding="utf-8")
     assert main(["policy", str(profile)]) == 1
     assert str(profile) in capsys.readouterr().err
+
+
+def test_profile_with_invalid_parameters_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.json"
+    document = json.loads(sample_profile().model_dump_json())
+    document["parameters"]["fixed_temperature"] = -1.0
+    profile.write_text(json.dumps(document), encoding="utf-8")
+    assert main(["policy", str(profile)]) == 1
+    err = capsys.readouterr().err
+    assert str(profile) in err
+    assert "fixed_temperature" in err
+    assert "Traceback" not in err
 
 
 def test_unknown_rule_is_refused(tmp_path: Path) -> None:

@@ -3,75 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from profile_helpers import CLEAN, SERVED, sample_profile
 
 from noisy_temp_server.estimation.profile import (
-    CalibrationSettings,
     ModelIdentity,
     Profile,
     ProfileError,
-    QualityRow,
-    QualityTable,
-    RuleParameters,
-    StepBucketNoise,
 )
 from noisy_temp_server.pairs.perturb import QuantizationSpec, RuntimeLogitNoiseSpec
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
-CLEAN = ModelIdentity(name="clean", weights_sha256="a" * 64)
-SERVED = ModelIdentity(name="served", weights_sha256="b" * 64)
-
-
-def _profile() -> Profile:
-    row = QualityRow(
-        name="T=1",
-        mean_kl=0.1,
-        stderr=0.01,
-        gain=0.0,
-        gain_stderr=0.0,
-        p50=0.05,
-        p90=0.2,
-        p99=0.5,
-        closure=0.0,
-        mean_temperature=1.0,
-    )
-    return Profile(
-        clean=CLEAN,
-        served=SERVED,
-        perturbation=QuantizationSpec(format="int4", group_size=64),
-        settings=CalibrationSettings(prompts=10),
-        noise_by_step=(
-            StepBucketNoise(step_start=0, step_stop=4, positions=10, alpha=0.1, sigma2=1, tau2=10),
-            StepBucketNoise(
-                step_start=4, step_stop=None, positions=20, alpha=0.2, sigma2=2, tau2=10
-            ),
-        ),
-        parameters=RuleParameters(
-            t_min=0.25,
-            t_max=4.0,
-            fixed_temperature=0.9,
-            step_edges=(0, 4),
-            alpha_by_step=(0.1, 0.2),
-            sigma2_by_step=(1.0, 2.0),
-            fisher_var_floor=0.3,
-            schedule_t_max=1.2,
-            schedule_beta=0.01,
-            calibrated_step_edges=(0, 4),
-            calibrated_entropy_edges=(0.0, 1.5),
-            calibrated_temperatures=((0.9, 1.0), (1.0, 1.1)),
-        ),
-        recommended_rule=Rule.CALIBRATED,
-        quality=QualityTable(
-            positions=300, sequences=10, same_top_rate=0.9, same_top_stderr=0.01, rows=(row,)
-        ),
-    )
-
 
 def test_round_trip(tmp_path: Path) -> None:
-    profile = _profile()
+    profile = sample_profile()
     profile.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
     assert loaded == profile
@@ -79,17 +28,17 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 def test_to_policy_carries_every_parameter() -> None:
-    policy = _profile().to_policy()
+    policy = sample_profile().to_policy()
     assert policy.rule is Rule.CALIBRATED
     assert policy.calibrated.temperatures == ((0.9, 1.0), (1.0, 1.1))
     assert policy.calibrated.entropy_edges == (0.0, 1.5)
-    linear = _profile().to_policy("linear", version=3)
+    linear = sample_profile().to_policy("linear", version=3)
     assert (linear.rule, linear.version, linear.alpha_by_step) == (Rule.LINEAR, 3, (0.1, 0.2))
     assert TemperaturePolicy.from_json(linear.to_json()) == linear
 
 
 def test_mismatched_pair_names_the_model(tmp_path: Path) -> None:
-    _profile().save(tmp_path / "p.json")
+    sample_profile().save(tmp_path / "p.json")
     other = ModelIdentity(name="other", weights_sha256="c" * 64)
     assert Profile.load_for_pair(tmp_path / "p.json", CLEAN, SERVED).served == SERVED
     with pytest.raises(ProfileError, match=r"served model served .*served model is other"):
@@ -116,7 +65,7 @@ WRITTEN_INT4 = ModelIdentity(
 def test_same_perturbation_of_the_same_clean_model_is_the_same_served_model(
     tmp_path: Path, recorded: ModelIdentity, actual: ModelIdentity
 ) -> None:
-    _profile().model_copy(update={"served": recorded}).save(tmp_path / "p.json")
+    sample_profile().model_copy(update={"served": recorded}).save(tmp_path / "p.json")
     assert Profile.load_for_pair(tmp_path / "p.json", CLEAN, actual).served == recorded
 
 
@@ -147,7 +96,7 @@ def test_same_perturbation_of_the_same_clean_model_is_the_same_served_model(
 def test_another_served_model_is_refused_with_both_identities(
     tmp_path: Path, recorded: ModelIdentity, actual: ModelIdentity, message: str
 ) -> None:
-    _profile().model_copy(update={"served": recorded}).save(tmp_path / "p.json")
+    sample_profile().model_copy(update={"served": recorded}).save(tmp_path / "p.json")
     with pytest.raises(ProfileError, match=rf"p\.json: .*served model .*{message}"):
         Profile.load_for_pair(tmp_path / "p.json", CLEAN, actual)
 
@@ -164,10 +113,40 @@ def test_another_served_model_is_refused_with_both_identities(
     ],
 )
 def test_corrupt_profiles_fail_clearly(tmp_path: Path, mutate: object, message: str) -> None:
-    document = json.loads(_profile().model_dump_json())
+    document = json.loads(sample_profile().model_dump_json())
     (tmp_path / "p.json").write_text(mutate(document))  # type: ignore[operator]
     with pytest.raises(ProfileError, match=message):
         Profile.load(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "message"),
+    [
+        (
+            "parameters",
+            "fixed_temperature",
+            math.nan,
+            "'fixed_temperature' must be a finite number",
+        ),
+        ("parameters", "t_min", 0, "t_min must satisfy 0 < t_min"),
+        ("parameters", "calibrated_temperatures", [[1.0]], "'calibrated.temperatures' must be"),
+        ("parameters", "alpha_by_step", [0.1], "'alpha_by_step' must be"),
+        ("settings", "t_max", 0.5, "t_max must satisfy"),
+        ("settings", "step_edges", [4, 0], "'step_edges' must be"),
+    ],
+)
+def test_invalid_parameters_are_refused_at_load_naming_file_and_field(
+    tmp_path: Path, section: str, field: str, value: object, message: str
+) -> None:
+    path = tmp_path / "p.json"
+    sample_profile().save(path)
+    document = json.loads(path.read_text())
+    document[section][field] = value
+    path.write_text(json.dumps(document))  # NaN is written as the bare NaN that json reads back
+    with pytest.raises(ProfileError, match=message) as raised:
+        Profile.load(path)
+    assert str(path) in str(raised.value)
+    assert "recreate it" in str(raised.value)
 
 
 def test_missing_file_fails_clearly(tmp_path: Path) -> None:

@@ -1,0 +1,66 @@
+"""A small valid profile for the profile, policy command and online estimator tests."""
+
+from __future__ import annotations
+
+from noisy_temp_server.estimation.profile import (
+    CalibrationSettings,
+    ModelIdentity,
+    Profile,
+    QualityRow,
+    QualityTable,
+    RuleParameters,
+    StepBucketNoise,
+)
+from noisy_temp_server.pairs.perturb import QuantizationSpec
+from noisy_temp_server.temperature.rules import Rule
+
+__all__ = ["CLEAN", "SERVED", "sample_profile"]
+
+CLEAN = ModelIdentity(name="clean", weights_sha256="a" * 64)
+SERVED = ModelIdentity(name="served", weights_sha256="b" * 64)
+
+
+def sample_profile(recommended_rule: Rule = Rule.CALIBRATED) -> Profile:
+    """Two step buckets (edges 0, 4), a 2 x 2 calibrated table, int4 quantisation."""
+    row = QualityRow(
+        name="T=1",
+        mean_kl=0.1,
+        stderr=0.01,
+        gain=0.0,
+        gain_stderr=0.0,
+        p50=0.05,
+        p90=0.2,
+        p99=0.5,
+        closure=0.0,
+        mean_temperature=1.0,
+    )
+    return Profile(
+        clean=CLEAN,
+        served=SERVED,
+        perturbation=QuantizationSpec(format="int4", group_size=64),
+        settings=CalibrationSettings(prompts=10),
+        noise_by_step=(
+            StepBucketNoise(step_start=0, step_stop=4, positions=10, alpha=0.1, sigma2=1, tau2=10),
+            StepBucketNoise(
+                step_start=4, step_stop=None, positions=20, alpha=0.2, sigma2=2, tau2=10
+            ),
+        ),
+        parameters=RuleParameters(
+            t_min=0.25,
+            t_max=4.0,
+            fixed_temperature=0.9,
+            step_edges=(0, 4),
+            alpha_by_step=(0.1, 0.2),
+            sigma2_by_step=(1.0, 2.0),
+            fisher_var_floor=0.3,
+            schedule_t_max=1.2,
+            schedule_beta=0.01,
+            calibrated_step_edges=(0, 4),
+            calibrated_entropy_edges=(0.0, 1.5),
+            calibrated_temperatures=((0.9, 1.0), (1.0, 1.1)),
+        ),
+        recommended_rule=recommended_rule,
+        quality=QualityTable(
+            positions=300, sequences=10, same_top_rate=0.9, same_top_stderr=0.01, rows=(row,)
+        ),
+    )

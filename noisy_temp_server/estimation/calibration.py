@@ -69,7 +69,11 @@ from noisy_temp_server.pairs.scorer import (
     ScoringSequence,
     interpolate_kl,
 )
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    TemperaturePolicy,
+    bucket_index,
+    policy_temperature,
+)
 from noisy_temp_server.temperature.rules import (
     Rule,
     TemperatureBounds,
@@ -145,8 +149,7 @@ def split_by_sequence(sequence_ids: Tensor, fraction: float, seed: int) -> tuple
 
 
 def _step_bucket(step: Tensor, edges: Sequence[int]) -> Tensor:
-    boundaries = torch.tensor(edges, dtype=torch.int64)
-    return (torch.bucketize(step, boundaries, right=True) - 1).clamp(min=0)
+    return bucket_index(step, torch.tensor(edges, dtype=torch.int64))
 
 
 def noise_by_step(records: PositionRecords, step_edges: Sequence[int]) -> list[StepBucketNoise]:
@@ -255,8 +258,7 @@ def _entropy_edges(entropy: Tensor, buckets: int) -> tuple[float, ...]:
 
 
 def _entropy_bucket(entropy: Tensor, edges: Sequence[float]) -> Tensor:
-    boundaries = torch.tensor(edges, dtype=torch.float32)
-    return (torch.bucketize(entropy.float(), boundaries, right=True) - 1).clamp(min=0)
+    return bucket_index(entropy.float(), torch.tensor(edges, dtype=torch.float32))
 
 
 def _refined_temperature(

@@ -33,7 +33,7 @@ from noisy_temp_server.settings import (
 )
 
 if TYPE_CHECKING:
-    from noisy_temp_server.estimation.profile import Profile
+    from noisy_temp_server.estimation.profile import ModelIdentity, Profile
     from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
     from noisy_temp_server.server.metrics import ApiMetrics
@@ -46,6 +46,8 @@ __all__ = [
     "ServedPair",
     "add_arguments",
     "ensure_perturbed_checkpoint",
+    "load_profile_for_pair",
+    "pair_identities",
     "pair_scorer",
     "resolve_pair",
     "run",
@@ -200,10 +202,61 @@ def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
     )
 
 
-def _load_profile(settings: Settings) -> Profile | None:
-    from noisy_temp_server.estimation.profile import Profile  # noqa: PLC0415
+def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdentity]:
+    """The identities a profile must match to serve `pair`: (clean, served); clean is None
+    when the pair has no clean model.
 
-    return None if settings.profile is None else Profile.load(settings.profile)
+    Each folder's identity comes from its manifest. Runtime logit noise on a folder whose
+    manifest does not record it (the clean weights served as they are) makes the served identity
+    `ModelIdentity.perturbed(clean, spec)`; a runtime-noise checkpoint that is its own clean
+    reference has, as the clean model, its weights without the noise. Raises ProfileError when
+    a folder has no readable manifest (its weights cannot be identified).
+    """
+    from noisy_temp_server.estimation.profile import ModelIdentity, ProfileError  # noqa: PLC0415
+    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+
+    def identity(path: Path) -> ModelIdentity:
+        try:
+            return ModelIdentity.of_checkpoint(path)
+        except CorruptCheckpointError as error:
+            raise ProfileError(
+                f"cannot check the profile against {path}: {error}; serve a checkpoint written "
+                "by `noisy-temp-server model` or `perturb`, or serve without --profile"
+            ) from error
+
+    served = identity(pair.served)
+    noise = pair.runtime_noise
+    if noise is not None and served.perturbation is None:
+        served = ModelIdentity.perturbed(served, noise)
+    if pair.clean is None:
+        return None, served
+    if pair.clean.resolve() != pair.served.resolve():
+        return identity(pair.clean), served
+    recorded = identity(pair.clean)
+    return ModelIdentity(name=recorded.name, weights_sha256=recorded.weights_sha256), served
+
+
+def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
+    """The profile at `path`, checked against `pair` (`pair_identities`); ProfileError naming
+    the file and the mismatch otherwise. Without a clean model only the served model is
+    checked (logged as a warning)."""
+    from noisy_temp_server.estimation.profile import Profile, ProfileError  # noqa: PLC0415
+
+    clean, served = pair_identities(pair)
+    if clean is not None:
+        return Profile.load_for_pair(path, clean, served)
+    _LOGGER.warning(
+        "No clean model: checking only that the profile %s was calibrated for the served model",
+        path,
+    )
+    profile = Profile.load(path)
+    if not profile.served.matches(served):
+        raise ProfileError(
+            f"profile {path}: the profile was calibrated for served model "
+            f"{profile.served.describe()}, but the served model is {served.describe()}; "
+            "calibrate this pair with `noisy-temp-server calibrate`"
+        )
+    return profile
 
 
 def _policy_gauges(metrics: ApiMetrics) -> Any:
@@ -257,9 +310,15 @@ def run(args: argparse.Namespace) -> int:
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
     environment = prepare_environment(settings)
+    from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
+
     with contextlib.ExitStack() as stack:
         stack.callback(environment.cleanup)
-        return _serve(settings, environment.trace_endpoint, args.log_level, stack)
+        try:
+            return _serve(settings, environment.trace_endpoint, args.log_level, stack)
+        except ProfileError as error:
+            _LOGGER.error("Refusing to serve: %s", error)
+            return 1
 
 
 def _serve(
@@ -281,7 +340,7 @@ def _serve(
     started = time.perf_counter()
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
-    profile = _load_profile(settings)
+    profile = None if settings.profile is None else load_profile_for_pair(settings.profile, pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     estimator, shadow = _shadow(settings, pair, profile, metrics)
     policy_source: PolicySource = estimator or StaticPolicySource(

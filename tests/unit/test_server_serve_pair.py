@@ -8,15 +8,22 @@ import shutil
 from pathlib import Path
 
 import pytest
+from profile_helpers import CLEAN, SERVED, sample_profile
 
 from noisy_temp_server.commands.serve import (
     ServedPair,
     ensure_perturbed_checkpoint,
+    load_profile_for_pair,
     pair_scorer,
     resolve_pair,
 )
+from noisy_temp_server.estimation.profile import ModelIdentity, ProfileError
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
-from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, WeightNoiseSpec
+from noisy_temp_server.pairs.perturb import (
+    QuantizationSpec,
+    RuntimeLogitNoiseSpec,
+    WeightNoiseSpec,
+)
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.settings import Settings
 
@@ -92,3 +99,61 @@ def test_shadow_scorer_of_a_weight_perturbation_has_two_models_and_no_noise(
     scorer = pair_scorer(Settings(), ServedPair(served, tiny_model_dir, spec))
     assert scorer.runtime_noise is None
     assert scorer.served_model is not scorer.clean_model
+
+
+def _profile_for(clean: ModelIdentity, served: ModelIdentity, path: Path) -> Path:
+    sample_profile().model_copy(update={"clean": clean, "served": served}).save(path)
+    return path
+
+
+def test_a_profile_of_the_served_pair_is_loaded(tiny_model_dir: Path, tmp_path: Path) -> None:
+    spec = WeightNoiseSpec(scale=0.1)
+    served = ensure_perturbed_checkpoint(tiny_model_dir, spec, tmp_path)
+    clean_identity = ModelIdentity.of_checkpoint(tiny_model_dir)
+    path = _profile_for(
+        clean_identity, ModelIdentity.perturbed(clean_identity, spec), tmp_path / "p.json"
+    )
+    pair = ServedPair(served, tiny_model_dir, spec)
+    assert load_profile_for_pair(path, pair).served.perturbation == spec
+
+
+def test_a_profile_of_another_perturbation_is_refused_naming_the_mismatch(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    clean_identity = ModelIdentity.of_checkpoint(tiny_model_dir)
+    int4 = QuantizationSpec(format="int4", group_size=64)
+    path = _profile_for(
+        clean_identity, ModelIdentity.perturbed(clean_identity, int4), tmp_path / "int4.json"
+    )
+    spec = WeightNoiseSpec(scale=0.1)
+    served = ensure_perturbed_checkpoint(tiny_model_dir, spec, tmp_path)
+    for pair in (ServedPair(served, tiny_model_dir, spec), ServedPair(served, None, spec)):
+        with pytest.raises(ProfileError, match=r"int4\.json.*served model.*int4.*weight noise"):
+            load_profile_for_pair(path, pair)
+
+
+def test_runtime_noise_on_clean_weights_matches_its_calibration(
+    tiny_model_dir: Path, runtime_noise_dir: Path, tmp_path: Path
+) -> None:
+    clean_identity = ModelIdentity.of_checkpoint(tiny_model_dir)
+    path = _profile_for(
+        clean_identity, ModelIdentity.perturbed(clean_identity, NOISE), tmp_path / "p.json"
+    )
+    for pair in (
+        ServedPair(tiny_model_dir, tiny_model_dir, NOISE),
+        ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE),
+        ServedPair(runtime_noise_dir, tiny_model_dir, NOISE),
+    ):
+        assert load_profile_for_pair(path, pair).served.perturbation == NOISE
+    with pytest.raises(ProfileError, match="served model"):
+        load_profile_for_pair(path, ServedPair(tiny_model_dir, tiny_model_dir, None))
+
+
+def test_a_profile_cannot_be_checked_against_a_folder_without_manifest(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    plain = shutil.copytree(tiny_model_dir, tmp_path / "plain")
+    (plain / MANIFEST_FILENAME).unlink()
+    path = _profile_for(CLEAN, SERVED, tmp_path / "p.json")
+    with pytest.raises(ProfileError, match=r"cannot check the profile against .*plain"):
+        load_profile_for_pair(path, ServedPair(plain, None, None))

@@ -63,6 +63,7 @@ from noisy_temp_server.server.protocol import (
     NtsSummary,
     TopLogprob,
     Usage,
+    add_extra_args,
 )
 from noisy_temp_server.server.temperature import (
     RequestTemperature,
@@ -70,6 +71,7 @@ from noisy_temp_server.server.temperature import (
     resolve_request_temperature,
 )
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.vllm_plugin.request_args import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
@@ -280,29 +282,34 @@ def create_app(
         if not prompt_ids:
             raise OpenAIError("The prompt is empty.", status_code=400, param=param)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), param)
-        try:
-            client_args = request.nts_request_args()
-            temperature = resolve_request_temperature(
-                policy_source.current_policy(),
-                client_args,
-                settings,
-                request_temperature=1.0 if request.temperature is None else request.temperature,
-            )
-        except ValueError as error:
-            raise OpenAIError(str(error), status_code=400) from None
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choices = [_Choice(index=i, trace_id=f"{request_id}-{i}") for i in range(request.n)]
         try:
             params = [
-                request.to_sampling_params(
-                    max_tokens=max_tokens,
-                    extra_args=temperature.extra_args(choice.trace_id),
-                    choice=choice.index,
-                )
+                request.to_sampling_params(max_tokens=max_tokens, choice=choice.index)
                 for choice in choices
             ]
         except ValueError as error:
             raise openai_error_from_exception(error) from None
+        # vLLM raises 0 < T < 0.01 to 0.01: tuning follows the temperature the engine samples at.
+        engine_temperature = params[0].temperature
+        if request.n > 1 and engine_temperature < GREEDY_TEMPERATURE:
+            raise OpenAIError(
+                "n must be 1 with temperature 0 (greedy choices would be equal).",
+                status_code=400,
+                param="n",
+            )
+        try:
+            temperature = resolve_request_temperature(
+                policy_source.current_policy(),
+                request.nts_request_args(),
+                settings,
+                request_temperature=engine_temperature,
+            )
+        except ValueError as error:
+            raise OpenAIError(str(error), status_code=400) from None
+        for choice, choice_params in zip(choices, params, strict=True):
+            add_extra_args(choice_params, temperature.extra_args(choice.trace_id))
         return _Prepared(request_id, prompt_ids, temperature, choices, params)
 
     async def summarize(prepared: _Prepared, choice: _Choice) -> NtsSummary:

@@ -46,6 +46,7 @@ __all__ = [
     "StreamOptions",
     "TopLogprob",
     "Usage",
+    "add_extra_args",
 ]
 
 NTS_CLIENT_KEYS = ("nts_tune", "nts_rule", "nts_t", "nts_t_min", "nts_t_max", "nts_trace")
@@ -54,6 +55,12 @@ NTS_CLIENT_KEYS = ("nts_tune", "nts_rule", "nts_t", "nts_t_min", "nts_t_max", "n
 _SERVER_KEYS = ("nts_policy", "nts_trace_id")
 
 XargValue = str | bool | int | float | list[str | int | float]
+
+
+def add_extra_args(params: SamplingParams, extra_args: dict[str, Any]) -> None:
+    """Merge the server-set flat keys `extra_args` into `params.extra_args` (in place; they win
+    over the client's passthrough `vllm_xargs`)."""
+    params.extra_args = {**(params.extra_args or {}), **extra_args}
 
 
 class _Request(BaseModel):
@@ -103,10 +110,6 @@ class _SamplingFields(_Request):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def nts_request_args(self) -> dict[str, Any]:
         """The flat `nts_*` keys the client gave, top-level and in `vllm_xargs` merged.
 
@@ -129,15 +132,15 @@ class _SamplingFields(_Request):
             merged[key] = value
         return merged
 
-    def to_sampling_params(
-        self, *, max_tokens: int, extra_args: dict[str, Any], choice: int = 0
-    ) -> SamplingParams:
+    def to_sampling_params(self, *, max_tokens: int, choice: int = 0) -> SamplingParams:
         """vLLM parameters for choice `choice` of this request (n = 1 per engine request).
 
         `max_tokens`: the resolved cap (the server fills in the context-length default and
-        checks the total). `extra_args`: the server-set flat keys (policy snapshot, trace id)
-        merged over the client's non-`nts_*` `vllm_xargs`. Streaming requests get DELTA outputs,
-        others FINAL_ONLY. Raises vLLM's validation error for values vLLM refuses.
+        checks the total). `extra_args` holds the client's non-`nts_*` `vllm_xargs`; the server
+        adds its flat keys (policy snapshot, trace id) with `add_extra_args` once it knows the
+        temperature vLLM settled on (`SamplingParams.temperature`: 0 < T < 0.01 is raised to
+        0.01). Streaming requests get DELTA outputs, others FINAL_ONLY. Raises vLLM's validation
+        error for values vLLM refuses.
         """
         passthrough = {
             key: value
@@ -160,15 +163,13 @@ class _SamplingFields(_Request):
             if self.logit_bias is None
             else {int(token): bias for token, bias in self.logit_bias.items()},
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            extra_args={**passthrough, **extra_args},
+            extra_args=passthrough,
         )
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true.")
-        if self.is_greedy and self.n > 1:
-            raise ValueError("n must be 1 with temperature 0 (greedy choices would be equal).")
         if self.logit_bias is not None:
             for token in self.logit_bias:
                 if not token.lstrip("-").isdigit():

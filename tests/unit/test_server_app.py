@@ -217,6 +217,24 @@ def test_greedy_and_untuned_requests_report_t_one(server: Harness, body: dict[st
     assert "nts_trace_id" not in (server.engine.calls[0][1].extra_args or {})
 
 
+def test_a_tiny_temperature_is_tuned_as_the_engine_samples_it(server: Harness) -> None:
+    """vLLM raises 0 < T < 0.01 to 0.01 and samples: the row is tuned, so it is reported."""
+    response = server.post(
+        "/v1/completions", {"prompt": "abc", "max_tokens": 2, "n": 2, "temperature": 5e-6}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["nts"]["rule"] == "sqrt"
+    assert all("nts_trace_id" in (c[1].extra_args or {}) for c in server.engine.calls)
+    assert len(server.traces.waited) == 2
+
+
+def test_n_greedy_choices_are_a_400(server: Harness) -> None:
+    body = {"prompt": "abc", "n": 2, "temperature": 0}
+    error = _assert_error(server.post("/v1/completions", body), 400)
+    assert error["param"] == "n"
+    assert server.engine.calls == []
+
+
 def test_n_choices_run_as_separate_seeded_engine_requests(server: Harness) -> None:
     response = server.post(
         "/v1/completions",

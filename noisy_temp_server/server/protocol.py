@@ -17,6 +17,7 @@ values are validated by the one parser of those keys, `noisy_temp_server.vllm_pl
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -55,6 +56,9 @@ NTS_CLIENT_KEYS = ("nts_tune", "nts_rule", "nts_t", "nts_t_min", "nts_t_max", "n
 _SERVER_KEYS = ("nts_policy", "nts_trace_id")
 
 XargValue = str | bool | int | float | list[str | int | float]
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's engine protocol carries seeds as int64
 
 
 def add_extra_args(params: SamplingParams, extra_args: dict[str, Any]) -> None:
@@ -172,8 +176,15 @@ class _SamplingFields(_Request):
             raise ValueError("stream_options is only allowed when stream is true.")
         if self.logit_bias is not None:
             for token in self.logit_bias:
-                if not token.lstrip("-").isdigit():
+                if not _TOKEN_ID.fullmatch(token):
                     raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
+        if self.seed is not None:
+            largest = _SEED_MAX - (self.n - 1)
+            if not _SEED_MIN <= self.seed <= largest:
+                raise ValueError(
+                    f"seed must be between {_SEED_MIN} and {largest} (a 64-bit integer; choice "
+                    f"i of n = {self.n} uses seed + i), got {self.seed}."
+                )
         return self
 
 

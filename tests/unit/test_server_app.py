@@ -408,6 +408,30 @@ def test_bad_nts_keys_are_400s(server: Harness, keys: dict[str, Any], message: s
     assert server.engine.calls == []
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {"--5": 1}}, "token ids"),
+        ({"logit_bias": {"\u00b2": 1}}, "token ids"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63 - 2, "n": 3}, "seed"),
+    ],
+)
+def test_out_of_range_sampling_fields_are_400s(
+    server: Harness, fields: dict[str, Any], message: str
+) -> None:
+    error = _assert_error(server.post("/v1/completions", {"prompt": "a", **fields}), 400)
+    assert message in error["message"]
+    assert server.engine.calls == []
+
+
+def test_the_largest_seed_of_n_choices_is_accepted(server: Harness) -> None:
+    body = {"prompt": "a", "max_tokens": 1, "n": 3, "seed": 2**63 - 3, "logit_bias": {"-0": 1}}
+    assert server.post("/v1/completions", body).status_code == 200
+    assert max(params.seed or 0 for _, params, _ in server.engine.calls) == 2**63 - 1
+
+
 def test_unknown_model_is_a_404(server: Harness) -> None:
     error = _assert_error(
         server.post("/v1/completions", {"model": "gpt-5", "prompt": "a"}), 404, "model_not_found"

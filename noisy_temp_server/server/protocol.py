@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+from noisy_temp_server.vllm_plugin.request_args import KEY_RUNTIME_NOISE_SIGMA
+
 __all__ = [
     "NTS_CLIENT_KEYS",
     "ChatChunkChoice",
@@ -169,6 +171,20 @@ class _SamplingFields(_Request):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             extra_args=passthrough,
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_runtime_noise(cls, data: Any) -> Any:
+        xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
+        if isinstance(data, dict) and (
+            KEY_RUNTIME_NOISE_SIGMA in data
+            or (isinstance(xargs, dict) and KEY_RUNTIME_NOISE_SIGMA in xargs)
+        ):
+            raise ValueError(
+                f"{KEY_RUNTIME_NOISE_SIGMA}: runtime noise is a server setting (serve "
+                "--perturbation, NTS_PERTURBATION), not a request key; remove it."
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingFields:

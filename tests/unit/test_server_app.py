@@ -400,6 +400,8 @@ def test_validation_error_is_a_400_naming_the_field(server: Harness) -> None:
         ({"nts_t_min": 2.0}, "t_min"),
         ({"vllm_xargs": {"nts_bogus": 1}}, "Unknown noisy-temp-server request key"),
         ({"vllm_xargs": {"nts_trace_id": "mine"}}, "set by the server"),
+        ({"vllm_xargs": {"nts_runtime_noise_sigma": 1.0}}, "runtime noise is a server setting"),
+        ({"nts_runtime_noise_sigma": 1.0}, "runtime noise is a server setting"),
     ],
 )
 def test_bad_nts_keys_are_400s(server: Harness, keys: dict[str, Any], message: str) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import TokensPrompt
 from vllm.utils.async_utils import merge_async_iterators
 
@@ -85,6 +86,7 @@ __all__ = ["ChatTokenizer", "TraceSource", "create_app"]
 
 _LOGGER = logging.getLogger(__name__)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
+_CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
 
 
 class ChatTokenizer(Protocol):
@@ -384,6 +386,23 @@ def create_app(
             for c in prepared.choices
         ]
 
+    async def run_unless_disconnected(
+        raw_request: Request, prepared: _Prepared
+    ) -> list[tuple[_Choice, _Piece]] | None:
+        """`run_to_end`, cancelled (its engine requests aborted) when the client disconnects
+        first; None then. The body must have been read (FastAPI parsed it)."""
+        work = asyncio.create_task(run_to_end(prepared))
+        disconnect = asyncio.create_task(listen_for_disconnect(raw_request))
+        await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        disconnect.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        _LOGGER.info("Client disconnected: aborted %s", prepared.request_id)
+        return None
+
     async def primed(
         stream: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -478,7 +497,9 @@ def create_app(
         )
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)], response_model=None)
-    async def completions(request: CompletionRequest) -> CompletionResponse | StreamingResponse:
+    async def completions(
+        request: CompletionRequest, raw_request: Request
+    ) -> CompletionResponse | StreamingResponse | Response:
         prompt = request.prompt_text_or_ids()
         prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         prepared = prepare(request, prompt_ids, "cmpl", "prompt")
@@ -498,7 +519,9 @@ def create_app(
             return await stream_choices(
                 request, prepared, CompletionStreamResponse, completion_choice
             )
-        finished = await run_to_end(prepared)
+        finished = await run_unless_disconnected(raw_request, prepared)
+        if finished is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return CompletionResponse(
             id=prepared.request_id,
             model=model_name,
@@ -509,8 +532,8 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)], response_model=None)
     async def chat_completions(
-        request: ChatCompletionRequest,
-    ) -> ChatCompletionResponse | StreamingResponse:
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> ChatCompletionResponse | StreamingResponse | Response:
         if not tokenizer.chat_template:
             raise OpenAIError(
                 f"The model `{model_name}` has no chat template; use /v1/completions.",
@@ -555,7 +578,9 @@ def create_app(
             return await stream_choices(
                 request, prepared, ChatCompletionChunk, delta_choice, opening=roles
             )
-        finished = await run_to_end(prepared)
+        finished = await run_unless_disconnected(raw_request, prepared)
+        if finished is None:
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return ChatCompletionResponse(
             id=prepared.request_id,
             model=model_name,

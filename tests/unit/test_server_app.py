@@ -6,6 +6,7 @@ step (ids counting up from the prompt length), so every test runs in millisecond
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
@@ -36,6 +37,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
         self.dead = False
+        self.step_seconds = 0.0
+        self.aborted: list[str] = []
 
     async def generate(
         self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
@@ -47,7 +50,24 @@ class FakeEngine:
         count = sampling_params.max_tokens or 1
         new = [(len(ids) + step) % VOCAB for step in range(count)]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        try:
+            async for output in self._outputs(request_id, ids, new, delta, sampling_params):
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)  # where AsyncLLM aborts the engine request
+            raise
+
+    async def _outputs(
+        self,
+        request_id: str,
+        ids: list[int],
+        new: list[int],
+        delta: bool,
+        sampling_params: SamplingParams,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        count = len(new)
         for step, token in enumerate(new):
+            await asyncio.sleep(self.step_seconds)
             last = step == count - 1
             if not delta and not last:
                 continue
@@ -363,6 +383,49 @@ def test_chat_without_template_is_a_400(server: Harness) -> None:
         FakeTokenizer.chat_template = "{{ messages }}"
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
+
+
+def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -> None:
+    """The ASGI app is driven directly: after the body, the client disconnects mid-generation."""
+    server.engine.step_seconds = 0.05
+    body = json.dumps({"prompt": "abc", "max_tokens": 40, "n": 2}).encode()
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.sleep(0.2)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    elapsed = asyncio.run(_timed(server.client.app(scope, receive, send)))  # type: ignore[arg-type]
+    assert elapsed < 1.0  # 40 steps of 50 ms would take 2 s
+    assert sorted(server.engine.aborted) == sorted(c[2] for c in server.engine.calls)
+    assert len(server.engine.aborted) == 2
+
+
+async def _timed(work: Any) -> float:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await work
+    return loop.time() - started
 
 
 # ----------------------------------------------------------------------------- errors

@@ -19,6 +19,7 @@ from noisy_temp_server.server.protocol import NtsSummary
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.vllm_plugin.metrics import step_bucket_labels
 from noisy_temp_server.vllm_plugin.request_args import (
     RequestTemperatureArgs,
     ResolvedRequest,
@@ -32,7 +33,6 @@ __all__ = [
     "StaticPolicySource",
     "describe_policy",
     "resolve_request_temperature",
-    "step_bucket_labels",
 ]
 
 
@@ -58,18 +58,9 @@ class StaticPolicySource:
         return {"enabled": False, "origin": self.origin}
 
 
-def step_bucket_labels(policy: TemperaturePolicy) -> list[str]:
-    """`a-b` for each closed step bucket of the policy, `c+` for the open last one."""
-    edges = policy.step_edges
-    return [
-        f"{low}-{edges[i + 1] - 1}" if i + 1 < len(edges) else f"{low}+"
-        for i, low in enumerate(edges)
-    ]
-
-
 def describe_policy(policy: TemperaturePolicy) -> dict[str, Any]:
     """Version, rule and α/σ² by step bucket label (for `/v1/nts/status` and the gauges)."""
-    labels = step_bucket_labels(policy)
+    labels = step_bucket_labels(policy.step_edges)
     return {
         "policy_version": policy.version,
         "rule": policy.rule.value,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from server_helpers import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -58,12 +58,6 @@ def _alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint  # noqa: PLC0415
@@ -71,7 +65,7 @@ def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
     cache = tmp_path_factory.mktemp("serve-cache")
     served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.3), cache)
-    port = _free_port()
+    port = free_port()
     log_path = cache / "server.log"
     command = [
         sys.executable, "-c", _SERVE,

@@ -3,6 +3,7 @@ noise the engine and the shadow scorer add (tiny model; no engine is started).""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from profile_helpers import CLEAN, SERVED, sample_profile
 
+from noisy_temp_server.commands import serve
 from noisy_temp_server.commands.serve import (
     ServedPair,
     ensure_perturbed_checkpoint,
@@ -25,6 +27,7 @@ from noisy_temp_server.pairs.perturb import (
     WeightNoiseSpec,
 )
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
+from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import Settings
 
 NOISE = RuntimeLogitNoiseSpec(sigma=1.0, seed=3)
@@ -157,3 +160,43 @@ def test_a_profile_cannot_be_checked_against_a_folder_without_manifest(
     path = _profile_for(CLEAN, SERVED, tmp_path / "p.json")
     with pytest.raises(ProfileError, match=r"cannot check the profile against .*plain"):
         load_profile_for_pair(path, ServedPair(plain, None, None))
+
+
+def test_serve_refuses_a_mismatched_profile_with_an_error_line_and_exit_status_1(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clean_identity = ModelIdentity.of_checkpoint(tiny_model_dir)
+    int4 = QuantizationSpec(format="int4", group_size=64)
+    profile = _profile_for(
+        clean_identity, ModelIdentity.perturbed(clean_identity, int4), tmp_path / "int4.json"
+    )
+    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.1), tmp_path)
+    cleaned: list[bool] = []
+
+    class Environment:
+        trace_endpoint = "ipc://unused"
+
+        def cleanup(self) -> None:
+            cleaned.append(True)
+
+    monkeypatch.setattr(engine_module, "prepare_environment", lambda settings: Environment())
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--served-model",
+            str(served),
+            "--clean-model",
+            str(tiny_model_dir),
+            "--profile",
+            str(profile),
+        ]
+    )
+    with caplog.at_level(logging.ERROR, logger="noisy_temp_server.serve"):
+        assert serve.run(args) == 1
+    assert "Refusing to serve: profile" in caplog.text
+    assert "int4" in caplog.text
+    assert cleaned == [True]

@@ -162,6 +162,11 @@ class Settings(BaseSettings):
                 "swap or drop one of them."
             )
         TemperatureBounds(t_min=1.0 if low is None else low, t_max=1.0 if high is None else high)
+        if self.default_t is not None and self.default_rule not in (None, "fixed"):
+            raise ValueError(
+                f"default_t applies to the `fixed` rule only, but default_rule is "
+                f"{self.default_rule!r}; drop default_t or set default_rule to fixed."
+            )
         return self
 
 

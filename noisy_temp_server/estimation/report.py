@@ -130,6 +130,9 @@ def write_report(
     axes[1].plot(xs, [r.best_t for r in scale_rows], "gs-", label="best shared T")
     axes[1].set(xlabel="weight noise scale", ylabel="T*", xscale="log")
     axes[1].legend()
+    for axis in axes[:2]:  # label the measured scales, not the log axis' crowded minor ticks
+        axis.set_xticks(xs, [f"{x:g}" for x in xs])
+        axis.xaxis.set_minor_formatter(mpl.ticker.NullFormatter())
     alpha_line = torch.linspace(0, max(r.alpha for r in scale_rows) * 1.1, 100)
     axes[2].plot(alpha_line, torch.sqrt(1 + alpha_line), "b-", label="sqrt(1 + alpha)")
     axes[2].plot(alpha_line, 1 + alpha_line, "m--", label="1 + alpha")

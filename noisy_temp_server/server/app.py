@@ -377,8 +377,9 @@ def create_app(
                 output = request_output.outputs[0]
                 absorb(prepared.choices[index], output)
                 finals[index] = output
-            for choice in prepared.choices:
-                choice.summary = await summarize(prepared, choice)
+            summaries = await asyncio.gather(*(summarize(prepared, c) for c in prepared.choices))
+            for choice, summary in zip(prepared.choices, summaries, strict=True):
+                choice.summary = summary
         except Exception as error:
             raise openai_error_from_exception(error) from error
         return [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
@@ -132,8 +133,14 @@ class Harness:
         return self.registry.get_sample_value(name, labels)
 
 
-def _build(settings: Settings, policy: TemperaturePolicy, trace_t: float = 1.25) -> Harness:
-    engine, traces, registry = FakeEngine(), FakeTraces(trace_t), CollectorRegistry()
+def _build(
+    settings: Settings,
+    policy: TemperaturePolicy,
+    trace_t: float = 1.25,
+    traces: FakeTraces | None = None,
+) -> Harness:
+    engine, registry = FakeEngine(), CollectorRegistry()
+    traces = traces or FakeTraces(trace_t)
     app = create_app(
         settings,
         engine,
@@ -594,3 +601,22 @@ def test_metrics_count_requests_and_temperatures(server: Harness) -> None:
     assert server.metric("nts_http_request_duration_seconds_count", route=route) == 3
     assert server.metric("nts_request_temperature_mean_count", rule="sqrt") == 2
     assert server.metric("nts_request_temperature_mean_sum", rule="sqrt") == 2.5
+
+
+class BarrierTraces(FakeTraces):
+    """A trace channel whose waits only return once `parties` of them are waiting at once."""
+
+    def __init__(self, temperature: float, parties: int) -> None:
+        super().__init__(temperature)
+        self.barrier = threading.Barrier(parties, timeout=5)
+
+    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]:
+        self.barrier.wait()  # BrokenBarrierError (-> a 500) if the waits run one after another
+        return super().wait_for(trace_id, n_steps, timeout)
+
+
+def test_the_choices_wait_for_their_traces_together() -> None:
+    server = _build(Settings(), POLICY, traces=BarrierTraces(1.25, parties=3))
+    response = server.post("/v1/completions", {"prompt": "ab", "max_tokens": 2, "n": 3})
+    assert response.status_code == 200, response.text
+    assert [c["nts"]["t_mean"] for c in response.json()["choices"]] == [1.25] * 3

@@ -111,7 +111,7 @@ class RequestTemperature:
     def summary(self, trace: Sequence[float], *, steps: int) -> NtsSummary:
         """The `nts` object of one choice of `steps` generated tokens whose per-step T* are
         `trace` (possibly incomplete: T statistics then cover what arrived, None if nothing)."""
-        values = list(trace)
+        values = [float(f"{t:.7g}") for t in trace]  # T* is float32 in the engine: 7 digits
         return NtsSummary(
             rule=self.rule,
             policy_version=self.policy.version,

@@ -620,3 +620,11 @@ def test_the_choices_wait_for_their_traces_together() -> None:
     response = server.post("/v1/completions", {"prompt": "ab", "max_tokens": 2, "n": 3})
     assert response.status_code == 200, response.text
     assert [c["nts"]["t_mean"] for c in response.json()["choices"]] == [1.25] * 3
+
+
+def test_temperatures_are_reported_at_float32_precision() -> None:
+    float32_t = 1.2000000476837158  # what the engine's float32 T* of 1.2 reads as in Python
+    server = _build(Settings(), POLICY, trace_t=float32_t)
+    body = {"prompt": "ab", "max_tokens": 2, "nts_trace": True}
+    nts = server.post("/v1/completions", body).json()["nts"]
+    assert (nts["t_mean"], nts["t_min"], nts["t_max"], nts["trace"]) == (1.2, 1.2, 1.2, [1.2, 1.2])

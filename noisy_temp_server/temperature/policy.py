@@ -240,6 +240,20 @@ class TemperaturePolicy:
         """Version 0, rule ``off``: T* = 1 for every row."""
         return cls()
 
+    @property
+    def reads_served_row(self) -> bool:
+        """Whether evaluating this policy needs the served row's statistics (a softmax pass).
+
+        ``fisher`` always does. ``calibrated`` does only when its table tells entropy buckets
+        apart, i.e. some step bucket holds different T for different entropies; an all-ones
+        (not yet fitted) or entropy-independent table is evaluated from the step alone.
+        """
+        if self.rule is Rule.FISHER:
+            return True
+        if self.rule is not Rule.CALIBRATED or self.calibrated is None:
+            return False
+        return any(len(set(row)) > 1 for row in self.calibrated.temperatures)
+
     def with_overrides(
         self,
         rule: Rule | str | None = None,
@@ -462,7 +476,7 @@ def policy_temperature(
         raise ValueError(
             f"served_logits must have shape [{batch}, vocab], got {tuple(served_logits.shape)}"
         )
-    if rule.needs_served_logits:
+    if policy.reads_served_row:
         if served_features is None:
             if served_logits is None:
                 raise ValueError(
@@ -495,19 +509,21 @@ def policy_temperature(
         )
     elif rule is Rule.SCHEDULE:
         temperature = schedule_temperature(step, policy.schedule_t_max, policy.schedule_beta)
-    else:
+    elif rule is Rule.FISHER:
         assert served_features is not None
-        if rule is Rule.FISHER:
-            sigma2 = tables.sigma2_by_step[bucket_index(step, tables.step_edges)]
-            var_q = served_features.var_q.to(device)
-            temperature = fisher_temperature(sigma2, var_q, policy.fisher_var_floor)
+        sigma2 = tables.sigma2_by_step[bucket_index(step, tables.step_edges)]
+        var_q = served_features.var_q.to(device)
+        temperature = fisher_temperature(sigma2, var_q, policy.fisher_var_floor)
+    else:
+        step_bucket = bucket_index(step, tables.calibrated_step_edges)
+        entropy_buckets = tables.calibrated_entropy_edges.shape[0]
+        if served_features is None:  # the table does not depend on entropy
+            temperature = tables.calibrated_temperatures[step_bucket * entropy_buckets]
         else:
-            step_bucket = bucket_index(step, tables.calibrated_step_edges)
             entropy = served_features.entropy.to(device=device, dtype=torch.float32)
             entropy_bucket = bucket_index(entropy, tables.calibrated_entropy_edges)
-            entropy_buckets = tables.calibrated_entropy_edges.shape[0]
             flat_index = step_bucket * entropy_buckets + entropy_bucket
-            # bucketize puts NaN in the last bucket; a row with no entropy gets NaN, i.e. T* = 1.
+            # bucketize puts NaN in the last bucket; a row with no entropy gets NaN: T* = 1.
             temperature = torch.where(
                 entropy.isnan(), torch.nan, tables.calibrated_temperatures[flat_index]
             )

@@ -20,7 +20,7 @@ Per step, for the tuned rows only:
    the same length);
 2. rows are grouped by (policy snapshot, rule) -- usually one or two groups -- and
    `policy_temperature` (the one implementation of rule → T) runs once per group. Rules that
-   read the served row (`Rule.needs_served_logits`) get the logits multiplied back by the
+   read the served row (`TemperaturePolicy.reads_served_row`) get the logits multiplied back by the
    request temperature, i.e. the served logits z̃ (after penalties);
 3. the rows' logits are divided by T* in place; untuned rows are not touched.
 
@@ -250,7 +250,7 @@ class NoisyTemperatureLogitsProcessor(LogitsProcessor):
     ) -> torch.Tensor:
         """T* of the group's rows; ``group_logits`` ([n, V], as vLLM hands them) is not modified."""
         served: torch.Tensor | None = None
-        if group.policy.rule.needs_served_logits:
+        if group.policy.reads_served_row:
             # Undo the request temperature: the rule reads the served row z~, not z~ / T_req.
             served = group_logits.mul(group.request_temperature)
         return policy_temperature(

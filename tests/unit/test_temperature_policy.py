@@ -369,3 +369,35 @@ def test_the_core_imports_no_serving_stack() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_only_fisher_and_entropy_dependent_tables_read_the_served_row() -> None:
+    by_step_only = CalibratedTable(
+        step_edges=(0, 4), entropy_edges=(0.0, 2.0), temperatures=((0.9, 0.9), (1.1, 1.1))
+    )
+    by_entropy = CalibratedTable(
+        step_edges=(0, 4), entropy_edges=(0.0, 2.0), temperatures=((0.9, 0.9), (1.0, 1.2))
+    )
+    reads = {
+        name: policy.reads_served_row
+        for name, policy in {
+            "fisher": TemperaturePolicy(rule="fisher"),
+            "calibrated, not fitted": TemperaturePolicy(rule="calibrated"),
+            "calibrated by step": TemperaturePolicy(rule="calibrated", calibrated=by_step_only),
+            "calibrated by entropy": TemperaturePolicy(rule="calibrated", calibrated=by_entropy),
+            "linear": TemperaturePolicy(rule="linear"),
+        }.items()
+    }
+    assert reads == {
+        "fisher": True,
+        "calibrated, not fitted": False,
+        "calibrated by step": False,
+        "calibrated by entropy": True,
+        "linear": False,
+    }
+    step = torch.tensor([0, 3, 4, 100])
+    assert policy_temperature(
+        TemperaturePolicy(rule="calibrated", calibrated=by_step_only), step
+    ).tolist() == pytest.approx([0.9, 0.9, 1.1, 1.1])
+    with pytest.raises(ValueError, match="reads the served row"):
+        policy_temperature(TemperaturePolicy(rule="calibrated", calibrated=by_entropy), step)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from spy_helpers import record_calls
 
 from noisy_temp_server.estimation import calibration
 from noisy_temp_server.estimation.calibration import (
@@ -71,17 +71,11 @@ def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
 ) -> None:
     records = _records(400, shrink=0.6, noise=0.5)
     settings = CalibrationSettings(step_edges=(0, 4), entropy_buckets=1, min_cell_positions=40)
-    calls: list[str] = []
-    for name in ("_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"):
-        original = getattr(calibration, name)
-
-        def spy(
-            *args: object, _name: str = name, _original: Any = original, **kwargs: object
-        ) -> Any:
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(calibration, name, spy)
+    calls = record_calls(
+        monkeypatch,
+        calibration,
+        ("_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"),
+    )
     everything, _ = fit_rules(records, settings)
     assert {"_schedule", "_fisher_floor", "fit_calibrated_table"} <= set(calls)
     assert everything.schedule_t_max < 1

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 import torch
 from profile_helpers import sample_profile
+from spy_helpers import record_calls
 
 from noisy_temp_server.estimation import calibration
 from noisy_temp_server.estimation.online import OnlineEstimator
@@ -67,17 +67,9 @@ def test_keeps_a_rule_the_profile_recommends() -> None:
 
 
 def test_refits_only_what_the_served_rule_needs(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    for name in ("_schedule", "_fisher_floor", "best_curve_temperature"):
-        original = getattr(calibration, name)
-
-        def spy(
-            *args: object, _name: str = name, _original: Any = original, **kwargs: object
-        ) -> Any:
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(calibration, name, spy)
+    calls = record_calls(
+        monkeypatch, calibration, ("_schedule", "_fisher_floor", "best_curve_temperature")
+    )
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(settings=settings, min_positions=400, refit_every=400)
     for request in range(10):

@@ -41,7 +41,7 @@ from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
-from noisy_temp_server.vllm_plugin.request_args import RequestTemperatureArgs
+from noisy_temp_server.vllm_plugin.request_args import TuningKeys
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -65,7 +65,7 @@ def _policy_args(rule: str) -> dict[str, Any]:
         schedule_t_max=1.5,
         schedule_beta=0.05,
     )
-    return RequestTemperatureArgs(policy_json=policy.to_json()).to_extra_args()
+    return TuningKeys(policy_json=policy.to_json()).to_extra_args()
 
 
 def _run(args: argparse.Namespace) -> list[Measurement]:

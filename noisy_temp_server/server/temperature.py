@@ -21,8 +21,8 @@ from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.metrics import step_bucket_labels
 from noisy_temp_server.vllm_plugin.request_args import (
-    RequestTemperatureArgs,
-    ResolvedRequest,
+    TuningKeys,
+    RequestTuning,
     parse_request_args,
     resolve_request,
 )
@@ -79,9 +79,9 @@ class RequestTemperature:
     they report T* = 1 with rule `off`.
     """
 
-    args: RequestTemperatureArgs
+    args: TuningKeys
     policy: TemperaturePolicy
-    resolved: ResolvedRequest | None
+    resolved: RequestTuning | None
 
     @property
     def tuned(self) -> bool:

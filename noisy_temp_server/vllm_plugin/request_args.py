@@ -1,9 +1,16 @@
 """The flat per-request keys of noisy-temp-server, parsed from ``SamplingParams.extra_args``.
 
 One parser for both sides: the API server validates a request with `parse_request_args` (a
-``ValueError`` becomes HTTP 400) and writes the keys with `RequestTemperatureArgs.to_extra_args`;
-inside vLLM, `NoisyTemperatureLogitsProcessor.validate_params` and the processor's batch
-bookkeeping parse them again with the same function.
+``ValueError`` becomes HTTP 400) and writes the keys with `TuningKeys.to_extra_args`; inside
+vLLM, `NoisyTemperatureLogitsProcessor.validate_params` and the processor's batch bookkeeping
+parse them again with the same function.
+
+Two objects describe a request's tuning, one per stage of its path:
+
+- `TuningKeys`: the parsed, validated keys as the client (and the server) sent them, overrides
+  still unresolved (`parse_request_args`);
+- `RequestTuning`: what the processor applies to a tuned request, the overrides resolved against
+  the pinned policy (`resolve_request`; None for a request that is not tuned).
 
 | key | type | meaning |
 |---|---|---|
@@ -43,8 +50,8 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "POLICY_FILE_ENV",
     "REQUEST_KEYS",
-    "RequestTemperatureArgs",
-    "ResolvedRequest",
+    "RequestTuning",
+    "TuningKeys",
     "default_policy_json",
     "parse_policy_json",
     "parse_request_args",
@@ -87,8 +94,8 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
-class RequestTemperatureArgs:
-    """One request's temperature settings, validated.
+class TuningKeys:
+    """One request's ``nts_*`` keys, validated (the policy's overrides not yet resolved).
 
     ``rule``/``fixed_t``/``t_min``/``t_max`` are the request's overrides of its policy (None:
     the policy's own). ``policy_json`` is the snapshot the server pinned at admission (None: the
@@ -166,7 +173,7 @@ def _as_rule(value: Any) -> Rule:
         ) from None
 
 
-def parse_request_args(extra_args: Mapping[str, Any] | None) -> RequestTemperatureArgs:
+def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
     """Validate the ``nts_*`` keys of ``extra_args`` (None or empty: all defaults).
 
     Raises ValueError, naming the key and what to send instead, for: an unknown ``nts_*`` key,
@@ -179,7 +186,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RequestTemperatu
     applies only when the policy's own rule is ``fixed``.
     """
     if not extra_args:
-        return RequestTemperatureArgs()
+        return TuningKeys()
     unknown = sorted(k for k in extra_args if k.startswith(_KEY_PREFIX) and k not in REQUEST_KEYS)
     if unknown:
         raise ValueError(
@@ -214,7 +221,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RequestTemperatu
     if policy_json is not None:
         parse_policy_json(policy_json)
     parse_runtime_noise_sigma(extra_args)
-    return RequestTemperatureArgs(
+    return TuningKeys(
         tune=tune,
         rule=rule,
         fixed_t=fixed_t,
@@ -273,42 +280,44 @@ def _policy_with_rule(policy_json: str, rule: Rule | None) -> TemperaturePolicy:
 
 
 @dataclass(frozen=True)
-class ResolvedRequest:
+class RequestTuning:
     """What the processor applies to a tuned request: its policy with the rule override in
-    place, and its per-row fixed T and bounds with the request's overrides resolved."""
+    place, and its per-row fixed T and bounds with the request's overrides resolved.
+    `trace_id` keys its per-step T* on the trace channel; `trace` says whether the client asked
+    for the per-step trace in the response."""
 
     policy: TemperaturePolicy
     fixed_t: float
     t_min: float
     t_max: float
     trace_id: str | None
+    trace: bool = False
 
     @property
     def rule(self) -> Rule:
         return self.policy.rule
 
 
-def resolve_request(
-    args: RequestTemperatureArgs, request_temperature: float
-) -> ResolvedRequest | None:
+def resolve_request(keys: TuningKeys, request_temperature: float) -> RequestTuning | None:
     """The request's tuning, or None when it is not tuned: ``nts_tune`` off, a greedy request
     (``request_temperature < GREEDY_TEMPERATURE``) or rule ``off``. The server uses this to
     know whether trace records will come (none come for an untuned request).
 
     Raises ValueError when the default policy (``NTS_POLICY_FILE``) is needed and invalid.
     """
-    if not args.tune or request_temperature < GREEDY_TEMPERATURE:
+    if not keys.tune or request_temperature < GREEDY_TEMPERATURE:
         return None
-    policy = _policy_with_rule(args.policy_json or default_policy_json(), args.rule)
+    policy = _policy_with_rule(keys.policy_json or default_policy_json(), keys.rule)
     if policy.rule is Rule.OFF:
         return None
     bounds = policy.bounds
-    return ResolvedRequest(
+    return RequestTuning(
         policy=policy,
-        fixed_t=policy.fixed_temperature if args.fixed_t is None else args.fixed_t,
-        t_min=bounds.t_min if args.t_min is None else args.t_min,
-        t_max=bounds.t_max if args.t_max is None else args.t_max,
-        trace_id=args.trace_id,
+        fixed_t=policy.fixed_temperature if keys.fixed_t is None else keys.fixed_t,
+        t_min=bounds.t_min if keys.t_min is None else keys.t_min,
+        t_max=bounds.t_max if keys.t_max is None else keys.t_max,
+        trace_id=keys.trace_id,
+        trace=keys.trace,
     )
 
 

@@ -11,7 +11,7 @@ from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.request_args import (
     POLICY_FILE_ENV,
-    RequestTemperatureArgs,
+    TuningKeys,
     default_policy_json,
     parse_policy_json,
     parse_request_args,
@@ -27,12 +27,12 @@ def _no_policy_file(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_defaults() -> None:
-    assert parse_request_args(None) == RequestTemperatureArgs()
-    assert parse_request_args({"other_plugin_key": 1}) == RequestTemperatureArgs()
+    assert parse_request_args(None) == TuningKeys()
+    assert parse_request_args({"other_plugin_key": 1}) == TuningKeys()
 
 
 def test_round_trip_through_extra_args() -> None:
-    args = RequestTemperatureArgs(
+    args = TuningKeys(
         tune=False,
         rule=Rule.FIXED,
         fixed_t=1.5,
@@ -43,20 +43,20 @@ def test_round_trip_through_extra_args() -> None:
         trace_id="abc",
     )
     assert parse_request_args(args.to_extra_args()) == args
-    assert RequestTemperatureArgs().to_extra_args() == {}
+    assert TuningKeys().to_extra_args() == {}
 
 
 @pytest.mark.parametrize(
     ("keys", "expected"),
     [
-        ({"nts_tune": "false", "nts_trace": "1"}, RequestTemperatureArgs(tune=False, trace=True)),
-        ({"nts_tune": 0}, RequestTemperatureArgs(tune=False)),
-        ({"nts_rule": " Linear "}, RequestTemperatureArgs(rule=Rule.LINEAR)),
-        ({"nts_t": "2.5", "nts_t_max": 3}, RequestTemperatureArgs(fixed_t=2.5, t_max=3.0)),
+        ({"nts_tune": "false", "nts_trace": "1"}, TuningKeys(tune=False, trace=True)),
+        ({"nts_tune": 0}, TuningKeys(tune=False)),
+        ({"nts_rule": " Linear "}, TuningKeys(rule=Rule.LINEAR)),
+        ({"nts_t": "2.5", "nts_t_max": 3}, TuningKeys(fixed_t=2.5, t_max=3.0)),
     ],
 )
 def test_accepts_strings_and_numbers(
-    keys: dict[str, Any], expected: RequestTemperatureArgs
+    keys: dict[str, Any], expected: TuningKeys
 ) -> None:
     assert parse_request_args(keys) == expected
 

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
     from noisy_temp_server.server.metrics import ApiMetrics
+    from noisy_temp_server.server.policy_source import PolicySource
     from noisy_temp_server.server.shadow import ShadowScorer
-    from noisy_temp_server.server.temperature import PolicySource
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
@@ -260,7 +260,7 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
 
 
 def _policy_gauges(metrics: ApiMetrics) -> Any:
-    from noisy_temp_server.server.temperature import describe_policy  # noqa: PLC0415
+    from noisy_temp_server.server.policy_source import describe_policy  # noqa: PLC0415
 
     def publish(policy: TemperaturePolicy) -> None:
         described = describe_policy(policy)
@@ -333,7 +333,7 @@ def _serve(
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
-    from noisy_temp_server.server.temperature import StaticPolicySource  # noqa: PLC0415
+    from noisy_temp_server.server.policy_source import StaticPolicySource  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
     from noisy_temp_server.vllm_plugin.trace_channel import TraceCollector  # noqa: PLC0415
 

@@ -2,10 +2,20 @@
 
 Modules (imported on demand, nothing happens on import of this package):
 
+- `app`: `create_app(settings, engine, ...)` builds the `ServerState` and wires the routers,
+  the middleware and the lifespan;
+- `state`: `ServerState`, what every handler gets (engine, policy source, trace source, shadow
+  scorer, metrics, settings, tokenizer, served model name);
+- endpoint families, one router each: `completions` (`POST /v1/completions`), `chat`
+  (`POST /v1/chat/completions`), `models` (`GET /v1/models`), `status` (`GET /v1/nts/status`),
+  `health` (`GET /health`, `GET /metrics`);
+- `generation`: what the two generation endpoints share: admission, the `n` choices on the
+  engine, run to end or stream, client disconnects;
+- `nts_summary`: the response's `nts` object from a choice's per-step T*;
+- `policy_source`: where new requests get their policy, and how it is described;
+- `auth`: the API key dependency of the `/v1/*` routes;
 - `protocol`: request/response models; each request converts itself to `SamplingParams`;
 - `errors`: OpenAI error bodies and the exception handlers;
-- `temperature`: policy in force + request keys -> engine keys and the `nts` summary;
-- `app`: `create_app(settings, engine, ...)`, the FastAPI app;
 - `engine`: environment, engine arguments and `AsyncLLM` start (call
   `prepare_environment` before vLLM or prometheus_client are imported);
 - `metrics`: API-side Prometheus metrics (injected registry) and the HTTP middleware;

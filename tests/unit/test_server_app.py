@@ -23,7 +23,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.temperature import StaticPolicySource
+from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 

@@ -1,0 +1,161 @@
+"""`POST /v1/chat/completions`: messages rendered by the model's chat template, JSON or
+server-sent events.
+
+The handler renders and tokenizes the messages and formats the response; admission, the engine
+run, the stream and the `nts` summaries are `server.generation`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from noisy_temp_server.server.auth import require_api_key
+from noisy_temp_server.server.errors import OpenAIError
+from noisy_temp_server.server.generation import (
+    CLIENT_CLOSED_REQUEST,
+    MIN_LOGPROB,
+    Choice,
+    Piece,
+    clean_logprob,
+    overall_summary,
+    prepare_request,
+    run_unless_disconnected,
+    stream_choices,
+    usage,
+)
+from noisy_temp_server.server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from noisy_temp_server.server.state import ServerState, ServerStateDep
+
+if TYPE_CHECKING:
+    from vllm.logprobs import SampleLogprobs
+
+__all__ = ["router"]
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(
+    request: ChatCompletionRequest, raw_request: Request, state: ServerStateDep
+) -> ChatCompletionResponse | StreamingResponse | Response:
+    """The assistant's next message: `n` choices, each with its `nts` summary."""
+    prompt_ids = _prompt_ids(state, request)
+    prepared = prepare_request(state, request, prompt_ids, prefix="chatcmpl", param="messages")
+    top = request.top_logprobs or 0
+    if request.stream:
+        roles = [
+            ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant"))
+            for choice in prepared.choices
+        ]
+        delta_choice = functools.partial(_delta_choice, top=top)
+        return await stream_choices(
+            state,
+            request,
+            prepared,
+            chunk_type=ChatCompletionChunk,
+            chunk_choice=delta_choice,
+            opening=roles,
+        )
+    finished = await run_unless_disconnected(state, raw_request, prepared)
+    if finished is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return ChatCompletionResponse(
+        id=prepared.request_id,
+        model=state.model_name,
+        choices=[
+            ChatCompletionChoice(
+                index=choice.index,
+                message=ChatResponseMessage(content=piece.text),
+                logprobs=_piece_logprobs(piece, top),
+                finish_reason=piece.finish_reason,
+                nts=choice.summary,
+            )
+            for choice, piece in finished
+        ],
+        usage=usage(prepared),
+        nts=overall_summary(prepared),
+    )
+
+
+def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+    """The messages rendered by the chat template (with the assistant's turn opened), as
+    token ids; a 400 when the model has no template or it cannot render them."""
+    tokenizer = state.tokenizer
+    if not tokenizer.chat_template:
+        raise OpenAIError(
+            f"The model `{state.model_name}` has no chat template; use /v1/completions.",
+            status_code=400,
+            param="messages",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            request.template_messages(), tokenize=False, add_generation_prompt=True
+        )
+    except Exception as error:
+        raise OpenAIError(
+            f"The chat template could not render these messages: {error}",
+            status_code=400,
+            param="messages",
+        ) from None
+    return tokenizer.encode(str(text), add_special_tokens=False)
+
+
+def _delta_choice(choice: Choice, piece: Piece, *, top: int) -> ChatChunkChoice:
+    """One stream chunk's choice: what one engine step added."""
+    return ChatChunkChoice(
+        index=choice.index,
+        delta=ChatDelta(content=piece.text),
+        logprobs=_piece_logprobs(piece, top),
+        finish_reason=piece.finish_reason,
+        nts=choice.summary,
+    )
+
+
+def _piece_logprobs(piece: Piece, top: int) -> ChatCompletionLogprobs | None:
+    return None if piece.logprobs is None else _chat_logprobs(piece.token_ids, piece.logprobs, top)
+
+
+def _chat_logprobs(
+    token_ids: Sequence[int], logprobs: SampleLogprobs, top: int
+) -> ChatCompletionLogprobs:
+    """Chat logprobs: each token with its logprob, bytes and the `top` best candidates."""
+    content = []
+    for token_id, position in zip(token_ids, logprobs, strict=False):
+        candidates = position or {}
+        chosen = candidates.get(token_id)
+        token = (chosen.decoded_token if chosen else None) or ""
+        ranked = sorted(
+            (c for c in candidates.values() if c.rank is not None), key=lambda c: c.rank or 0
+        )[:top]
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=clean_logprob(chosen.logprob) if chosen else MIN_LOGPROB,
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=c.decoded_token or "",
+                        logprob=clean_logprob(c.logprob),
+                        bytes=list((c.decoded_token or "").encode()),
+                    )
+                    for c in ranked
+                ],
+            )
+        )
+    return ChatCompletionLogprobs(content=content)

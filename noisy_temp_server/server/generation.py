@@ -1,0 +1,410 @@
+"""The generation plumbing that `/v1/completions` and `/v1/chat/completions` share.
+
+A request's path, once its endpoint has tokenized the prompt:
+
+1. `prepare_request`: check the model name and the context length, convert the body to one
+   `SamplingParams` per choice, pin the policy in force (`PolicySource.current_policy`), apply
+   the server defaults under the request's `nts_*` keys (the one parser,
+   `vllm_plugin.request_args`) and give each of the `n` choices its own engine request and trace
+   id, all before anything reaches the engine, so a bad request costs nothing and gets an
+   OpenAI error body;
+2. `run_unless_disconnected` (JSON response) or `stream_choices` (server-sent events): run the
+   choices on the engine, concurrently;
+3. when a choice finishes, join its per-step T* (trace channel) with its output into its `nts`
+   summary, feed the metrics, and offer it to the shadow scorer (never waiting for it).
+
+Greedy and tuning-off requests are never touched by the processor and report T* = 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+from vllm.inputs import TokensPrompt
+from vllm.utils.async_utils import merge_async_iterators
+
+from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
+from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries
+from noisy_temp_server.server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionStreamResponse,
+    NtsSummary,
+    Usage,
+    add_extra_args,
+)
+from noisy_temp_server.vllm_plugin.request_args import (
+    GREEDY_TEMPERATURE,
+    RequestTuning,
+    TuningKeys,
+    parse_request_args,
+    resolve_request,
+)
+
+if TYPE_CHECKING:
+    from vllm.logprobs import SampleLogprobs
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import SamplingParams
+
+    from noisy_temp_server.server.state import ServerState
+    from noisy_temp_server.settings import Settings
+    from noisy_temp_server.temperature.policy import TemperaturePolicy
+
+__all__ = [
+    "CLIENT_CLOSED_REQUEST",
+    "MIN_LOGPROB",
+    "Choice",
+    "Piece",
+    "PreparedRequest",
+    "clean_logprob",
+    "overall_summary",
+    "prepare_request",
+    "run_unless_disconnected",
+    "stream_choices",
+    "usage",
+]
+
+_LOGGER = logging.getLogger(__name__)
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass
+class Choice:
+    """One choice's accumulated output."""
+
+    index: int
+    trace_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    summary: NtsSummary | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one response object reports of a choice: all of it (JSON response) or what one
+    engine step added (stream chunk). `text_offset`: where `text` starts in the choice's text."""
+
+    token_ids: Sequence[int]
+    text: str
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None
+    text_offset: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for the engine.
+
+    `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
+    processor will apply to it (None when it is not tuned: no trace records will come).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    keys: TuningKeys
+    policy: TemperaturePolicy
+    tuning: RequestTuning | None
+    choices: list[Choice]
+    params: list[SamplingParams]
+
+
+def clean_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf and NaN become vLLM's floor of -9999."""
+    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def prepare_request(
+    state: ServerState,
+    request: GenerationRequest,
+    prompt_ids: list[int],
+    *,
+    prefix: str,
+    param: str,
+) -> PreparedRequest:
+    """Validate `request` (tokenized as `prompt_ids`) and make its engine requests; raises
+    `OpenAIError` for anything the engine would refuse. `prefix` starts the request id;
+    `param` names the prompt's field in error bodies."""
+    _check_model(state, request.model)
+    if not prompt_ids:
+        raise OpenAIError("The prompt is empty.", status_code=400, param=param)
+    max_tokens = _max_tokens(state, request, len(prompt_ids), param)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    choices = [Choice(index=i, trace_id=f"{request_id}-{i}") for i in range(request.n)]
+    try:
+        params = [
+            request.to_sampling_params(max_tokens=max_tokens, choice=i) for i in range(request.n)
+        ]
+    except ValueError as error:
+        raise openai_error_from_exception(error) from None
+    # vLLM raises 0 < T < 0.01 to 0.01: tuning follows the temperature the engine samples at.
+    engine_temperature = params[0].temperature
+    if request.n > 1 and engine_temperature < GREEDY_TEMPERATURE:
+        raise OpenAIError(
+            "n must be 1 with temperature 0 (greedy choices would be equal).",
+            status_code=400,
+            param="n",
+        )
+    policy = state.policy_source.current_policy()
+    try:
+        keys = _pinned_keys(policy, request.nts_request_args(), state.settings)
+        tuning = resolve_request(keys, engine_temperature)
+    except ValueError as error:
+        raise OpenAIError(str(error), status_code=400) from None
+    for choice, choice_params in zip(choices, params, strict=True):
+        trace_id = choice.trace_id if tuning is not None else None
+        add_extra_args(choice_params, dataclasses.replace(keys, trace_id=trace_id).to_extra_args())
+    return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params)
+
+
+def _check_model(state: ServerState, requested: str | None) -> None:
+    if requested is not None and requested != state.model_name:
+        raise OpenAIError(
+            f"The model `{requested}` does not exist; this server serves `{state.model_name}` "
+            "(see GET /v1/models).",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _max_tokens(state: ServerState, request: GenerationRequest, prompt_len: int, param: str) -> int:
+    """The request's completion budget (all the room left when it names none)."""
+    requested = request.requested_max_tokens()
+    limit = state.max_model_len
+    room = limit - prompt_len
+    if room < 1 or (requested is not None and requested > room):
+        wanted = prompt_len + (requested or 1)
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {wanted} tokens ({prompt_len} in the {param}, "
+            f"{requested or 1} in the completion). Please reduce the length of the "
+            f"{param} or the completion.",
+            status_code=400,
+            param=param,
+            code="context_length_exceeded",
+        )
+    return room if requested is None else requested
+
+
+def _pinned_keys(
+    policy: TemperaturePolicy, client_args: Mapping[str, Any], settings: Settings
+) -> TuningKeys:
+    """The request's `nts_*` keys over the server defaults, validated, with `policy` pinned
+    (`nts_policy`): the engine applies exactly the policy the summary describes, whatever the
+    estimator publishes meanwhile. Raises ValueError (HTTP 400) naming the bad key."""
+    merged = dict(client_args)
+    defaults = {
+        "nts_rule": settings.default_rule,
+        "nts_t": settings.default_t,
+        "nts_t_min": settings.default_t_min,
+        "nts_t_max": settings.default_t_max,
+    }
+    for key, value in defaults.items():
+        if value is not None and key not in merged:
+            merged[key] = value
+    if "nts_rule" in client_args and "nts_t" not in client_args:
+        merged.pop("nts_t", None)  # the server's fixed T belongs to the server's default rule
+    return dataclasses.replace(parse_request_args(merged), policy_json=policy.to_json())
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _engine_streams(
+    state: ServerState, prepared: PreparedRequest
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """All choices' engine outputs, merged, each with its choice's index."""
+    prompt = TokensPrompt(prompt_token_ids=prepared.prompt_ids)
+    generators = [
+        state.engine.generate(prompt, params, choice.trace_id)
+        for choice, params in zip(prepared.choices, prepared.params, strict=True)
+    ]
+    return merge_async_iterators(*generators)
+
+
+def _absorb(choice: Choice, output: CompletionOutput) -> Piece:
+    """Append a DELTA (or the FINAL_ONLY) output to its choice; return what it added."""
+    piece = Piece(
+        token_ids=list(output.token_ids),
+        text=output.text,
+        logprobs=output.logprobs,
+        finish_reason=output.finish_reason,
+        text_offset=len(choice.text),
+    )
+    choice.token_ids.extend(piece.token_ids)
+    choice.text += piece.text
+    choice.finish_reason = piece.finish_reason
+    return piece
+
+
+async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choice) -> NtsSummary:
+    """A finished choice's `nts` summary; observes its mean T* and offers it to the shadow
+    scorer. Waits (in a thread) for the choice's per-step T* when it was tuned."""
+    n_steps = len(choice.token_ids)
+    if prepared.tuning is None:
+        trace = [1.0] * n_steps
+    elif state.trace_source is None or n_steps == 0:
+        trace = []
+    else:
+        trace = await asyncio.to_thread(
+            state.trace_source.wait_for, choice.trace_id, n_steps, state.settings.trace_timeout_s
+        )
+        if len(trace) < n_steps:
+            _LOGGER.warning(
+                "T* trace of %s has %d of %d steps", choice.trace_id, len(trace), n_steps
+            )
+    summary = choice_summary(
+        prepared.policy, prepared.tuning, trace, steps=n_steps, with_trace=prepared.keys.trace
+    )
+    if summary.t_mean is not None:
+        state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
+    if state.shadow is not None and choice.token_ids:
+        state.shadow.offer(prepared.prompt_ids, choice.token_ids, trace)
+    return summary
+
+
+def overall_summary(prepared: PreparedRequest) -> NtsSummary:
+    """The request-level `nts` summary over the choices summarized so far."""
+    summaries = [c.summary for c in prepared.choices if c.summary is not None]
+    return combine_summaries(prepared.policy, prepared.tuning, summaries)
+
+
+def usage(prepared: PreparedRequest) -> Usage:
+    """The token counts of the request so far (all choices)."""
+    completion = sum(len(c.token_ids) for c in prepared.choices)
+    prompt = len(prepared.prompt_ids)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+async def _run_to_end(state: ServerState, prepared: PreparedRequest) -> list[tuple[Choice, Piece]]:
+    """Run every choice to its end; each with its summary and all of its output."""
+    finals: dict[int, CompletionOutput] = {}
+    try:
+        async for index, request_output in _engine_streams(state, prepared):
+            output = request_output.outputs[0]
+            _absorb(prepared.choices[index], output)
+            finals[index] = output
+        summaries = await asyncio.gather(
+            *(_summarize(state, prepared, c) for c in prepared.choices)
+        )
+        for choice, summary in zip(prepared.choices, summaries, strict=True):
+            choice.summary = summary
+    except Exception as error:
+        raise openai_error_from_exception(error) from error
+    return [
+        (c, Piece(c.token_ids, c.text, finals[c.index].logprobs, c.finish_reason, 0))
+        for c in prepared.choices
+    ]
+
+
+async def run_unless_disconnected(
+    state: ServerState, raw_request: Request, prepared: PreparedRequest
+) -> list[tuple[Choice, Piece]] | None:
+    """Run every choice to its end (each with its summary and all of its output), or cancel
+    the run (its engine requests aborted) when the client disconnects first: None then. The
+    body must have been read (FastAPI parsed it)."""
+    work = asyncio.create_task(_run_to_end(state, prepared))
+    disconnect = asyncio.create_task(listen_for_disconnect(raw_request))
+    await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    disconnect.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    _LOGGER.info("Client disconnected: aborted %s", prepared.request_id)
+    return None
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+async def _primed(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Fetch the first item now (so admission errors still get a proper status code)."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        first = None
+    except Exception as error:
+        raise openai_error_from_exception(error) from error
+
+    async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
+        if first is None:
+            return
+        yield first
+        async for item in stream:
+            yield item
+
+    return rest()
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def stream_choices(
+    state: ServerState,
+    request: GenerationRequest,
+    prepared: PreparedRequest,
+    *,
+    chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
+    chunk_choice: Callable[[Choice, Piece], Any],
+    opening: Sequence[Any] = (),
+) -> StreamingResponse:
+    """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
+    made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
+    then `[DONE]`. Errors before the first output raise (proper status code); later ones
+    are reported in-band."""
+    stream = await _primed(_engine_streams(state, prepared))
+
+    def chunk(choices: list[Any], **extra: Any) -> str:
+        response = chunk_type(
+            id=prepared.request_id, model=state.model_name, choices=choices, **extra
+        )
+        return _sse(response.model_dump(mode="json"))
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for choice in opening:
+                yield chunk([choice])
+            async for index, request_output in stream:
+                choice = prepared.choices[index]
+                piece = _absorb(choice, request_output.outputs[0])
+                if piece.finish_reason is not None:
+                    choice.summary = await _summarize(state, prepared, choice)
+                yield chunk([chunk_choice(choice, piece)])
+            yield chunk(
+                [],
+                usage=usage(prepared) if request.include_usage_in_stream else None,
+                nts=overall_summary(prepared),
+            )
+        except Exception as error:  # after the 200 status line: report in-band
+            yield _sse(openai_error_from_exception(error).body())
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")

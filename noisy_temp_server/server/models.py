@@ -1,0 +1,19 @@
+"""`GET /v1/models`: the one model this server serves."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from noisy_temp_server.server.auth import require_api_key
+from noisy_temp_server.server.protocol import ModelCard, ModelList
+from noisy_temp_server.server.state import ServerStateDep
+
+__all__ = ["router"]
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.get("/v1/models")
+async def list_models(state: ServerStateDep) -> ModelList:
+    """The served model name (what requests must send as `model`) and its context length."""
+    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])

@@ -1,0 +1,49 @@
+"""Where new requests get their temperature policy, and how the server describes it.
+
+`PolicySource` is the policy holder the server asks at each admission (the online estimator is
+one; `StaticPolicySource` serves a profile's policy or the identity); `describe_policy` is what
+`/v1/nts/status` and the policy gauges report of a policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.vllm_plugin.metrics import step_bucket_labels
+
+__all__ = ["PolicySource", "StaticPolicySource", "describe_policy"]
+
+
+class PolicySource(Protocol):
+    """Where new requests get their policy (`estimation.online.OnlineEstimator` is one)."""
+
+    def current_policy(self) -> TemperaturePolicy: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class StaticPolicySource:
+    """A policy that never changes (a profile, or the identity when there is no estimator)."""
+
+    policy: TemperaturePolicy
+    origin: str
+
+    def current_policy(self) -> TemperaturePolicy:
+        return self.policy
+
+    def status(self) -> dict[str, Any]:
+        return {"enabled": False, "origin": self.origin}
+
+
+def describe_policy(policy: TemperaturePolicy) -> dict[str, Any]:
+    """Version, rule and α/σ² by step bucket label (for `/v1/nts/status` and the gauges)."""
+    labels = step_bucket_labels(policy.step_edges)
+    return {
+        "policy_version": policy.version,
+        "rule": policy.rule.value,
+        "alpha_by_step_bucket": dict(zip(labels, policy.alpha_by_step, strict=True)),
+        "sigma2_by_step_bucket": dict(zip(labels, policy.sigma2_by_step, strict=True)),
+    }

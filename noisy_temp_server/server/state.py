@@ -1,0 +1,85 @@
+"""The server's state: everything a handler needs, built once by `create_app`.
+
+`ServerState` is stored on the app (`app.state.server`); handlers receive it through the
+`ServerStateDep` dependency, never from globals or closures, so a test can build one with fakes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
+
+from fastapi import Depends, FastAPI, Request
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from noisy_temp_server.server.engine import GenerationEngine
+    from noisy_temp_server.server.metrics import ApiMetrics
+    from noisy_temp_server.server.policy_source import PolicySource
+    from noisy_temp_server.server.shadow import ShadowScorer
+    from noisy_temp_server.settings import Settings
+
+__all__ = [
+    "ChatTokenizer",
+    "ServerState",
+    "ServerStateDep",
+    "TraceSource",
+    "attach_state",
+    "server_state",
+]
+
+
+class ChatTokenizer(Protocol):
+    """What the server needs of the served model's (Hugging Face) tokenizer."""
+
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+    ) -> Any: ...
+
+
+class TraceSource(Protocol):
+    """The API side of the trace channel (`vllm_plugin.trace_channel.TraceCollector`)."""
+
+    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the handlers share.
+
+    `engine`: vLLM's `AsyncLLM` (or a fake with its interface); `policy_source`: the policy in
+    force for new requests; `trace_source`: the per-step T* of tuned requests (None: tuned
+    requests report no T statistics); `shadow`: the shadow scorer finished choices are offered
+    to (None: no shadow scoring); `metrics`: the API metrics, registered where
+    `metrics_registry` (what `/metrics` serves) sees them; `model_name`: the served model name
+    clients must send; `max_model_len`: the context length prompts and completions share.
+    """
+
+    settings: Settings
+    engine: GenerationEngine
+    tokenizer: ChatTokenizer
+    model_name: str
+    max_model_len: int
+    policy_source: PolicySource
+    metrics: ApiMetrics
+    metrics_registry: CollectorRegistry
+    trace_source: TraceSource | None
+    shadow: ShadowScorer | None
+
+
+def attach_state(app: FastAPI, state: ServerState) -> None:
+    """Make `state` what `server_state` returns for the requests of `app`."""
+    app.state.server = state
+
+
+def server_state(request: Request) -> ServerState:
+    """The FastAPI dependency giving a handler the state of its app."""
+    return cast("ServerState", request.app.state.server)
+
+
+ServerStateDep = Annotated[ServerState, Depends(server_state)]

@@ -55,9 +55,7 @@ def test_round_trip_through_extra_args() -> None:
         ({"nts_t": "2.5", "nts_t_max": 3}, TuningKeys(fixed_t=2.5, t_max=3.0)),
     ],
 )
-def test_accepts_strings_and_numbers(
-    keys: dict[str, Any], expected: TuningKeys
-) -> None:
+def test_accepts_strings_and_numbers(keys: dict[str, Any], expected: TuningKeys) -> None:
     assert parse_request_args(keys) == expected
 
 
@@ -101,6 +99,14 @@ def test_resolve_applies_overrides_on_the_policy() -> None:
     )
     assert fixed is not None
     assert (fixed.rule, fixed.fixed_t, fixed.policy.version) == (Rule.FIXED, 2.0, 3)
+
+
+def test_resolved_tuning_carries_the_trace_request() -> None:
+    asked = resolve_request(parse_request_args({"nts_policy": SQRT.to_json(), "nts_trace": 1}), 1.0)
+    unasked = resolve_request(parse_request_args({"nts_policy": SQRT.to_json()}), 1.0)
+    assert asked is not None
+    assert unasked is not None
+    assert (asked.trace, unasked.trace) == (True, False)
 
 
 def test_fixed_without_nts_t_uses_the_policy_fixed_temperature() -> None:

@@ -95,7 +95,8 @@ class FakeEngine:
 
 
 class FakeTokenizer:
-    chat_template: str | None = "{{ messages }}"
+    def __init__(self, chat_template: str | None = "{{ messages }}") -> None:
+        self.chat_template = chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
@@ -138,13 +139,14 @@ def _build(
     policy: TemperaturePolicy,
     trace_t: float = 1.25,
     traces: FakeTraces | None = None,
+    tokenizer: FakeTokenizer | None = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
     traces = traces or FakeTraces(trace_t)
     app = create_app(
         settings,
         engine,
-        tokenizer=FakeTokenizer(),
+        tokenizer=tokenizer or FakeTokenizer(),
         model_name=MODEL,
         max_model_len=MAX_MODEL_LEN,
         policy_source=StaticPolicySource(policy, "test"),
@@ -378,18 +380,14 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_the_summary(server: Ha
     assert chunks[-1]["nts"]["steps"] == 2
 
 
-def test_chat_without_template_is_a_400(server: Harness) -> None:
-    server.client.app.state.registry  # noqa: B018 (the app exists)
-    tokenizerless = _build(Settings(), POLICY)
-    FakeTokenizer.chat_template = None
-    try:
-        response = tokenizerless.post(
-            "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
-        )
-    finally:
-        FakeTokenizer.chat_template = "{{ messages }}"
+def test_chat_without_template_is_a_400() -> None:
+    templateless = _build(Settings(), POLICY, tokenizer=FakeTokenizer(chat_template=None))
+    response = templateless.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    )
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
+    assert templateless.engine.calls == []
 
 
 def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -> None:

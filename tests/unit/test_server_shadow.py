@@ -102,7 +102,9 @@ def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
     status = setup.shadow.status()
     assert status["scored"] == 3
     assert status["tokens"] == 9
-    assert status["seconds_per_scored_token"] > 0
+    seconds = setup.value("nts_shadow_score_seconds_sum")
+    assert status["score_seconds_total"] == pytest.approx(seconds)
+    assert status["seconds_per_scored_token"] == pytest.approx(seconds / 9)
 
 
 def test_partial_trace_scores_kl_at_served_t_only_where_known() -> None:

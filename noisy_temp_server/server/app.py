@@ -38,6 +38,7 @@ from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import TokensPrompt
 from vllm.utils.async_utils import merge_async_iterators
 
+from noisy_temp_server.server.dashboard import dashboard_router
 from noisy_temp_server.server.errors import (
     OpenAIError,
     install_error_handlers,
@@ -479,6 +480,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(dashboard_router(metrics_registry, require_api_key))
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models() -> ModelList:

@@ -134,8 +134,9 @@ def test_with_the_key_the_charts_draw_the_registry(
     browser.wait_for(f"{STATUS} === 'ok'", 15)
     assert API_KEY not in browser.evaluate("location.href")
     assert browser.evaluate("sessionStorage.getItem('nts-api-key')") == API_KEY
-    # 4 x values (3 bucket starts + the open bucket's end), α and T* (sqrt) at each.
-    assert browser.evaluate(STEP_POINTS) == 8
+    # x: each bucket's first and last step (0, 7, 8, 31, 32, and 56 for the open bucket
+    # "32+"); α and T* (sqrt) at each.
+    assert browser.evaluate(STEP_POINTS) == 12
     assert browser.evaluate(KL_POINTS) == 2  # one history point: KL at T = 1 and at T*
     assert browser.evaluate("document.getElementById('policy-version').textContent") == "3"
     table = browser.evaluate("document.getElementById('bucket-table').innerText")

@@ -135,43 +135,47 @@ function renderShadow(shadow) {
 
 // ------------------------------------------------------------------ step buckets
 
-function bucketStart(label) {
-  return parseInt(label, 10);
+// A step bucket label ("0-7", "8-31", "32+") as the steps it covers, both ends included.
+function bucketRange(label) {
+  const [lo, hi] = label.split("-");
+  return label.endsWith("+") ? [parseInt(lo, 10), Infinity] : [parseInt(lo, 10), parseInt(hi, 10)];
 }
 
-// Per series, a step -> value lookup over its buckets: {starts: [...], values: [...]}.
+function bucket(label, value, steps) {
+  const [lo, hi] = bucketRange(label);
+  return { label, lo, hi, value, steps };
+}
+
+// The α series (policy in force) and one T* series per rule seen by the engine, each a list of
+// buckets; a T* series has only the buckets where the engine applied that rule.
 function stepSeries(status, dashboard) {
-  const alphaLabels = Object.keys(status.alpha_by_step_bucket);
   const alpha = {
     label: "α",
-    starts: alphaLabels.map(bucketStart),
-    values: alphaLabels.map((l) => status.alpha_by_step_bucket[l]),
-    labels: alphaLabels,
+    buckets: Object.entries(status.alpha_by_step_bucket).map(([label, value]) => bucket(label, value)),
   };
   const byRule = {};
   for (const row of dashboard.step_temperature) {
-    const series = (byRule[row.rule] ||= { label: `T* (${row.rule})`, starts: [], values: [], labels: [], steps: [] });
-    series.starts.push(row.step_start);
-    series.values.push(row.t_mean);
-    series.labels.push(row.step_bucket);
-    series.steps.push(row.steps);
+    const series = (byRule[row.rule] ||= { label: `T* (${row.rule})`, buckets: [] });
+    series.buckets.push(bucket(row.step_bucket, row.t_mean, row.steps));
   }
   return { alpha, temperatures: Object.values(byRule) };
 }
 
 function valueAt(series, step) {
-  let value = null;
-  series.starts.forEach((start, i) => {
-    if (start <= step) value = series.values[i];
-  });
-  return value;
+  const found = series.buckets.find((b) => b.lo <= step && step <= b.hi);
+  return found ? found.value : null;
 }
 
+// x values: every bucket's first and last step; the open last bucket is drawn as long as the
+// bucket before it (at least 8 steps).
 function stepAxis(all) {
-  const starts = [...new Set(all.flatMap((s) => s.starts))].sort((a, b) => a - b);
+  const buckets = all.flatMap((s) => s.buckets);
+  const starts = [...new Set(buckets.map((b) => b.lo))].sort((a, b) => a - b);
   const last = starts[starts.length - 1] || 0;
-  const width = starts.length > 1 ? last - starts[starts.length - 2] : 16;
-  return [...starts, last + Math.max(width, 8)]; // the last bucket is open: draw it one width long
+  const openEnd = last + Math.max(starts.length > 1 ? last - starts[starts.length - 2] : 16, 8);
+  const xs = new Set([...starts, openEnd]);
+  for (const b of buckets) xs.add(Math.min(b.hi, openEnd));
+  return [...xs].sort((a, b) => a - b);
 }
 
 function renderBucketTable(status, series) {
@@ -187,11 +191,10 @@ function renderBucketTable(status, series) {
   body.replaceChildren();
   for (const label of labels) {
     const tr = document.createElement("tr");
-    const start = bucketStart(label);
     const cells = [label, fmt(status.alpha_by_step_bucket[label]), fmt(status.sigma2_by_step_bucket[label])];
     for (const s of series.temperatures) {
-      const i = s.labels.indexOf(label);
-      cells.push(i >= 0 ? `${fmt(s.values[i])} (${plural(s.steps[i], "row")})` : fmt(valueAt(s, start)));
+      const found = s.buckets.find((b) => b.label === label);
+      cells.push(found ? `${fmt(found.value)} (${plural(found.steps, "row")})` : "–");
     }
     for (const text of cells) {
       const td = document.createElement("td");
@@ -237,12 +240,13 @@ function stepsChartOptions(series) {
     ],
     series: [
       { label: "step" },
-      { label: "α", scale: "alpha", stroke: ALPHA_COLOR, width: 2, dash: [6, 4], paths: uPlot.paths.stepped({ align: 1 }), value: (u, v) => fmt(v) },
+      { label: "α", scale: "alpha", stroke: ALPHA_COLOR, width: 2, dash: [6, 4], points: { show: false }, paths: uPlot.paths.stepped({ align: 1 }), value: (u, v) => fmt(v) },
       ...series.temperatures.map((s, i) => ({
         label: s.label,
         scale: "t",
         stroke: COLORS[i % COLORS.length],
         width: 2.5,
+        points: { show: false },
         paths: uPlot.paths.stepped({ align: 1 }),
         value: (u, v) => fmt(v),
       })),
@@ -269,11 +273,7 @@ function klChartOptions(width) {
     width,
     height: 260,
     cursor: { drag: { x: false, y: false } },
-    scales: {
-      // At least the last KL_MIN_SPAN_S seconds, so a young history does not stretch over years.
-      x: { time: true, range: (u, lo, hi) => [Math.min(lo, hi - KL_MIN_SPAN_S), hi + 5] },
-      y: { range: (u, lo, hi) => [0, Math.max(hi * 1.15, 1e-6)] },
-    },
+    scales: { y: { range: (u, lo, hi) => [0, Math.max(hi * 1.15, 1e-6)] } },
     axes: [
       { stroke: "#374151", grid: { stroke: "#eef0f3" } },
       { label: "KL (nats)", stroke: "#374151", grid: { stroke: "#eef0f3" }, size: 60 },
@@ -286,6 +286,12 @@ function renderKlChart(dashboard) {
   const history = dashboard.kl_history;
   const data = [history.map((p) => p.time), history.map((p) => p.kl_one), history.map((p) => p.kl_served)];
   draw("chart-kl", klChartOptions, data, "kl");
+  if (history.length) {
+    // At least the last KL_MIN_SPAN_S seconds, so a young history does not stretch over years.
+    const first = history[0].time;
+    const last = history[history.length - 1].time;
+    charts["chart-kl"].plot.setScale("x", { min: Math.min(first, last - KL_MIN_SPAN_S), max: last + 5 });
+  }
 }
 
 // ------------------------------------------------------------------ refresh loop

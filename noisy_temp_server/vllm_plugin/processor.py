@@ -49,4 +49,3 @@ class NoisyTemperatureLogitsProcessor(RunnerDispatch):
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
         validate_request(sampling_params)
-

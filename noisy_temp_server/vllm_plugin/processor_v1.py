@@ -55,7 +55,12 @@ class NoisyTemperatureV1(LogitsProcessor):
         capacity = vllm_config.scheduler_config.max_num_seqs
         self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
         self.duplicate, self.tuning = build_slot_tuning(
-            self, vllm_config, capacity, device, logits_scaled=True, registry=registry,
+            self,
+            vllm_config,
+            capacity,
+            device,
+            logits_scaled=True,
+            registry=registry,
             keep_last=True,
         )
         self.device = self.tuning.device

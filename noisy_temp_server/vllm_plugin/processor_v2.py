@@ -60,7 +60,11 @@ class NoisyTemperatureV2(LogitsProcessor):
         self._req_states = req_states
         capacity = req_states.max_num_reqs
         self.duplicate, self.tuning = build_slot_tuning(
-            self, vllm_config, capacity, req_states.device, logits_scaled=False,
+            self,
+            vllm_config,
+            capacity,
+            req_states.device,
+            logits_scaled=False,
             registry=registry,
         )
         self._tuned = np.zeros(capacity, dtype=bool)

@@ -194,10 +194,12 @@ class Reporter:
     def _send_trace(self, rows: np.ndarray, occupants: Occupants) -> None:
         if self.sender is None:
             return
-        slots, steps, temperatures, traced = rows[:, rows[3] > 0]
+        slots, steps, temperatures, _ = rows[:, rows[3] > 0]
         records = [
             (trace_id, int(step), float(t))
-            for slot, step, t in zip(slots.tolist(), steps.tolist(), temperatures.tolist(), strict=True)
+            for slot, step, t in zip(
+                slots.tolist(), steps.tolist(), temperatures.tolist(), strict=True
+            )
             if (trace_id := occupants[int(slot)][0]) is not None
         ]
         if records:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed import parallel_state
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcessor as V2LogitsProcessor,
@@ -59,8 +60,6 @@ class RunnerDispatch(V1LogitsProcessor, V2LogitsProcessor):
 def reports_on_this_rank(vllm_config: VllmConfig) -> bool:
     """Whether this worker reports traces and metrics: the first tensor-parallel rank only
     (every rank runs the processor on identical logits). True outside a distributed setup."""
-    from vllm.distributed import parallel_state
-
     if not parallel_state.model_parallel_is_initialized():
         return True
     return parallel_state.get_tensor_model_parallel_rank() == 0

@@ -114,8 +114,8 @@ class SlotTuning:
         self.layout = StateLayout(slots=n)
         # Cumulative reported state, one flat float64 tensor (one host copy per step).
         self.state = torch.zeros(self.layout.size, dtype=torch.float64, device=self.device)
-        self.summary, self.histogram_counts, self.histogram_sums, self.bad_rows = (
-            self.layout.split(self.state)
+        self.summary, self.histogram_counts, self.histogram_sums, self.bad_rows = self.layout.split(
+            self.state
         )
         self.summary.copy_(torch.tensor(SUMMARY_INIT))
         self.last = torch.zeros(n, 3, device=self.device) if keep_last else None
@@ -133,7 +133,9 @@ class SlotTuning:
 
     # -- admission -------------------------------------------------------------------------
 
-    def stage(self, slot: int, resolved: ResolvedRequest | None, request_temperature: float) -> None:
+    def stage(
+        self, slot: int, resolved: ResolvedRequest | None, request_temperature: float
+    ) -> None:
         """Give ``slot`` to a new occupant (``resolved``; None: untuned) from the next
         `flush_staged` on; the previous occupant's state is dropped (its summary has been
         reported up to the last snapshot)."""
@@ -167,7 +169,9 @@ class SlotTuning:
         if policy_id is not None:
             return self._policies[policy_id]
         policy_id = next(i for i in range(len(self._policies) + 1) if i not in self._policies)
-        labels = [self._label(label, policy.rule) for label in step_bucket_labels(policy.step_edges)]
+        labels = [
+            self._label(label, policy.rule) for label in step_bucket_labels(policy.step_edges)
+        ]
         entry = _LivePolicy(
             policy_id=policy_id,
             policy=policy,
@@ -262,7 +266,14 @@ class SlotTuning:
         temperature = torch.where(ok, temperature, 1.0)
         logits.div_(temperature.unsqueeze(1))
         if self.reporter is not None:
-            self._account(slots, steps, temperature, tuned & counted, tuned & ~ok, labels)
+            self._account(
+                slots=slots,
+                steps=steps,
+                temperature=temperature,
+                counted=tuned & counted,
+                bad=tuned & ~ok,
+                labels=labels,
+            )
         return temperature
 
     def _features(
@@ -291,6 +302,7 @@ class SlotTuning:
 
     def _account(
         self,
+        *,
         slots: torch.Tensor,
         steps: torch.Tensor,
         temperature: torch.Tensor,
@@ -322,7 +334,11 @@ class SlotTuning:
         self.reporter.stage_snapshot(self.state)
 
     def accumulate(
-        self, slots: torch.Tensor, temperature: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+        self,
+        slots: torch.Tensor,
+        temperature: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
     ) -> None:
         """Add rows (float64 ``weight`` 1 = counted, 0 = not) to their slots' summaries and to
         the histogram counts of their labels. Device ops only."""

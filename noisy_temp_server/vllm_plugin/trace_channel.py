@@ -31,6 +31,7 @@ message that cannot be queued (peer absent or slow) is dropped and counted
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -234,10 +235,8 @@ class TraceCollector:
             if not done and not self._stop.is_set():
                 self._waiters[trace_id] = waiter
         if not done and not self._stop.is_set():
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-            except TimeoutError:
-                pass
         with self._lock:
             self._waiters.pop(trace_id, None)
             pending = self._pending.pop(trace_id, None)
@@ -326,7 +325,5 @@ def _wake(waiter: _Waiter) -> None:
         if not waiter.future.done():
             waiter.future.set_result(None)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to wake
         waiter.loop.call_soon_threadsafe(resolve)
-    except RuntimeError:
-        pass

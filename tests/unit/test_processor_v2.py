@@ -11,6 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import BatchUpdate, _load_logitsprocs_by_fqcns
 from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsContext,
@@ -21,6 +22,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     _load_v2_logitsprocs_by_fqcns,
+    _load_v2_logitsprocs_plugins,
     build_custom_logits_processors_params_validator,
 )
 
@@ -189,10 +191,10 @@ def test_fisher_takes_the_variance_under_the_request_temperature() -> None:
 def test_v1_and_v2_apply_the_same_effective_temperature() -> None:
     """V1 divides logits already divided by T_req; V2 divides unscaled logits before vLLM
     divides by T_req: the sampled distributions agree."""
-    from vllm.v1.sample.logits_processor import BatchUpdate
-
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS))
-    v1 = NoisyTemperatureLogitsProcessor(config, torch.device("cpu"), False, registry=CollectorRegistry())
+    v1 = NoisyTemperatureLogitsProcessor(
+        config, torch.device("cpu"), False, registry=CollectorRegistry()
+    )
     v2 = _processor(_Batch([1] * SLOTS), CollectorRegistry())
     params = _params(temperature=0.7, nts_policy=FISHER.to_json())
     v1.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, None, [])], moved=[]))
@@ -212,14 +214,10 @@ def test_both_loaders_accept_the_entry_point() -> None:
     validate(_params(nts_rule="sqrt"))
     with pytest.raises(VLLMValidationError, match="nts_rule"):
         validate(_params(nts_rule="nope"))
-    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
-
     assert _load_logitsprocs_by_fqcns([target]) == [NoisyTemperatureLogitsProcessor]
 
 
 def test_installed_entry_point_passes_the_v2_plugin_loader() -> None:
-    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
-
     assert NoisyTemperatureLogitsProcessor in _load_v2_logitsprocs_plugins()
 
 

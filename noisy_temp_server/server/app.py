@@ -73,6 +73,7 @@ from noisy_temp_server.server.temperature import (
 )
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.vllm_plugin.request_args import GREEDY_TEMPERATURE
+from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
@@ -104,7 +105,9 @@ class ChatTokenizer(Protocol):
 class TraceSource(Protocol):
     """The API side of the trace channel (`vllm_plugin.trace_channel.TraceCollector`)."""
 
-    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]: ...
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport: ...
 
 
 @dataclass
@@ -317,19 +320,24 @@ def create_app(
     async def summarize(prepared: _Prepared, choice: _Choice) -> NtsSummary:
         temperature = prepared.temperature
         n_steps = len(choice.token_ids)
+        report = TraceReport()
         if not temperature.tuned:
             trace = [1.0] * n_steps
         elif trace_source is None or n_steps == 0:
             trace = []
         else:
-            trace = await asyncio.to_thread(
-                trace_source.wait_for, choice.trace_id, n_steps, settings.trace_timeout_s
+            report = await trace_source.wait_for(
+                choice.trace_id,
+                n_steps,
+                settings.trace_timeout_s,
+                want_trace=temperature.args.trace,
             )
-            if len(trace) < n_steps:
+            trace = list(report.trace)
+            if report.steps < n_steps:
                 _LOGGER.warning(
-                    "T* trace of %s has %d of %d steps", choice.trace_id, len(trace), n_steps
+                    "T* summary of %s covers %d of %d steps", choice.trace_id, report.steps, n_steps
                 )
-        summary = temperature.summary(trace, steps=n_steps)
+        summary = temperature.summary(trace, steps=n_steps, report=report)
         if summary.t_mean is not None:
             metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
         if shadow is not None and choice.token_ids:

@@ -26,6 +26,7 @@ from noisy_temp_server.vllm_plugin.request_args import (
     parse_request_args,
     resolve_request,
 )
+from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 __all__ = [
     "PolicySource",
@@ -108,17 +109,27 @@ class RequestTemperature:
             total += alphas[bucket] * max(0, min(high, steps) - low)
         return total / steps
 
-    def summary(self, trace: Sequence[float], *, steps: int) -> NtsSummary:
+    def summary(
+        self, trace: Sequence[float], *, steps: int, report: TraceReport | None = None
+    ) -> NtsSummary:
         """The `nts` object of one choice of `steps` generated tokens whose per-step T* are
-        `trace` (possibly incomplete: T statistics then cover what arrived, None if nothing)."""
-        values = [float(f"{t:.7g}") for t in trace]  # T* is float32 in the engine: 7 digits
+        `trace` (possibly incomplete or empty). The T statistics come from the engine's
+        `report` when it has some, else from `trace` (None if nothing arrived)."""
+        values = [_float32_digits(t) for t in trace]
+        if report is not None and report.t_mean is not None:
+            stats = (report.t_mean, report.t_min, report.t_max)
+            t_mean, t_min, t_max = (None if t is None else _float32_digits(t) for t in stats)
+        else:
+            t_mean = statistics.fmean(values) if values else None
+            t_min = min(values) if values else None
+            t_max = max(values) if values else None
         return NtsSummary(
             rule=self.rule,
             policy_version=self.policy.version,
             alpha=self.mean_alpha(steps) if self.tuned else None,
-            t_mean=statistics.fmean(values) if values else None,
-            t_min=min(values) if values else None,
-            t_max=max(values) if values else None,
+            t_mean=t_mean,
+            t_min=t_min,
+            t_max=t_max,
             steps=steps,
             trace=values if self.args.trace else None,
         )
@@ -142,6 +153,11 @@ class RequestTemperature:
             steps=steps,
             trace=summaries[0].trace if len(summaries) == 1 else None,
         )
+
+
+def _float32_digits(value: float) -> float:
+    """T* is float32 in the engine: 7 significant digits."""
+    return float(f"{value:.7g}")
 
 
 def _with_defaults(client_args: Mapping[str, Any], settings: Settings) -> dict[str, Any]:

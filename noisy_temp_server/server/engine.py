@@ -2,8 +2,7 @@
 
 Order matters, because vLLM and prometheus_client read their environment when first imported:
 
-1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) pins the
-   V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, see docs/architecture.md "Runner"), settles
+1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) settles
    the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
    trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
@@ -114,7 +113,6 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     runtime_dir = Path(tempfile.mkdtemp(prefix="nts-serve-"))
     prometheus_dir = _multiprocess_directory(runtime_dir)
     trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ[_PROMETHEUS_DIR_ENV] = str(prometheus_dir)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
     os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
@@ -199,7 +197,7 @@ def start_engine(
     With `runtime_noise`, sets `NTS_RUNTIME_NOISE_SIGMA` and `NTS_RUNTIME_NOISE_SEED` in this
     process's environment (inherited by the engine process) before the engine starts.
     """
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+    if not os.environ.get(TRACE_ENDPOINT_ENV):
         raise RuntimeError("call prepare_environment() before start_engine().")
     from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415

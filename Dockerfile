@@ -41,7 +41,10 @@ RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin nts
 
 # vLLM runs its default runner (Model Runner V2 on CUDA); the temperature processor serves
 # both runners (docs/architecture.md, "Runner"). The shadow scorer's clean and served models go
-# on the GPU too (the KV cache is sized by NTS_GPU_MEMORY_UTILIZATION, which leaves them room).
+# on the GPU too. Engine defaults on CUDA are vLLM's own: CUDA graphs and compilation on
+# (NTS_ENFORCE_EAGER=false), the KV cache sized by NTS_GPU_MEMORY_UTILIZATION (0.7 with the shadow
+# scorer on the GPU, else vLLM's 0.9; NTS_KV_CACHE_GIB fixes it instead), vLLM's batch size
+# (NTS_MAX_NUM_SEQS). `docker run IMAGE serve --help` lists them.
 ENV NTS_HOST=0.0.0.0 \
     NTS_PORT=8000 \
     NTS_CACHE_DIR=/cache \

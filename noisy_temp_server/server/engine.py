@@ -38,7 +38,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from noisy_temp_server.settings import Settings
+from noisy_temp_server.settings import Settings, engine_settings
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 if TYPE_CHECKING:
@@ -114,7 +114,8 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     prometheus_dir = _multiprocess_directory(runtime_dir)
     trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
     os.environ[_PROMETHEUS_DIR_ENV] = str(prometheus_dir)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+    cpu_kv_cache_gib = engine_settings(settings, on_cpu=True).kv_cache_gib
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
 
@@ -167,22 +168,31 @@ def build_engine_args(
         processors.append(PROCESSOR_CLASS_PATH)
     if runtime_noise is not None:
         processors.append(RUNTIME_NOISE_PROCESSOR_CLASS_PATH)
-    kv_cache_bytes = None if current_platform.is_cpu() else settings.kv_cache_gib * 2**30
+    resolved = engine_settings(settings, on_cpu=current_platform.is_cpu())
+    kv_cache_bytes = None
+    if not current_platform.is_cpu() and resolved.kv_cache_gib is not None:
+        kv_cache_bytes = resolved.kv_cache_gib * 2**30
+    on_gpu = (
+        {}
+        if resolved.gpu_memory_utilization is None
+        else {"gpu_memory_utilization": resolved.gpu_memory_utilization}
+    )
     return AsyncEngineArgs(
         model=str(model_path),
         served_model_name=model_name,
         tokenizer=str(model_path),
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_seqs=resolved.max_num_seqs,
         tensor_parallel_size=settings.tensor_parallel_size,
-        enforce_eager=settings.enforce_eager,
+        enforce_eager=resolved.enforce_eager,
         kv_cache_memory_bytes=kv_cache_bytes,
         logprobs_mode="processed_logprobs",
         max_logprobs=20,
         logits_processors=processors or None,
         disable_log_stats=False,
         enable_log_requests=False,
+        **on_gpu,
     )
 
 

@@ -172,11 +172,7 @@ def build_engine_args(
     kv_cache_bytes = None
     if not current_platform.is_cpu() and resolved.kv_cache_gib is not None:
         kv_cache_bytes = resolved.kv_cache_gib * 2**30
-    on_gpu = (
-        {}
-        if resolved.gpu_memory_utilization is None
-        else {"gpu_memory_utilization": resolved.gpu_memory_utilization}
-    )
+    utilization = resolved.gpu_memory_utilization or AsyncEngineArgs.gpu_memory_utilization
     return AsyncEngineArgs(
         model=str(model_path),
         served_model_name=model_name,
@@ -192,7 +188,7 @@ def build_engine_args(
         logits_processors=processors or None,
         disable_log_stats=False,
         enable_log_requests=False,
-        **on_gpu,
+        gpu_memory_utilization=utilization,
     )
 
 

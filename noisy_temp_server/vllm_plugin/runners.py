@@ -42,7 +42,9 @@ def is_v2_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return isinstance(second, LogitsProcRequestState)
 
 
-class RunnerDispatch(V1LogitsProcessor, V2LogitsProcessor):
+# The two ABCs declare different `apply` signatures; no instance of this class is ever made
+# (`__new__` returns an implementation), so the clash is only nominal.
+class RunnerDispatch(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
     """Base of an entry-point class serving both runners.
 
     Subclasses set ``v1_class`` and ``v2_class`` (their implementations) and define

@@ -82,7 +82,7 @@ def _validate(sampling_params: SamplingParams) -> None:
 class RuntimeNoiseV1(LogitsProcessor):
     """V1 runner: adds iid N(0, σ²) noise to every row's logits at every step."""
 
-    validate_params = staticmethod(_validate)  # type: ignore[assignment]
+    validate_params = staticmethod(_validate)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         self.default_sigma, seed = runtime_noise_from_env()
@@ -128,7 +128,7 @@ class RuntimeNoiseV1(LogitsProcessor):
 class RuntimeNoiseV2(V2LogitsProcessor):
     """Model Runner V2: the same noise, σ kept per persistent slot on the device."""
 
-    validate_params = staticmethod(_validate)  # type: ignore[assignment]
+    validate_params = staticmethod(_validate)
 
     def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
         self.default_sigma, seed = runtime_noise_from_env()

@@ -39,15 +39,17 @@ RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin nts
     && mkdir -p /models /profiles /cache \
     && chown nts:nts /cache
 
-# VLLM_USE_V2_MODEL_RUNNER=0: the V1 runner, whose logits-processor interface the project's
-# processor implements (docs/architecture.md, "Runner"). The shadow scorer's clean and served
-# models go on the GPU too (NTS_KV_CACHE_GIB bounds vLLM's KV cache, so memory is left).
+# vLLM runs its default runner (Model Runner V2 on CUDA); the temperature processor serves
+# both runners (docs/architecture.md, "Runner"). The shadow scorer's clean and served models go
+# on the GPU too. Engine defaults on CUDA are vLLM's own: CUDA graphs and compilation on
+# (NTS_ENFORCE_EAGER=false), the KV cache sized by NTS_GPU_MEMORY_UTILIZATION (0.7 with the shadow
+# scorer on the GPU, else vLLM's 0.9; NTS_KV_CACHE_GIB fixes it instead), vLLM's batch size
+# (NTS_MAX_NUM_SEQS). `docker run IMAGE serve --help` lists them.
 ENV NTS_HOST=0.0.0.0 \
     NTS_PORT=8000 \
     NTS_CACHE_DIR=/cache \
     NTS_SHADOW_DEVICE=cuda \
     PROMETHEUS_MULTIPROC_DIR=/tmp/nts-prometheus-multiproc \
-    VLLM_USE_V2_MODEL_RUNNER=0 \
     HF_HUB_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,9 +20,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
     "DEFAULT_PERTURBATION",
+    "EngineSettings",
     "Settings",
     "add_settings_arguments",
     "default_cache_dir",
+    "engine_settings",
     "settings_as_json",
     "settings_from_args",
 ]
@@ -119,13 +122,25 @@ class Settings(BaseSettings):
 
     # --- engine ---
     max_model_len: int = Field(default=2048, ge=16, description="Context length (tokens).")
-    kv_cache_gib: int = Field(
-        default=2,
+    kv_cache_gib: int | None = Field(
+        default=None,
         ge=1,
-        description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, kv_cache_memory_bytes "
-        "on GPU).",
+        description="KV cache size in GiB (default: 2 on CPU, as VLLM_CPU_KVCACHE_SPACE; on CUDA "
+        "unset, the cache is sized by gpu_memory_utilization).",
     )
-    max_num_seqs: int = Field(default=32, ge=1, description="Most sequences in one engine batch.")
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of GPU memory vLLM may use on CUDA (default: vLLM's 0.9, or 0.7 "
+        "when the shadow scorer shares the GPU); ignored on CPU and when kv_cache_gib is set.",
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most sequences in one engine batch (default: 32 on CPU, vLLM's own default "
+        "on CUDA).",
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
@@ -135,8 +150,10 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weight and activation dtype of the served model."
     )
-    enforce_eager: bool = Field(
-        default=True, description="Skip graph capture / compilation (faster startup)."
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="Skip graph capture / compilation (default: true on CPU, faster startup; "
+        "false on CUDA, vLLM's CUDA graphs and compilation).",
     )
     trace_timeout_s: PositiveFloat = Field(
         default=2.0,
@@ -168,6 +185,47 @@ class Settings(BaseSettings):
                 f"{self.default_rule!r}; drop default_t or set default_rule to fixed."
             )
         return self
+
+
+CPU_KV_CACHE_GIB = 2
+CPU_MAX_NUM_SEQS = 32
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+GPU_MEMORY_UTILIZATION_WITH_SHADOW = 0.7
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings of `Settings` resolved for a device (None: vLLM decides)."""
+
+    kv_cache_gib: int | None
+    gpu_memory_utilization: float | None
+    max_num_seqs: int | None
+    enforce_eager: bool
+
+
+def engine_settings(settings: Settings, *, on_cpu: bool) -> EngineSettings:
+    """The engine settings for the CPU (unchanged small defaults) or for CUDA (vLLM's own:
+    CUDA graphs and compilation on, KV cache by memory utilisation, leaving room for the shadow
+    scorer's two models when they share the GPU, and vLLM's batch size). Explicit settings win."""
+    if on_cpu:
+        return EngineSettings(
+            kv_cache_gib=settings.kv_cache_gib or CPU_KV_CACHE_GIB,
+            gpu_memory_utilization=None,
+            max_num_seqs=settings.max_num_seqs or CPU_MAX_NUM_SEQS,
+            enforce_eager=True if settings.enforce_eager is None else settings.enforce_eager,
+        )
+    shadow_on_gpu = settings.shadow_fraction > 0 and settings.shadow_device.startswith("cuda")
+    utilization = settings.gpu_memory_utilization
+    if utilization is None and settings.kv_cache_gib is None:
+        utilization = (
+            GPU_MEMORY_UTILIZATION_WITH_SHADOW if shadow_on_gpu else GPU_MEMORY_UTILIZATION
+        )
+    return EngineSettings(
+        kv_cache_gib=settings.kv_cache_gib,
+        gpu_memory_utilization=utilization,
+        max_num_seqs=settings.max_num_seqs,
+        enforce_eager=bool(settings.enforce_eager),
+    )
 
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

@@ -23,7 +23,6 @@ __all__ = ["VLLM_TEST_ENV", "start_llm", "stop_llm"]
 VLLM_TEST_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
 }
 
 

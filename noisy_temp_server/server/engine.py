@@ -2,8 +2,7 @@
 
 Order matters, because vLLM and prometheus_client read their environment when first imported:
 
-1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) pins the
-   V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`, see docs/architecture.md "Runner"), settles
+1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) settles
    the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
    trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
@@ -39,7 +38,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from noisy_temp_server.settings import Settings
+from noisy_temp_server.settings import Settings, engine_settings
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 if TYPE_CHECKING:
@@ -114,9 +113,9 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     runtime_dir = Path(tempfile.mkdtemp(prefix="nts-serve-"))
     prometheus_dir = _multiprocess_directory(runtime_dir)
     trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ[_PROMETHEUS_DIR_ENV] = str(prometheus_dir)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+    cpu_kv_cache_gib = engine_settings(settings, on_cpu=True).kv_cache_gib
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
 
@@ -169,22 +168,27 @@ def build_engine_args(
         processors.append(PROCESSOR_CLASS_PATH)
     if runtime_noise is not None:
         processors.append(RUNTIME_NOISE_PROCESSOR_CLASS_PATH)
-    kv_cache_bytes = None if current_platform.is_cpu() else settings.kv_cache_gib * 2**30
+    resolved = engine_settings(settings, on_cpu=current_platform.is_cpu())
+    kv_cache_bytes = None
+    if not current_platform.is_cpu() and resolved.kv_cache_gib is not None:
+        kv_cache_bytes = resolved.kv_cache_gib * 2**30
+    utilization = resolved.gpu_memory_utilization or AsyncEngineArgs.gpu_memory_utilization
     return AsyncEngineArgs(
         model=str(model_path),
         served_model_name=model_name,
         tokenizer=str(model_path),
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_seqs=resolved.max_num_seqs,
         tensor_parallel_size=settings.tensor_parallel_size,
-        enforce_eager=settings.enforce_eager,
+        enforce_eager=resolved.enforce_eager,
         kv_cache_memory_bytes=kv_cache_bytes,
         logprobs_mode="processed_logprobs",
         max_logprobs=20,
         logits_processors=processors or None,
         disable_log_stats=False,
         enable_log_requests=False,
+        gpu_memory_utilization=utilization,
     )
 
 
@@ -199,7 +203,7 @@ def start_engine(
     With `runtime_noise`, sets `NTS_RUNTIME_NOISE_SIGMA` and `NTS_RUNTIME_NOISE_SEED` in this
     process's environment (inherited by the engine process) before the engine starts.
     """
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+    if not os.environ.get(TRACE_ENDPOINT_ENV):
         raise RuntimeError("call prepare_environment() before start_engine().")
     from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415

@@ -53,6 +53,7 @@ from noisy_temp_server.vllm_plugin.request_args import (
     parse_request_args,
     resolve_request,
 )
+from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
@@ -259,22 +260,33 @@ def _absorb(choice: Choice, output: CompletionOutput) -> Piece:
 
 async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choice) -> NtsSummary:
     """A finished choice's `nts` summary; observes its mean T* and offers it to the shadow
-    scorer. Waits (in a thread) for the choice's per-step T* when it was tuned."""
+    scorer. Awaits the engine's report of the choice's T* (summary, and the per-step trace when
+    asked) when it was tuned."""
     n_steps = len(choice.token_ids)
+    report = TraceReport()
     if prepared.tuning is None:
-        trace = [1.0] * n_steps
+        trace: list[float] = [1.0] * n_steps
     elif state.trace_source is None or n_steps == 0:
         trace = []
     else:
-        trace = await asyncio.to_thread(
-            state.trace_source.wait_for, choice.trace_id, n_steps, state.settings.trace_timeout_s
+        report = await state.trace_source.wait_for(
+            choice.trace_id,
+            n_steps,
+            state.settings.trace_timeout_s,
+            want_trace=prepared.tuning.trace,
         )
-        if len(trace) < n_steps:
+        trace = list(report.trace)
+        if report.steps < n_steps:
             _LOGGER.warning(
-                "T* trace of %s has %d of %d steps", choice.trace_id, len(trace), n_steps
+                "T* summary of %s covers %d of %d steps", choice.trace_id, report.steps, n_steps
             )
     summary = choice_summary(
-        prepared.policy, prepared.tuning, trace, steps=n_steps, with_trace=prepared.keys.trace
+        prepared.policy,
+        prepared.tuning,
+        trace,
+        steps=n_steps,
+        with_trace=prepared.keys.trace,
+        report=report,
     )
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)

@@ -14,6 +14,7 @@ from noisy_temp_server.server.protocol import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.request_args import RequestTuning
+from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 __all__ = ["choice_summary", "combine_summaries", "mean_alpha", "reported_rule"]
 
@@ -42,21 +43,35 @@ def choice_summary(
     *,
     steps: int,
     with_trace: bool,
+    report: TraceReport | None = None,
 ) -> NtsSummary:
     """The `nts` object of one choice of `steps` generated tokens under the pinned `policy`,
-    whose per-step T* are `trace` (possibly incomplete: T statistics then cover what arrived,
-    None if nothing); the trace itself is included when `with_trace`."""
-    values = [float(f"{t:.7g}") for t in trace]  # T* is float32 in the engine: 7 digits
+    whose per-step T* are `trace` (possibly incomplete or empty). The T statistics come from
+    the engine's `report` when it has some, else from `trace` (None if nothing arrived); the
+    trace itself is included when `with_trace`."""
+    values = [_float32_digits(t) for t in trace]
+    if report is not None and report.t_mean is not None:
+        stats = (report.t_mean, report.t_min, report.t_max)
+        t_mean, t_min, t_max = (None if t is None else _float32_digits(t) for t in stats)
+    else:
+        t_mean = statistics.fmean(values) if values else None
+        t_min = min(values) if values else None
+        t_max = max(values) if values else None
     return NtsSummary(
         rule=reported_rule(tuning),
         policy_version=policy.version,
         alpha=mean_alpha(policy, steps) if tuning is not None else None,
-        t_mean=statistics.fmean(values) if values else None,
-        t_min=min(values) if values else None,
-        t_max=max(values) if values else None,
+        t_mean=t_mean,
+        t_min=t_min,
+        t_max=t_max,
         steps=steps,
         trace=values if with_trace else None,
     )
+
+
+def _float32_digits(value: float) -> float:
+    """T* is float32 in the engine: 7 significant digits."""
+    return float(f"{value:.7g}")
 
 
 def combine_summaries(

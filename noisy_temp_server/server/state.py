@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from noisy_temp_server.server.policy_source import PolicySource
     from noisy_temp_server.server.shadow import ShadowScorer
     from noisy_temp_server.settings import Settings
+    from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 __all__ = [
     "ChatTokenizer",
@@ -45,7 +46,9 @@ class ChatTokenizer(Protocol):
 class TraceSource(Protocol):
     """The API side of the trace channel (`vllm_plugin.trace_channel.TraceCollector`)."""
 
-    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]: ...
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport: ...
 
 
 @dataclass(frozen=True)

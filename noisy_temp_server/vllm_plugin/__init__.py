@@ -3,13 +3,16 @@
 Modules (import them directly; this package imports nothing, so importing it stays cheap):
 
 - `processor`: `NoisyTemperatureLogitsProcessor`, the per-step temperature T* (entry point
-  ``vllm.logits_processors: noisy_temperature``);
+  ``vllm.logits_processors: noisy_temperature``), built as `processor_v1.NoisyTemperatureV1` or
+  `processor_v2.NoisyTemperatureV2` by the runner (`runners`);
+- `slot_tuning`: the device-side per-slot state and per-step T* both share;
+- `reports`: the background thread bringing summaries, traces and histogram counts to the host;
 - `runtime_noise`: `RuntimeLogitNoiseProcessor`, fresh logit noise each step (by name only);
 - `request_args`: the flat ``nts_*`` request keys (one parser for the server and the engine);
 - `trace_channel`: the per-step T trace from the engine to the API process (ZeroMQ);
 - `metrics`: the engine-side ``nts_step_temperature`` histogram;
-- `batch_rows`: per-row state of vLLM's persistent batch;
-- `runner`: the V1 model-runner requirement (``VLLM_USE_V2_MODEL_RUNNER=0``).
+- `batch_rows`: per-row state of the V1 runner's persistent batch (runtime noise);
+- `runners`: one entry-point class for vLLM's V1 runner and Model Runner V2.
 """
 
 __all__: list[str] = []

@@ -37,7 +37,7 @@ class BatchRows:
         self.capacity = capacity
         self._arrays: list[np.ndarray[Any, Any]] = []
         self._objects: list[list[Any]] = []
-        self.active_tensor, self.active = self.array(torch.bool)
+        _, self.active = self.array(torch.bool)
         self.n_active = 0
 
     def array(

@@ -7,12 +7,12 @@ processor uses prometheus_client's default ``REGISTRY``, whose values live in
 serves them (a custom collector would not cross the process boundary, hence a plain
 ``Histogram``).
 
-Cost: prometheus histograms take one observation at a time, so `StepTemperatureMetrics.observe`
-loops over the tuned rows' host-side values (one ``observe`` each; measured on two busy CPU
-cores: ~4 µs per row in-process, ~9 µs with the multiprocess mmap files, so ~0.3 ms per step
-at batch 32: noise next to a CPU decode step, a few percent of a fast GPU step). Pre-binning
-with ``torch.bucketize`` would need prometheus_client's private bucket counters, so it is not
-done. Label children are cached per (step bucket, rule).
+Cost: the processor bins T* on the device (``torch.bucketize`` into `STEP_TEMPERATURE_BUCKETS`)
+and its reporter thread adds the counts that grew since the last report with
+`StepTemperatureMetrics.add`: one increment per (label, bucket) that changed, never one per row
+and step. prometheus_client has no public bulk observation, so `add` increments the child's
+bucket and sum values directly (``_buckets``, ``_sum``: the same value objects ``observe``
+increments, multiprocess mode included). Label children are cached per (step bucket, rule).
 """
 
 from __future__ import annotations
@@ -55,26 +55,26 @@ class StepTemperatureMetrics:
         )
         self._children: dict[tuple[str, str], Histogram] = {}
 
-    def observe(
-        self, rule: str, step_bucket_labels: Sequence[str], temperatures: Sequence[float]
-    ) -> None:
-        """Observe one step's T* of the rows of one rule.
-
-        ``step_bucket_labels[i]`` is the step bucket label of the row whose T* is
-        ``temperatures[i]`` (equal lengths). Label children are cached (the label sets are
-        bounded), so a row costs one dict lookup and one ``observe``.
-        """
-        if len(step_bucket_labels) != len(temperatures):
+    def add(self, rule: str, step_bucket_label: str, counts: Sequence[float], total: float) -> None:
+        """Add pre-binned observations: ``counts[i]`` values fell in bucket ``i`` (the
+        ``le`` buckets of `STEP_TEMPERATURE_BUCKETS`, then +Inf), summing to ``total``."""
+        if len(counts) != len(STEP_TEMPERATURE_BUCKETS) + 1:
             raise ValueError(
-                f"{len(step_bucket_labels)} step bucket labels for "
-                f"{len(temperatures)} temperatures."
+                f"expected {len(STEP_TEMPERATURE_BUCKETS) + 1} bucket counts, got {len(counts)}"
             )
-        children = self._children
-        for label, temperature in zip(step_bucket_labels, temperatures, strict=True):
-            child = children.get((label, rule))
-            if child is None:
-                child = children[label, rule] = self.histogram.labels(step_bucket=label, rule=rule)
-            child.observe(temperature)
+        child = self._child(step_bucket_label, rule)
+        for bucket, count in zip(child._buckets, counts, strict=True):
+            if count:
+                bucket.inc(float(count))
+        child._sum.inc(total)
+
+    def _child(self, label: str, rule: str) -> Histogram:
+        child = self._children.get((label, rule))
+        if child is None:
+            child = self._children[label, rule] = self.histogram.labels(
+                step_bucket=label, rule=rule
+            )
+        return child
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, StepTemperatureMetrics] = (

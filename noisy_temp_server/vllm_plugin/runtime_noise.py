@@ -16,7 +16,9 @@ Configuration (read in the engine process when the processor is built):
 This class is *not* an entry point: the server registers it by name
 (``noisy_temp_server.vllm_plugin.runtime_noise:RuntimeLogitNoiseProcessor``) when runtime noise
 is configured, so a stock vLLM server in the same environment is never silently noised.
-Needs the V1 model runner (see `noisy_temp_server.vllm_plugin.runner`).
+Serves both model runners (`runners.RunnerDispatch`): under V1 it runs before penalties and the
+request temperature; under Model Runner V2 custom processors run after penalties and before the
+request temperature, so the noise lands after penalties there.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from noisy_temp_server.pairs.perturb import add_runtime_logit_noise
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
 from noisy_temp_server.vllm_plugin.request_args import parse_runtime_noise_sigma
-from noisy_temp_server.vllm_plugin.runner import require_v1_model_runner
+from noisy_temp_server.vllm_plugin.runners import RunnerDispatch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,16 +74,17 @@ def runtime_noise_from_env() -> tuple[float, int]:
     return sigma, seed
 
 
-class RuntimeLogitNoiseProcessor(LogitsProcessor):
-    """Adds iid N(0, σ²) noise to every row's logits at every step (see the module docstring)."""
+def _validate(sampling_params: SamplingParams) -> None:
+    """Raises ValueError when ``nts_runtime_noise_sigma`` is not a finite number ≥ 0."""
+    parse_runtime_noise_sigma(sampling_params.extra_args)
 
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Raises ValueError when ``nts_runtime_noise_sigma`` is not a finite number ≥ 0."""
-        parse_runtime_noise_sigma(sampling_params.extra_args)
+
+class RuntimeNoiseV1(LogitsProcessor):
+    """V1 runner: adds iid N(0, σ²) noise to every row's logits at every step."""
+
+    validate_params = staticmethod(_validate)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        require_v1_model_runner(vllm_config, type(self).__name__)
         self.default_sigma, seed = runtime_noise_from_env()
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
@@ -118,3 +123,55 @@ class RuntimeLogitNoiseProcessor(LogitsProcessor):
             rows = torch.from_numpy((sigmas == sigma).nonzero()[0]).to(logits.device)
             logits[rows] = add_runtime_logit_noise(logits[rows], sigma, self._generator)
         return logits
+
+
+class RuntimeNoiseV2(V2LogitsProcessor):
+    """Model Runner V2: the same noise, σ kept per persistent slot on the device."""
+
+    validate_params = staticmethod(_validate)
+
+    def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
+        self.default_sigma, seed = runtime_noise_from_env()
+        self._generator = torch.Generator(device=req_states.device)
+        self._generator.manual_seed(seed)
+        self._sigma = torch.full(
+            (req_states.max_num_reqs,), self.default_sigma, device=req_states.device
+        )
+        self._staged: dict[int, float] = {}
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        """Set the slot's σ (the request's override or the default); True when σ > 0."""
+        sigma = parse_runtime_noise_sigma(sampling_params.extra_args)
+        sigma = self.default_sigma if sigma is None else sigma
+        self._staged[req_idx] = sigma
+        return sigma > 0
+
+    def apply_staged_writes(self) -> None:
+        """Copy the staged σ to the device."""
+        if self._staged:
+            slots = torch.tensor(list(self._staged), dtype=torch.int64)
+            values = torch.tensor(list(self._staged.values()), dtype=torch.float32)
+            device = self._sigma.device
+            self._sigma.index_copy_(0, slots.to(device), values.to(device))
+            self._staged.clear()
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """logits: [rows, V] float32; each row gets noise of its slot's σ, in place."""
+        sigma = self._sigma[ctx.expanded_idx_mapping.long()].unsqueeze(1)
+        noise = torch.randn(
+            logits.shape, generator=self._generator, device=logits.device, dtype=logits.dtype
+        )
+        return logits.add_(noise * sigma)
+
+
+class RuntimeLogitNoiseProcessor(RunnerDispatch):
+    """Adds iid N(0, σ²) noise to every row's logits at every step (see the module docstring);
+    builds `RuntimeNoiseV1` or `RuntimeNoiseV2` depending on the runner."""
+
+    v1_class = RuntimeNoiseV1
+    v2_class = RuntimeNoiseV2
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Raises ValueError when ``nts_runtime_noise_sigma`` is not a finite number ≥ 0."""
+        _validate(sampling_params)

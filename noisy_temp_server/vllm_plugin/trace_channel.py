@@ -10,9 +10,17 @@ in the API process. Between them runs one ZeroMQ PUSH → PULL channel:
   *connects* a PUSH socket there. Without ``NTS_TRACE_ENDPOINT`` (e.g. inside a stock vLLM
   server) there is no sender and nothing is reported.
 
-Wire format: one message per engine step, the UTF-8 JSON array ``[[trace_id, step, T], ...]`` of
-that step's traced rows (``step`` = the row's generation step, 0 for the first generated token;
-``T`` = the T* applied, not including the request's own temperature).
+Wire format: UTF-8 JSON objects of two kinds (``T`` = the T* applied, without the request's
+own temperature):
+
+- ``{"t": [[trace_id, step, T], ...]}``: one engine step's rows of traced requests (``nts_trace``
+  or the server's shadow sample); ``step`` = the generation step, 0 for the first token;
+- ``{"s": [[trace_id, part, sum, count, min, max], ...]}``: cumulative T* summaries of requests
+  (every tuned request with a trace id), one per *part* (an occupancy of an engine slot; a
+  preempted request has several). A later summary of the same part replaces the earlier one.
+
+`TraceCollector.wait_for` is a coroutine: the reader thread resolves asyncio futures, so a
+waiting request ties up no thread.
 
 The sender never blocks the engine: it sends with ``NOBLOCK`` and a small high-water mark, and a
 message that cannot be queued (peer absent or slow) is dropped and counted
@@ -22,8 +30,11 @@ message that cannot be queued (peer absent or slow) is dropped and counted
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -35,6 +46,7 @@ import zmq
 __all__ = [
     "TRACE_ENDPOINT_ENV",
     "TraceCollector",
+    "TraceReport",
     "TraceSender",
 ]
 
@@ -72,21 +84,17 @@ class TraceSender:
         endpoint = os.environ.get(TRACE_ENDPOINT_ENV, "").strip()
         return cls(endpoint) if endpoint else None
 
-    def send_step(
-        self, trace_ids: Sequence[str], steps: Sequence[int], temperatures: Sequence[float]
-    ) -> bool:
-        """Send one step's records (three equal-length sequences). Never blocks.
+    def send_step(self, records: Sequence[tuple[str, int, float]]) -> bool:
+        """Send one step's ``(trace_id, step, T)`` records. Never blocks; False when dropped."""
+        return self._send({"t": [[tid, int(step), float(t)] for tid, step, t in records]})
 
-        Returns False (and counts the drop, logging the first one) when the message could not be
-        queued.
-        """
-        payload = json.dumps(
-            [
-                [tid, int(s), float(t)]
-                for tid, s, t in zip(trace_ids, steps, temperatures, strict=True)
-            ],
-            separators=(",", ":"),
-        ).encode()
+    def send_summaries(self, records: Sequence[tuple[str, int, float, int, float, float]]) -> bool:
+        """Send ``(trace_id, part, sum, count, min, max)`` cumulative summaries. Never blocks."""
+        return self._send({"s": [list(record) for record in records]})
+
+    def _send(self, message: dict[str, list[list[object]]]) -> bool:
+        """Queue one message; False (counted, the first one logged) when it cannot be queued."""
+        payload = json.dumps(message, separators=(",", ":")).encode()
         try:
             self._socket.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -106,18 +114,59 @@ class TraceSender:
         self._socket.close(linger=0)
 
 
+@dataclass(frozen=True)
+class TraceReport:
+    """What arrived for one request: its T* summary and, when traced, the per-step T*.
+
+    ``steps``: how many steps the summary covers; ``t_mean``/``t_min``/``t_max`` are None when
+    no step arrived. ``trace``: the T* of steps 0.. in order (empty when not traced or lost).
+    """
+
+    steps: int = 0
+    t_mean: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    trace: tuple[float, ...] = ()
+
+
 @dataclass
 class _PendingTrace:
     temperatures_by_step: dict[int, float] = field(default_factory=dict)
+    parts: dict[int, tuple[float, int, float, float]] = field(default_factory=dict)
     last_update: float = field(default_factory=time.monotonic)
+
+    def report(self, n_steps: int) -> TraceReport:
+        by_step = self.temperatures_by_step
+        trace = tuple(by_step[s] for s in sorted(by_step) if s < n_steps)
+        count = sum(part[1] for part in self.parts.values())
+        if not count:
+            return TraceReport(trace=trace)
+        return TraceReport(
+            steps=count,
+            t_mean=sum(part[0] for part in self.parts.values()) / count,
+            t_min=min(part[2] for part in self.parts.values()),
+            t_max=max(part[3] for part in self.parts.values()),
+            trace=trace,
+        )
+
+    def complete(self, n_steps: int, want_trace: bool) -> bool:
+        counted = sum(part[1] for part in self.parts.values())
+        return counted >= n_steps and (not want_trace or len(self.temperatures_by_step) >= n_steps)
+
+
+@dataclass
+class _Waiter:
+    n_steps: int
+    want_trace: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
 
 
 class TraceCollector:
     """API side: binds a PULL socket and gathers per-step temperatures by trace id.
 
     A background daemon thread reads the socket. Use as a context manager, or call `start` and
-    `close`. Thread-safe: `wait_for` may be called from any thread (from asyncio, run it in an
-    executor, e.g. ``await asyncio.to_thread(collector.wait_for, ...)``).
+    `close`. `wait_for` is a coroutine (any event loop; the reader thread wakes it).
     """
 
     def __init__(self, endpoint: str, *, ttl_s: float = 600.0, max_ids: int = 100_000) -> None:
@@ -133,7 +182,8 @@ class TraceCollector:
         self._ttl_s = ttl_s
         self._max_ids = max_ids
         self._pending: dict[str, _PendingTrace] = {}
-        self._condition = threading.Condition()
+        self._waiters: dict[str, _Waiter] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._socket: zmq.Socket[bytes] | None = None
@@ -160,8 +210,10 @@ class TraceCollector:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        with self._condition:
-            self._condition.notify_all()
+        with self._lock:
+            waiters = list(self._waiters.values())
+        for waiter in waiters:
+            _wake(waiter)
 
     def __enter__(self) -> TraceCollector:
         return self.start()
@@ -169,31 +221,30 @@ class TraceCollector:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]:
-        """The temperatures of steps ``0..n_steps-1`` of ``trace_id``, in step order.
-
-        Waits up to ``timeout`` seconds for all of them; on timeout returns the ones that arrived
-        (in step order, possibly fewer than ``n_steps``; empty when none did). The id is
-        forgotten afterwards either way.
-        """
-        deadline = time.monotonic() + timeout
-        with self._condition:
-            while True:
-                pending = self._pending.get(trace_id)
-                have = 0 if pending is None else len(pending.temperatures_by_step)
-                remaining = deadline - time.monotonic()
-                if have >= n_steps or remaining <= 0 or self._stop.is_set():
-                    break
-                self._condition.wait(remaining)
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport:
+        """What arrived for ``trace_id`` once its summary covers ``n_steps`` steps (and, with
+        ``want_trace``, its trace has ``n_steps`` steps), or after ``timeout`` seconds with what
+        arrived by then. The id is forgotten afterwards either way. Holds no thread."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(n_steps, want_trace, loop, loop.create_future())
+        with self._lock:
+            pending = self._pending.get(trace_id)
+            done = pending is not None and pending.complete(n_steps, want_trace)
+            if not done and not self._stop.is_set():
+                self._waiters[trace_id] = waiter
+        if not done and not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        with self._lock:
+            self._waiters.pop(trace_id, None)
             pending = self._pending.pop(trace_id, None)
-        if pending is None:
-            return []
-        by_step = pending.temperatures_by_step
-        return [by_step[s] for s in sorted(by_step) if s < n_steps]
+        return TraceReport() if pending is None else pending.report(n_steps)
 
     def pending_ids(self) -> int:
         """How many trace ids are held (for tests and diagnostics)."""
-        with self._condition:
+        with self._lock:
             return len(self._pending)
 
     def _read_loop(self) -> None:
@@ -219,22 +270,44 @@ class TraceCollector:
 
     def _ingest(self, message: bytes) -> None:
         try:
-            records = [(str(tid), int(step), float(t)) for tid, step, t in json.loads(message)]
-        except (ValueError, TypeError):
+            data = json.loads(message)
+            steps = [(str(tid), int(step), float(t)) for tid, step, t in data.get("t", ())]
+            parts = [
+                (str(tid), int(part), float(total), int(count), float(low), float(high))
+                for tid, part, total, count, low, high in data.get("s", ())
+            ]
+        except (ValueError, TypeError, AttributeError):
             self.malformed_messages += 1
             return
         now = time.monotonic()
-        with self._condition:
-            for trace_id, step, temperature in records:
-                pending = self._pending.get(trace_id)
-                if pending is None:
-                    pending = self._pending[trace_id] = _PendingTrace()
-                pending.temperatures_by_step[step] = temperature
-                pending.last_update = now
-            self._condition.notify_all()
+        woken: list[_Waiter] = []
+        with self._lock:
+            touched: set[str] = set()
+            for trace_id, step, temperature in steps:
+                self._entry(trace_id, now).temperatures_by_step[step] = temperature
+                touched.add(trace_id)
+            for trace_id, part, total, count, low, high in parts:
+                if count > 0 and math.isfinite(total):
+                    self._entry(trace_id, now).parts[part] = (total, count, low, high)
+                    touched.add(trace_id)
+            for trace_id in touched:
+                waiter = self._waiters.get(trace_id)
+                if waiter is not None and self._pending[trace_id].complete(
+                    waiter.n_steps, waiter.want_trace
+                ):
+                    woken.append(waiter)
+        for waiter in woken:
+            _wake(waiter)
+
+    def _entry(self, trace_id: str, now: float) -> _PendingTrace:
+        pending = self._pending.get(trace_id)
+        if pending is None:
+            pending = self._pending[trace_id] = _PendingTrace()
+        pending.last_update = now
+        return pending
 
     def _expire(self, now: float) -> None:
-        with self._condition:
+        with self._lock:
             stale = [tid for tid, p in self._pending.items() if now - p.last_update > self._ttl_s]
             for trace_id in stale:
                 del self._pending[trace_id]
@@ -243,3 +316,14 @@ class TraceCollector:
                 oldest = sorted(self._pending, key=lambda tid: self._pending[tid].last_update)
                 for trace_id in oldest[:excess]:
                     del self._pending[trace_id]
+
+
+def _wake(waiter: _Waiter) -> None:
+    """Resolve ``waiter`` from any thread (a closed loop has nobody left to wake)."""
+
+    def resolve() -> None:
+        if not waiter.future.done():
+            waiter.future.set_result(None)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to wake
+        waiter.loop.call_soon_threadsafe(resolve)

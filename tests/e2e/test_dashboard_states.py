@@ -21,7 +21,7 @@ from server_helpers import free_port
 
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.temperature import StaticPolicySource
+from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.vllm_plugin.metrics import StepTemperatureMetrics
@@ -69,7 +69,8 @@ def served() -> Iterator[tuple[str, StandInEngine]]:
     registry = CollectorRegistry()
     metrics = ApiMetrics(registry)
     steps = StepTemperatureMetrics(registry)
-    steps.observe("sqrt", ["0-7", "8-31", "32+"], [1.1, 1.2, 1.3])
+    for label, value in zip(["0-7", "8-31", "32+"], [1.1, 1.2, 1.3], strict=True):
+        steps.histogram.labels(step_bucket=label, rule="sqrt").observe(value)
     for value in (0.2, 0.3):
         metrics.shadow_kl.labels(temperature="one").observe(value)
         metrics.shadow_kl.labels(temperature="served").observe(value / 2)

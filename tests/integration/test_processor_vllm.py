@@ -7,6 +7,7 @@ the second instance must stay inert, which the exact-scale test below would catc
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 from collections.abc import Iterator
@@ -38,9 +39,8 @@ def llm(tiny_model_dir: Path, collector: TraceCollector) -> Iterator[Any]:
         NoisyTemperatureLogitsProcessor,
     )
 
-    saved = {k: os.environ.get(k) for k in (TRACE_ENDPOINT_ENV, "VLLM_USE_V2_MODEL_RUNNER")}
+    saved = {k: os.environ.get(k) for k in (TRACE_ENDPOINT_ENV,)}
     os.environ[TRACE_ENDPOINT_ENV] = collector.endpoint
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     engine = LLM(
         model=str(tiny_model_dir),
         dtype="float32",
@@ -107,12 +107,20 @@ def test_schedule_trace_reaches_the_collector(llm: Any, collector: TraceCollecto
         max_tokens=6,
         ignore_eos=True,
         seed=0,
-        extra_args={"nts_policy": policy.to_json(), "nts_trace_id": "schedule-1"},
+        extra_args={
+            "nts_policy": policy.to_json(),
+            "nts_trace_id": "schedule-1",
+            "nts_trace": True,
+        },
     )
     (output,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     steps = len(output.outputs[0].token_ids)
-    trace = collector.wait_for("schedule-1", steps, timeout=10.0)
-    assert trace == pytest.approx([2.0 / math.sqrt(1 + 0.5 * t) for t in range(steps)], rel=1e-6)
+    wait = collector.wait_for("schedule-1", steps, timeout=10.0, want_trace=True)
+    report = asyncio.run(wait)
+    expected = [2.0 / math.sqrt(1 + 0.5 * t) for t in range(steps)]
+    assert list(report.trace) == pytest.approx(expected, rel=1e-6)
+    assert report.steps == steps
+    assert report.t_mean == pytest.approx(sum(expected) / steps, rel=1e-6)
 
 
 def test_bad_request_keys_are_rejected_before_the_engine(llm: Any) -> None:

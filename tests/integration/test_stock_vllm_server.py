@@ -29,7 +29,6 @@ def stock_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     port = free_port()
     env = {
         **os.environ,
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     env.pop("NTS_POLICY_FILE", None)

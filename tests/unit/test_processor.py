@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,9 +21,9 @@ from noisy_temp_server.temperature.policy import (
     policy_temperature,
 )
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.stats import served_row_features
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
-from noisy_temp_server.vllm_plugin.runner import ModelRunnerV2Error
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
 VOCAB = 11
@@ -66,6 +68,20 @@ def _add(
 ) -> None:
     added = [(row, params, None, outputs) for row, params, outputs in requests]
     processor.update_state(BatchUpdate(batch_size=batch_size, removed=[], added=added, moved=[]))
+
+
+def _reported(processor: Any) -> Any:
+    """The processor after its reporter delivered everything staged so far."""
+    processor.tuning.reporter.flush()
+    return processor
+
+
+def _fisher_t(policy: TemperaturePolicy, served: torch.Tensor, t_request: float) -> torch.Tensor:
+    """Reference fisher T*: Var under softmax(z~ / T_req), in units of z~."""
+    found = served_row_features(served / t_request)
+    features = dataclasses.replace(found, var_q=found.var_q * t_request**2)
+    steps = torch.zeros(served.shape[0], dtype=torch.int64)
+    return policy_temperature(policy, steps, served_features=features)
 
 
 def _logits(batch: int, seed: int = 0) -> torch.Tensor:
@@ -134,7 +150,7 @@ def test_request_overrides_rule_fixed_t_and_bounds(registry: CollectorRegistry) 
     torch.testing.assert_close(out, logits / torch.tensor([[2.0], [2.5], [1.1]]))
 
 
-def test_fisher_reads_the_served_row_without_the_request_temperature(
+def test_fisher_takes_the_variance_under_the_request_temperature(
     registry: CollectorRegistry,
 ) -> None:
     policy = TemperaturePolicy(rule=Rule.FISHER, sigma2_by_step=(0.5,), fisher_var_floor=1e-3)
@@ -149,9 +165,8 @@ def test_fisher_reads_the_served_row_without_the_request_temperature(
     scaled = served.clone()
     scaled[0] /= 0.5  # what vLLM hands over: z~ / T_request
     out = processor.apply(scaled.clone())
-    expected_t = policy_temperature(policy, torch.zeros(2, dtype=torch.int64), served)
-    torch.testing.assert_close(out[0], served[0] / 0.5 / expected_t[0])
-    torch.testing.assert_close(out[1], served[1] / expected_t[1])
+    torch.testing.assert_close(out[0], served[0] / 0.5 / _fisher_t(policy, served[:1], 0.5)[0])
+    torch.testing.assert_close(out[1], served[1] / _fisher_t(policy, served[1:], 1.0)[0])
 
 
 def test_scattered_tuned_rows_read_their_own_served_rows(registry: CollectorRegistry) -> None:
@@ -169,11 +184,13 @@ def test_scattered_tuned_rows_read_their_own_served_rows(registry: CollectorRegi
     served[0, 3] = math.nan
     handed = served / torch.tensor([[1.0], [0.5], [1.0], [2.0]])
     out = processor.apply(handed.clone())
-    expected_t = policy_temperature(policy, torch.zeros(2, dtype=torch.int64), served[[1, 3]])
+    expected_t = torch.cat(
+        [_fisher_t(policy, served[1:2], 0.5), _fisher_t(policy, served[3:4], 2.0)]
+    )
     torch.testing.assert_close(out[[1, 3]], handed[[1, 3]] / expected_t.unsqueeze(1))
     assert torch.equal(out[2], handed[2])
     assert torch.equal(out[0].nan_to_num(), handed[0].nan_to_num())
-    assert processor.bad_rows == 0
+    assert _reported(processor).bad_rows == 0
 
 
 def test_rows_with_nan_logits_keep_their_logits_and_are_counted(
@@ -191,7 +208,7 @@ def test_rows_with_nan_logits_keep_their_logits_and_are_counted(
     assert torch.equal(out[1].nan_to_num(), before[1].nan_to_num())
     assert torch.equal(out[2], before[2])
     assert not torch.equal(out[0], before[0])
-    assert processor.bad_rows == 2
+    assert _reported(processor).bad_rows == 2
 
 
 def test_calibrated_rows_without_an_entropy_keep_their_logits_and_are_counted(
@@ -200,7 +217,12 @@ def test_calibrated_rows_without_an_entropy_keep_their_logits_and_are_counted(
     table = CalibratedTable(entropy_edges=(0.0, 1.0), temperatures=((2.0, 3.0),))
     policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table)
     processor = _processor(registry)
-    _add(processor, 3, *[(row, _params(nts_policy=policy.to_json()), []) for row in range(3)])
+    outputs: list[list[int]] = [[], [], []]
+    _add(
+        processor,
+        3,
+        *[(row, _params(nts_policy=policy.to_json()), outputs[row]) for row in range(3)],
+    )
     logits = _logits(3)
     logits[0] = math.nan  # NaN entropy: the calibrated table must not be read
     logits[1] = -math.inf  # every token masked: no entropy either
@@ -209,7 +231,10 @@ def test_calibrated_rows_without_an_entropy_keep_their_logits_and_are_counted(
     assert out[0].isnan().all()
     assert torch.equal(out[1], before[1])
     torch.testing.assert_close(out[2], before[2] / 3.0, rtol=0, atol=0)  # H(11 tokens) > 1
-    assert processor.bad_rows == 2
+    for row_outputs in outputs:
+        row_outputs.append(1)  # the first tokens were kept: their rows count
+    processor.update_state(None)
+    assert _reported(processor).bad_rows == 2
     assert registry.get_sample_value(
         "nts_step_temperature_sum", {"step_bucket": "0+", "rule": "calibrated"}
     ) == pytest.approx(1.0 + 1.0 + 3.0)
@@ -246,8 +271,13 @@ def test_moves_carry_the_row_state(registry: CollectorRegistry) -> None:
 
 def test_observes_the_step_temperature_histogram(registry: CollectorRegistry) -> None:
     processor = _processor(registry)
-    _add(processor, 2, (0, _params(**_linear()), []), (1, _params(**_linear()), [0] * 9))
+    first, resumed = [], [0] * 9
+    _add(processor, 2, (0, _params(**_linear()), first), (1, _params(**_linear()), resumed))
     processor.apply(_logits(2))
+    first.append(1)
+    resumed.append(1)
+    processor.update_state(None)
+    _reported(processor)
     sample = registry.get_sample_value
     assert sample("nts_step_temperature_count", {"step_bucket": "0-3", "rule": "linear"}) == 1
     assert sample("nts_step_temperature_sum", {"step_bucket": "4+", "rule": "linear"}) == 1.25
@@ -264,15 +294,23 @@ def test_sends_the_trace_of_rows_with_a_trace_id(
         _add(
             processor,
             2,
-            (0, _params(**_linear(nts_trace_id="req-1")), outputs),
-            (1, _params(**_linear()), []),
+            (0, _params(**_linear(nts_trace_id="req-1", nts_trace=True)), outputs),
+            (1, _params(**_linear(nts_trace_id="req-2")), []),
         )
         for _ in range(5):
             processor.apply(_logits(2))
             outputs.append(1)
-        assert collector.wait_for("req-1", 5, timeout=5.0) == [1.5] * 4 + [1.25]
-        assert processor.trace_sender is not None
-        processor.trace_sender.close()
+            processor.update_state(None)
+        traced = asyncio.run(collector.wait_for("req-1", 5, timeout=5.0, want_trace=True))
+        assert traced.trace == (1.5,) * 4 + (1.25,)
+        assert (traced.steps, traced.t_min, traced.t_max) == (5, 1.25, 1.5)
+        assert traced.t_mean == pytest.approx((4 * 1.5 + 1.25) / 5)
+        untraced = asyncio.run(collector.wait_for("req-2", 1, timeout=0.5))
+        assert untraced.trace == ()  # summary only: its first token was never kept
+        reporter = processor.tuning.reporter
+        reporter.close()
+        assert reporter.sender is not None
+        reporter.sender.close()
 
 
 def test_default_policy_comes_from_the_policy_file(
@@ -306,11 +344,6 @@ def test_second_instance_for_one_engine_is_inert(registry: CollectorRegistry) ->
         _add(processor, 1, (0, _params(nts_rule="fixed", nts_t=2.0), []))
     logits = _logits(1)
     torch.testing.assert_close(second.apply(first.apply(logits.clone())), logits / 2.0)
-
-
-def test_refuses_model_runner_v2(registry: CollectorRegistry) -> None:
-    with pytest.raises(ModelRunnerV2Error, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        _processor(registry, use_v2_model_runner=True)
 
 
 def test_is_argmax_invariant(registry: CollectorRegistry) -> None:

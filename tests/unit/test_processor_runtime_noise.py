@@ -9,12 +9,13 @@ import pytest
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
 
-from noisy_temp_server.vllm_plugin.runner import ModelRunnerV2Error
 from noisy_temp_server.vllm_plugin.runtime_noise import (
     RUNTIME_NOISE_SEED_ENV,
     RUNTIME_NOISE_SIGMA_ENV,
     RuntimeLogitNoiseProcessor,
+    RuntimeNoiseV2,
 )
 
 
@@ -92,6 +93,26 @@ def test_validate_params_rejects_negative_sigma() -> None:
         )
 
 
-def test_refuses_model_runner_v2(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ModelRunnerV2Error):
-        _processor(monkeypatch, "0.5", use_v2_model_runner=True)
+def test_model_runner_v2_noises_each_row_with_its_slot_sigma(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NTS_RUNTIME_NOISE_SIGMA", "0")
+    state = LogitsProcRequestState(
+        device=torch.device("cpu"),
+        max_num_reqs=4,
+        vocab_size=8,
+        all_token_ids=None,  # type: ignore[arg-type]  (not read by this processor)
+        prompt_len=None,  # type: ignore[arg-type]
+        prefill_len=None,  # type: ignore[arg-type]
+        total_len=None,  # type: ignore[arg-type]
+    )
+    processor = RuntimeLogitNoiseProcessor(SimpleNamespace(), state)
+    assert isinstance(processor, RuntimeNoiseV2)
+    assert processor.add_request(2, SamplingParams(extra_args={"nts_runtime_noise_sigma": 2.0}))
+    assert not processor.add_request(0, SamplingParams())
+    processor.apply_staged_writes()
+    rows = 4000
+    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor([0, 2] * (rows // 2)))
+    logits = processor.apply(torch.zeros(rows, 8), ctx)  # type: ignore[arg-type]
+    assert torch.equal(logits[0::2], torch.zeros(rows // 2, 8))
+    assert logits[1::2].std().item() == pytest.approx(2.0, rel=0.05)

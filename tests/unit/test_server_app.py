@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 VOCAB = 1000
 MAX_MODEL_LEN = 64
@@ -115,9 +115,13 @@ class FakeTraces:
         self.temperature = temperature
         self.waited: list[tuple[str, int]] = []
 
-    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]:
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport:
         self.waited.append((trace_id, n_steps))
-        return [self.temperature] * n_steps
+        t = self.temperature
+        trace = (t,) * n_steps if want_trace else ()
+        return TraceReport(steps=n_steps, t_mean=t, t_min=t, t_max=t, trace=trace)
 
 
 class Harness:
@@ -606,11 +610,14 @@ class BarrierTraces(FakeTraces):
 
     def __init__(self, temperature: float, parties: int) -> None:
         super().__init__(temperature)
-        self.barrier = threading.Barrier(parties, timeout=5)
+        self.barrier = asyncio.Barrier(parties)
 
-    def wait_for(self, trace_id: str, n_steps: int, timeout: float) -> list[float]:
-        self.barrier.wait()  # BrokenBarrierError (-> a 500) if the waits run one after another
-        return super().wait_for(trace_id, n_steps, timeout)
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport:
+        # TimeoutError (-> a 500) if the waits run one after another.
+        await asyncio.wait_for(self.barrier.wait(), 5)
+        return await super().wait_for(trace_id, n_steps, timeout, want_trace=want_trace)
 
 
 def test_the_choices_wait_for_their_traces_together() -> None:

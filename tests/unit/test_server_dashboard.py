@@ -30,8 +30,10 @@ def _registry() -> tuple[CollectorRegistry, ApiMetrics, StepTemperatureMetrics]:
 
 def test_step_temperature_summary_is_the_mean_by_rule_and_bucket_in_step_order() -> None:
     registry, _, steps = _registry()
-    steps.observe("sqrt", ["32+", "0-7", "0-7", "8-31"], [2.0, 1.0, 1.5, 1.2])
-    steps.observe("fixed", ["0-7"], [1.3])
+    for label, value in zip(["32+", "0-7", "0-7", "8-31"], [2.0, 1.0, 1.5, 1.2], strict=True):
+        steps.histogram.labels(step_bucket=label, rule="sqrt").observe(value)
+    for label, value in zip(["0-7"], [1.3], strict=True):
+        steps.histogram.labels(step_bucket=label, rule="fixed").observe(value)
     summary = step_temperature_summary(registry.collect())
     assert [(r["rule"], r["step_bucket"], r["step_start"], r["steps"]) for r in summary] == [
         ("fixed", "0-7", 0, 1),
@@ -87,7 +89,8 @@ def test_kl_history_samples_at_most_once_per_interval_and_keeps_the_newest_point
 @pytest.fixture
 def client() -> TestClient:
     registry, metrics, steps = _registry()
-    steps.observe("sqrt", ["0-7"], [1.25])
+    for label, value in zip(["0-7"], [1.25], strict=True):
+        steps.histogram.labels(step_bucket=label, rule="sqrt").observe(value)
     metrics.shadow_kl.labels(temperature="one").observe(0.4)
 
     async def require_key(request: Request) -> None:

@@ -81,7 +81,7 @@ def test_start_engine_sets_the_runtime_noise_environment_before_the_engine_start
         seen["noise"] = runtime_noise_from_env()
         return "engine"
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv(TRACE_ENDPOINT_ENV, "ipc:///tmp/nts-test-trace.sock")
     monkeypatch.setenv(RUNTIME_NOISE_SIGMA_ENV, "")  # restored after the test
     monkeypatch.setenv(RUNTIME_NOISE_SEED_ENV, "")
     monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_start)
@@ -95,7 +95,7 @@ def test_start_engine_sets_the_runtime_noise_environment_before_the_engine_start
 def clean_process_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """What `prepare_environment` sets is restored after the test; prometheus_client looks
     not yet imported (its module object is put back afterwards)."""
-    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_KVCACHE_SPACE", TRACE_ENDPOINT_ENV):
+    for name in ("VLLM_CPU_KVCACHE_SPACE", TRACE_ENDPOINT_ENV):
         monkeypatch.setenv(name, "")
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
     monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)

@@ -1,0 +1,161 @@
+"""`NoisyTemperatureV1`: the T* processor under vLLM's V1 model runner (the CPU runner).
+
+The V1 runner tells the processor how its persistent batch changed (`BatchUpdate`: removed →
+added → moved). Each tuned request gets a slot of `SlotTuning` for its lifetime; batch rows map
+to slots in a host array copied to the device only when the batch changed, so moves cost
+nothing on the device and untuned rows map to the sentinel slot.
+
+Steps are counted on the device: a slot's step starts at ``len(output_token_ids)`` when the
+request is admitted and advances by one per ``apply`` once the request has produced a token
+(while it is still prefilling, possibly over several chunked-prefill steps, its row is sampled
+and discarded at that same step). The host looks at the live output lists only of requests that
+have not produced their first token yet; when one has, the row of that token is counted
+(`SlotTuning.commit_last`) and its step starts advancing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from noisy_temp_server.vllm_plugin.slot_tuning import (
+    build_slot_tuning,
+    request_tuning,
+    validate_request,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["NoisyTemperatureV1"]
+
+
+class NoisyTemperatureV1(LogitsProcessor):
+    """Divides each tuned row's logits (already divided by T_request) by its T*."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
+        validate_request(sampling_params)
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        is_pin_memory: bool,
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        """vLLM's V1 constructor; ValueError when ``NTS_POLICY_FILE`` is set but invalid."""
+        capacity = vllm_config.scheduler_config.max_num_seqs
+        self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
+        self.duplicate, self.tuning = build_slot_tuning(
+            self,
+            vllm_config,
+            capacity,
+            device,
+            logits_scaled=True,
+            registry=registry,
+            keep_last=True,
+        )
+        self.device = self.tuning.device
+        self._pin = is_pin_memory
+        sentinel = self.tuning.sentinel
+        self._row_slot = np.full(capacity, sentinel, dtype=np.int64)
+        self._row_slot_device = self._upload(self._row_slot)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._step = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
+        self._advancing = torch.zeros_like(self._step)
+        self._waiting: dict[int, tuple[list[int], int]] = {}  # slot -> (outputs, len at entry)
+        self._step_writes: dict[int, tuple[int, int]] = {}  # slot -> (step, advancing)
+        self._n_tuned_rows = 0
+
+    def is_argmax_invariant(self) -> bool:
+        """A positive temperature never changes the argmax."""
+        return True
+
+    @property
+    def bad_rows(self) -> int:
+        """Rows sampled at T* = 1 because their logits or T* were bad (as reported so far)."""
+        reporter = self.tuning.reporter
+        return 0 if reporter is None else reporter.bad_rows
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Apply the batch changes, start the steps of requests that produced their first token
+        and copy what changed to the device."""
+        changed = batch_update is not None and self._update_rows(batch_update)
+        started = [slot for slot, (outputs, entry) in self._waiting.items() if len(outputs) > entry]
+        if started:
+            self.tuning.commit_last(self._upload(np.asarray(started, dtype=np.int64)))
+            for slot in started:
+                outputs, _ = self._waiting.pop(slot)
+                self._step_writes[slot] = (len(outputs), 1)
+        self.tuning.flush_staged()
+        self._flush_steps()
+        if changed:
+            self._row_slot_device = self._upload(self._row_slot)
+            self._n_tuned_rows = int((self._row_slot != self.tuning.sentinel).sum())
+
+    def _update_rows(self, batch_update: BatchUpdate) -> bool:
+        for row in batch_update.removed:
+            self._free_row(row)
+        for row, params, _prompt_ids, outputs in batch_update.added:
+            self._free_row(row)
+            resolved = None if self.duplicate else request_tuning(params)
+            if resolved is None:
+                continue
+            slot = self._free.pop()
+            self.tuning.stage(slot, resolved, params.temperature)
+            self._row_slot[row] = slot
+            self._waiting[slot] = (outputs, len(outputs))
+            self._step_writes[slot] = (len(outputs), 0)
+        for a, b, direction in batch_update.moved:
+            if direction == MoveDirectionality.SWAP:
+                self._row_slot[[a, b]] = self._row_slot[[b, a]]
+            else:
+                self._free_row(b)
+                self._row_slot[b], self._row_slot[a] = self._row_slot[a], self.tuning.sentinel
+        return True
+
+    def _free_row(self, row: int) -> None:
+        slot = int(self._row_slot[row])
+        if slot == self.tuning.sentinel:
+            return
+        if self._waiting.pop(slot, None) is not None:
+            # Finished (or preempted) before its first token was seen: its last row counts.
+            self.tuning.commit_last(self._upload(np.asarray([slot], dtype=np.int64)))
+        self.tuning.stage(slot, None, 1.0)
+        self._step_writes.pop(slot, None)
+        self._row_slot[row] = self.tuning.sentinel
+        self._free.append(slot)
+
+    def _flush_steps(self) -> None:
+        if not self._step_writes:
+            return
+        slots = self._upload(np.fromiter(self._step_writes, dtype=np.int64))
+        values = self._upload(np.asarray(list(self._step_writes.values()), dtype=np.int64))
+        self._step.index_copy_(0, slots, values[:, 0])
+        self._advancing.index_copy_(0, slots, values[:, 1])
+        self._step_writes.clear()
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array.copy())
+        if self._pin:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, V] float32, divided in place on the tuned rows and returned. Untuned
+        rows are bitwise unchanged. No host sync."""
+        if not self._n_tuned_rows:
+            return logits
+        slots = self._row_slot_device[: logits.shape[0]]
+        advancing = self._advancing[slots]
+        self.tuning.tune(logits, slots, self._step[slots], advancing > 0)
+        self._step.index_add_(0, slots, advancing)
+        return logits

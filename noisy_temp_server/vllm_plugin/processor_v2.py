@@ -1,0 +1,99 @@
+"""`NoisyTemperatureV2`: the T* processor under vLLM's Model Runner V2 (the CUDA default).
+
+V2 keeps per-request state in persistent slots (``req_idx``) that it recycles: `add_request`
+(re)initialises a slot completely, ``apply_staged_writes`` copies the staged admissions to the
+device once per step, and `apply(logits, ctx)` sees every logits row of the step with its slot in
+``ctx.expanded_idx_mapping`` (several rows per request under speculative decoding). The logits
+are unscaled (the request temperature comes after); T* is applied to them, so the sampler's
+later division by T_request gives the same ``T_request × T*`` as under the V1 runner.
+
+The generation step of a row is computed on the device from vLLM's own state: the row samples
+the token at position ``pos + 1``, so its step is ``pos + 1 - prompt_len[slot]``; a row of an
+unfinished (chunked) prefill, ``pos + 1 < prefill_len[slot]``, is tuned like the first token but
+not counted (vLLM discards its sample). Rows of draft tokens that the verifier later rejects are
+counted in the summaries and the histogram (they cannot be told apart in ``apply``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+from vllm import SamplingParams
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsContext,
+    LogitsProcessor,
+    LogitsProcRequestState,
+)
+
+from noisy_temp_server.vllm_plugin.slot_tuning import (
+    build_slot_tuning,
+    request_tuning,
+    validate_request,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["NoisyTemperatureV2"]
+
+
+class NoisyTemperatureV2(LogitsProcessor):
+    """Divides each tuned row's unscaled logits by its T*."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
+        validate_request(sampling_params)
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        req_states: LogitsProcRequestState,
+        *,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        """vLLM's V2 constructor; ValueError when ``NTS_POLICY_FILE`` is set but invalid."""
+        self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
+        self._req_states = req_states
+        capacity = req_states.max_num_reqs
+        self.duplicate, self.tuning = build_slot_tuning(
+            self,
+            vllm_config,
+            capacity,
+            req_states.device,
+            logits_scaled=False,
+            registry=registry,
+        )
+        self._tuned = np.zeros(capacity, dtype=bool)
+
+    @property
+    def bad_rows(self) -> int:
+        """Rows sampled at T* = 1 because their logits or T* were bad (as reported so far)."""
+        reporter = self.tuning.reporter
+        return 0 if reporter is None else reporter.bad_rows
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        """Give slot ``req_idx`` to a new request; True when it is tuned."""
+        resolved = None if self.duplicate else request_tuning(sampling_params)
+        self.tuning.stage(req_idx, resolved, sampling_params.temperature)
+        self._tuned[req_idx] = resolved is not None
+        return resolved is not None
+
+    def apply_staged_writes(self) -> None:
+        """Copy this step's admissions to the device."""
+        self.tuning.flush_staged()
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """logits: [rows, V] float32 unscaled, divided in place on tuned rows. No host sync."""
+        if not self._tuned[ctx.idx_mapping_np].any():
+            return logits
+        slots = ctx.expanded_idx_mapping.long()
+        sampled_position = ctx.pos.long() + 1
+        prompt_len = self._req_states.prompt_len.gpu[slots]
+        prefill_len = self._req_states.prefill_len.gpu[slots]
+        steps = (sampled_position - prompt_len).clamp_(min=0)
+        self.tuning.tune(logits, slots, steps, sampled_position >= prefill_len)
+        return logits

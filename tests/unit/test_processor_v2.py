@@ -1,0 +1,243 @@
+"""The T* processor under Model Runner V2, against vLLM's real V2 interface objects."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import BatchUpdate, _load_logitsprocs_by_fqcns
+from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsContext,
+    LogitsProcRequestState,
+)
+from vllm.v1.worker.gpu.sample.logits_processor import (
+    LogitsProcessor as V2LogitsProcessor,
+)
+from vllm.v1.worker.gpu.sample.logits_processor.loader import (
+    _load_v2_logitsprocs_by_fqcns,
+    _load_v2_logitsprocs_plugins,
+    build_custom_logits_processors_params_validator,
+)
+
+from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.stats import served_row_features
+from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
+from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
+from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
+from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
+
+VOCAB = 13
+SLOTS = 6
+LINEAR = TemperaturePolicy(
+    rule=Rule.LINEAR, step_edges=(0, 3), alpha_by_step=(0.5, 0.25), sigma2_by_step=(0.0, 0.0)
+)
+FISHER = TemperaturePolicy(
+    rule=Rule.FISHER, step_edges=(0,), alpha_by_step=(0.0,), sigma2_by_step=(0.8,)
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TRACE_ENDPOINT_ENV, raising=False)
+    monkeypatch.delenv(POLICY_FILE_ENV, raising=False)
+    if not torch.cuda.is_available():
+        # vLLM's buffers believe in UVA on CPU but cannot pin memory there: use their
+        # explicit-copy fallback (the same class vLLM uses without pinned memory).
+        monkeypatch.setattr("vllm.v1.worker.gpu.buffer_utils.is_uva_available", lambda: False)
+
+
+def _uva(values: list[int]) -> UvaBackedTensor:
+    tensor = UvaBackedTensor(len(values), dtype=torch.int32)
+    tensor.np[:] = values
+    tensor.copy_to_uva()
+    return tensor
+
+
+class _Batch:
+    """Real `LogitsProcRequestState` buffers for SLOTS slots with given prompt lengths."""
+
+    def __init__(self, prompt_len: list[int]) -> None:
+        self.prompt = _uva(prompt_len)
+        self.prefill = _uva(prompt_len)
+        self.state = LogitsProcRequestState(
+            device=torch.device("cpu"),
+            max_num_reqs=SLOTS,
+            vocab_size=VOCAB,
+            all_token_ids=None,  # type: ignore[arg-type]  (not read by the processor)
+            prompt_len=self.prompt,
+            prefill_len=self.prefill,
+            total_len=None,  # type: ignore[arg-type]
+        )
+
+    def set_slot(self, slot: int, prompt_len: int, prefill_len: int | None = None) -> None:
+        self.prompt.np[slot] = prompt_len
+        self.prefill.np[slot] = prompt_len if prefill_len is None else prefill_len
+        self.prompt.copy_to_uva()
+        self.prefill.copy_to_uva()
+
+
+def _ctx(rows: list[tuple[int, int]]) -> LogitsContext:
+    """One step: (slot, position of the row's input token) per logits row."""
+    slots = [slot for slot, _ in rows]
+    requests = list(dict.fromkeys(slots))
+    return LogitsContext(
+        expanded_idx_mapping=torch.tensor(slots, dtype=torch.int32),
+        idx_mapping=torch.tensor(requests, dtype=torch.int32),
+        idx_mapping_np=np.asarray(requests, dtype=np.int32),
+        expanded_local_pos=torch.zeros(len(rows), dtype=torch.int32),
+        input_ids=torch.zeros(len(rows), dtype=torch.int32),
+        pos=torch.tensor([pos for _, pos in rows], dtype=torch.int64),
+        seq_lens_upper_bound_np=np.zeros(len(requests), dtype=np.int32),
+    )
+
+
+def _processor(batch: _Batch, registry: CollectorRegistry) -> NoisyTemperatureV2:
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS))
+    processor = NoisyTemperatureLogitsProcessor(config, batch.state, registry=registry)
+    assert isinstance(processor, NoisyTemperatureV2)
+    return processor
+
+
+def _params(temperature: float = 1.0, **keys: Any) -> SamplingParams:
+    return SamplingParams(temperature=temperature, extra_args=keys or None)
+
+
+def _reference(policy: TemperaturePolicy, steps: list[int]) -> torch.Tensor:
+    return policy_temperature(policy, torch.tensor(steps))
+
+
+def test_rows_map_to_slots_and_steps_follow_positions() -> None:
+    batch = _Batch([4] * SLOTS)
+    processor = _processor(batch, CollectorRegistry())
+    assert processor.add_request(2, _params(nts_policy=LINEAR.to_json()))
+    assert not processor.add_request(5, _params())  # untuned (rule off)
+    processor.apply_staged_writes()
+    # slot 2 has three rows (speculative decoding: positions 4, 5, 6 -> steps 1, 2, 3),
+    # slot 5 one row.
+    ctx = _ctx([(5, 7), (2, 4), (2, 5), (2, 6)])
+    logits = torch.randn(4, VOCAB)
+    expected = logits.clone()
+    expected[1:] /= _reference(LINEAR, [1, 2, 3]).unsqueeze(1)
+    out = processor.apply(logits, ctx)
+    assert out is logits
+    assert torch.equal(logits[0], expected[0])  # untuned row bitwise untouched
+    torch.testing.assert_close(logits, expected)
+
+
+def test_recycled_slot_takes_the_new_occupant_state() -> None:
+    batch = _Batch([2] * SLOTS)
+    registry = CollectorRegistry()
+    processor = _processor(batch, registry)
+    processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0))
+    processor.apply_staged_writes()
+    logits = torch.ones(1, VOCAB)
+    processor.apply(logits, _ctx([(0, 1)]))
+    assert torch.allclose(logits, torch.full_like(logits, 0.5))
+    # The request finished; vLLM gives slot 0 to an untuned request, then to a tuned one.
+    assert not processor.add_request(0, _params(nts_tune=False))
+    processor.apply_staged_writes()
+    logits = torch.ones(1, VOCAB)
+    processor.apply(logits, _ctx([(0, 1)]))
+    assert torch.equal(logits, torch.ones(1, VOCAB))
+    processor.add_request(0, _params(nts_rule="fixed", nts_t=4.0))
+    processor.apply_staged_writes()
+    logits = torch.ones(1, VOCAB)
+    processor.apply(logits, _ctx([(0, 1)]))
+    assert torch.allclose(logits, torch.full_like(logits, 0.25))
+    summary = processor.tuning.summary[0].tolist()
+    assert summary == [4.0, 1.0, 4.0, 4.0]  # only the new occupant's step
+
+
+def test_greedy_requests_are_never_tuned() -> None:
+    processor = _processor(_Batch([2] * SLOTS), CollectorRegistry())
+    assert not processor.add_request(1, _params(temperature=0.0, nts_rule="fixed", nts_t=2.0))
+
+
+def test_chunked_prefill_rows_are_tuned_but_not_counted() -> None:
+    batch = _Batch([8] * SLOTS)
+    processor = _processor(batch, CollectorRegistry())
+    processor.add_request(3, _params(nts_rule="fixed", nts_t=2.0))
+    processor.apply_staged_writes()
+    processor.apply(torch.ones(1, VOCAB), _ctx([(3, 3)]))  # prefill chunk ends at position 3
+    assert processor.tuning.summary[3, 1].item() == 0
+    processor.apply(torch.ones(1, VOCAB), _ctx([(3, 7)]))  # last prompt token: step 0
+    assert processor.tuning.summary[3, 1].item() == 1
+
+
+def test_fisher_takes_the_variance_under_the_request_temperature() -> None:
+    """V2 sees unscaled logits; Var is taken under softmax(z / T_req), in units of z."""
+    batch = _Batch([1] * SLOTS)
+    processor = _processor(batch, CollectorRegistry())
+    processor.add_request(0, _params(temperature=0.5, nts_policy=FISHER.to_json()))
+    processor.apply_staged_writes()
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    served = logits.clone()
+    processor.apply(logits, _ctx([(0, 0)]))
+    var = served_row_features(served / 0.5).var_q * 0.5**2
+    expected_t = (1 + 0.8 / var.clamp(min=FISHER.fisher_var_floor)).clamp(
+        FISHER.bounds.t_min, FISHER.bounds.t_max
+    )
+    torch.testing.assert_close(logits, served / expected_t.unsqueeze(1))
+
+
+def test_v1_and_v2_apply_the_same_effective_temperature() -> None:
+    """V1 divides logits already divided by T_req; V2 divides unscaled logits before vLLM
+    divides by T_req: the sampled distributions agree."""
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS))
+    v1 = NoisyTemperatureLogitsProcessor(
+        config, torch.device("cpu"), False, registry=CollectorRegistry()
+    )
+    v2 = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    params = _params(temperature=0.7, nts_policy=FISHER.to_json())
+    v1.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, None, [])], moved=[]))
+    v2.add_request(0, params)
+    v2.apply_staged_writes()
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    out_v1 = v1.apply(logits / 0.7)
+    out_v2 = v2.apply(logits.clone(), _ctx([(0, 0)])) / 0.7
+    torch.testing.assert_close(out_v1, out_v2)
+
+
+def test_both_loaders_accept_the_entry_point() -> None:
+    target = "noisy_temp_server.vllm_plugin.processor:NoisyTemperatureLogitsProcessor"
+    (loaded,) = _load_v2_logitsprocs_by_fqcns([target])
+    assert issubclass(loaded, V2LogitsProcessor)
+    validate = build_custom_logits_processors_params_validator([target])
+    validate(_params(nts_rule="sqrt"))
+    with pytest.raises(VLLMValidationError, match="nts_rule"):
+        validate(_params(nts_rule="nope"))
+    assert _load_logitsprocs_by_fqcns([target]) == [NoisyTemperatureLogitsProcessor]
+
+
+def test_installed_entry_point_passes_the_v2_plugin_loader() -> None:
+    assert NoisyTemperatureLogitsProcessor in _load_v2_logitsprocs_plugins()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_apply_does_not_synchronise_on_cuda() -> None:
+    batch = _Batch([2] * SLOTS)
+    batch.state = LogitsProcRequestState(**{**batch.state.__dict__, "device": torch.device("cuda")})
+    processor = _processor(batch, CollectorRegistry())
+    processor.add_request(0, _params(nts_policy=LINEAR.to_json(), nts_trace_id="a", nts_trace=True))
+    processor.add_request(1, _params(nts_policy=FISHER.to_json()))
+    processor.apply_staged_writes()
+    ctx = _ctx([(0, 2), (1, 3)])
+    ctx = LogitsContext(
+        **{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ctx.__dict__.items()}
+    )
+    logits = torch.randn(2, VOCAB, device="cuda")
+    processor.apply(logits, ctx)  # warm-up (allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        processor.apply(logits, ctx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

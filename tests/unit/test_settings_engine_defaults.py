@@ -1,0 +1,35 @@
+"""Engine settings resolved per device: CPU defaults unchanged, vLLM's own on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from noisy_temp_server.settings import EngineSettings, Settings, engine_settings
+
+
+def test_cpu_keeps_the_small_eager_defaults() -> None:
+    assert engine_settings(Settings(), on_cpu=True) == EngineSettings(
+        kv_cache_gib=2, gpu_memory_utilization=None, max_num_seqs=32, enforce_eager=True
+    )
+
+
+def test_cuda_defaults_to_vllms_own_settings() -> None:
+    settings = Settings(shadow_device="cpu")
+    assert engine_settings(settings, on_cpu=False) == EngineSettings(
+        kv_cache_gib=None, gpu_memory_utilization=0.9, max_num_seqs=None, enforce_eager=False
+    )
+
+
+def test_cuda_leaves_room_for_a_shadow_scorer_on_the_gpu() -> None:
+    shared = engine_settings(Settings(shadow_device="cuda"), on_cpu=False)
+    alone = engine_settings(Settings(shadow_device="cuda", shadow_fraction=0), on_cpu=False)
+    assert shared.gpu_memory_utilization == pytest.approx(0.7)
+    assert alone.gpu_memory_utilization == pytest.approx(0.9)
+
+
+def test_explicit_settings_win_on_both_devices() -> None:
+    settings = Settings(kv_cache_gib=8, max_num_seqs=64, enforce_eager=True)
+    assert engine_settings(settings, on_cpu=False) == EngineSettings(
+        kv_cache_gib=8, gpu_memory_utilization=None, max_num_seqs=64, enforce_eager=True
+    )
+    assert engine_settings(Settings(enforce_eager=False), on_cpu=True).enforce_eager is False

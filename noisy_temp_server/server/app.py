@@ -232,14 +232,17 @@ def create_app(
     app = FastAPI(title="noisy-temp-server", version="1", lifespan=lifespan)
     install_error_handlers(app)
     app.middleware("http")(http_metrics_middleware(metrics))
-    api_key = settings.api_key.get_secret_value() if settings.api_key else None
+    api_key = settings.api_key.get_secret_value().encode() if settings.api_key else None
 
     async def require_api_key(request: Request) -> None:
+        """401 unless `Authorization: Bearer <key>`. Compares bytes: a header is latin-1 text
+        of any bytes (non-ASCII included), which `compare_digest` refuses as `str`."""
         if api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        token_bytes = token.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token_bytes, api_key):
             raise OpenAIError(
                 "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
                 status_code=401,

@@ -38,6 +38,7 @@ from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import TokensPrompt
 from vllm.utils.async_utils import merge_async_iterators
 
+from noisy_temp_server.server.body_limit import BodyLimitMiddleware
 from noisy_temp_server.server.errors import (
     OpenAIError,
     install_error_handlers,
@@ -231,6 +232,7 @@ def create_app(
 
     app = FastAPI(title="noisy-temp-server", version="1", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     app.middleware("http")(http_metrics_middleware(metrics))
     api_key = settings.api_key.get_secret_value().encode() if settings.api_key else None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import time
 from collections.abc import Iterator
@@ -46,11 +47,13 @@ __all__ = [
     "ServedPair",
     "add_arguments",
     "ensure_perturbed_checkpoint",
+    "listens_beyond_loopback",
     "load_profile_for_pair",
     "pair_identities",
     "pair_scorer",
     "resolve_pair",
     "run",
+    "warn_if_open_without_api_key",
 ]
 
 HELP = "Serve a (perturbed) model over the OpenAI API with tuned temperatures."
@@ -301,12 +304,38 @@ def _shadow(
     return estimator, shadow
 
 
+def listens_beyond_loopback(host: str) -> bool:
+    """Whether binding `host` may accept connections from other machines (a name other than
+    `localhost` counts, since it may resolve anywhere)."""
+    if host.strip().lower() == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return True
+
+
+def warn_if_open_without_api_key(settings: Settings) -> bool:
+    """Log a warning (and return True) when the server will listen beyond loopback with no API
+    key: anyone who can reach the port can then use the model."""
+    if settings.api_key is not None or not listens_beyond_loopback(settings.host):
+        return False
+    _LOGGER.warning(
+        "Listening on %s without an API key: anyone who can reach port %d can use this server. "
+        "Set --api-key (NTS_API_KEY), or bind 127.0.0.1 behind a proxy that authenticates.",
+        settings.host,
+        settings.port,
+    )
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = settings_from_args(args)
     _LOGGER.info("Settings: %s", settings_as_json(settings))
+    warn_if_open_without_api_key(settings)
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
     environment = prepare_environment(settings)

@@ -11,6 +11,10 @@ the manifest of `--served-model`) serves unchanged weights and adds the noise in
 Startup order (see `server.engine`): environment first (before vLLM and prometheus_client are
 imported), then checkpoints, trace channel, engine, shadow scorer, HTTP server. Each phase is
 logged with its duration.
+
+Exit status: 0 after a normal shutdown, 1 when the engine died (`server.engine_watchdog`: the
+server then shuts down within a bounded time, for a supervisor to restart it) or a profile does
+not match the served pair.
 """
 
 from __future__ import annotations
@@ -361,6 +365,7 @@ def _serve(
 
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
+    from noisy_temp_server.server.engine_watchdog import EngineWatchedServer  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
     from noisy_temp_server.server.temperature import StaticPolicySource  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
@@ -412,5 +417,11 @@ def _serve(
         settings.port,
         time.perf_counter() - started,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    server = EngineWatchedServer(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level), engine
+    )
+    server.run()
+    if server.engine_failure is not None:
+        _LOGGER.error("Exiting with status 1: the engine failed; restart the server.")
+        return 1
     return 0

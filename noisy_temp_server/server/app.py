@@ -45,6 +45,7 @@ from noisy_temp_server.server.errors import (
     openai_error_from_exception,
 )
 from noisy_temp_server.server.metrics import ApiMetrics, http_metrics_middleware
+from noisy_temp_server.server.openapi import install_openapi
 from noisy_temp_server.server.protocol import (
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -233,6 +234,7 @@ def create_app(
     app = FastAPI(title="noisy-temp-server", version="1", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    install_openapi(app)
     app.middleware("http")(http_metrics_middleware(metrics))
     api_key = settings.api_key.get_secret_value().encode() if settings.api_key else None
 

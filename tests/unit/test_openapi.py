@@ -42,9 +42,7 @@ def test_completions_answer_json_or_events(document: dict[str, Any]) -> None:
         ("/v1/chat/completions", "ChatCompletionResponse"),
     ]:
         content = _responses(document, path, "post")["200"]["content"]
-        assert content["application/json"]["schema"] == {
-            "$ref": f"#/components/schemas/{model}"
-        }
+        assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
         assert content["text/event-stream"]["schema"]["required"] == ["data"]
         assert model in document["components"]["schemas"]
 

@@ -57,5 +57,7 @@ ENV NTS_HOST=0.0.0.0 \
 USER 10001:10001
 WORKDIR /home/nts
 EXPOSE 8000
+# The server exits 1 when its engine dies: run the container with a restart policy
+# (docker run --restart unless-stopped; compose and Kubernetes restart it by themselves).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=15m --retries=3 CMD ["nts-healthcheck"]
 ENTRYPOINT ["nts-entrypoint"]

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
         default=None,
         description="If set, /v1/* requires `Authorization: Bearer <key>`.",
     )
+    max_request_body_bytes: int = Field(
+        default=4 * 2**20,
+        ge=1024,
+        description="Largest request body accepted (bytes); larger ones get a 413.",
+    )
 
     # --- models ---
     served_model: Path | None = Field(

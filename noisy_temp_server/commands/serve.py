@@ -11,6 +11,10 @@ the manifest of `--served-model`) serves unchanged weights and adds the noise in
 Startup order (see `server.engine`): environment first (before vLLM and prometheus_client are
 imported), then checkpoints, trace channel, engine, shadow scorer, HTTP server. Each phase is
 logged with its duration.
+
+Exit status: 0 after a normal shutdown, 1 when the engine died (`server.engine_watchdog`: the
+server then shuts down within a bounded time, for a supervisor to restart it) or a profile does
+not match the served pair.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import time
 from collections.abc import Iterator
@@ -46,11 +51,13 @@ __all__ = [
     "ServedPair",
     "add_arguments",
     "ensure_perturbed_checkpoint",
+    "listens_beyond_loopback",
     "load_profile_for_pair",
     "pair_identities",
     "pair_scorer",
     "resolve_pair",
     "run",
+    "warn_if_open_without_api_key",
 ]
 
 HELP = "Serve a (perturbed) model over the OpenAI API with tuned temperatures."
@@ -301,12 +308,38 @@ def _shadow(
     return estimator, shadow
 
 
+def listens_beyond_loopback(host: str) -> bool:
+    """Whether binding `host` may accept connections from other machines (a name other than
+    `localhost` counts, since it may resolve anywhere)."""
+    if host.strip().lower() == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return True
+
+
+def warn_if_open_without_api_key(settings: Settings) -> bool:
+    """Log a warning (and return True) when the server will listen beyond loopback with no API
+    key: anyone who can reach the port can then use the model."""
+    if settings.api_key is not None or not listens_beyond_loopback(settings.host):
+        return False
+    _LOGGER.warning(
+        "Listening on %s without an API key: anyone who can reach port %d can use this server. "
+        "Set --api-key (NTS_API_KEY), or bind 127.0.0.1 behind a proxy that authenticates.",
+        settings.host,
+        settings.port,
+    )
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = settings_from_args(args)
     _LOGGER.info("Settings: %s", settings_as_json(settings))
+    warn_if_open_without_api_key(settings)
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
     environment = prepare_environment(settings)
@@ -332,6 +365,7 @@ def _serve(
 
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
+    from noisy_temp_server.server.engine_watchdog import EngineWatchedServer  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
     from noisy_temp_server.server.policy_source import StaticPolicySource  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
@@ -383,5 +417,11 @@ def _serve(
         settings.port,
         time.perf_counter() - started,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    server = EngineWatchedServer(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level), engine
+    )
+    server.run()
+    if server.engine_failure is not None:
+        _LOGGER.error("Exiting with status 1: the engine failed; restart the server.")
+        return 1
     return 0

@@ -25,9 +25,11 @@ from fastapi import FastAPI
 
 from noisy_temp_server.server import chat, completions, health, models, status
 from noisy_temp_server.server.auth import require_api_key
+from noisy_temp_server.server.body_limit import BodyLimitMiddleware
 from noisy_temp_server.server.dashboard import dashboard_router
 from noisy_temp_server.server.errors import install_error_handlers
 from noisy_temp_server.server.metrics import ApiMetrics, http_metrics_middleware
+from noisy_temp_server.server.openapi import install_openapi
 from noisy_temp_server.server.state import ChatTokenizer, ServerState, TraceSource, attach_state
 from noisy_temp_server.settings import Settings
 
@@ -90,6 +92,8 @@ def create_app(
         ),
     )
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    install_openapi(app)
     app.middleware("http")(http_metrics_middleware(metrics))
     for module in (health, models, status, completions, chat):
         app.include_router(module.router)

@@ -18,12 +18,15 @@ __all__ = ["require_api_key"]
 
 
 async def require_api_key(request: Request, state: ServerStateDep) -> None:
-    """Raise a 401 `OpenAIError` unless the request carries the configured API key."""
+    """Raise a 401 `OpenAIError` unless the request carries the configured API key. Compares
+    bytes: a header is latin-1 text of any bytes (non-ASCII included), which `compare_digest`
+    refuses as `str`."""
     if state.settings.api_key is None:
         return
-    api_key = state.settings.api_key.get_secret_value()
+    api_key = state.settings.api_key.get_secret_value().encode()
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+    token_bytes = token.strip().encode("latin-1")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token_bytes, api_key):
         raise OpenAIError(
             "Incorrect or missing API key; send it as `Authorization: Bearer <key>`.",
             status_code=401,

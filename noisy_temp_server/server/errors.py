@@ -6,8 +6,9 @@ Every error the server returns has OpenAI's shape::
 
 with OpenAI's status codes: 400 for malformed JSON and invalid arguments (FastAPI's 422 is
 mapped to 400, as OpenAI does), 401 for a missing or wrong API key, 404 for an unknown model or
-route, 400 with code `context_length_exceeded` for a prompt that does not fit, 500/503 for
-server faults. A handler never lets an exception escape, so one bad request cannot disturb the
+route, 400 with code `context_length_exceeded` for a prompt that does not fit, 413 for a body
+over the size limit, 503 (code `engine_dead`) once the engine has died, 500 for other server
+faults. A handler never lets an exception escape, so one bad request cannot disturb the
 others.
 """
 
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError, VLLMValidationError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = [
     "OpenAIError",
@@ -82,8 +84,9 @@ def error_body(
 def openai_error_from_exception(error: BaseException) -> OpenAIError:
     """Classify any exception raised while serving a request.
 
-    vLLM's client errors (validation, not found) become 4xx with vLLM's message; an
-    `OpenAIError` passes through; anything else is a 500 whose message does not leak internals.
+    vLLM's client errors (validation, not found) become 4xx with vLLM's message; a dead engine
+    (`EngineDeadError`) a 503 with code `engine_dead`; an `OpenAIError` passes through; anything
+    else is a 500 whose message does not leak internals.
     """
     if isinstance(error, OpenAIError):
         return error
@@ -93,6 +96,13 @@ def openai_error_from_exception(error: BaseException) -> OpenAIError:
         return OpenAIError(str(error), status_code=404)
     if isinstance(error, VLLMClientError):
         return OpenAIError(str(error), status_code=400)
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(
+            "The inference engine failed (its process died); the server is shutting down to be "
+            "restarted. Retry the request shortly.",
+            status_code=503,
+            code="engine_dead",
+        )
     _LOGGER.exception("Internal error while serving a request", exc_info=error)
     return OpenAIError(
         f"The server had an error while processing your request ({type(error).__name__}).",

@@ -21,7 +21,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from noisy_temp_server.vllm_plugin.request_args import KEY_RUNTIME_NOISE_SIGMA
@@ -60,6 +60,9 @@ _SERVER_KEYS = ("nts_policy", "nts_trace_id")
 XargValue = str | bool | int | float | list[str | int | float]
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
+MAX_STOP_SEQUENCES = 4
+"""OpenAI's limit on `stop`: up to 4 sequences."""
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's engine protocol carries seeds as int64
 
 
@@ -78,7 +81,7 @@ class _Response(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Request):
@@ -186,6 +189,15 @@ class _SamplingFields(_Request):
             )
         return data
 
+    @field_validator("stop", check_fields=False)
+    @classmethod
+    def _at_most_four_stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(
+                f"stop takes up to {MAX_STOP_SEQUENCES} sequences (as OpenAI), got {len(stop)}."
+            )
+        return stop
+
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
@@ -210,7 +222,7 @@ class CompletionRequest(_SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[int]
     best_of: int | None = Field(default=None, ge=1)
-    echo: bool = False
+    echo: StrictBool = False
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -219,7 +231,7 @@ class CompletionRequest(_SamplingFields):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -227,7 +239,7 @@ class CompletionRequest(_SamplingFields):
     user: str | None = None
 
     # --- noisy-temp-server and vLLM extras ---
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None
@@ -265,13 +277,23 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. Content may be a string or a list of text parts."""
+    """One chat message. Content may be a string or a list of text parts; null only for an
+    assistant message (as OpenAI)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"content of a {self.role} message must be a string or a list of text parts, "
+                "not null (only an assistant message may have null content)."
+            )
+        return self
 
     def text(self) -> str:
         """The message's text (text parts joined); raises ValueError for non-text parts."""
@@ -294,14 +316,14 @@ class ChatCompletionRequest(_SamplingFields):
     model: str | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     max_completion_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=128)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -309,7 +331,7 @@ class ChatCompletionRequest(_SamplingFields):
     user: str | None = None
 
     # --- noisy-temp-server and vLLM extras ---
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None

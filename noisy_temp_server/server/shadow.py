@@ -11,6 +11,12 @@ keep the version they were admitted with.
 Cost: the scorer runs two full forward passes per scored request on `shadow_device`, competing
 for the same cores as the engine when both are on the CPU; `nts_shadow_score_seconds` and
 `nts_shadow_tokens_scored_total` give its cost per scored token, and `status()` reports it.
+
+Faults stay off the serving path: `offer` never blocks and never raises for a scoring fault; a
+failure while scoring an item drops that item (`nts_shadow_requests_dropped_total{reason=
+"error"}`) and the thread goes on; a hung scorer fills the queue, so later items are dropped
+(`reason="queue_full"`) and `status()["busy_for_s"]` grows. Either way requests are served as
+if there were no scorer.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class ShadowScorer:
         self._counts = {"offered": 0, "sampled": 0, "scored": 0, "dropped_queue_full": 0}
         self._counts |= {"dropped_error": 0, "tokens": 0}
         self._seconds = 0.0
+        self._scoring_since: float | None = None
         self._last_version = version_of(estimator.current_policy())
 
     def offer(
@@ -158,48 +165,57 @@ class ShadowScorer:
         return False
 
     def status(self) -> dict[str, Any]:
-        """Counters, queue depth and measured cost (seconds per scored token)."""
+        """Counters, queue depth, measured cost (seconds per scored token), whether the scoring
+        thread runs, and for how long the item being scored has taken so far (`busy_for_s`,
+        None when idle: a large value means a hung scorer, whose queue then fills and drops)."""
         with self._lock:
             counts = dict(self._counts)
             seconds = self._seconds
+            since = self._scoring_since
         tokens = counts["tokens"]
         return {
             "enabled": True,
+            "running": self._thread is not None and self._thread.is_alive(),
             "fraction": self._fraction,
             "queue_depth": self._queue.qsize(),
             "queue_size": self._queue.maxsize,
+            "busy_for_s": None if since is None else time.monotonic() - since,
             **counts,
             "score_seconds_total": seconds,
             "seconds_per_scored_token": seconds / tokens if tokens else None,
         }
 
     def _loop(self) -> None:
+        """Score items until the `None` sentinel. A failure anywhere in scoring, estimation or
+        publication drops that item (counted, reason `error`) and never ends the loop."""
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
+                with self._lock:
+                    self._scoring_since = time.monotonic()
                 self._score(item)
+            except Exception:
+                _LOGGER.exception("Shadow scoring failed; the request is dropped from estimation")
+                with self._lock:
+                    self._counts["dropped_error"] += 1
+                self._metrics.shadow_requests_dropped.labels(reason="error").inc()
             finally:
+                with self._lock:
+                    self._scoring_since = None
                 self._queue.task_done()
 
     def _score(self, item: _Item) -> None:
         started = time.perf_counter()
-        try:
-            sequence = ScoringSequence(
-                token_ids=[*item.prompt_ids, *item.completion_ids],
-                prompt_length=len(item.prompt_ids),
-                sequence_id=item.sequence_id,
-            )
-            records = self._scorer.score_sequence(sequence)
-            elapsed = time.perf_counter() - started
-            self._estimator.add(records)
-        except Exception:
-            _LOGGER.exception("Shadow scoring failed; the request is dropped from estimation")
-            with self._lock:
-                self._counts["dropped_error"] += 1
-            self._metrics.shadow_requests_dropped.labels(reason="error").inc()
-            return
+        sequence = ScoringSequence(
+            token_ids=[*item.prompt_ids, *item.completion_ids],
+            prompt_length=len(item.prompt_ids),
+            sequence_id=item.sequence_id,
+        )
+        records = self._scorer.score_sequence(sequence)
+        elapsed = time.perf_counter() - started
+        self._estimator.add(records)
         self._observe(records, item, elapsed)
         policy = self._estimator.current_policy()
         version = self._version_of(policy)

@@ -225,7 +225,7 @@ def test_deployment_env_names_only_settings(server_container: dict[str, Any]) ->
     assert_settings_names([n for n in names if n.startswith("NTS_")], "deploy/k8s/deployment.yaml")
     assert all(n.startswith("NTS_") for n in names)
     secret = next(e for e in server_container["env"] if e["name"] == "NTS_API_KEY")
-    assert secret["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert secret["valueFrom"]["secretKeyRef"]["optional"] is False  # opting out is explicit
 
 
 def test_service_and_service_monitor_reach_the_pods(

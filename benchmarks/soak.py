@@ -1,0 +1,361 @@
+"""Soak: N concurrent clients for M minutes against a real server; nothing lost, nothing garbled,
+memory flat.
+
+Starts `noisy-temp-server serve` (the default model pair, or with ``--tiny`` the tiny random
+Llama perturbed by weight noise, the clean one as the shadow reference) unless ``--url`` names
+a running server. Each of ``--streams`` clients sends requests back to back until time is up,
+cycling through a mix:
+
+- ``rule``: a streamed completion with a per-request rule (``off``, ``fixed``, ``sqrt``,
+  ``linear``, ``fisher``), usage in the last chunk;
+- ``trace``: a completion asking for the per-step T* trace;
+- ``n``: a completion with ``n`` = 3 choices;
+- ``chat``: a streamed chat completion;
+- ``cancel``: a streamed completion the client drops after its first chunks.
+
+Every request ignores EOS, so a complete answer has exactly ``--max-tokens`` tokens per choice.
+A request is *failed* when the status is not 200, the connection breaks or the stream carries
+an error; *garbled* when it is a 200 whose content breaks an invariant (wrong number of choices
+or tokens, a chunk that is not JSON, a missing ``[DONE]``, a trace of the wrong length);
+*completed* otherwise; cancelled requests are counted apart. Reported: those counts, generated
+tokens per second, and the resident memory (RSS) of the API process and of vLLM's engine core
+at start (after a warm-up request), middle and end, with the growth per 1 000 requests from
+middle to end (after warm-up). Printed, and saved as JSON + markdown under
+``benchmarks/results/``.
+
+    VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python benchmarks/soak.py                 # 64 x 10 min
+    VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python benchmarks/soak.py --tiny --streams 16 --minutes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+API_KEY = "soak-key"
+MODEL = "soak-model"
+KINDS = ("rule", "trace", "n", "chat", "cancel")
+RULES = ({"nts_rule": "off"}, {"nts_rule": "fixed", "nts_t": 1.3}, {"nts_rule": "sqrt"},
+         {"nts_rule": "linear"}, {"nts_rule": "fisher"})  # fmt: skip
+N_CHOICES = 3
+
+
+class Garbled(Exception):  # noqa: N818 (an outcome, not an error of this script)
+    """A 200 whose content breaks an invariant."""
+
+
+@dataclass
+class Tally:
+    counts: Counter[str] = field(default_factory=Counter)
+    tokens: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def record(self, outcome: str, detail: str = "") -> None:
+        self.counts[outcome] += 1
+        if detail and len(self.examples) < 20:
+            self.examples.append(f"{outcome}: {detail}")
+
+    @property
+    def requests(self) -> int:
+        return sum(self.counts.values())
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise Garbled(what)
+
+
+async def _events(response: httpx.Response, limit: int | None = None) -> list[Any]:
+    """The stream's data payloads (parsed JSON, or the string `[DONE]`); at most `limit`."""
+    events: list[Any] = []
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            _expect(line == "", f"stray line {line[:60]!r}")
+            continue
+        payload = line.removeprefix("data: ")
+        try:
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        except json.JSONDecodeError:
+            raise Garbled(f"chunk is not JSON: {payload[:60]!r}") from None
+        if limit is not None and len(events) >= limit:
+            break
+    return events
+
+
+def _check_stream(events: list[Any], max_tokens: int, chat: bool) -> int:
+    """Invariants of a finished stream; returns its completion tokens."""
+    _expect(bool(events) and events[-1] == "[DONE]", "no [DONE] at the end")
+    chunks = events[:-1]
+    errors = [c for c in chunks if "error" in c]
+    if errors:
+        raise RuntimeError(f"in-band error: {errors[0]['error']['message'][:100]}")
+    finished = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    _expect(len(finished) == 1, f"{len(finished)} finishing chunks")
+    last = chunks[-1]
+    _expect(last["usage"]["completion_tokens"] == max_tokens, f"usage {last['usage']}")
+    _expect(last["nts"]["steps"] == max_tokens, f"nts steps {last['nts']['steps']}")
+    if chat:
+        _expect(chunks[0]["choices"][0]["delta"].get("role") == "assistant", "no role chunk")
+    return max_tokens
+
+
+def _check_json(body: dict[str, Any], n: int, max_tokens: int, trace: bool) -> int:
+    choices = body["choices"]
+    _expect(sorted(c["index"] for c in choices) == list(range(n)), "choice indices")
+    _expect(body["usage"]["completion_tokens"] == n * max_tokens, f"usage {body['usage']}")
+    for choice in choices:
+        _expect(choice["finish_reason"] == "length", f"finish {choice['finish_reason']}")
+        _expect(choice["nts"]["steps"] == max_tokens, "choice steps")
+        if trace:
+            _expect(len(choice["nts"]["trace"]) == max_tokens, "trace length")
+    return n * max_tokens
+
+
+def _body(kind: str, rng: random.Random, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    common = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True}
+    prompt = f"Story {rng.randrange(10**6)}: once upon a time"
+    if kind == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        body = {**common, "messages": messages, "stream": True}
+        return "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+    body = {**common, "prompt": prompt, **rng.choice(RULES)}
+    if kind in ("rule", "cancel"):
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    elif kind == "trace":
+        body |= {"nts_trace": True}
+    elif kind == "n":
+        body |= {"n": N_CHOICES}
+    return "/v1/completions", body
+
+
+async def _one(
+    client: httpx.AsyncClient, kind: str, rng: random.Random, tally: Tally, max_tokens: int
+) -> None:
+    path, body = _body(kind, rng, max_tokens)
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                tally.record("failed", f"{kind} {response.status_code} {response.text[:100]}")
+                return
+            if kind == "cancel":
+                await _events(response, limit=2)
+                tally.record("cancelled")
+                return
+            if body.get("stream"):
+                tokens = _check_stream(await _events(response), max_tokens, kind == "chat")
+            else:
+                data = json.loads(await response.aread())
+                tokens = _check_json(data, body.get("n", 1), max_tokens, kind == "trace")
+    except Garbled as error:
+        tally.record("garbled", f"{kind}: {error}")
+        return
+    except (httpx.HTTPError, RuntimeError, KeyError, json.JSONDecodeError) as error:
+        tally.record("failed", f"{kind}: {type(error).__name__}: {error}")
+        return
+    tally.tokens += tokens
+    tally.record("completed")
+
+
+async def _client_loop(
+    url: str, index: int, deadline: float, tally: Tally, max_tokens: int
+) -> None:
+    rng = random.Random(index)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as client:
+        turn = index
+        while time.monotonic() < deadline:
+            await _one(client, KINDS[turn % len(KINDS)], rng, tally, max_tokens)
+            turn += 1
+
+
+def _rss_mib(pid: int) -> dict[str, float]:
+    """RSS of the API process and of vLLM's engine core below it (MiB)."""
+    api = psutil.Process(pid)
+    engine = [
+        c for c in api.children(recursive=True) if "EngineCore" in c.name() + " ".join(c.cmdline())
+    ]
+    return {
+        "api_mib": api.memory_info().rss / 2**20,
+        "engine_mib": sum(p.memory_info().rss for p in engine) / 2**20,
+    }
+
+
+async def _soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
+    tally = Tally()
+    warm = Tally()
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300
+    ) as client:
+        for kind in KINDS:
+            await _one(client, kind, random.Random(0), warm, args.max_tokens)
+    started = time.monotonic()
+    deadline = started + args.minutes * 60
+    memory = [{"t_s": 0.0, "requests": 0, **_rss_mib(pid)}]
+    clients = [
+        asyncio.create_task(_client_loop(url, i, deadline, tally, args.max_tokens))
+        for i in range(args.streams)
+    ]
+    middle_at = started + args.minutes * 30
+    while not all(c.done() for c in clients):
+        await asyncio.sleep(1.0)
+        now = time.monotonic()
+        if now >= middle_at and len(memory) == 1:
+            memory.append({"t_s": now - started, "requests": tally.requests, **_rss_mib(pid)})
+    await asyncio.gather(*clients)
+    elapsed = time.monotonic() - started
+    memory.append({"t_s": elapsed, "requests": tally.requests, **_rss_mib(pid)})
+    return _summary(args, tally, warm, elapsed, memory)
+
+
+def _summary(
+    args: argparse.Namespace,
+    tally: Tally,
+    warm: Tally,
+    elapsed: float,
+    memory: list[dict[str, Any]],
+) -> dict[str, Any]:
+    middle, end = memory[1] if len(memory) > 2 else memory[0], memory[-1]
+    per_k = max(end["requests"] - middle["requests"], 1) / 1000
+    return {
+        "streams": args.streams,
+        "minutes": args.minutes,
+        "max_tokens": args.max_tokens,
+        "seconds": elapsed,
+        "requests": tally.requests,
+        "completed": tally.counts["completed"],
+        "failed": tally.counts["failed"],
+        "garbled": tally.counts["garbled"],
+        "cancelled": tally.counts["cancelled"],
+        "warm_up_failed_or_garbled": warm.counts["failed"] + warm.counts["garbled"],
+        "tokens_per_s": tally.tokens / elapsed,
+        "memory": memory,
+        "api_growth_mib_per_1000_requests": (end["api_mib"] - middle["api_mib"]) / per_k,
+        "engine_growth_mib_per_1000_requests": (end["engine_mib"] - middle["engine_mib"]) / per_k,
+        "examples": tally.examples + warm.examples,
+    }
+
+
+@contextlib.contextmanager
+def _server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """A server to soak: (url, API process id)."""
+    if args.url:
+        yield args.url, args.api_pid
+        return
+    with tempfile.TemporaryDirectory(prefix="nts-soak-") as tmp:
+        work = Path(tmp)
+        command = [sys.executable, "-m", "noisy_temp_server.cli", "serve",
+                   "--port", str(args.port), "--api-key", API_KEY,
+                   "--served-model-name", MODEL, "--log-level", "warning"]  # fmt: skip
+        if args.tiny:
+            command += _tiny_pair(work)
+        log = (work / "server.log").open("w")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            _wait_healthy(url, process, work / "server.log")
+            yield url, process.pid
+        finally:
+            process.terminate()
+            process.wait(timeout=120)
+
+
+def _tiny_pair(work: Path) -> list[str]:
+    from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
+
+    clean = build_tiny_llama(work / "tiny-llama", seed=0)
+    served = ensure_perturbed_checkpoint(clean, WeightNoiseSpec(scale=0.3), work)
+    return ["--served-model", str(served), "--clean-model", str(clean), "--cache-dir", str(work),
+            "--max-model-len", "256", "--shadow-min-positions", "256"]  # fmt: skip
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1.0)
+    raise SystemExit("server not healthy in 15 minutes")
+
+
+def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
+    rows = "\n".join(
+        f"| {m['t_s']:.0f} | {m['requests']} | {m['api_mib']:.0f} | {m['engine_mib']:.0f} |"
+        for m in result["memory"]
+    )
+    return (
+        f"# Soak\n\n`{meta['command']}` on {meta['machine']} ({meta['cpu_count']} CPUs), "
+        f"{meta['timestamp']}\n\n"
+        f"| streams | seconds | requests | completed | failed | garbled | cancelled | tokens/s |\n"
+        f"|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"| {result['streams']} | {result['seconds']:.0f} | {result['requests']} | "
+        f"{result['completed']} | {result['failed']} | {result['garbled']} | "
+        f"{result['cancelled']} | {result['tokens_per_s']:.1f} |\n\n"
+        f"Resident memory (MiB), start (after warm-up), middle, end:\n\n"
+        f"| s | requests | API | engine core |\n|---:|---:|---:|---:|\n{rows}\n\n"
+        f"Growth middle → end per 1 000 requests: API "
+        f"{result['api_growth_mib_per_1000_requests']:+.2f} MiB, engine core "
+        f"{result['engine_growth_mib_per_1000_requests']:+.2f} MiB\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, default=64, help="concurrent clients")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per choice")
+    parser.add_argument("--tiny", action="store_true", help="serve the tiny random Llama pair")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--url", help="soak this running server instead (its key: soak-key)")
+    parser.add_argument("--api-pid", type=int, help="with --url: the server's process id")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    if args.url and args.api_pid is None:
+        parser.error("--url needs --api-pid (whose memory to watch)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with _server(args) as (url, pid):
+        result = asyncio.run(_soak(args, url, pid))
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    meta = {
+        "command": "benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "timestamp": stamp,
+    }
+    markdown = _markdown(result, meta)
+    print(markdown)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / f"soak-{stamp}.json").write_text(
+        json.dumps({"meta": meta, **result}, indent=2) + "\n"
+    )
+    (args.output_dir / f"soak-{stamp}.md").write_text(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""`noisy-temp-server serve` in a subprocess on the tiny model (real vLLM on CPU), for the
+end-to-end tests that need a whole server: its engine core can be killed, its /openapi.json
+fuzzed. Shares the polling and stopping of `server_helpers`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from server_helpers import free_port, wait_until
+
+__all__ = ["API_KEY", "MODEL", "TinyServer", "start_tiny_server"]
+
+API_KEY = "e2e-key"
+MODEL = "tiny-noisy"
+STARTUP_TIMEOUT_S = 420.0
+_SERVE = (
+    "import argparse, sys\n"
+    "from noisy_temp_server.commands import serve\n"
+    "parser = argparse.ArgumentParser()\n"
+    "serve.add_arguments(parser)\n"
+    "sys.exit(serve.run(parser.parse_args(sys.argv[1:])))\n"
+)
+
+
+@dataclass(frozen=True)
+class TinyServer:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def start_tiny_server(tiny_model_dir: Path, workdir: Path, *extra: str) -> TinyServer:
+    """Serve the tiny Llama perturbed by weight noise (the clean one as the shadow reference),
+    with the API key `API_KEY`; return once /health answers 200."""
+    from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import WeightNoiseSpec  # noqa: PLC0415
+
+    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.3), workdir)
+    port = free_port()
+    log_path = workdir / "server.log"
+    command = [
+        sys.executable, "-c", _SERVE,
+        "--served-model", str(served),
+        "--clean-model", str(tiny_model_dir),
+        "--served-model-name", MODEL,
+        "--cache-dir", str(workdir),
+        "--port", str(port),
+        "--api-key", API_KEY,
+        "--max-model-len", "256",
+        "--max-num-seqs", "8",
+        "--kv-cache-gib", "1",
+        "--log-level", "info",
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+
+    try:
+        wait_until("serve", STARTUP_TIMEOUT_S, healthy, process, log_path)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return TinyServer(process, url, log_path)

@@ -1,0 +1,169 @@
+"""Faults in shadow scoring never reach serving: a scorer that raises, a hung clean model and a
+full queue leave every response correct, and show on /v1/nts/status and in
+`nts_shadow_requests_dropped_total` by reason."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from test_server_app import (
+    MAX_MODEL_LEN,
+    MODEL,
+    POLICY,
+    FakeEngine,
+    FakeTokenizer,
+    FakeTraces,
+)
+from test_server_shadow import FakeEstimator, FakeScorer
+
+from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
+from noisy_temp_server.server.app import create_app
+from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.server.policy_source import StaticPolicySource
+from noisy_temp_server.server.shadow import ShadowScorer
+from noisy_temp_server.settings import Settings
+
+REQUESTS = 12
+BODY = {"prompt": "abc", "max_tokens": 2}
+EXPECTED_TEXT = " t3 t4"  # the fake engine's tokens after a 3-token prompt
+
+
+class HungScorer(FakeScorer):
+    """A clean model that never returns until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
+        self.entered.set()
+        self.release.wait(60)
+        return super().score_sequence(sequence)
+
+
+class FailingEstimator(FakeEstimator):
+    def add(self, records: PositionRecords) -> None:
+        raise ValueError("estimator broke")
+
+
+class Served:
+    def __init__(self, scorer: FakeScorer, estimator: FakeEstimator, queue_size: int) -> None:
+        self.registry = CollectorRegistry()
+        metrics = ApiMetrics(self.registry)
+        self.shadow = ShadowScorer(
+            scorer,
+            estimator,
+            metrics,
+            fraction=1.0,
+            queue_size=queue_size,
+            version_of=int,
+            on_policy=lambda _: None,
+            rng=random.Random(0),
+        ).start()
+        app = create_app(
+            Settings(),
+            FakeEngine(),
+            tokenizer=FakeTokenizer(),
+            model_name=MODEL,
+            max_model_len=MAX_MODEL_LEN,
+            policy_source=StaticPolicySource(POLICY, "test"),
+            metrics=metrics,
+            metrics_registry=self.registry,
+            trace_source=FakeTraces(1.25),
+            shadow=self.shadow,
+        )
+        self.client = TestClient(app)
+
+    def serve_all(self) -> None:
+        """REQUESTS requests, plain and streamed: every one served, and correctly."""
+        for i in range(REQUESTS):
+            if i % 2:
+                response = self.client.post("/v1/completions", json={**BODY, "stream": True})
+                assert response.status_code == 200
+                assert "[DONE]" in response.text
+                assert '"error"' not in response.text
+            else:
+                response = self.client.post("/v1/completions", json=BODY)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"] == EXPECTED_TEXT
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.client.get("/v1/nts/status").json()["shadow"])
+
+    def dropped(self, reason: str) -> float:
+        value = self.registry.get_sample_value(
+            "nts_shadow_requests_dropped_total", {"reason": reason}
+        )
+        return value or 0.0
+
+
+@pytest.fixture
+def hung() -> Iterator[tuple[Served, HungScorer]]:
+    scorer = HungScorer()
+    served = Served(scorer, FakeEstimator(every=4), queue_size=2)
+    yield served, scorer
+    scorer.release.set()
+    served.shadow.close()
+
+
+@pytest.mark.parametrize(
+    ("scorer", "estimator"),
+    [(FakeScorer(fail=True), FakeEstimator(every=4)), (FakeScorer(), FailingEstimator(4))],
+    ids=["scorer raises", "estimator raises"],
+)
+def test_a_failing_scorer_drops_its_items_and_serving_is_untouched(
+    scorer: FakeScorer, estimator: FakeEstimator
+) -> None:
+    served = Served(scorer, estimator, queue_size=64)
+    try:
+        served.serve_all()
+        assert served.shadow.wait_idle(10)
+        status = served.status()
+        assert status["running"] is True  # the thread survived every failure
+        assert status["dropped_error"] == REQUESTS
+        assert status["scored"] == 0
+        assert served.dropped("error") == REQUESTS
+    finally:
+        served.shadow.close()
+
+
+def test_a_hung_clean_model_fills_the_queue_and_serving_is_untouched(
+    hung: tuple[Served, HungScorer],
+) -> None:
+    served, scorer = hung
+    served.client.post("/v1/completions", json=BODY)
+    assert scorer.entered.wait(10)
+    served.serve_all()  # would hang here if offering waited for the scorer
+    status = served.status()
+    assert status["busy_for_s"] is not None
+    assert status["busy_for_s"] > 0
+    assert status["queue_depth"] == status["queue_size"] == 2
+    assert status["dropped_queue_full"] == REQUESTS - 2
+    assert served.dropped("queue_full") == REQUESTS - 2
+    scorer.release.set()
+    assert served.shadow.wait_idle(10)
+    after = served.status()
+    assert after["busy_for_s"] is None
+    assert after["scored"] == 3
+
+
+def test_a_full_queue_drops_without_blocking_the_offer() -> None:
+    scorer = HungScorer()
+    served = Served(scorer, FakeEstimator(every=4), queue_size=1)
+    try:
+        assert served.shadow.offer([1, 2], [3], [1.0])  # taken by the (hung) scorer
+        assert scorer.entered.wait(10)
+        assert served.shadow.offer([1, 2], [3], [1.0])  # fills the queue
+        assert [served.shadow.offer([1, 2], [3], [1.0]) for _ in range(5)] == [False] * 5
+        assert served.dropped("queue_full") == 5
+        assert served.status()["dropped_queue_full"] == 5
+    finally:
+        scorer.release.set()
+        served.shadow.close()

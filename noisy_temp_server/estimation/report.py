@@ -25,16 +25,16 @@ from pathlib import Path
 import matplotlib as mpl
 import torch
 
-from noisy_temp_server.estimation.calibration import (
+from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
     best_curve_temperature,
     fit_rules,
-    generate_completions,
     rule_temperatures,
 )
 from noisy_temp_server.estimation.profile import CalibrationSettings
-from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.perturb import TensorTarget, WeightNoiseSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -90,8 +90,9 @@ def write_report(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     clean, tokenizer = load_causal_lm(clean_path, device=device)
+    prompt_ids = [encode_prompt(tokenizer, p) for p in load_prompts()[:prompts]]
     sequences = generate_completions(
-        clean, tokenizer, load_prompts()[:prompts], max_new_tokens=max_new_tokens, seed=seed
+        clean, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, seed=seed
     )
     started = time.monotonic()
 

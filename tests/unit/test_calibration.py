@@ -10,20 +10,15 @@ import pytest
 import torch
 from spy_helpers import record_calls
 
-from noisy_temp_server.estimation import calibration
-from noisy_temp_server.estimation.calibration import (
+from noisy_temp_server.estimation import fitting
+from noisy_temp_server.estimation.calibration import calibrate
+from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
-    InsufficientDataError,
     best_curve_temperature,
-    calibrate,
     fit_calibrated_table,
     fit_rules,
-    load_pair,
     noise_by_step,
-    quality_table,
-    recommend_rule,
     rule_temperatures,
-    split_by_sequence,
 )
 from noisy_temp_server.estimation.profile import (
     CalibrationSettings,
@@ -32,6 +27,9 @@ from noisy_temp_server.estimation.profile import (
     QualityTable,
 )
 from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.estimation.quality import quality_table, recommend_rule
+from noisy_temp_server.estimation.significance import InsufficientDataError, split_by_sequence
+from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
 from noisy_temp_server.pairs.scorer import KL_CURVE_TEMPERATURES, PositionRecords
 from noisy_temp_server.temperature.policy import (
@@ -73,7 +71,7 @@ def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
     settings = CalibrationSettings(step_edges=(0, 4), entropy_buckets=1, min_cell_positions=40)
     calls = record_calls(
         monkeypatch,
-        calibration,
+        fitting,
         ("_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"),
     )
     everything, _ = fit_rules(records, settings)
@@ -92,9 +90,9 @@ def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
 
 def test_schedule_fit_in_chunks_matches_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     records = _records(300, shrink=0.6, noise=0.5)
-    whole = calibration._schedule(records, BOUNDS)
-    monkeypatch.setattr(calibration, "_SCHEDULE_CHUNK_ROWS", 97 * 7)
-    assert calibration._schedule(records, BOUNDS) == pytest.approx(whole)
+    whole = fitting._schedule(records, BOUNDS)
+    monkeypatch.setattr(fitting, "_SCHEDULE_CHUNK_ROWS", 97 * 7)
+    assert fitting._schedule(records, BOUNDS) == pytest.approx(whole)
 
 
 def test_best_curve_temperature_matches_the_mean_of_per_row_minima_for_identical_rows() -> None:

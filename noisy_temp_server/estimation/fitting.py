@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -28,18 +28,14 @@ from noisy_temp_server.estimation.significance import (
     is_significant,
     split_by_sequence,
 )
-from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.scorer import KLCurveInterpolant, PositionRecords, interpolate_kl
+from noisy_temp_server.temperature.oracle import minimise_convex
 from noisy_temp_server.temperature.policy import (
     TemperaturePolicy,
     bucket_index,
     policy_temperature,
 )
-from noisy_temp_server.temperature.rules import (
-    Rule,
-    TemperatureBounds,
-    clamp_temperature,
-    schedule_temperature,
-)
+from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import ServedRowFeatures
 
 __all__ = [
@@ -59,11 +55,12 @@ FITTED_RULES: tuple[Rule, ...] = (
     Rule.SCHEDULE,
     Rule.CALIBRATED,
 )
-_SEARCH_POINTS = 801
-_FISHER_FLOORS = torch.logspace(-3, 3, 61)
-_SCHEDULE_BETAS = torch.cat([torch.zeros(1), torch.logspace(-4, 1, 41)])
-_SCHEDULE_T_MAX_POINTS = 97
-_SCHEDULE_CHUNK_ROWS = 1 << 16
+_CURVE_RTOL = 1e-6
+"""Relative tolerance in T of the convex fits on KL curves."""
+_FISHER_FLOOR_RANGE = (1e-3, 1e3)
+_SCHEDULE_BETA_RANGE = (1e-4, 10.0)
+_GOLDEN_LOG_TOLERANCE = 1e-3
+"""Golden-section searches stop when the bracket is this narrow in log(parameter)."""
 
 
 def _step_bucket(step: Tensor, edges: Sequence[int]) -> Tensor:
@@ -123,24 +120,77 @@ def _mean_kl(records: PositionRecords, temperatures: Tensor) -> Tensor:
     )
 
 
+def _best_inverse_scale(
+    curves: KLCurveInterpolant, scale: Tensor, bounds: TemperatureBounds
+) -> tuple[float, float]:
+    """(c, mean KL) minimising the mean over rows of KL_i(T_i), T_i = 1 / (c * scale_i).
+
+    T_i is clamped into `bounds` (flat there); c is sought with 1/c in `bounds` and in the
+    curves' grid (beyond the grid a curve is flat, so 1/c there gains nothing). Each row's KL
+    is convex in u = c * scale_i, so the mean is convex in c up to the interpolation error;
+    `minimise_convex` (safeguarded Newton/bisection) solves it to `_CURVE_RTOL` in c.
+    """
+    log_scale = scale.double().log()
+    log_low, log_high = math.log(bounds.t_min), math.log(bounds.t_max)
+    log_grid = curves.log_grid
+
+    def evaluate(c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        log_t = -c.log() - log_scale
+        inside = (log_t >= log_low) & (log_t <= log_high)
+        value, slope, curvature = curves.at(log_t.clamp(log_low, log_high))
+        slope, curvature = slope * inside, curvature * inside
+        # d log T / dc = -1 / c:  d/dc = -slope / c, d2/dc2 = (curvature + slope) / c^2.
+        return (
+            value.mean().reshape(1),
+            (-slope.mean() / c).reshape(1),
+            ((curvature + slope).mean() / c.square()).reshape(1),
+        )
+
+    t_high = min(bounds.t_max, math.exp(float(log_grid[-1])))
+    t_low = max(bounds.t_min, math.exp(float(log_grid[0])))
+    c_low = torch.full((1,), 1.0 / t_high, dtype=torch.float64)
+    c_high = torch.full((1,), 1.0 / t_low, dtype=torch.float64)
+    c, kl = minimise_convex(evaluate, c_low, c_high, rtol=_CURVE_RTOL)
+    return float(c), float(kl)
+
+
 def best_curve_temperature(
     kl_curves: Tensor, curve_temperatures: Tensor, bounds: TemperatureBounds
 ) -> float:
     """The one T in `bounds` minimising the mean of the rows' interpolated KL curves.
 
     kl_curves: [N, G] (N >= 1). Interpolation is linear in the curve values, so this minimises
-    the interpolated mean curve, searched on a fine log-spaced grid (801 points over the bounds).
+    the interpolated mean curve, by the convex solve of `_best_inverse_scale` (u = 1/T).
     """
     if kl_curves.shape[0] == 0:
         raise InsufficientDataError("no positions to fit a temperature on")
     mean_curve = kl_curves.double().mean(dim=0, keepdim=True)  # [1, G]
-    candidates = torch.exp(
-        torch.linspace(
-            math.log(bounds.t_min), math.log(bounds.t_max), _SEARCH_POINTS, dtype=torch.float64
-        )
-    )
-    values = interpolate_kl(mean_curve.expand(_SEARCH_POINTS, -1), curve_temperatures, candidates)
-    return float(candidates[int(values.argmin())])
+    curves = KLCurveInterpolant(mean_curve, curve_temperatures)
+    c, _ = _best_inverse_scale(curves, torch.ones(1, dtype=torch.float64), bounds)
+    return 1.0 / c
+
+
+def _golden_section(
+    objective: Callable[[float], float], low: float, high: float, tolerance: float
+) -> tuple[float, float]:
+    """(x, objective(x)) at a minimum of `objective` on [low, high], by golden-section search.
+
+    Finds the minimum when `objective` has a single one on the interval (else a local one);
+    stops when the bracket is narrower than `tolerance`.
+    """
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    left, right = high - ratio * (high - low), low + ratio * (high - low)
+    f_left, f_right = objective(left), objective(right)
+    while high - low > tolerance:
+        if f_left <= f_right:
+            high, right, f_right = right, left, f_left
+            left = high - ratio * (high - low)
+            f_left = objective(left)
+        else:
+            low, left, f_left = left, right, f_right
+            right = low + ratio * (high - low)
+            f_right = objective(right)
+    return (left, f_left) if f_left <= f_right else (right, f_right)
 
 
 def _entropy_edges(entropy: Tensor, buckets: int) -> tuple[float, ...]:
@@ -232,41 +282,45 @@ def fit_calibrated_table(
 
 
 def _fisher_floor(records: PositionRecords, fisher: TemperaturePolicy) -> float:
-    """The Var_q floor (searched over 1e-3..1e3) minimising mean KL of the `fisher` policy."""
-    best, best_kl = float(_FISHER_FLOORS[0]), math.inf
-    for floor in _FISHER_FLOORS.tolist():
-        candidate = dataclasses.replace(fisher, fisher_var_floor=floor)
-        kl = float(_mean_kl(records, rule_temperatures(candidate, records)))
-        if kl < best_kl:
-            best, best_kl = floor, kl
-    return best
+    """The Var_q floor in [1e-3, 1e3] minimising mean KL of the `fisher` policy.
+
+    Golden-section search on log(floor) to `_GOLDEN_LOG_TOLERANCE` (the mean KL is not convex
+    in the floor; the search assumes it has one minimum on the interval).
+    """
+
+    def mean_kl(log_floor: float) -> float:
+        candidate = dataclasses.replace(fisher, fisher_var_floor=math.exp(log_floor))
+        return float(_mean_kl(records, rule_temperatures(candidate, records)))
+
+    low, high = (math.log(x) for x in _FISHER_FLOOR_RANGE)
+    log_floor, _ = _golden_section(mean_kl, low, high, _GOLDEN_LOG_TOLERANCE)
+    return math.exp(log_floor)
 
 
 def _schedule(records: PositionRecords, bounds: TemperatureBounds) -> tuple[float, float]:
-    """(t_max, beta) of T(step) = t_max / sqrt(1 + beta step) minimising mean KL (grid search).
+    """(t_max, beta) of T(step) = t_max / sqrt(1 + beta step) minimising mean KL.
 
-    Exact over all positions, evaluated a chunk of positions at a time so that the rows of one
-    `interpolate_kl` call (t_max grid points x positions) stay below `_SCHEDULE_CHUNK_ROWS`:
-    memory is bounded (tens of MB) whatever the number of positions.
+    For a fixed beta, u = sqrt(1 + beta step) / t_max is linear in c = 1/t_max, so t_max is a
+    convex solve (`_best_inverse_scale`). beta = 0 is solved, and beta in [1e-4, 10] by
+    golden-section search on log(beta) (the search assumes one minimum on that interval); the
+    smaller mean KL wins, beta = 0 on a tie.
     """
-    t_max_grid = torch.exp(
-        torch.linspace(math.log(bounds.t_min), math.log(bounds.t_max), _SCHEDULE_T_MAX_POINTS)
-    )
-    betas = _SCHEDULE_BETAS.tolist()
-    kl_sums = torch.zeros(len(betas), len(t_max_grid), dtype=torch.float64)
-    chunk = max(1, _SCHEDULE_CHUNK_ROWS // len(t_max_grid))
-    for first in range(0, len(records), chunk):
-        steps = records.step[first : first + chunk]
-        curves = records.kl_curve[first : first + chunk]
-        expanded = curves.unsqueeze(0).expand(len(t_max_grid), -1, -1).reshape(-1, curves.shape[-1])
-        for b, beta in enumerate(betas):
-            shape = schedule_temperature(steps, 1.0, beta)  # [chunk]
-            t = clamp_temperature(t_max_grid[:, None] * shape[None, :], bounds.t_min, bounds.t_max)
-            kl = interpolate_kl(expanded, records.curve_temperatures, t.reshape(-1))
-            kl_sums[b] += kl.reshape(len(t_max_grid), -1).double().sum(dim=1)
-    best = int(kl_sums.argmin())  # row-major: the smallest beta, then t_max, among ties
-    beta_index, t_max_index = divmod(best, len(t_max_grid))
-    return float(t_max_grid[t_max_index]), float(betas[beta_index])
+    curves = KLCurveInterpolant(records.kl_curve, records.curve_temperatures)
+    steps = records.step.double().clamp(min=0.0)
+
+    def solve(beta: float) -> tuple[float, float]:
+        return _best_inverse_scale(curves, (1.0 + beta * steps).sqrt(), bounds)
+
+    def mean_kl(log_beta: float) -> float:
+        return solve(math.exp(log_beta))[1]
+
+    low, high = (math.log(x) for x in _SCHEDULE_BETA_RANGE)
+    log_beta, kl = _golden_section(mean_kl, low, high, _GOLDEN_LOG_TOLERANCE)
+    c_flat, kl_flat = solve(0.0)
+    if kl_flat <= kl:
+        return 1.0 / c_flat, 0.0
+    beta = math.exp(log_beta)
+    return 1.0 / solve(beta)[0], beta
 
 
 def fit_rules(

@@ -452,7 +452,7 @@ def policy_temperature(
             device, so pass the same object each step).
         step: ``[B]`` integer generation step of each row (0 = first generated token).
         served_logits: ``[B, V]`` served logits, read only when
-            ``policy.rule.needs_served_logits`` (``fisher`` uses the served row's Var_q as its
+            ``policy.reads_served_row`` (``fisher`` uses the served row's Var_q as its
             Var_p estimate, ``calibrated`` its entropy). Not modified.
         served_features: instead of ``served_logits``, the rows' precomputed
             :class:`~noisy_temp_server.temperature.stats.ServedRowFeatures` (``[B]`` fields),

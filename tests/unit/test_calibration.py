@@ -85,7 +85,9 @@ def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
         ("_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"),
     )
     everything, _ = fit_rules(records, settings)
-    assert {"_schedule", "_fisher_floor", "fit_calibrated_table"} <= set(calls)
+    assert {"_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"} <= set(
+        calls
+    )
     assert everything.schedule_t_max < 1
     assert everything.fixed_temperature < 1
     calls.clear()
@@ -362,6 +364,19 @@ def _sequence_records(log_optimum: list[float], positions: int = 10) -> Position
         sequence_id=torch.arange(count).repeat_interleave(positions),
         step=torch.arange(positions).repeat(count),
     )
+
+
+def test_fits_recover_the_optimum_of_curves_known_in_closed_form() -> None:
+    # Quadratic curves in log T are reproduced exactly by the interpolation (away from the ends
+    # of the grid), so the fits must find their optimum to the solvers' tolerance.
+    step = torch.arange(400) % 50
+    t_max, beta = 2.0, 0.05
+    log_optimum = math.log(t_max) - 0.5 * torch.log1p(beta * step.double()).float()
+    records = _curve_records(log_optimum, sequence_id=torch.arange(400) % 20, step=step)
+    assert fitting._schedule(records, BOUNDS) == pytest.approx((t_max, beta), rel=5e-3)
+    flat = _curve_records(torch.full((40,), 0.3), sequence_id=torch.arange(40), step=step[:40])
+    fixed = best_curve_temperature(flat.kl_curve, flat.curve_temperatures, BOUNDS)
+    assert fixed == pytest.approx(math.exp(0.3), rel=1e-5)
 
 
 def _step_policies(temperature: float) -> list[TemperaturePolicy]:

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from noisy_temp_server.estimation.calibration import calibrate, load_pair
+from noisy_temp_server.estimation.calibration import calibrate
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.pairs.default_model import ensure_default_model
+from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import (
     PerturbationSpec,
     QuantizationSpec,

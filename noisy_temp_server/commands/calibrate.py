@@ -50,14 +50,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from noisy_temp_server.estimation.calibration import (  # noqa: PLC0415
-        InsufficientDataError,
-        calibrate,
-        load_pair,
-    )
+    from noisy_temp_server.estimation.calibration import calibrate  # noqa: PLC0415
     from noisy_temp_server.estimation.profile import CalibrationSettings  # noqa: PLC0415
     from noisy_temp_server.estimation.prompts import PromptSetError, load_prompts  # noqa: PLC0415
+    from noisy_temp_server.estimation.significance import InsufficientDataError  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
     from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
 
     has_pair = args.served is not None or args.spec is not None

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.calibration import fit_rules
+from noisy_temp_server.estimation.fitting import fit_rules
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile, StepBucketNoise
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import TemperaturePolicy

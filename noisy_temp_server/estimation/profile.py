@@ -22,8 +22,8 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from noisy_temp_server.pairs.checkpoint import read_manifest
-from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec, parse_spec
+from noisy_temp_server.pairs.identity import ModelIdentity
+from noisy_temp_server.pairs.perturb import PerturbationSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
@@ -48,85 +48,6 @@ class ProfileError(ValueError):
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelIdentity(_Frozen):
-    """A model as a profile knows it.
-
-    Attributes:
-        name: a display name (the checkpoint folder's name).
-        weights_sha256: sha256 of the weights file; None for weights that exist only in memory
-            (a perturbation applied at calibration time, never written).
-        clean_weights_sha256: for a model made from a clean checkpoint by `perturbation`, that
-            checkpoint's weights sha256 (recorded in the manifest `perturb` and `serve` write).
-        perturbation: the spec that made this model from that clean checkpoint (a runtime
-            logit noise spec leaves the weights as they are but is part of what is served).
-
-    Two identities `match` when they record the same perturbation (or none) and either the same
-    weights or the same clean weights: the same spec on the same clean weights gives
-    byte-identical weights, whether written by `perturb`, by `serve`, or applied in memory.
-    """
-
-    name: str
-    weights_sha256: str | None
-    clean_weights_sha256: str | None = None
-    perturbation: PerturbationSpec | None = None
-
-    @classmethod
-    def of_checkpoint(cls, path: Path) -> ModelIdentity:
-        """Identity of a checkpoint folder, from its manifest (CorruptCheckpointError if none;
-        PerturbationSpecError if the manifest records an invalid perturbation)."""
-        manifest = read_manifest(path)
-        recorded_clean = manifest.metadata.get("clean")
-        recorded_spec = manifest.metadata.get("perturbation")
-        return cls(
-            name=Path(path).resolve().name,
-            weights_sha256=manifest.weights_sha256,
-            clean_weights_sha256=(
-                recorded_clean.get("weights_sha256") if isinstance(recorded_clean, dict) else None
-            ),
-            perturbation=parse_spec(recorded_spec) if recorded_spec else None,
-        )
-
-    @classmethod
-    def perturbed(cls, clean: ModelIdentity, spec: PerturbationSpec) -> ModelIdentity:
-        """`clean` perturbed by `spec` in memory: no weights sha256 (the weights were never
-        written), except for runtime logit noise, which serves the clean weights."""
-        unchanged = isinstance(spec, RuntimeLogitNoiseSpec)
-        return cls(
-            name=f"{clean.name} + {spec.label}",
-            weights_sha256=clean.weights_sha256 if unchanged else None,
-            clean_weights_sha256=clean.weights_sha256,
-            perturbation=spec,
-        )
-
-    def matches(self, other: ModelIdentity) -> bool:
-        """Whether `other` is the same model (see the class docstring)."""
-        if self.perturbation != other.perturbation:
-            return False
-        same_weights = self.weights_sha256 is not None and (
-            self.weights_sha256 == other.weights_sha256
-        )
-        same_clean = self.clean_weights_sha256 is not None and (
-            self.clean_weights_sha256 == other.clean_weights_sha256
-        )
-        return same_weights or same_clean
-
-    def describe(self) -> str:
-        """One line for error messages: name, weights and how the model was made."""
-        weights = (
-            "weights only in memory"
-            if self.weights_sha256 is None
-            else f"weights sha256 {self.weights_sha256[:12]}..."
-        )
-        if self.perturbation is None:
-            return f"{self.name} ({weights})"
-        clean = (
-            "an unrecorded clean model"
-            if self.clean_weights_sha256 is None
-            else f"clean weights sha256 {self.clean_weights_sha256[:12]}..."
-        )
-        return f"{self.name} ({weights}; {self.perturbation.label} of {clean})"
 
 
 class CalibrationSettings(_Frozen):
@@ -293,7 +214,7 @@ class Profile(_Frozen):
 
     `recommended_rule` (what `to_policy()` serves by default) is the fitted rule with the lowest
     held-out mean KL among those whose paired gain over T = 1 is significant (gain - 2 s.e. > 0),
-    and `off` when none is (`noisy_temp_server.estimation.calibration.recommend_rule`).
+    and `off` when none is (`noisy_temp_server.estimation.quality.recommend_rule`).
     """
 
     schema_version: Literal[1] = 1

@@ -21,20 +21,21 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib as mpl
 import torch
 
-from noisy_temp_server.estimation.calibration import (
+from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
     best_curve_temperature,
     fit_rules,
-    generate_completions,
     rule_temperatures,
 )
 from noisy_temp_server.estimation.profile import CalibrationSettings
-from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.perturb import TensorTarget, WeightNoiseSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -70,28 +71,44 @@ def _summary(label: str, records: PositionRecords) -> NoiseSummary:
     )
 
 
-def write_report(
+@dataclass(frozen=True)
+class _Experiments:
+    """The records the report is made of: one per scale, per layer group, and the focus scale."""
+
+    prompts: int
+    by_scale: dict[float, PositionRecords]
+    groups: dict[str, PositionRecords]
+    focus: PositionRecords
+
+
+def _layer_targets(layers: int) -> dict[str, TensorTarget]:
+    thirds = (0, layers // 3, 2 * layers // 3, layers)
+    targets = {
+        "all (attention + mlp)": TensorTarget(),
+        "attention": TensorTarget(groups=("attention",)),
+        "mlp": TensorTarget(groups=("mlp",)),
+        "lm_head": TensorTarget(groups=("lm_head",)),
+    }
+    for name, first, stop in zip(("early", "middle", "late"), thirds, thirds[1:], strict=False):
+        if first < stop:
+            targets[f"{name} ({first}-{stop - 1})"] = TensorTarget(layers=(first, stop))
+    return targets
+
+
+def _run_experiments(
     clean_path: Path,
-    out_dir: Path,
     *,
-    device: str = "cpu",
-    prompts: int = 8,
-    max_new_tokens: int = 24,
-    scales: tuple[float, ...] = DEFAULT_SCALES,
-    seed: int = 0,
-) -> Path:
-    """Run the four experiments on the checkpoint `clean_path`; returns the markdown's path.
-
-    Costs one teacher-forced scoring of `prompts` x `max_new_tokens` positions per perturbation
-    (len(scales) + 7 perturbations). Progress is logged.
-    """
-    mpl.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    out_dir.mkdir(parents=True, exist_ok=True)
+    device: str,
+    prompts: int,
+    max_new_tokens: int,
+    scales: tuple[float, ...],
+    seed: int,
+) -> _Experiments:
+    """Clean-model completions, scored under every perturbation of the report."""
     clean, tokenizer = load_causal_lm(clean_path, device=device)
+    prompt_ids = [encode_prompt(tokenizer, p) for p in load_prompts()[:prompts]]
     sequences = generate_completions(
-        clean, tokenizer, load_prompts()[:prompts], max_new_tokens=max_new_tokens, seed=seed
+        clean, tokenizer, prompt_ids, max_new_tokens=max_new_tokens, seed=seed
     )
     started = time.monotonic()
 
@@ -104,25 +121,15 @@ def write_report(
 
     by_scale = {scale: score(WeightNoiseSpec(scale=scale, seed=seed)) for scale in scales}
     focus = by_scale.get(FOCUS_SCALE) or score(WeightNoiseSpec(scale=FOCUS_SCALE, seed=seed))
-    scale_rows = [_summary(f"{s:g}", r) for s, r in by_scale.items()]
-    layers = int(clean.config.num_hidden_layers)
-    thirds = (0, layers // 3, 2 * layers // 3, layers)
-    targets = {
-        "all (attention + mlp)": TensorTarget(),
-        "attention": TensorTarget(groups=("attention",)),
-        "mlp": TensorTarget(groups=("mlp",)),
-        "lm_head": TensorTarget(groups=("lm_head",)),
+    groups = {
+        name: score(WeightNoiseSpec(scale=FOCUS_SCALE, seed=seed, target=target))
+        for name, target in _layer_targets(int(clean.config.num_hidden_layers)).items()
     }
-    for name, first, stop in zip(("early", "middle", "late"), thirds, thirds[1:], strict=False):
-        if first < stop:
-            targets[f"{name} ({first}-{stop - 1})"] = TensorTarget(layers=(first, stop))
-    group_rows = [
-        _summary(name, score(WeightNoiseSpec(scale=FOCUS_SCALE, seed=seed, target=target)))
-        for name, target in targets.items()
-    ]
+    return _Experiments(len(sequences), by_scale, groups, focus)
 
-    figures = out_dir
-    # 1. scale -> alpha, T*
+
+def _plot_scales(plt: Any, scale_rows: list[NoiseSummary], figures: Path) -> None:
+    """Figure 1: weight-noise scale -> alpha and T*."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     xs = [float(r.label) for r in scale_rows]
     axes[0].plot(xs, [r.alpha for r in scale_rows], "bo-")
@@ -158,7 +165,9 @@ def write_report(
     fig.savefig(figures / "weight_noise_t_star.png", dpi=120)
     plt.close(fig)
 
-    # 2. layer groups
+
+def _plot_groups(plt: Any, group_rows: list[NoiseSummary], figures: Path) -> None:
+    """Figure 2: layer-group sensitivity."""
     fig, ax = plt.subplots(figsize=(10, 5))
     ax.barh([r.label for r in group_rows], [r.alpha for r in group_rows])
     for i, r in enumerate(group_rows):
@@ -174,7 +183,9 @@ def write_report(
     fig.savefig(figures / "layer_sensitivity.png", dpi=120)
     plt.close(fig)
 
-    # 3. alpha over steps
+
+def _plot_steps(plt: Any, focus: PositionRecords, figures: Path) -> tuple[float, float]:
+    """Figure 3: alpha over generation steps; returns its linear trend (slope, intercept)."""
     steps = torch.unique(focus.step)
     alpha_by_step = torch.stack(
         [
@@ -193,8 +204,13 @@ def write_report(
     fig.tight_layout()
     fig.savefig(figures / "noise_evolution.png", dpi=120)
     plt.close(fig)
+    return slope, intercept
 
-    # 4. KL vs T sweep with every rule's T
+
+def _plot_sweep(
+    plt: Any, focus: PositionRecords, figures: Path, *, prompts: int, seed: int
+) -> tuple[float, dict[str, float]]:
+    """Figure 4: mean KL against T, every rule's mean T marked; returns (best T, rule -> T)."""
     settings = CalibrationSettings(prompts=max(prompts, 2), seed=seed, min_cell_positions=20)
     parameters, _ = fit_rules(focus, settings)
     rule_t = {
@@ -219,37 +235,74 @@ def write_report(
     fig.tight_layout()
     fig.savefig(figures / "temperature_optimization.png", dpi=120)
     plt.close(fig)
+    return best_t, rule_t
 
-    def table(rows: list[NoiseSummary], first: str) -> str:
-        lines = [
-            f"| {first} | alpha | mean oracle T | best shared T | sqrt(1+alpha) | 1+alpha "
-            "| mean KL(T=1) |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {r.label} | {r.alpha:.4f} | {r.oracle_t:.3f} | {r.best_t:.3f} | "
-            f"{(1 + r.alpha) ** 0.5:.3f} | {1 + r.alpha:.3f} | {r.kl_at_one:.4f} |"
-            for r in rows
-        ]
-        return "\n".join(lines)
 
-    positions = len(focus)
+def _table(rows: list[NoiseSummary], first: str) -> str:
+    lines = [
+        f"| {first} | alpha | mean oracle T | best shared T | sqrt(1+alpha) | 1+alpha "
+        "| mean KL(T=1) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.label} | {r.alpha:.4f} | {r.oracle_t:.3f} | {r.best_t:.3f} | "
+        f"{(1 + r.alpha) ** 0.5:.3f} | {1 + r.alpha:.3f} | {r.kl_at_one:.4f} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def write_report(
+    clean_path: Path,
+    out_dir: Path,
+    *,
+    device: str = "cpu",
+    prompts: int = 8,
+    max_new_tokens: int = 24,
+    scales: tuple[float, ...] = DEFAULT_SCALES,
+    seed: int = 0,
+) -> Path:
+    """Run the four experiments on the checkpoint `clean_path`; returns the markdown's path.
+
+    Costs one teacher-forced scoring of `prompts` x `max_new_tokens` positions per perturbation
+    (len(scales) + 7 perturbations). Progress is logged.
+    """
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    experiments = _run_experiments(
+        clean_path,
+        device=device,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        scales=scales,
+        seed=seed,
+    )
+    scale_rows = [_summary(f"{s:g}", r) for s, r in experiments.by_scale.items()]
+    group_rows = [_summary(name, r) for name, r in experiments.groups.items()]
+    _plot_scales(plt, scale_rows, out_dir)
+    _plot_groups(plt, group_rows, out_dir)
+    slope, intercept = _plot_steps(plt, experiments.focus, out_dir)
+    best_t, rule_t = _plot_sweep(plt, experiments.focus, out_dir, prompts=prompts, seed=seed)
+    positions = len(experiments.focus)
     markdown = f"""# Temperature under weight noise: {clean_path.resolve().name}
 
-{len(sequences)} prompts, clean-model completions of up to {max_new_tokens} tokens
+{experiments.prompts} prompts, clean-model completions of up to {max_new_tokens} tokens
 ({positions} scored positions per perturbation); gaussian weight noise, scale relative to each
 tensor's std, seed {seed}. Regenerate with
 `noisy-temp-server calibrate --report {out_dir}`.
 
 ## 1. Weight noise -> alpha -> T*
 
-{table(scale_rows, "scale")}
+{_table(scale_rows, "scale")}
 
 ![weight noise](weight_noise_t_star.png)
 
 ## 2. Layer-group sensitivity (scale {FOCUS_SCALE:g})
 
-{table(group_rows, "group")}
+{_table(group_rows, "group")}
 
 ![layer sensitivity](layer_sensitivity.png)
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KL_CURVE_TEMPERATURES",
+    "KLCurveInterpolant",
     "PairScorer",
     "PositionRecords",
     "ScoringSequence",
@@ -187,37 +188,67 @@ class PositionRecords:
         return records
 
 
-def interpolate_kl(kl_curves: Tensor, curve_temperatures: Tensor, temperatures: Tensor) -> Tensor:
-    """KL of each row at its own temperature, read off its KL curve.
+class KLCurveInterpolant:
+    """Rows' KL curves as functions of log T: cubic Hermite with centred finite-difference slopes.
 
-    kl_curves: [N, G]; curve_temperatures: [G] increasing; temperatures: [N] (> 0) -> [N].
-    Cubic Hermite interpolation in log T with centred finite-difference slopes (one-sided at
-    the ends); temperatures outside the grid are clamped to its ends. On `KL_CURVE_TEMPERATURES`
-    (log-T spacing ln(2)/8) the error against the exact KL is about 0.1-0.2% of the KL
-    (tests bound it at 0.2% + 1e-5 absolute).
+    kl_curves: [N, G]; curve_temperatures: [G] increasing. The slopes are computed once, so
+    a fit that reads the curves at many temperatures pays for them once. Temperatures outside
+    the grid are clamped to its ends, where the value is flat (derivatives 0); values below 0
+    (possible between grid points where the KL is near 0) are read as 0, also flat.
     """
-    log_grid = curve_temperatures.double().log()
-    curves = kl_curves.double()
-    spacing = log_grid[1:] - log_grid[:-1]  # [G-1]
-    log_t = temperatures.double().log().clamp(float(log_grid[0]), float(log_grid[-1]))
-    left = torch.searchsorted(log_grid, log_t, right=True).sub(1).clamp(0, len(log_grid) - 2)
-    slopes = torch.empty_like(curves)  # dKL/dlogT at grid points
-    slopes[:, 1:-1] = (curves[:, 2:] - curves[:, :-2]) / (log_grid[2:] - log_grid[:-2])
-    slopes[:, 0] = (curves[:, 1] - curves[:, 0]) / spacing[0]
-    slopes[:, -1] = (curves[:, -1] - curves[:, -2]) / spacing[-1]
-    rows = torch.arange(curves.shape[0])
-    h = spacing[left]
-    x = (log_t - log_grid[left]) / h
-    y0, y1 = curves[rows, left], curves[rows, left + 1]
-    m0, m1 = slopes[rows, left] * h, slopes[rows, left + 1] * h
-    x2, x3 = x * x, x * x * x
-    value = (
-        (2 * x3 - 3 * x2 + 1) * y0
-        + (x3 - 2 * x2 + x) * m0
-        + (-2 * x3 + 3 * x2) * y1
-        + (x3 - x2) * m1
-    )
-    return value.clamp(min=0.0).to(kl_curves.dtype)
+
+    def __init__(self, kl_curves: Tensor, curve_temperatures: Tensor) -> None:
+        self.log_grid = curve_temperatures.double().log()
+        self.curves = kl_curves.double()
+        log_grid, curves = self.log_grid, self.curves
+        spacing = log_grid[1:] - log_grid[:-1]  # [G-1]
+        slopes = torch.empty_like(curves)  # dKL/dlogT at grid points
+        slopes[:, 1:-1] = (curves[:, 2:] - curves[:, :-2]) / (log_grid[2:] - log_grid[:-2])
+        slopes[:, 0] = (curves[:, 1] - curves[:, 0]) / spacing[0]
+        slopes[:, -1] = (curves[:, -1] - curves[:, -2]) / spacing[-1]
+        self.spacing, self.slopes = spacing, slopes
+
+    def at(self, log_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(KL, dKL/dlogT, d2KL/dlogT2) of each row at its own log T (log_t [N]), float64 [N]."""
+        log_grid = self.log_grid
+        clamped = log_t.double().clamp(float(log_grid[0]), float(log_grid[-1]))
+        left = torch.searchsorted(log_grid, clamped, right=True).sub(1)
+        left = left.clamp(0, len(log_grid) - 2)
+        rows = torch.arange(self.curves.shape[0])
+        h = self.spacing[left]
+        x = (clamped - log_grid[left]) / h
+        y0, y1 = self.curves[rows, left], self.curves[rows, left + 1]
+        m0, m1 = self.slopes[rows, left] * h, self.slopes[rows, left + 1] * h
+        x2, x3 = x * x, x * x * x
+        value = (
+            (2 * x3 - 3 * x2 + 1) * y0
+            + (x3 - 2 * x2 + x) * m0
+            + (-2 * x3 + 3 * x2) * y1
+            + (x3 - x2) * m1
+        )
+        first = (
+            (6 * x2 - 6 * x) * (y0 - y1) + (3 * x2 - 4 * x + 1) * m0 + (3 * x2 - 2 * x) * m1
+        ) / h
+        second = ((12 * x - 6) * (y0 - y1) + (6 * x - 4) * m0 + (6 * x - 2) * m1) / (h * h)
+        flat = (clamped != log_t.double()) | (value < 0)
+        zero = torch.zeros_like(value)
+        return (
+            value.clamp(min=0.0),
+            torch.where(flat, zero, first),
+            torch.where(flat, zero, second),
+        )
+
+
+def interpolate_kl(kl_curves: Tensor, curve_temperatures: Tensor, temperatures: Tensor) -> Tensor:
+    """KL of each row at its own temperature, read off its KL curve (`KLCurveInterpolant`).
+
+    kl_curves: [N, G]; curve_temperatures: [G] increasing; temperatures: [N] (> 0) -> [N], in
+    the dtype of `kl_curves`. Cubic Hermite interpolation in log T; temperatures outside the
+    grid are clamped to its ends. On `KL_CURVE_TEMPERATURES` (log-T spacing ln(2)/8) the error
+    against the exact KL is about 0.1-0.2% of the KL (tests bound it at 0.2% + 1e-5 absolute).
+    """
+    value, _, _ = KLCurveInterpolant(kl_curves, curve_temperatures).at(temperatures.double().log())
+    return value.to(kl_curves.dtype)
 
 
 def _device_generator(seed: int, label: str, device: torch.device) -> torch.Generator:

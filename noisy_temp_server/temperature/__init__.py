@@ -2,11 +2,10 @@
 rules, and the versioned policy that turns a rule into a temperature per row."""
 
 from noisy_temp_server.temperature.oracle import (
-    LogitPairChunk,
+    ConvexObjective,
     OracleResult,
-    SharedTemperatureResult,
-    best_shared_temperature,
     kl_curve,
+    minimise_convex,
     oracle_temperature,
 )
 from noisy_temp_server.temperature.policy import (
@@ -31,7 +30,6 @@ from noisy_temp_server.temperature.stats import (
     PairStatistics,
     ServedRowFeatures,
     check_logits,
-    kl_to_clean,
     pair_statistics,
     served_row_features,
     stable_log_softmax,
@@ -39,25 +37,23 @@ from noisy_temp_server.temperature.stats import (
 
 __all__ = [
     "CalibratedTable",
+    "ConvexObjective",
     "KLTerms",
-    "LogitPairChunk",
     "NonFiniteLogitsError",
     "OracleResult",
     "PairStatistics",
     "PolicyValidationError",
     "Rule",
     "ServedRowFeatures",
-    "SharedTemperatureResult",
     "TemperatureBounds",
     "TemperaturePolicy",
-    "best_shared_temperature",
     "bucket_index",
     "check_logits",
     "clamp_temperature",
     "fisher_temperature",
     "kl_curve",
-    "kl_to_clean",
     "linear_temperature",
+    "minimise_convex",
     "oracle_temperature",
     "pair_statistics",
     "policy_temperature",

@@ -1,16 +1,18 @@
-"""The KL-optimal temperature: per row (the oracle), shared by many rows, and KL on a T grid.
+"""The KL-optimal temperature per row (the oracle), the convex solver behind it, KL on a T grid.
 
 ``KL(p || softmax(u * z~))`` is convex in ``u = 1/T`` (second derivative ``Var_{q_u}(z~) >= 0``;
 see :class:`~noisy_temp_server.temperature.stats.KLTerms`), and so is any non-negatively
 weighted sum of such terms. Each minimisation is a 1-D convex problem on
 ``[1/t_max, 1/t_min]``, solved by safeguarded Newton on the derivative
 ``E_{q_u}[z~] - E_p[z~]``: a Newton step when it stays inside the current bracket, bisection
-otherwise. Rows are solved together, without a Python loop over rows.
+otherwise (`minimise_convex`, also used to fit one T to many rows' stored KL curves in
+`noisy_temp_server.estimation.fitting`). Rows are solved together, without a Python loop over
+rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,19 +22,15 @@ from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [
-    "LogitPairChunk",
+    "ConvexObjective",
     "OracleResult",
-    "SharedTemperatureResult",
-    "best_shared_temperature",
     "kl_curve",
+    "minimise_convex",
     "oracle_temperature",
 ]
 
-LogitPairChunk = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
-"""``(clean [B, V], served [B, V])`` or ``(clean, served, weight [B])`` with weights >= 0."""
-
-# (KL, KL', KL'') at one u per problem, each [R].
-_Evaluate = Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+ConvexObjective = Callable[[Tensor], tuple[Tensor, Tensor, Tensor]]
+"""``u [R] -> (f, f', f'')`` at one u per problem, each ``[R]``."""
 
 
 @dataclass(frozen=True)
@@ -43,34 +41,22 @@ class OracleResult:
     kl: Tensor
 
 
-@dataclass(frozen=True)
-class SharedTemperatureResult:
-    """The one temperature minimising the weighted sum of KL over many rows.
-
-    Attributes:
-        temperature: the minimiser, within the bounds.
-        kl_mean: weighted mean KL at ``temperature`` over the rows with finite KL.
-        weight_total: sum of the weights of those rows (their count when unweighted).
-        rows: number of rows with finite KL (the ones fitted).
-        infinite_kl_rows: rows left out because their KL is +inf at every T (the served row
-            masks a token the clean row supports).
-    """
-
-    temperature: float
-    kl_mean: float
-    weight_total: float
-    rows: int
-    infinite_kl_rows: int
-
-
-def _minimise_convex(
-    evaluate: _Evaluate, u_low: Tensor, u_high: Tensor, rtol: float, max_iterations: int
+def minimise_convex(
+    evaluate: ConvexObjective,
+    u_low: Tensor,
+    u_high: Tensor,
+    rtol: float = 1e-5,
+    max_iterations: int = 50,
 ) -> tuple[Tensor, Tensor]:
     """Minimise R independent convex functions of u on ``[u_low, u_high]`` ([R] each).
 
-    Returns ``(u, KL(u))``. A problem whose derivative is >= 0 at ``u_low`` ends there (this
-    includes +inf KL everywhere), one whose derivative is <= 0 at ``u_high`` ends there; the
-    others iterate until the step or the bracket is below ``rtol * u``.
+    Safeguarded Newton from u = 1 (clamped into the interval): a Newton step when it stays
+    inside the bracket that the sign of the derivative keeps, bisection otherwise. Returns
+    ``(u, f(u))``. A problem whose derivative is >= 0 at ``u_low`` ends there (this includes
+    +inf KL everywhere), one whose derivative is <= 0 at ``u_high`` ends there; the others
+    iterate until the step or the bracket is below ``rtol * u``. For a function that is not
+    exactly convex it still ends where the derivative changes sign from - to + inside the
+    bracket (a local minimum).
     """
     kl_low, slope_low, _ = evaluate(u_low)
     kl_high, slope_high, _ = evaluate(u_high)
@@ -125,94 +111,8 @@ def oracle_temperature(
     bounds = bounds or TemperatureBounds()
     terms = KLTerms.from_logits(clean, served)
     u_low, u_high = _inverse_bounds(bounds, terms.neg_entropy_clean)
-    u, kl = _minimise_convex(terms.kl_with_derivatives, u_low, u_high, rtol, max_iterations)
+    u, kl = minimise_convex(terms.kl_with_derivatives, u_low, u_high, rtol, max_iterations)
     return OracleResult(temperature=u.reciprocal(), kl=kl)
-
-
-def _split_chunk(chunk: LogitPairChunk) -> tuple[Tensor, Tensor, Tensor | None]:
-    if len(chunk) == 2:
-        return chunk[0], chunk[1], None
-    if len(chunk) == 3:
-        return chunk[0], chunk[1], chunk[2]
-    raise ValueError(
-        f"each chunk must be (clean, served) or (clean, served, weight), got {len(chunk)} items"
-    )
-
-
-def best_shared_temperature(
-    chunks: Callable[[], Iterable[LogitPairChunk]],
-    bounds: TemperatureBounds | None = None,
-    *,
-    rtol: float = 1e-5,
-    max_iterations: int = 50,
-) -> SharedTemperatureResult:
-    """The single T in ``bounds`` minimising ``sum_rows weight * KL(p || softmax(served / T))``.
-
-    ``chunks`` is called once per pass and must yield the same rows each time, as
-    ``(clean [B, V], served [B, V])`` or ``(clean, served, weight [B])`` (weights >= 0, default
-    1; chunk sizes may differ). So calibration never holds all logits at once: pass e.g.
-    ``lambda: ((c, s) for c, s in bucket_loader())``, or ``lambda: [(clean, served)]`` for
-    tensors already in memory. Each pass computes the weighted KL and its first two derivatives
-    at one T; expect about 5-10 passes (each re-reads every chunk) plus two at the bounds.
-
-    Rows with +inf KL at every T are left out and counted in the result. Raises ``ValueError``
-    if no row with finite KL and positive weight is left, or for a malformed chunk or weight.
-    """
-    bounds = bounds or TemperatureBounds()
-    counts = {"rows": 0, "infinite": 0, "weight": 0.0}
-
-    def evaluate(u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        totals = torch.zeros(3, dtype=torch.float64)
-        rows = infinite = 0
-        weight_total = 0.0
-        for chunk in chunks():
-            clean, served, weight = _split_chunk(chunk)
-            terms = KLTerms.from_logits(clean, served)
-            batch = clean.shape[0]
-            dtype = terms.served_shifted.dtype
-            row_weight = _chunk_weight(weight, batch, dtype, clean.device)
-            finite = torch.isfinite(terms.served_mean_under_clean)
-            row_weight = torch.where(finite, row_weight, 0.0)
-            u_rows = u.to(dtype=dtype, device=clean.device).expand(batch)
-            kl, slope, curvature = terms.kl_with_derivatives(u_rows)
-            stacked = torch.where(finite, torch.stack([kl, slope, curvature]), 0.0)
-            totals += (stacked * row_weight).sum(dim=-1).to(torch.float64).cpu()
-            finite_rows = int(finite.sum())
-            rows += finite_rows
-            infinite += batch - finite_rows
-            weight_total += float(row_weight.sum())
-        counts.update(rows=rows, infinite=infinite, weight=weight_total)
-        if weight_total <= 0:
-            raise ValueError(
-                f"no rows to fit: {rows} rows with finite KL and total weight {weight_total} "
-                f"({infinite} rows have infinite KL); give at least one row with weight > 0"
-            )
-        return totals[0:1], totals[1:2], totals[2:3]
-
-    one = torch.ones(1, dtype=torch.float64)
-    u_low, u_high = _inverse_bounds(bounds, one)
-    u, kl_sum = _minimise_convex(evaluate, u_low, u_high, rtol, max_iterations)
-    weight_total = float(counts["weight"])
-    return SharedTemperatureResult(
-        temperature=float(u.reciprocal()),
-        kl_mean=float(kl_sum) / weight_total,
-        weight_total=weight_total,
-        rows=int(counts["rows"]),
-        infinite_kl_rows=int(counts["infinite"]),
-    )
-
-
-def _chunk_weight(
-    weight: Tensor | None, batch: int, dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    if weight is None:
-        return torch.ones(batch, dtype=dtype, device=device)
-    if weight.shape != (batch,):
-        raise ValueError(f"weight must have shape [{batch}], got {tuple(weight.shape)}")
-    weight = weight.to(dtype=dtype, device=device)
-    if not bool(((weight >= 0) & torch.isfinite(weight)).all()):
-        raise ValueError("weights must be finite and >= 0")
-    return weight
 
 
 def kl_curve(

@@ -13,16 +13,16 @@ of the calibrated table work the same way over the served row's entropy in nats.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from noisy_temp_server.temperature import policy_checks as checks
+from noisy_temp_server.temperature.policy_checks import PolicyValidationError
 from noisy_temp_server.temperature.rules import (
     Rule,
     TemperatureBounds,
@@ -43,86 +43,6 @@ __all__ = [
 ]
 
 
-class PolicyValidationError(ValueError):
-    """A policy (or its JSON) is malformed; the message names the field and what is expected."""
-
-
-def _fail(field: str, expected: str, value: object) -> PolicyValidationError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return PolicyValidationError(f"policy field {field!r} must be {expected}, got {shown}")
-
-
-def _is_number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _number(field: str, value: object, *, positive: bool = False) -> float:
-    """A finite float, > 0 if ``positive`` else >= 0."""
-    expected = "a finite number > 0" if positive else "a finite number >= 0"
-    if not _is_number(value) or not math.isfinite(value):
-        raise _fail(field, expected, value)
-    if value < 0 or (positive and value == 0):
-        raise _fail(field, expected, value)
-    return float(value)
-
-
-def _sequence(field: str, value: object, expected: str) -> Sequence[object]:
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise _fail(field, expected, value)
-    return value
-
-
-def _check_ascending(field: str, expected: str, edges: Sequence[float], original: object) -> None:
-    if not edges or edges[0] != 0 or any(b <= a for a, b in itertools.pairwise(edges)):
-        raise _fail(field, expected, original)
-
-
-def _step_edges(field: str, value: object) -> tuple[int, ...]:
-    expected = "a non-empty list of strictly ascending integers starting at 0"
-    edges = []
-    for item in _sequence(field, value, expected):
-        if isinstance(item, bool) or not isinstance(item, int):
-            raise _fail(field, expected, value)
-        edges.append(item)
-    _check_ascending(field, expected, edges, value)
-    return tuple(edges)
-
-
-def _entropy_edges(field: str, value: object) -> tuple[float, ...]:
-    expected = "a non-empty list of strictly ascending finite numbers starting at 0"
-    edges = []
-    for item in _sequence(field, value, expected):
-        if not _is_number(item) or not math.isfinite(item):
-            raise _fail(field, expected, value)
-        edges.append(float(item))
-    _check_ascending(field, expected, edges, value)
-    return tuple(edges)
-
-
-def _rule(value: object) -> Rule:
-    if isinstance(value, str):
-        try:
-            return Rule(value)
-        except ValueError:
-            pass
-    raise _fail("rule", f"one of: {' '.join(r.value for r in Rule)}", value)
-
-
-def _per_bucket(field: str, value: object, buckets: int, *, positive: bool) -> tuple[float, ...]:
-    expected = (
-        f"a list of {buckets} finite numbers {'> 0' if positive else '>= 0'} (one per bucket)"
-    )
-    items = _sequence(field, value, expected)
-    if len(items) != buckets:
-        raise _fail(field, expected, value)
-    try:
-        return tuple(_number(field, x, positive=positive) for x in items)
-    except PolicyValidationError:
-        raise _fail(field, expected, value) from None
-
-
 @dataclass(frozen=True)
 class CalibratedTable:
     """T by (step bucket, served-entropy bucket); entries may be below or above 1.
@@ -136,22 +56,22 @@ class CalibratedTable:
     temperatures: tuple[tuple[float, ...], ...] = ((1.0,),)
 
     def __post_init__(self) -> None:
-        step_edges = _step_edges("calibrated.step_edges", self.step_edges)
-        entropy_edges = _entropy_edges("calibrated.entropy_edges", self.entropy_edges)
+        step_edges = checks.step_edges("calibrated.step_edges", self.step_edges)
+        entropy_edges = checks.entropy_edges("calibrated.entropy_edges", self.entropy_edges)
         field = "calibrated.temperatures"
         expected = (
             f"a {len(step_edges)} x {len(entropy_edges)} table (step buckets x entropy "
             "buckets) of finite numbers > 0"
         )
-        table = _sequence(field, self.temperatures, expected)
+        table = checks.sequence(field, self.temperatures, expected)
         if len(table) != len(step_edges):
-            raise _fail(field, expected, self.temperatures)
+            raise checks.fail(field, expected, self.temperatures)
         rows = []
         for row in table:
             try:
-                rows.append(_per_bucket(field, row, len(entropy_edges), positive=True))
+                rows.append(checks.per_bucket(field, row, len(entropy_edges), positive=True))
             except PolicyValidationError:
-                raise _fail(field, expected, self.temperatures) from None
+                raise checks.fail(field, expected, self.temperatures) from None
         object.__setattr__(self, "step_edges", step_edges)
         object.__setattr__(self, "entropy_edges", entropy_edges)
         object.__setattr__(self, "temperatures", tuple(rows))
@@ -209,28 +129,30 @@ class TemperaturePolicy:
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
-            raise _fail("version", "an integer >= 0", self.version)
-        rule = _rule(self.rule)
+            raise checks.fail("version", "an integer >= 0", self.version)
+        rule = checks.rule(self.rule)
         if not isinstance(self.bounds, TemperatureBounds):
-            raise _fail("bounds", "a TemperatureBounds", self.bounds)
+            raise checks.fail("bounds", "a TemperatureBounds", self.bounds)
         if not isinstance(self.calibrated, CalibratedTable):
-            raise _fail("calibrated", "a CalibratedTable", self.calibrated)
-        edges = _step_edges("step_edges", self.step_edges)
+            raise checks.fail("calibrated", "a CalibratedTable", self.calibrated)
+        edges = checks.step_edges("step_edges", self.step_edges)
         values = {
             "rule": rule,
-            "fixed_temperature": _number(
+            "fixed_temperature": checks.number(
                 "fixed_temperature", self.fixed_temperature, positive=True
             ),
             "step_edges": edges,
-            "alpha_by_step": _per_bucket(
+            "alpha_by_step": checks.per_bucket(
                 "alpha_by_step", self.alpha_by_step, len(edges), positive=False
             ),
-            "sigma2_by_step": _per_bucket(
+            "sigma2_by_step": checks.per_bucket(
                 "sigma2_by_step", self.sigma2_by_step, len(edges), positive=False
             ),
-            "fisher_var_floor": _number("fisher_var_floor", self.fisher_var_floor, positive=True),
-            "schedule_t_max": _number("schedule_t_max", self.schedule_t_max, positive=True),
-            "schedule_beta": _number("schedule_beta", self.schedule_beta),
+            "fisher_var_floor": checks.number(
+                "fisher_var_floor", self.fisher_var_floor, positive=True
+            ),
+            "schedule_t_max": checks.number("schedule_t_max", self.schedule_t_max, positive=True),
+            "schedule_beta": checks.number("schedule_beta", self.schedule_beta),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -274,7 +196,7 @@ class TemperaturePolicy:
             )
         return dataclasses.replace(
             self,
-            rule=self.rule if rule is None else _rule(rule),
+            rule=self.rule if rule is None else checks.rule(rule),
             fixed_temperature=(
                 self.fixed_temperature if fixed_temperature is None else fixed_temperature
             ),
@@ -312,7 +234,7 @@ class TemperaturePolicy:
         if "calibrated" in data:
             table = data["calibrated"]
             if not isinstance(table, dict):
-                raise _fail("calibrated", "an object", table)
+                raise checks.fail("calibrated", "an object", table)
             _reject_unknown("policy field 'calibrated'", table, _CALIBRATED_KEYS)
             calibrated = CalibratedTable(
                 step_edges=table.get("step_edges", calibrated.step_edges),
@@ -452,7 +374,7 @@ def policy_temperature(
             device, so pass the same object each step).
         step: ``[B]`` integer generation step of each row (0 = first generated token).
         served_logits: ``[B, V]`` served logits, read only when
-            ``policy.rule.needs_served_logits`` (``fisher`` uses the served row's Var_q as its
+            ``policy.reads_served_row`` (``fisher`` uses the served row's Var_q as its
             Var_p estimate, ``calibrated`` its entropy). Not modified.
         served_features: instead of ``served_logits``, the rows' precomputed
             :class:`~noisy_temp_server.temperature.stats.ServedRowFeatures` (``[B]`` fields),

@@ -44,11 +44,6 @@ class Rule(StrEnum):
     CALIBRATED = "calibrated"
     """A fitted table over (step bucket, served-entropy bucket); may be below 1."""
 
-    @property
-    def needs_served_logits(self) -> bool:
-        """Whether evaluating this rule reads the served row (and so costs a log-softmax)."""
-        return self in (Rule.FISHER, Rule.CALIBRATED)
-
 
 @dataclass(frozen=True)
 class TemperatureBounds:

@@ -30,7 +30,6 @@ __all__ = [
     "ServedRowFeatures",
     "check_logits",
     "compute_dtype",
-    "kl_to_clean",
     "pair_statistics",
     "served_row_features",
     "stable_log_softmax",
@@ -311,25 +310,3 @@ def pair_statistics(clean: Tensor, served: Tensor) -> PairStatistics:
         kl_at_one=kl_at_one,
         same_top=z.argmax(dim=-1) == z_served.argmax(dim=-1),
     )
-
-
-def kl_to_clean(clean: Tensor, served: Tensor, temperature: float | Tensor) -> Tensor:
-    """``[B]`` KL(p || softmax(served / T)) with p = softmax(clean).
-
-    ``temperature`` is a float or a ``[B]`` tensor, finite and > 0 (``ValueError`` otherwise).
-    See the module docstring for masked tokens (+inf where served masks what p supports).
-    """
-    terms = KLTerms.from_logits(clean, served)
-    dtype = terms.served_shifted.dtype
-    batch = clean.shape[0]
-    t = torch.as_tensor(temperature, dtype=dtype, device=clean.device)
-    if t.dim() == 0:
-        t = t.expand(batch)
-    if t.shape != (batch,):
-        raise ValueError(
-            f"temperature must be a float or a [batch] tensor, got shape {tuple(t.shape)} "
-            f"for batch {batch}"
-        )
-    if not bool(((t > 0) & torch.isfinite(t)).all()):
-        raise ValueError("temperature must be finite and > 0 in every row")
-    return terms.kl(t.reciprocal())

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from kl_reference import kl_to_clean
 from spy_helpers import record_calls
 
-from noisy_temp_server.estimation import calibration
-from noisy_temp_server.estimation.calibration import (
+from noisy_temp_server.estimation import fitting
+from noisy_temp_server.estimation.calibration import calibrate
+from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
-    InsufficientDataError,
     best_curve_temperature,
-    calibrate,
     fit_calibrated_table,
     fit_rules,
-    load_pair,
     noise_by_step,
-    quality_table,
-    recommend_rule,
     rule_temperatures,
-    split_by_sequence,
 )
 from noisy_temp_server.estimation.profile import (
     CalibrationSettings,
@@ -32,15 +29,26 @@ from noisy_temp_server.estimation.profile import (
     QualityTable,
 )
 from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.estimation.quality import quality_table, recommend_rule
+from noisy_temp_server.estimation.significance import InsufficientDataError, split_by_sequence
+from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
-from noisy_temp_server.pairs.scorer import KL_CURVE_TEMPERATURES, PositionRecords
+from noisy_temp_server.pairs.scorer import (
+    KL_CURVE_TEMPERATURES,
+    PositionRecords,
+    interpolate_kl,
+)
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     TemperaturePolicy,
     policy_temperature,
 )
-from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
-from noisy_temp_server.temperature.stats import kl_to_clean
+from noisy_temp_server.temperature.rules import (
+    Rule,
+    TemperatureBounds,
+    clamp_temperature,
+    schedule_temperature,
+)
 
 BOUNDS = TemperatureBounds()
 
@@ -73,11 +81,13 @@ def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
     settings = CalibrationSettings(step_edges=(0, 4), entropy_buckets=1, min_cell_positions=40)
     calls = record_calls(
         monkeypatch,
-        calibration,
+        fitting,
         ("_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"),
     )
     everything, _ = fit_rules(records, settings)
-    assert {"_schedule", "_fisher_floor", "fit_calibrated_table"} <= set(calls)
+    assert {"_schedule", "_fisher_floor", "fit_calibrated_table", "best_curve_temperature"} <= set(
+        calls
+    )
     assert everything.schedule_t_max < 1
     assert everything.fixed_temperature < 1
     calls.clear()
@@ -90,11 +100,73 @@ def test_fit_rules_fits_every_rule_by_default_and_only_the_named_ones_otherwise(
     assert (only_table.fixed_temperature, only_table.schedule_t_max) == (1.0, 1.0)
 
 
-def test_schedule_fit_in_chunks_matches_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    records = _records(300, shrink=0.6, noise=0.5)
-    whole = calibration._schedule(records, BOUNDS)
-    monkeypatch.setattr(calibration, "_SCHEDULE_CHUNK_ROWS", 97 * 7)
-    assert calibration._schedule(records, BOUNDS) == pytest.approx(whole)
+def _log_grid(low: float, high: float, points: int) -> list[float]:
+    return torch.exp(torch.linspace(math.log(low), math.log(high), points)).tolist()
+
+
+def _schedule_kl(records: PositionRecords, t_max: float, beta: float) -> float:
+    policy = TemperaturePolicy(rule=Rule.SCHEDULE, schedule_t_max=t_max, schedule_beta=beta)
+    return float(fitting._mean_kl(records, rule_temperatures(policy, records)))
+
+
+def _records_with_falling_noise() -> PositionRecords:
+    """Noisy early steps, clean late ones: the best T falls with the step."""
+    early = _records(160, shrink=1.0, noise=2.0, sequences=8)
+    late = _records(160, shrink=1.0, noise=0.3, sequences=8, seed=1, first_step=40)
+    return PositionRecords.concat([early, late])
+
+
+def test_schedule_fit_is_at_least_as_good_as_a_fine_grid_search() -> None:
+    records = _records_with_falling_noise()
+    t_max, beta = fitting._schedule(records, BOUNDS)
+    # The reference: the grid search the fit replaced (42 betas x 97 t_max, log-spaced).
+    t_grid = torch.tensor(_log_grid(BOUNDS.t_min, BOUNDS.t_max, 97))
+    curves = records.kl_curve.repeat(len(t_grid), 1)
+    grid = []
+    for b in [0.0, *_log_grid(1e-4, 10.0, 41)]:
+        shape = schedule_temperature(records.step, 1.0, b)
+        t = clamp_temperature(t_grid[:, None] * shape[None, :], BOUNDS.t_min, BOUNDS.t_max)
+        kl = interpolate_kl(curves, records.curve_temperatures, t.reshape(-1)).double()
+        means = kl.reshape(len(t_grid), -1).mean(dim=1)
+        grid.append((float(means.min()), float(t_grid[int(means.argmin())]), b))
+    grid_kl, grid_t_max, grid_beta = min(grid)
+    assert grid_beta > 0
+    assert _schedule_kl(records, t_max, beta) <= grid_kl * (1 + 1e-6)
+    assert t_max == pytest.approx(grid_t_max, rel=0.05)
+    assert beta == pytest.approx(grid_beta, rel=0.5)
+
+
+def test_schedule_fit_is_near_the_fixed_fit_when_noise_does_not_change_with_step() -> None:
+    records = _records(300, shrink=1.0, noise=1.5)
+    t_max, beta = fitting._schedule(records, BOUNDS)
+    fixed = best_curve_temperature(records.kl_curve, records.curve_temperatures, BOUNDS)
+    assert beta < 0.02
+    assert t_max == pytest.approx(fixed, rel=0.02)
+    assert _schedule_kl(records, t_max, beta) <= _schedule_kl(records, fixed, 0.0) * (1 + 1e-9)
+
+
+def test_best_curve_temperature_matches_a_fine_grid_on_the_interpolated_curve() -> None:
+    records = _records_with_falling_noise()
+    t = best_curve_temperature(records.kl_curve, records.curve_temperatures, BOUNDS)
+    grid = torch.tensor(_log_grid(BOUNDS.t_min, BOUNDS.t_max, 801), dtype=torch.float64)
+    mean_curve = records.kl_curve.double().mean(dim=0, keepdim=True)
+    values = interpolate_kl(mean_curve.expand(len(grid), -1), records.curve_temperatures, grid)
+    assert t == pytest.approx(float(grid[values.argmin()]), rel=4e-3)
+    at_t = interpolate_kl(mean_curve, records.curve_temperatures, torch.tensor([t]))
+    assert float(at_t) <= float(values.min()) * (1 + 1e-7)
+
+
+def test_fisher_floor_is_at_least_as_good_as_a_fine_grid_search() -> None:
+    records = _records_with_falling_noise()
+    parameters, _ = fit_rules(records, CalibrationSettings(step_edges=(0, 20)), {Rule.FISHER})
+    fisher = parameters.to_policy(Rule.FISHER)
+
+    def mean_kl(floor: float) -> float:
+        policy = dataclasses.replace(fisher, fisher_var_floor=floor)
+        return float(fitting._mean_kl(records, rule_temperatures(policy, records)))
+
+    grid_kl = min(mean_kl(floor) for floor in _log_grid(1e-3, 1e3, 61))
+    assert mean_kl(fisher.fisher_var_floor) <= grid_kl * (1 + 1e-6)
 
 
 def test_best_curve_temperature_matches_the_mean_of_per_row_minima_for_identical_rows() -> None:
@@ -292,6 +364,19 @@ def _sequence_records(log_optimum: list[float], positions: int = 10) -> Position
         sequence_id=torch.arange(count).repeat_interleave(positions),
         step=torch.arange(positions).repeat(count),
     )
+
+
+def test_fits_recover_the_optimum_of_curves_known_in_closed_form() -> None:
+    # Quadratic curves in log T are reproduced exactly by the interpolation (away from the ends
+    # of the grid), so the fits must find their optimum to the solvers' tolerance.
+    step = torch.arange(400) % 50
+    t_max, beta = 2.0, 0.05
+    log_optimum = math.log(t_max) - 0.5 * torch.log1p(beta * step.double()).float()
+    records = _curve_records(log_optimum, sequence_id=torch.arange(400) % 20, step=step)
+    assert fitting._schedule(records, BOUNDS) == pytest.approx((t_max, beta), rel=5e-3)
+    flat = _curve_records(torch.full((40,), 0.3), sequence_id=torch.arange(40), step=step[:40])
+    fixed = best_curve_temperature(flat.kl_curve, flat.curve_temperatures, BOUNDS)
+    assert fixed == pytest.approx(math.exp(0.3), rel=1e-5)
 
 
 def _step_policies(temperature: float) -> list[TemperaturePolicy]:

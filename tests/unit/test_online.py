@@ -9,7 +9,7 @@ import torch
 from profile_helpers import sample_profile
 from spy_helpers import record_calls
 
-from noisy_temp_server.estimation import calibration
+from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.pairs.scorer import PositionRecords
@@ -67,9 +67,7 @@ def test_keeps_a_rule_the_profile_recommends() -> None:
 
 
 def test_refits_only_what_the_served_rule_needs(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = record_calls(
-        monkeypatch, calibration, ("_schedule", "_fisher_floor", "best_curve_temperature")
-    )
+    calls = record_calls(monkeypatch, fitting, ("_schedule", "_fisher_floor"))
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(settings=settings, min_positions=400, refit_every=400)
     for request in range(10):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
@@ -24,7 +25,6 @@ from noisy_temp_server.pairs.scorer import (
     interpolate_kl,
 )
 from noisy_temp_server.temperature.oracle import kl_curve
-from noisy_temp_server.temperature.stats import kl_to_clean
 
 
 @pytest.fixture(scope="module")

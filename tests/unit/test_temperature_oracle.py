@@ -1,4 +1,5 @@
-"""Tests for noisy_temp_server.temperature.oracle: per-row oracle T, shared T, KL curves."""
+"""Tests for noisy_temp_server.temperature.oracle: the per-row oracle T, the convex solver
+and KL curves."""
 
 import math
 
@@ -6,14 +7,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kl_reference import kl_to_clean
 
 from noisy_temp_server.temperature.oracle import (
-    best_shared_temperature,
     kl_curve,
+    minimise_convex,
     oracle_temperature,
 )
 from noisy_temp_server.temperature.rules import TemperatureBounds
-from noisy_temp_server.temperature.stats import kl_to_clean
 
 INF = float("inf")
 LN3 = math.log(3.0)
@@ -107,80 +108,32 @@ def test_oracle_kl_is_no_worse_than_any_other_temperature(
     assert torch.all(result.kl <= kl_curve(clean, served, grid).min(dim=-1).values + 1e-10)
 
 
-# ---------------------------------------------------------------- shared temperature
+# ---------------------------------------------------------------- the convex solver
 
 
-def test_shared_temperature_of_identical_rescalings_by_hand() -> None:
-    clean = torch.tensor([[0.0, 1.0, 2.0], [1.0, -1.0, 0.5]])
-    result = best_shared_temperature(lambda: [(clean, clean * 1.5)])
-    assert result.temperature == pytest.approx(1.5, rel=1e-4)
-    assert result.kl_mean == pytest.approx(0.0, abs=1e-6)
-    assert (result.rows, result.infinite_kl_rows, result.weight_total) == (2, 0, 2.0)
+def test_minimise_convex_finds_interior_minima_and_stops_at_the_bounds() -> None:
+    target = torch.tensor([0.1, 0.5, 3.0, 9.0], dtype=torch.float64)
+
+    def evaluate(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # A convex, non-quadratic f with its minimum at `target`: Newton needs several steps.
+        d = u - target
+        return d.square() + d.pow(4), 2 * d + 4 * d.pow(3), 2 + 12 * d.square()
+
+    low = torch.full((4,), 0.25, dtype=torch.float64)
+    high = torch.full((4,), 4.0, dtype=torch.float64)
+    u, value = minimise_convex(evaluate, low, high, rtol=1e-9)
+    torch.testing.assert_close(u, torch.tensor([0.25, 0.5, 3.0, 4.0], dtype=torch.float64))
+    torch.testing.assert_close(value, evaluate(u)[0])
 
 
-def test_shared_temperature_minimises_the_summed_grid_curve() -> None:
-    clean, served = noisy_pair(4, batch=12)
-    grid = torch.arange(0.25, 4.0 + 1e-9, 1e-4, dtype=torch.float64)
-    summed = kl_curve(clean, served, grid).sum(dim=0)
-    result = best_shared_temperature(lambda: [(clean, served)], BOUNDS)
-    assert abs(result.temperature - grid[summed.argmin()].item()) <= 1e-3
-    assert result.kl_mean * 12 <= summed.min().item() + 1e-10
-    oracle_kl = oracle_temperature(clean, served).kl.mean().item()
-    assert oracle_kl <= result.kl_mean  # a shared T cannot beat per-row T
+def test_minimise_convex_falls_back_to_bisection_without_curvature() -> None:
+    # |u - 2| has no useful second derivative (0): every step must be a bisection.
+    def evaluate(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (u - 2).abs(), torch.sign(u - 2), torch.zeros_like(u)
 
-
-def test_shared_temperature_is_the_same_in_chunks() -> None:
-    clean, served = noisy_pair(5, batch=12)
-    whole = best_shared_temperature(lambda: [(clean, served)])
-    passes = []
-
-    def chunks() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        passes.append(1)
-        return [(clean[:5], served[:5]), (clean[5:6], served[5:6]), (clean[6:], served[6:])]
-
-    chunked = best_shared_temperature(chunks)
-    assert chunked.temperature == pytest.approx(whole.temperature, rel=1e-6)
-    assert chunked.kl_mean == pytest.approx(whole.kl_mean, rel=1e-6)
-    assert chunked.rows == 12
-    assert len(passes) <= 20
-
-
-def test_shared_temperature_weights_act_like_repeated_rows() -> None:
-    clean, served = noisy_pair(6, batch=4)
-    weights = torch.tensor([2.0, 1.0, 0.0, 3.0])
-    weighted = best_shared_temperature(lambda: [(clean, served, weights)])
-    repeat = torch.tensor([0, 0, 1, 3, 3, 3])
-    repeated = best_shared_temperature(lambda: [(clean[repeat], served[repeat])])
-    assert weighted.temperature == pytest.approx(repeated.temperature, rel=1e-6)
-    assert weighted.kl_mean == pytest.approx(repeated.kl_mean, rel=1e-6)
-    assert weighted.weight_total == 6.0
-
-
-def test_shared_temperature_leaves_out_infinite_rows() -> None:
-    clean = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 1.0]])
-    served = torch.tensor([[0.0, 2.0, 4.0], [0.0, -INF, 1.0]])
-    result = best_shared_temperature(lambda: [(clean, served)])
-    assert result.temperature == pytest.approx(2.0, rel=1e-4)
-    assert (result.rows, result.infinite_kl_rows) == (1, 1)
-
-
-def test_shared_temperature_without_usable_rows_raises() -> None:
-    clean = torch.tensor([[0.0, 0.0, 1.0]])
-    served = torch.tensor([[0.0, -INF, 1.0]])
-    with pytest.raises(ValueError, match="no rows to fit"):
-        best_shared_temperature(lambda: [(clean, served)])
-    with pytest.raises(ValueError, match="no rows to fit"):
-        best_shared_temperature(lambda: [])
-
-
-@pytest.mark.parametrize(
-    ("weight", "message"),
-    [(torch.tensor([1.0]), r"shape \[2\]"), (torch.tensor([1.0, -1.0]), "finite and >= 0")],
-)
-def test_shared_temperature_rejects_bad_weights(weight: torch.Tensor, message: str) -> None:
-    clean = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=message):
-        best_shared_temperature(lambda: [(clean, clean, weight)])
+    one = torch.ones(1, dtype=torch.float64)
+    u, _ = minimise_convex(evaluate, 0.25 * one, 4.0 * one, rtol=1e-8, max_iterations=80)
+    assert float(u) == pytest.approx(2.0, rel=1e-6)
 
 
 # ---------------------------------------------------------------- KL curves

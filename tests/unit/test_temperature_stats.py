@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from kl_reference import kl_to_clean
 
 from noisy_temp_server.temperature.stats import (
     KLTerms,
     NonFiniteLogitsError,
     check_logits,
-    kl_to_clean,
     pair_statistics,
     served_row_features,
     stable_log_softmax,
@@ -67,7 +67,7 @@ def test_alpha_is_infinite_for_a_flat_clean_row_with_noise() -> None:
     assert stats.alpha.item() == INF
 
 
-def test_kl_to_clean_by_hand() -> None:
+def test_kl_terms_by_hand() -> None:
     clean = rows([0.0, LN3], [0.0, LN3])
     served = rows([0.0, 2 * LN3], [0.0, 2 * LN3])
     kl = kl_to_clean(clean, served, torch.tensor([1.0, 2.0]))
@@ -176,12 +176,6 @@ def test_wrong_shape_or_dtype_raises(logits: torch.Tensor, message: str) -> None
 def test_mismatched_pair_shapes_raise() -> None:
     with pytest.raises(ValueError, match="same shape"):
         pair_statistics(torch.zeros(2, 3), torch.zeros(2, 4))
-
-
-@pytest.mark.parametrize("temperature", [0.0, -1.0, INF, float("nan")])
-def test_kl_to_clean_rejects_bad_temperature(temperature: float) -> None:
-    with pytest.raises(ValueError, match="finite and > 0"):
-        kl_to_clean(torch.zeros(2, 3), torch.zeros(2, 3), temperature)
 
 
 def test_inputs_are_not_modified() -> None:

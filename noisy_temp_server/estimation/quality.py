@@ -1,0 +1,125 @@
+"""The held-out quality table, and the rule it recommends.
+
+KL of a rule at a position is read off the position's KL curve at the rule's T
+(`interpolate_kl`, within about 0.2% of the exact KL); T = 1 and the oracle use the exact values.
+Standard errors of mean KL, and of the paired gains KL(T=1) - KL(rule) that decide
+significance, are cluster-robust by sequence (`noisy_temp_server.estimation.significance`). The
+same-top-token rate gets the binomial standard error. Temperature never changes the argmax, so
+that rate is a property of the pair, the same for every rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from noisy_temp_server.estimation.fitting import FITTED_RULES, rule_temperatures
+from noisy_temp_server.estimation.profile import QualityRow, QualityTable
+from noisy_temp_server.estimation.significance import (
+    InsufficientDataError,
+    cluster_stderr,
+    is_significant,
+)
+from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.rules import Rule
+
+__all__ = ["quality_table", "recommend_rule"]
+
+
+def _quality_row(
+    name: str,
+    *,
+    kl: Tensor,
+    temperatures: Tensor,
+    sequence_ids: Tensor,
+    kl_at_one: Tensor,
+    kl_one: float,
+    kl_oracle: float,
+) -> QualityRow:
+    kl = kl.double()
+    mean = float(kl.mean())
+    percentiles = torch.quantile(kl, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    gap = kl_one - kl_oracle
+    gain = kl_at_one.double() - kl
+    return QualityRow(
+        name=name,
+        mean_kl=mean,
+        stderr=cluster_stderr(kl, sequence_ids),
+        gain=float(gain.mean()),
+        gain_stderr=cluster_stderr(gain, sequence_ids),
+        p50=percentiles[0],
+        p90=percentiles[1],
+        p99=percentiles[2],
+        closure=(kl_one - mean) / gap if gap > 0 else None,
+        mean_temperature=float(temperatures.double().mean()),
+    )
+
+
+def quality_table(
+    records: PositionRecords,
+    policies: Sequence[TemperaturePolicy],
+    min_positions: int = 100,
+) -> QualityTable:
+    """The quality table on `records` (held-out): T = 1, each policy's rule, and the oracle.
+
+    Rows are named by rule value (give at most one policy per rule), with "T=1" and "oracle".
+
+    Positions whose KL is infinite at every T (the served row masks a token the clean row
+    supports) are left out. Raises `InsufficientDataError` below `min_positions` positions.
+    """
+    finite = torch.isfinite(records.kl_at_one)
+    records = records.select(finite)
+    if len(records) < min_positions:
+        raise InsufficientDataError(
+            f"only {len(records)} held-out positions with finite KL; the quality table needs at "
+            f"least {min_positions}: use more prompts or longer completions"
+        )
+    ones = torch.ones(len(records))
+    kl_one = float(records.kl_at_one.double().mean())
+    kl_oracle = float(records.oracle_kl.double().mean())
+    ids = records.sequence_id
+    row = functools.partial(
+        _quality_row,
+        sequence_ids=ids,
+        kl_at_one=records.kl_at_one,
+        kl_one=kl_one,
+        kl_oracle=kl_oracle,
+    )
+    rows = [row("T=1", kl=records.kl_at_one, temperatures=ones)]
+    for policy in policies:
+        t = rule_temperatures(policy, records)
+        kl = interpolate_kl(records.kl_curve, records.curve_temperatures, t)
+        rows.append(row(policy.rule.value, kl=kl, temperatures=t))
+    rows.append(row("oracle", kl=records.oracle_kl, temperatures=records.oracle_t))
+    same = records.same_top.double()
+    rate = float(same.mean())
+    return QualityTable(
+        positions=len(records),
+        sequences=int(torch.unique(ids).numel()),
+        same_top_rate=rate,
+        same_top_stderr=math.sqrt(rate * (1 - rate) / len(records)),
+        rows=tuple(rows),
+    )
+
+
+def recommend_rule(quality: QualityTable, rules: Sequence[Rule] = FITTED_RULES) -> Rule:
+    """The rule to serve: among `rules` (rows of `quality`, held-out), the one with the lowest
+    mean KL among those whose paired gain over T = 1 is significant; `Rule.OFF` when none is.
+
+    A rule that looks better than T = 1 only by noise is never recommended, so the served rule
+    is not worse than T = 1 beyond statistical noise. (Six rules are tested at about 2 standard
+    errors each; the held-out set is not used for fitting, only for this choice.)
+    """
+    significant = [
+        row
+        for row in (quality.row(rule.value) for rule in rules)
+        if is_significant(row.gain, row.gain_stderr)
+    ]
+    if not significant:
+        return Rule.OFF
+    return Rule(min(significant, key=lambda row: row.mean_kl).name)

@@ -1,0 +1,83 @@
+"""Loading a clean/served pair: the clean checkpoint, and the served model made or loaded."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.identity import ModelIdentity
+from noisy_temp_server.pairs.perturb import (
+    PerturbationSpec,
+    QuantizationSpec,
+    RuntimeLogitNoiseSpec,
+    WeightNoiseSpec,
+    apply_perturbation,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["LoadedPair", "load_pair"]
+
+
+@dataclass(frozen=True)
+class LoadedPair:
+    """A clean and a served model sharing `tokenizer`, with their identities and the spec."""
+
+    clean_model: PreTrainedModel
+    served_model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    clean: ModelIdentity
+    served: ModelIdentity
+    perturbation: PerturbationSpec | None
+
+    @property
+    def runtime_noise(self) -> RuntimeLogitNoiseSpec | None:
+        return self.perturbation if isinstance(self.perturbation, RuntimeLogitNoiseSpec) else None
+
+
+def load_pair(
+    clean_path: Path,
+    *,
+    served_path: Path | None = None,
+    spec: PerturbationSpec | None = None,
+    device: str | torch.device = "cpu",
+) -> LoadedPair:
+    """Load the clean checkpoint and make or load the served model.
+
+    With `served_path` (a checkpoint, e.g. from `noisy-temp-server perturb`), its manifest's
+    recorded perturbation is used, and a recorded clean identity must match `clean_path`
+    (ValueError naming both otherwise). With `spec` instead, weight perturbations are applied to
+    an in-memory copy of the clean model and a runtime-noise spec serves the clean weights; the
+    served identity is then `ModelIdentity.perturbed(clean, spec)`, which a profile matches
+    against the checkpoint `perturb` writes for the same spec.
+    """
+    clean_model, tokenizer = load_causal_lm(clean_path, device=device)
+    clean = ModelIdentity.of_checkpoint(clean_path)
+    if served_path is not None:
+        served_model, _ = load_causal_lm(served_path, device=device)
+        served = ModelIdentity.of_checkpoint(served_path)
+        recorded_clean = served.clean_weights_sha256
+        if recorded_clean is not None and recorded_clean != clean.weights_sha256:
+            raise ValueError(
+                f"{served_path} was made from weights sha256 {recorded_clean[:12]}..., not from "
+                f"{clean_path} ({clean.describe()}); pass the clean checkpoint it was made from"
+            )
+        spec = served.perturbation or spec
+        return LoadedPair(clean_model, served_model, tokenizer, clean, served, spec)
+    if spec is None:
+        raise ValueError("give a served checkpoint or a perturbation spec")
+    if isinstance(spec, WeightNoiseSpec | QuantizationSpec):
+        served_model = copy.deepcopy(clean_model)
+        apply_perturbation(served_model, spec)
+        served = ModelIdentity.perturbed(clean, spec)
+        return LoadedPair(clean_model, served_model, tokenizer, clean, served, spec)
+    if isinstance(spec, RuntimeLogitNoiseSpec):
+        served = ModelIdentity.perturbed(clean, spec)
+        return LoadedPair(clean_model, clean_model, tokenizer, clean, served, spec)
+    return load_pair(spec.clean_path, served_path=spec.served_path, device=device)

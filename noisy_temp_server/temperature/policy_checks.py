@@ -1,0 +1,102 @@
+"""Validation of policy fields: each check returns the normalised value or raises
+`PolicyValidationError` naming the field and what is expected."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import TypeGuard
+
+from noisy_temp_server.temperature.rules import Rule
+
+__all__ = [
+    "PolicyValidationError",
+    "entropy_edges",
+    "fail",
+    "number",
+    "per_bucket",
+    "rule",
+    "sequence",
+    "step_edges",
+]
+
+
+class PolicyValidationError(ValueError):
+    """A policy (or its JSON) is malformed; the message names the field and what is expected."""
+
+
+def fail(field: str, expected: str, value: object) -> PolicyValidationError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return PolicyValidationError(f"policy field {field!r} must be {expected}, got {shown}")
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def number(field: str, value: object, *, positive: bool = False) -> float:
+    """A finite float, > 0 if ``positive`` else >= 0."""
+    expected = "a finite number > 0" if positive else "a finite number >= 0"
+    if not is_number(value) or not math.isfinite(value):
+        raise fail(field, expected, value)
+    if value < 0 or (positive and value == 0):
+        raise fail(field, expected, value)
+    return float(value)
+
+
+def sequence(field: str, value: object, expected: str) -> Sequence[object]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise fail(field, expected, value)
+    return value
+
+
+def check_ascending(field: str, expected: str, edges: Sequence[float], original: object) -> None:
+    if not edges or edges[0] != 0 or any(b <= a for a, b in itertools.pairwise(edges)):
+        raise fail(field, expected, original)
+
+
+def step_edges(field: str, value: object) -> tuple[int, ...]:
+    expected = "a non-empty list of strictly ascending integers starting at 0"
+    edges = []
+    for item in sequence(field, value, expected):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise fail(field, expected, value)
+        edges.append(item)
+    check_ascending(field, expected, edges, value)
+    return tuple(edges)
+
+
+def entropy_edges(field: str, value: object) -> tuple[float, ...]:
+    expected = "a non-empty list of strictly ascending finite numbers starting at 0"
+    edges = []
+    for item in sequence(field, value, expected):
+        if not is_number(item) or not math.isfinite(item):
+            raise fail(field, expected, value)
+        edges.append(float(item))
+    check_ascending(field, expected, edges, value)
+    return tuple(edges)
+
+
+def rule(value: object) -> Rule:
+    if isinstance(value, str):
+        try:
+            return Rule(value)
+        except ValueError:
+            pass
+    raise fail("rule", f"one of: {' '.join(r.value for r in Rule)}", value)
+
+
+def per_bucket(field: str, value: object, buckets: int, *, positive: bool) -> tuple[float, ...]:
+    expected = (
+        f"a list of {buckets} finite numbers {'> 0' if positive else '>= 0'} (one per bucket)"
+    )
+    items = sequence(field, value, expected)
+    if len(items) != buckets:
+        raise fail(field, expected, value)
+    try:
+        return tuple(number(field, x, positive=positive) for x in items)
+    except PolicyValidationError:
+        raise fail(field, expected, value) from None

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "perturb": "perturb",
     "calibrate": "calibrate",
     "policy": "policy",
+    "kld": "kld",
     "serve": "serve",
 }
 

@@ -11,6 +11,9 @@ statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the cle
 PPL ratio) for the served model at T = 1 and at the served T*: the profile's recommended rule
 (or `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. Without `--served`/`--spec`
 the pair is serve's default one (the embedded model with DEFAULT_PERTURBATION, in memory).
+The continuations are the served model's own samples (llama.cpp scores a fixed text), so the
+served model tends to find them likelier than the clean one does: PPL(served)/PPL(clean) < 1
+there does not mean the served model is better.
 
 Prints a table (or the JSON with `--json`), writes the JSON to `--out`, and reports scored
 tokens per second (both forward passes and the statistics). Returns 0, or 1 with what is wrong

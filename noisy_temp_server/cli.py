@@ -18,8 +18,10 @@ from noisy_temp_server import __version__
 COMMANDS: dict[str, str] = {
     "model": "model",
     "perturb": "perturb",
+    "quantize": "quantize",
     "calibrate": "calibrate",
     "policy": "policy",
+    "kld": "kld",
     "serve": "serve",
 }
 

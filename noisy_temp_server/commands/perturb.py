@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 __all__ = ["HELP", "add_arguments", "read_spec_argument", "run"]
 
-HELP = "Write a perturbed (noisy or quantised) copy of a checkpoint, with its spec recorded."
+HELP = (
+    "Write a perturbed (noisy, or quantisation-simulated: stored as float) copy of a checkpoint, "
+    "with its spec recorded; `quantize` writes real quantized checkpoints."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ evaluated later, including a compact KL curve over `KL_CURVE_TEMPERATURES` (read
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -301,8 +301,11 @@ class PairScorer:
         return output.last_hidden_state[0]  # [L, H]
 
     @torch.no_grad()
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
-        """Records for the completion positions of one sequence (see the module docstring)."""
+    def logit_chunks(self, sequence: ScoringSequence) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """(step int64 [c], clean [c, V], served [c, V]) float32 logits of the completion
+        positions of `sequence`, `chunk_positions` at a time, on `device`; the served rows carry
+        the pair's runtime noise (as sampled from, before any temperature). The row at step s
+        predicts token `token_ids[prompt_length + s]`."""
         ids = torch.tensor(list(sequence.token_ids), dtype=torch.int64, device=self.device)
         start, stop = sequence.prompt_length - 1, len(ids) - 1
         clean_hidden = self._hidden(self.clean_model, ids)[start:stop]  # [C, H]
@@ -314,24 +317,27 @@ class PairScorer:
             generator = _device_generator(
                 self.runtime_noise.seed, f"sequence/{sequence.sequence_id}", self.device
             )
-        grid = self.curve_temperatures.to(self.device)
-        parts = []
         for first in range(0, stop - start, self.chunk_positions):
             rows = slice(first, first + self.chunk_positions)
             clean = clean_head(clean_hidden[rows]).float()  # [c, V]
             served = served_head(served_hidden[rows]).float()
             if generator is not None and self.runtime_noise is not None:
                 served = add_runtime_logit_noise(served, self.runtime_noise.sigma, generator)
-            steps = torch.arange(first, first + clean.shape[0])
-            parts.append(
-                PositionRecords.from_logits(
-                    clean,
-                    served,
-                    step=steps,
-                    sequence_id=sequence.sequence_id,
-                    curve_temperatures=grid,
-                )
+            yield torch.arange(first, first + clean.shape[0]), clean, served
+
+    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
+        """Records for the completion positions of one sequence (see the module docstring)."""
+        grid = self.curve_temperatures.to(self.device)
+        parts = [
+            PositionRecords.from_logits(
+                clean,
+                served,
+                step=steps,
+                sequence_id=sequence.sequence_id,
+                curve_temperatures=grid,
             )
+            for steps, clean, served in self.logit_chunks(sequence)
+        ]
         return PositionRecords.concat(parts)
 
     def score(self, sequences: Iterable[ScoringSequence]) -> PositionRecords:

@@ -1,0 +1,236 @@
+"""`noisy-temp-server kld`: the KL scoreboard of a clean/served pair, offline.
+
+    noisy-temp-server kld [--served DIR | --spec SPEC] [--clean PATH]
+        [--profile PROFILE [--rule RULE] | --t T] [--prompts FILE] [--num-prompts N]
+        [--max-new-tokens N] [--seed N] [--device DEV] [--json] [--out FILE]
+
+The served model samples one completion per prompt at T = 1, as `calibrate` does (default: the
+shipped prompts); both models then score prompt + completion teacher-forced, a chunk of
+positions at a time, and `noisy_temp_server.estimation.scoreboard` accumulates llama.cpp's
+statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the clean top token,
+PPL ratio) for the served model at T = 1 and at the served T*: the profile's recommended rule
+(or `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. Without `--served`/`--spec`
+the pair is serve's default one (the embedded model with DEFAULT_PERTURBATION, in memory).
+The continuations are the served model's own samples (llama.cpp scores a fixed text), so the
+served model tends to find them likelier than the clean one does: PPL(served)/PPL(clean) < 1
+there does not mean the served model is better.
+
+Prints a table (or the JSON with `--json`), writes the JSON to `--out`, and reports scored
+tokens per second (both forward passes and the statistics). Returns 0, or 1 with what is wrong
+on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from noisy_temp_server.commands.perturb import default_clean_path, read_spec_argument
+from noisy_temp_server.temperature.rules import Rule
+
+if TYPE_CHECKING:
+    from noisy_temp_server.estimation.calibration import LoadedPair
+    from noisy_temp_server.estimation.scoreboard import PairScoreboard, ScoreboardResult
+    from noisy_temp_server.pairs.scorer import ScoringSequence
+    from noisy_temp_server.temperature.policy import TemperaturePolicy
+
+__all__ = ["HELP", "add_arguments", "format_table", "run", "score_scoreboard"]
+
+HELP = "KL scoreboard of a pair (llama.cpp's KLD statistics) at T = 1 and at the served T*."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pair = parser.add_mutually_exclusive_group()
+    pair.add_argument("--served", type=Path, help="served checkpoint (perturbed or quantized)")
+    pair.add_argument("--spec", help="perturbation spec applied in memory (JSON file or inline)")
+    parser.add_argument(
+        "--clean", type=Path, default=None, help="clean checkpoint (default: embedded SmolLM2)"
+    )
+    parser.add_argument("--cache-dir", type=Path, default=None, help="cache of the default model")
+    served_t = parser.add_mutually_exclusive_group()
+    served_t.add_argument("--profile", type=Path, help="profile giving the served T* (`calibrate`)")
+    served_t.add_argument("--t", type=float, default=None, help="a fixed served T*")
+    parser.add_argument(
+        "--rule", choices=[r.value for r in Rule], help="profile rule (default: recommended)"
+    )
+    parser.add_argument("--prompts", type=Path, default=None, help="JSONL prompt file")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="completion length")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--device", default="cpu", help="torch device for generation and scoring")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+
+
+def score_scoreboard(
+    pair: LoadedPair,
+    sequences: Sequence[ScoringSequence],
+    policy: TemperaturePolicy,
+    *,
+    device: str = "cpu",
+) -> PairScoreboard:
+    """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only)."""
+    import torch  # noqa: PLC0415
+
+    from noisy_temp_server.estimation.scoreboard import PairScoreboard  # noqa: PLC0415
+    from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
+
+    scorer = PairScorer(
+        pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
+    )
+    board = PairScoreboard(policy)
+    for sequence in sequences:
+        completion = torch.tensor(sequence.token_ids[sequence.prompt_length :], dtype=torch.int64)
+        for steps, clean, served in scorer.logit_chunks(sequence):
+            board.update(
+                clean, served, completion[steps], step=steps, sequence_id=sequence.sequence_id
+            )
+    return board
+
+
+def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:
+    from noisy_temp_server.estimation.profile import Profile  # noqa: PLC0415
+    from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
+    from noisy_temp_server.temperature.rules import TemperatureBounds  # noqa: PLC0415
+
+    if args.profile is not None:
+        profile = Profile.load_for_pair(args.profile, pair.clean, pair.served)
+        return profile.to_policy(args.rule)
+    if args.rule is not None:
+        raise ValueError("--rule picks a rule of --profile; give --profile too")
+    if args.t is not None:
+        if not (math.isfinite(args.t) and args.t > 0):
+            raise ValueError(f"--t must be a finite number > 0, got {args.t}")
+        bounds = TemperatureBounds(min(args.t, 1.0), max(args.t, 1.0))
+        return TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=args.t, bounds=bounds)
+    return TemperaturePolicy.identity()
+
+
+def _row(label: str, values: Sequence[str]) -> str:
+    return f"{label:<28}" + "".join(f"{v:>24}" for v in values)
+
+
+def format_table(results: dict[str, ScoreboardResult], t_star_label: str) -> str:
+    """llama.cpp-style text table: one column per served temperature setting."""
+    columns = list(results.values())
+
+    def each(render: Any) -> list[str]:
+        return [render(r) for r in columns]
+
+    lines = [
+        _row("", ["T=1", t_star_label]),
+        "====== Perplexity statistics ======",
+        _row(
+            "PPL(served)/PPL(clean)",
+            each(lambda r: f"{r.ppl_ratio:.5f} ± {r.ppl_ratio * r.ln_ppl_ratio_stderr:.5f}"),
+        ),
+        _row(
+            "ln(PPL(served)/PPL(clean))",
+            each(lambda r: f"{r.ln_ppl_ratio:.5f} ± {r.ln_ppl_ratio_stderr:.5f}"),
+        ),
+        "====== KL divergence statistics ======",
+        _row("Mean KLD", each(lambda r: f"{r.kld_mean:.6f} ± {r.kld_stderr:.6f}")),
+    ]
+    for level in columns[0].kld_percentiles:
+        lines.append(_row(f"{level}% KLD", each(lambda r, q=level: f"{r.kld_percentiles[q]:.6f}")))
+    lines += [
+        "====== Token probability statistics ======",
+        _row(
+            "Mean Δp",
+            each(lambda r: f"{100 * r.delta_p_mean:.3f} ± {100 * r.delta_p_stderr:.3f} %"),
+        ),
+    ]
+    for level in columns[0].delta_p_percentiles:
+        lines.append(
+            _row(f"{level}% Δp", each(lambda r, q=level: f"{100 * r.delta_p_percentiles[q]:.3f} %"))
+        )
+    lines += [
+        _row("RMS Δp", each(lambda r: f"{100 * r.delta_p_rms:.3f} %")),
+        _row(
+            "Same top p",
+            each(lambda r: f"{100 * r.same_top_rate:.3f} ± {100 * r.same_top_stderr:.3f} %"),
+        ),
+    ]
+    first = columns[0]
+    lines.append(
+        f"{first.positions} positions in {first.sequences} sequences "
+        f"({first.infinite_positions} with infinite KL left out); SE cluster-robust by sequence"
+        + ("" if first.exact_percentiles else "; percentiles from a uniform sample")
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from noisy_temp_server.estimation.calibration import (  # noqa: PLC0415
+        generate_completions,
+        load_pair,
+    )
+    from noisy_temp_server.estimation.prompts import PromptSetError, load_prompts  # noqa: PLC0415
+    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
+    from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
+
+    try:
+        clean_path = args.clean or default_clean_path(args.cache_dir)
+        prompts = load_prompts(args.prompts)[: args.num_prompts]
+        spec = None if args.served else read_spec_argument(args.spec or DEFAULT_PERTURBATION)
+        pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
+        policy = _policy(args, pair)
+        started = time.monotonic()
+        sequences = generate_completions(
+            pair.served_model,
+            pair.tokenizer,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            runtime_noise=pair.runtime_noise,
+        )
+        generated = time.monotonic()
+        board = score_scoreboard(pair, sequences, policy, device=args.device)
+        scoring_seconds = time.monotonic() - generated
+        results = board.result()
+    except (
+        PromptSetError,
+        PerturbationSpecError,
+        CorruptCheckpointError,
+        ValidationError,
+        ValueError,
+    ) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    scored = board.accumulators["T=1"].seen + board.accumulators["T=1"].infinite_positions
+    report = {
+        "clean": pair.clean.describe(),
+        "served": pair.served.describe(),
+        "policy": json.loads(policy.to_json()),
+        "mean_t_star": board.mean_temperature(),
+        "generation_seconds": generated - started,
+        "scoring_seconds": scoring_seconds,
+        "scored_tokens_per_second": scored / scoring_seconds if scoring_seconds > 0 else None,
+        "statistics": {label: result.to_dict() for label, result in results.items()},
+    }
+    text = json.dumps(report, indent=2, allow_nan=False, default=str)
+    if args.out is not None:
+        args.out.write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        print(text)
+    else:
+        t_star = f"T* ({policy.rule.value}, mean {board.mean_temperature():.3f})"
+        print(f"clean:  {report['clean']}\nserved: {report['served']}")
+        print(format_table(results, t_star))
+        print(
+            f"scored {scored} tokens in {scoring_seconds:.1f} s "
+            f"({report['scored_tokens_per_second']:.1f} tokens/s; generation "
+            f"{report['generation_seconds']:.1f} s)"
+        )
+    return 0

@@ -1,0 +1,326 @@
+"""The KL scoreboard: llama.cpp's KL-divergence statistics of a clean/served pair, streamed.
+
+From per-position clean and served logits (a chunk at a time; no logits are kept) and the token
+that followed each position, `ScoreAccumulator` accumulates, for the served distribution
+q = softmax(served / T) at a per-position temperature T against p = softmax(clean):
+
+- KLD = KL(p || q): mean with its standard error, and the 99.9, 99, 90, 50, 10, 5 and 1 %
+  percentiles;
+- the same-top-token rate (argmax p == argmax q) with its binomial standard error
+  sqrt(r (1 - r) / N);
+- Δp = q(top) - p(top) of the clean model's top token: mean with its standard error,
+  percentiles and RMS;
+- the perplexity ratio PPL(served) / PPL(clean) over the scored tokens x:
+  ln ratio = mean over positions of (ln p(x) - ln q(x)), with its standard error.
+
+Standard errors of means are cluster-robust by sequence (prompt): the positions of one
+completion are correlated, so treating them as independent would understate the uncertainty.
+With G sequences, N positions, per-sequence sums S_g over n_g positions and mean m,
+SE^2 = G / (G - 1) * sum_g (S_g - n_g m)^2 / N^2 (as the calibration quality table does).
+
+Memory is bounded: means and standard errors need only per-sequence sums (a few floats per
+sequence); percentiles are exact while at most `capacity` positions have been seen and
+otherwise come from a uniform sample of `capacity` positions (bottom-k by a hash of
+(sequence id, step), so merging two accumulators gives exactly the accumulator of the union).
+Positions with a non-finite KLD or log-ratio (the served row masks a token the clean row
+supports) are counted in `infinite_positions` and left out of every statistic.
+
+`PairScoreboard` runs two accumulators side by side: T = 1 and T* of a served policy
+(`policy_temperature`, the one implementation of rule -> T).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.stats import kl_to_clean, stable_log_softmax
+
+__all__ = [
+    "MIN_SCOREBOARD_POSITIONS",
+    "SCOREBOARD_PERCENTILES",
+    "PairScoreboard",
+    "PositionScores",
+    "ScoreAccumulator",
+    "ScoreboardResult",
+    "TooFewPositionsError",
+    "position_scores",
+]
+
+SCOREBOARD_PERCENTILES: tuple[float, ...] = (99.9, 99.0, 90.0, 50.0, 10.0, 5.0, 1.0)
+MIN_SCOREBOARD_POSITIONS = 100
+"""Fewest finite positions a result is given for (the calibration quality table's minimum)."""
+DEFAULT_CAPACITY = 1 << 18
+
+# Columns of the per-sequence sums.
+_COUNT, _KLD, _SAME, _DP, _DP2, _LOG_RATIO = range(6)
+_COLUMNS = 6
+_MASK32 = 0xFFFFFFFF
+
+
+class TooFewPositionsError(ValueError):
+    """Fewer than `MIN_SCOREBOARD_POSITIONS` finite positions to report on."""
+
+
+@dataclass(frozen=True)
+class PositionScores:
+    """Per-position scalars of one chunk, on the CPU: int64 `sequence_id`, `step` [B];
+    float64 `kld`, `delta_p`, `log_ratio` (ln p(x) - ln q(x)) [B]; bool `same_top` [B]."""
+
+    sequence_id: Tensor
+    step: Tensor
+    kld: Tensor
+    same_top: Tensor
+    delta_p: Tensor
+    log_ratio: Tensor
+
+
+def position_scores(
+    clean: Tensor,
+    served: Tensor,
+    next_tokens: Tensor,
+    temperature: float | Tensor,
+    *,
+    sequence_id: int | Tensor,
+    step: Tensor,
+) -> PositionScores:
+    """Scores of `[B, V]` clean and served logits at `temperature` (a float or `[B]`, > 0).
+
+    next_tokens: int [B], the token that followed each position (the one scored for
+    perplexity); step: int [B]; sequence_id: an int or int [B].
+    """
+    batch = clean.shape[0]
+    if next_tokens.shape != (batch,) or step.shape != (batch,):
+        raise ValueError(f"next_tokens and step must have shape [{batch}]")
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=served.device).expand(batch)
+    log_p = stable_log_softmax(clean)
+    log_q = stable_log_softmax(served / t[:, None])
+    top = clean.argmax(dim=-1, keepdim=True)
+    tokens = next_tokens.to(clean.device, torch.int64)[:, None]
+
+    def cpu(values: Tensor) -> Tensor:
+        return values.detach().to("cpu", torch.float64)
+
+    return PositionScores(
+        sequence_id=torch.as_tensor(sequence_id, dtype=torch.int64).expand(batch).clone(),
+        step=step.detach().to("cpu", torch.int64),
+        kld=cpu(kl_to_clean(clean, served, t)),
+        same_top=(top[:, 0] == served.argmax(dim=-1)).cpu(),
+        delta_p=cpu(log_q.gather(1, top).exp() - log_p.gather(1, top).exp())[:, 0],
+        log_ratio=cpu(log_p.gather(1, tokens) - log_q.gather(1, tokens))[:, 0],
+    )
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32) (products stay below 2^59)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _sample_keys(sequence_id: Tensor, step: Tensor) -> Tensor:
+    """A 62-bit pseudo-random int64 key per (sequence id, step), the same wherever computed."""
+    seq, st = sequence_id & _MASK32, step & _MASK32
+    high = _mix32(_mix32(seq) ^ st) >> 1
+    low = _mix32(_mix32(st ^ 0x9E3779B9) ^ seq) >> 1
+    return (high << 31) | low
+
+
+def _cluster_stderr(sums: Tensor, counts: Tensor, mean: float) -> float:
+    """Cluster-robust standard error of a mean from per-cluster sums and counts (docstring)."""
+    clusters = sums.shape[0]
+    total = float(counts.sum())
+    if clusters < 2 or total == 0:
+        return math.inf
+    residual = sums - counts * mean
+    return math.sqrt(clusters / (clusters - 1) * float(residual.square().sum())) / total
+
+
+def _percentiles(values: Tensor) -> dict[str, float]:
+    levels = torch.tensor(SCOREBOARD_PERCENTILES, dtype=torch.float64) / 100
+    quantiles = torch.quantile(values.double(), levels).tolist()
+    return {f"{level:g}": q for level, q in zip(SCOREBOARD_PERCENTILES, quantiles, strict=True)}
+
+
+@dataclass(frozen=True)
+class ScoreboardResult:
+    """The statistics of the module docstring; percentiles are keyed by level ("99.9", ...)."""
+
+    positions: int
+    sequences: int
+    infinite_positions: int
+    exact_percentiles: bool
+    kld_mean: float
+    kld_stderr: float
+    kld_percentiles: dict[str, float]
+    same_top_rate: float
+    same_top_stderr: float
+    delta_p_mean: float
+    delta_p_stderr: float
+    delta_p_rms: float
+    delta_p_percentiles: dict[str, float]
+    ln_ppl_ratio: float
+    ln_ppl_ratio_stderr: float
+    ppl_ratio: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ScoreAccumulator:
+    """Streaming, mergeable accumulator of `PositionScores` (see the module docstring).
+
+    `update(scores)` adds a chunk, `merge(other)` adds another accumulator's positions (the
+    two must not share a (sequence id, step) position), `result()` gives the statistics.
+    Memory: `capacity` sampled positions (4 scalars each) plus 6 floats per sequence.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < MIN_SCOREBOARD_POSITIONS:
+            raise ValueError(f"capacity must be >= {MIN_SCOREBOARD_POSITIONS}, got {capacity}")
+        self.capacity = capacity
+        self.seen = 0
+        self.infinite_positions = 0
+        self._cluster_ids = torch.zeros(0, dtype=torch.int64)
+        self._cluster_sums = torch.zeros(0, _COLUMNS, dtype=torch.float64)
+        self._keys = torch.zeros(0, dtype=torch.int64)
+        self._sample = torch.zeros(0, 2, dtype=torch.float64)  # (kld, delta_p) per position
+
+    def update(self, scores: PositionScores) -> None:
+        """Add the positions of one chunk."""
+        finite = torch.isfinite(scores.kld) & torch.isfinite(scores.log_ratio)
+        self.infinite_positions += int((~finite).sum())
+        if not bool(finite.any()):
+            return
+        ids = scores.sequence_id[finite]
+        delta_p = scores.delta_p[finite]
+        columns = torch.stack(
+            [
+                torch.ones_like(delta_p),
+                scores.kld[finite],
+                scores.same_top[finite].double(),
+                delta_p,
+                delta_p.square(),
+                scores.log_ratio[finite],
+            ],
+            dim=1,
+        )
+        cluster_ids, inverse = torch.unique(ids, return_inverse=True)
+        sums = torch.zeros(cluster_ids.shape[0], _COLUMNS, dtype=torch.float64)
+        sums.index_add_(0, inverse, columns)
+        self._add_clusters(cluster_ids, sums)
+        keys = _sample_keys(ids, scores.step[finite])
+        self._add_sample(keys, torch.stack([columns[:, _KLD], delta_p], dim=1))
+        self.seen += int(finite.sum())
+
+    def merge(self, other: ScoreAccumulator) -> None:
+        """Add `other`'s positions to this accumulator (`other` is not modified)."""
+        self._add_clusters(other._cluster_ids, other._cluster_sums)
+        self._add_sample(other._keys, other._sample)
+        self.seen += other.seen
+        self.infinite_positions += other.infinite_positions
+
+    def _add_clusters(self, ids: Tensor, sums: Tensor) -> None:
+        all_ids = torch.cat([self._cluster_ids, ids])
+        merged_ids, inverse = torch.unique(all_ids, return_inverse=True)
+        merged = torch.zeros(merged_ids.shape[0], _COLUMNS, dtype=torch.float64)
+        merged.index_add_(0, inverse, torch.cat([self._cluster_sums, sums]))
+        self._cluster_ids, self._cluster_sums = merged_ids, merged
+
+    def _add_sample(self, keys: Tensor, values: Tensor) -> None:
+        keys = torch.cat([self._keys, keys])
+        values = torch.cat([self._sample, values])
+        if keys.shape[0] > self.capacity:
+            kept = torch.topk(keys, self.capacity, largest=False).indices
+            keys, values = keys[kept], values[kept]
+        self._keys, self._sample = keys, values
+
+    def result(self) -> ScoreboardResult:
+        """The statistics; `TooFewPositionsError` below `MIN_SCOREBOARD_POSITIONS` positions."""
+        if self.seen < MIN_SCOREBOARD_POSITIONS:
+            raise TooFewPositionsError(
+                f"only {self.seen} scored positions with finite KL; the scoreboard needs at "
+                f"least {MIN_SCOREBOARD_POSITIONS}: use more prompts or longer completions"
+            )
+        sums, counts = self._cluster_sums, self._cluster_sums[:, _COUNT]
+        total = float(counts.sum())
+
+        def mean_and_stderr(column: int) -> tuple[float, float]:
+            mean = float(sums[:, column].sum()) / total
+            return mean, _cluster_stderr(sums[:, column], counts, mean)
+
+        kld_mean, kld_stderr = mean_and_stderr(_KLD)
+        dp_mean, dp_stderr = mean_and_stderr(_DP)
+        log_ratio, log_ratio_stderr = mean_and_stderr(_LOG_RATIO)
+        same = float(sums[:, _SAME].sum()) / total
+        return ScoreboardResult(
+            positions=self.seen,
+            sequences=int(sums.shape[0]),
+            infinite_positions=self.infinite_positions,
+            exact_percentiles=self.seen <= self.capacity,
+            kld_mean=kld_mean,
+            kld_stderr=kld_stderr,
+            kld_percentiles=_percentiles(self._sample[:, 0]),
+            same_top_rate=same,
+            same_top_stderr=math.sqrt(same * (1 - same) / total),
+            delta_p_mean=dp_mean,
+            delta_p_stderr=dp_stderr,
+            delta_p_rms=math.sqrt(float(sums[:, _DP2].sum()) / total),
+            delta_p_percentiles=_percentiles(self._sample[:, 1]),
+            ln_ppl_ratio=log_ratio,
+            ln_ppl_ratio_stderr=log_ratio_stderr,
+            ppl_ratio=math.exp(log_ratio),
+        )
+
+
+class PairScoreboard:
+    """Two accumulators over the same positions: the served model at T = 1 ("T=1") and at the
+    T* of `policy` ("T*"), each position's T* from its step and served row."""
+
+    LABELS = ("T=1", "T*")
+
+    def __init__(self, policy: TemperaturePolicy, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.policy = policy
+        self.accumulators = {label: ScoreAccumulator(capacity) for label in self.LABELS}
+        self.temperature_sum = 0.0
+
+    def update(
+        self,
+        clean: Tensor,
+        served: Tensor,
+        next_tokens: Tensor,
+        *,
+        step: Tensor,
+        sequence_id: int | Tensor,
+    ) -> None:
+        """Score one chunk of `[B, V]` logits (served as sampled from, before temperature)."""
+        t_star = policy_temperature(self.policy, step.to(served.device), served)
+        for label, temperature in (("T=1", 1.0), ("T*", t_star)):
+            scores = position_scores(
+                clean, served, next_tokens, temperature, sequence_id=sequence_id, step=step
+            )
+            self.accumulators[label].update(scores)
+        self.temperature_sum += float(t_star.double().sum())
+
+    def merge(self, other: PairScoreboard) -> None:
+        """Add `other`'s positions (same policy expected; not checked beyond the labels)."""
+        for label in self.LABELS:
+            self.accumulators[label].merge(other.accumulators[label])
+        self.temperature_sum += other.temperature_sum
+
+    def mean_temperature(self) -> float:
+        """Mean T* over all scored positions (finite or not); NaN before any."""
+        accumulator = self.accumulators["T*"]
+        count = accumulator.seen + accumulator.infinite_positions
+        return self.temperature_sum / count if count else math.nan
+
+    def result(self) -> dict[str, ScoreboardResult]:
+        """Results by label; `TooFewPositionsError` below the minimum number of positions."""
+        return {label: acc.result() for label, acc in self.accumulators.items()}

@@ -1,0 +1,100 @@
+"""`kld` end to end on the tiny model: table, JSON, T* from --t and from a profile, refusal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from profile_helpers import sample_profile
+
+from noisy_temp_server.cli import build_parser
+from noisy_temp_server.commands import kld as kld_command
+from noisy_temp_server.commands import perturb as perturb_command
+from noisy_temp_server.estimation.profile import ModelIdentity
+from noisy_temp_server.temperature.rules import Rule
+
+SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'
+
+
+def _run(module: object, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return int(module.run(parser.parse_args(argv)))  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def served_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("kld") / "served"
+    argv = ["--spec", SPEC, "--out", str(out), "--clean", str(tiny_model_dir)]
+    assert _run(perturb_command, argv) == 0
+    return out
+
+
+def _pair(tiny_model_dir: Path, served_dir: Path) -> list[str]:
+    return ["--clean", str(tiny_model_dir), "--served", str(served_dir), "--num-prompts", "8"]
+
+
+def test_kld_prints_the_table_and_writes_json(
+    tiny_model_dir: Path, served_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "kld.json"
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24", "--t", "1.3"]
+    assert _run(kld_command, [*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in ("Mean KLD", "99.9% KLD", "1% KLD", "RMS Δp", "Same top p", "PPL(served)/PPL"):
+        assert line in printed
+    assert "T* (fixed, mean 1.300)" in printed
+    report = json.loads(out.read_text())
+    t_one, t_star = report["statistics"]["T=1"], report["statistics"]["T*"]
+    assert t_one["positions"] == t_star["positions"] >= 100
+    assert t_one["sequences"] == 8
+    assert t_one["kld_mean"] > 0
+    assert t_one["kld_stderr"] > 0
+    assert t_one["kld_mean"] != t_star["kld_mean"]
+    assert t_one["same_top_rate"] == t_star["same_top_rate"]  # T never changes the argmax
+    assert report["mean_t_star"] == pytest.approx(1.3)
+    assert report["scored_tokens_per_second"] > 0
+
+    assert _run(kld_command, [*argv, "--json"]) == 0
+    printed_json = json.loads(capsys.readouterr().out)
+    assert printed_json["statistics"]["T=1"] == t_one  # scoring is deterministic
+
+
+def test_kld_takes_t_star_from_a_profile(
+    tiny_model_dir: Path, served_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.json"
+    identities = {p: ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, served_dir)}
+    sample_profile(Rule.CALIBRATED).model_copy(
+        update={"clean": identities[tiny_model_dir], "served": identities[served_dir]}
+    ).save(profile)
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24", "--json"]
+    argv += ["--profile", str(profile)]
+    assert _run(kld_command, argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policy"]["rule"] == "calibrated"
+    assert 0.9 < report["mean_t_star"] < 1.1  # the table's entries are 0.9, 1.0 and 1.1
+    assert _run(kld_command, [*argv, "--rule", "fixed"]) == 0
+    assert json.loads(capsys.readouterr().out)["mean_t_star"] == pytest.approx(0.9)
+
+    other = tmp_path / "other.json"
+    sample_profile().save(other)  # made for another pair
+    assert _run(kld_command, [*argv[:-1], str(other)]) == 1
+    assert "profile" in capsys.readouterr().err
+    assert _run(kld_command, [*_pair(tiny_model_dir, served_dir), "--rule", "fixed"]) == 1
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_kld_refuses_too_few_positions(
+    tiny_model_dir: Path, served_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "4"]
+    assert _run(kld_command, argv) == 1
+    assert "the scoreboard needs at least 100" in capsys.readouterr().err
+
+
+def test_kld_is_a_subcommand() -> None:
+    args = build_parser().parse_args(["kld", "--t", "1.2", "--json"])
+    assert args.run is kld_command.run

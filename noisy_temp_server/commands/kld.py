@@ -36,8 +36,8 @@ from noisy_temp_server.commands.perturb import default_clean_path, read_spec_arg
 from noisy_temp_server.temperature.rules import Rule
 
 if TYPE_CHECKING:
-    from noisy_temp_server.estimation.calibration import LoadedPair
     from noisy_temp_server.estimation.scoreboard import PairScoreboard, ScoreboardResult
+    from noisy_temp_server.pairs.loading import LoadedPair
     from noisy_temp_server.pairs.scorer import ScoringSequence
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
@@ -171,12 +171,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from noisy_temp_server.estimation.calibration import (  # noqa: PLC0415
-        generate_completions,
-        load_pair,
+    from noisy_temp_server.estimation.prompts import (  # noqa: PLC0415
+        PromptSetError,
+        encode_prompt,
+        load_prompts,
     )
-    from noisy_temp_server.estimation.prompts import PromptSetError, load_prompts  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.pairs.generation import generate_completions  # noqa: PLC0415
+    from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
     from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
 
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         sequences = generate_completions(
             pair.served_model,
             pair.tokenizer,
-            prompts,
+            [encode_prompt(pair.tokenizer, prompt) for prompt in prompts],
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
             runtime_noise=pair.runtime_noise,

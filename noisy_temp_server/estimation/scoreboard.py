@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
-from noisy_temp_server.temperature.stats import kl_to_clean, stable_log_softmax
+from noisy_temp_server.temperature.stats import KLTerms, stable_log_softmax
 
 __all__ = [
     "MIN_SCOREBOARD_POSITIONS",
@@ -109,7 +109,7 @@ def position_scores(
     return PositionScores(
         sequence_id=torch.as_tensor(sequence_id, dtype=torch.int64).expand(batch).clone(),
         step=step.detach().to("cpu", torch.int64),
-        kld=cpu(kl_to_clean(clean, served, t)),
+        kld=cpu(KLTerms.from_logits(clean, served).kl(t.reciprocal())),
         same_top=(top[:, 0] == served.argmax(dim=-1)).cpu(),
         delta_p=cpu(log_q.gather(1, top).exp() - log_p.gather(1, top).exp())[:, 0],
         log_ratio=cpu(log_p.gather(1, tokens) - log_q.gather(1, tokens))[:, 0],

@@ -48,15 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pydantic import ValidationError  # noqa: PLC0415
 
     from noisy_temp_server.estimation.calibration import calibrate  # noqa: PLC0415
     from noisy_temp_server.estimation.profile import CalibrationSettings  # noqa: PLC0415
-    from noisy_temp_server.estimation.prompts import PromptSetError, load_prompts  # noqa: PLC0415
-    from noisy_temp_server.estimation.significance import InsufficientDataError  # noqa: PLC0415
+    from noisy_temp_server.estimation.prompts import load_prompts  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
 
     has_pair = args.served is not None or args.spec is not None
     if not has_pair and args.report is None:
@@ -95,14 +92,7 @@ def run(args: argparse.Namespace) -> int:
             from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
 
             print(write_report(clean_path, args.report, device=args.device))
-    except (
-        InsufficientDataError,
-        PromptSetError,
-        PerturbationSpecError,
-        CorruptCheckpointError,
-        ValidationError,
-        ValueError,
-    ) as error:
+    except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

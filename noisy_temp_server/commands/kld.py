@@ -169,17 +169,10 @@ def format_table(results: dict[str, ScoreboardResult], t_star_label: str) -> str
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from pydantic import ValidationError  # noqa: PLC0415
-
-    from noisy_temp_server.estimation.prompts import (  # noqa: PLC0415
-        PromptSetError,
-        encode_prompt,
-        load_prompts,
-    )
+    from noisy_temp_server.estimation.calibration import sample_completions  # noqa: PLC0415
+    from noisy_temp_server.estimation.prompts import load_prompts  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
-    from noisy_temp_server.pairs.generation import generate_completions  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import PerturbationSpecError  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
 
     try:
@@ -189,25 +182,14 @@ def run(args: argparse.Namespace) -> int:
         pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
         policy = _policy(args, pair)
         started = time.monotonic()
-        sequences = generate_completions(
-            pair.served_model,
-            pair.tokenizer,
-            [encode_prompt(pair.tokenizer, prompt) for prompt in prompts],
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-            runtime_noise=pair.runtime_noise,
+        sequences = sample_completions(
+            pair, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
         )
         generated = time.monotonic()
         board = score_scoreboard(pair, sequences, policy, device=args.device)
         scoring_seconds = time.monotonic() - generated
         results = board.result()
-    except (
-        PromptSetError,
-        PerturbationSpecError,
-        CorruptCheckpointError,
-        ValidationError,
-        ValueError,
-    ) as error:
+    except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 1
     scored = board.accumulators["T=1"].seen + board.accumulators["T=1"].infinite_positions

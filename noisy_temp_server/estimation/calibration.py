@@ -31,9 +31,15 @@ from noisy_temp_server.estimation.significance import split_by_sequence
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturb import PerturbationSpec
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 
-__all__ = ["CalibrationResult", "calibrate", "calibrate_records", "score_pair"]
+__all__ = [
+    "CalibrationResult",
+    "calibrate",
+    "calibrate_records",
+    "sample_completions",
+    "score_pair",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,27 @@ def _log_progress(label: str) -> Callable[[int, int], None]:
     return report
 
 
+def sample_completions(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int,
+    seed: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[ScoringSequence]:
+    """One completion per prompt, sampled from the pair's served model at T = 1 as it serves
+    (with its runtime logit noise, if any): the text every offline score is computed on."""
+    return generate_completions(
+        pair.served_model,
+        pair.tokenizer,
+        [encode_prompt(pair.tokenizer, prompt) for prompt in prompts],
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        runtime_noise=pair.runtime_noise,
+        progress=progress,
+    )
+
+
 def score_pair(
     pair: LoadedPair,
     prompts: Sequence[Prompt],
@@ -64,13 +91,11 @@ def score_pair(
     device: str | torch.device = "cpu",
 ) -> PositionRecords:
     """Generate with the served model and score the pair: records for every prompt."""
-    sequences = generate_completions(
-        pair.served_model,
-        pair.tokenizer,
-        [encode_prompt(pair.tokenizer, p) for p in prompts],
+    sequences = sample_completions(
+        pair,
+        prompts,
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed,
-        runtime_noise=pair.runtime_noise,
         progress=_log_progress("generating"),
     )
     scorer = PairScorer(

@@ -202,7 +202,9 @@ def dashboard_router(
         body, media_type = assets[name]
         return Response(body, media_type=media_type, headers={"Cache-Control": "max-age=300"})
 
-    @router.get("/v1/nts/dashboard", dependencies=[Depends(require_api_key)])
+    @router.get(
+        "/v1/nts/dashboard", dependencies=[Depends(require_api_key)], include_in_schema=False
+    )
     async def dashboard_data() -> JSONResponse:
         families = list(registry.collect())
         kl_totals = shadow_kl_totals(families)

@@ -4,59 +4,16 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Any
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
+from server_fakes import (
+    FakeEstimator,
+    FakeScorer,
+)
 
-from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import ShadowScorer
-
-
-def _records(sequence: ScoringSequence) -> PositionRecords:
-    count = len(sequence.token_ids) - sequence.prompt_length
-    generator = torch.Generator().manual_seed(sequence.sequence_id)
-    clean = torch.randn(count, 16, generator=generator)
-    served = clean + 0.5 * torch.randn(count, 16, generator=generator)
-    return PositionRecords.from_logits(
-        clean, served, step=torch.arange(count), sequence_id=sequence.sequence_id
-    )
-
-
-class FakeScorer:
-    def __init__(self, gate: threading.Event | None = None, fail: bool = False) -> None:
-        self.gate = gate
-        self.fail = fail
-        self.sequences: list[ScoringSequence] = []
-
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
-        if self.gate is not None:
-            self.gate.wait(5)
-        if self.fail:
-            raise RuntimeError("scoring failed")
-        self.sequences.append(sequence)
-        return _records(sequence)
-
-
-class FakeEstimator:
-    """Publishes version + 1 every `every` positions."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self.positions = 0
-        self.version = 0
-
-    def add(self, records: PositionRecords) -> None:
-        self.positions += len(records)
-        self.version = self.positions // self.every
-
-    def current_policy(self) -> int:
-        return self.version
-
-    def status(self) -> dict[str, Any]:
-        return {"version": self.version}
 
 
 class Setup:

@@ -12,15 +12,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from test_server_app import (
+from server_fakes import (
     MAX_MODEL_LEN,
     MODEL,
     POLICY,
     FakeEngine,
+    FakeEstimator,
+    FakeScorer,
     FakeTokenizer,
     FakeTraces,
 )
-from test_server_shadow import FakeEstimator, FakeScorer
 
 from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
 from noisy_temp_server.server.app import create_app

@@ -310,6 +310,16 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
     return summary
 
 
+def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
+    """Tell the trace channel to drop what it holds for the tuned choices that end without a
+    summary (cancelled or failed): nobody will wait for their T*, so it must not keep them."""
+    if prepared.tuning is None or state.trace_source is None:
+        return
+    for choice in prepared.choices:
+        if choice.summary is None:
+            state.trace_source.forget(choice.trace_id)
+
+
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:
     """The request-level `nts` summary over the choices summarized so far."""
     summaries = [c.summary for c in prepared.choices if c.summary is not None]
@@ -340,6 +350,8 @@ async def _run_to_end(state: ServerState, prepared: PreparedRequest) -> list[tup
             choice.summary = summary
     except Exception as error:
         raise openai_error_from_exception(error) from error
+    finally:
+        _forget_unsummarized(state, prepared)
     return [
         (c, Piece(c.token_ids, c.text, finals[c.index].logprobs, c.finish_reason, 0))
         for c in prepared.choices
@@ -432,6 +444,8 @@ async def stream_choices(
             )
         except Exception as error:  # after the 200 status line: report in-band
             yield _sse(openai_error_from_exception(error).body())
+        finally:  # also when the client goes away mid-stream
+            _forget_unsummarized(state, prepared)
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")

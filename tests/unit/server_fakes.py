@@ -118,6 +118,7 @@ class FakeTraces:
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
         self.waited: list[tuple[str, int]] = []
+        self.forgotten: list[str] = []
 
     async def wait_for(
         self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
@@ -126,6 +127,9 @@ class FakeTraces:
         t = self.temperature
         trace = (t,) * n_steps if want_trace else ()
         return TraceReport(steps=n_steps, t_mean=t, t_min=t, t_max=t, trace=trace)
+
+    def forget(self, trace_id: str) -> None:
+        self.forgotten.append(trace_id)
 
 
 class Harness:

@@ -251,10 +251,11 @@ def test_chat_without_template_is_a_400() -> None:
     assert templateless.engine.calls == []
 
 
-def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -> None:
-    """The ASGI app is driven directly: after the body, the client disconnects mid-generation."""
+def _disconnect_mid_generation(server: Harness, request: dict[str, Any]) -> float:
+    """Drive the ASGI app directly: after the body, the client disconnects mid-generation.
+    Returns how long the app took to finish."""
     server.engine.step_seconds = 0.05
-    body = json.dumps({"prompt": "abc", "max_tokens": 40, "n": 2}).encode()
+    body = json.dumps(request).encode()
     incoming = [{"type": "http.request", "body": body, "more_body": False}]
     sent: list[dict[str, Any]] = []
 
@@ -281,10 +282,34 @@ def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -
         "client": ("127.0.0.1", 1),
         "server": ("test", 80),
     }
-    elapsed = asyncio.run(_timed(server.client.app(scope, receive, send)))  # type: ignore[arg-type]
+    return asyncio.run(_timed(server.client.app(scope, receive, send)))  # type: ignore[arg-type]
+
+
+def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -> None:
+    elapsed = _disconnect_mid_generation(server, {"prompt": "abc", "max_tokens": 40, "n": 2})
     assert elapsed < 1.0  # 40 steps of 50 ms would take 2 s
     assert sorted(server.engine.aborted) == sorted(c[2] for c in server.engine.calls)
     assert len(server.engine.aborted) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_cancelled_request_tells_the_trace_channel_to_forget_its_choices(
+    server: Harness, stream: bool
+) -> None:
+    request = {"prompt": "abc", "max_tokens": 40, "n": 2, "stream": stream}
+    _disconnect_mid_generation(server, request)
+    trace_ids = sorted(c[2] for c in server.engine.calls)
+    assert len(trace_ids) == 2
+    assert sorted(server.traces.forgotten) == trace_ids
+    assert server.traces.waited == []
+
+
+def test_finished_choices_are_not_forgotten_twice(server: Harness) -> None:
+    for stream in (False, True):
+        body = {"prompt": "abc", "max_tokens": 3, "n": 2, "stream": stream}
+        assert server.post("/v1/completions", body).status_code == 200
+    assert len(server.traces.waited) == 4  # wait_for forgets each of them itself
+    assert server.traces.forgotten == []
 
 
 async def _timed(work: Any) -> float:

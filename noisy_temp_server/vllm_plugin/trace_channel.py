@@ -347,10 +347,10 @@ class TraceCollector:
         with self._lock:
             forgotten = self._forgotten
             while forgotten:
-                oldest, since = next(iter(forgotten.items()))
+                first, since = next(iter(forgotten.items()))
                 if now - since <= self._forgotten_grace_s:
                     break
-                del forgotten[oldest]
+                del forgotten[first]
             stale = [tid for tid, p in self._pending.items() if now - p.last_update > self._ttl_s]
             for trace_id in stale:
                 del self._pending[trace_id]

@@ -7,11 +7,12 @@ A request's path, once its endpoint has tokenized the prompt:
    the server defaults under the request's `nts_*` keys (the one parser,
    `vllm_plugin.request_args`) and give each of the `n` choices its own engine request and trace
    id, all before anything reaches the engine, so a bad request costs nothing and gets an
-   OpenAI error body;
+   OpenAI error body; the shadow scorer draws which choices it samples, and a sampled tuned
+   choice runs with its per-step T* trace (the client's `nts` shows it only when asked);
 2. `run_unless_disconnected` (JSON response) or `stream_choices` (server-sent events): run the
    choices on the engine, concurrently;
 3. when a choice finishes, join its per-step T* (trace channel) with its output into its `nts`
-   summary, feed the metrics, and offer it to the shadow scorer (never waiting for it).
+   summary, feed the metrics, and submit it to the shadow scorer if sampled (never waiting).
 
 Greedy and tuning-off requests are never touched by the processor and report T* = 1.
 """
@@ -87,10 +88,12 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 @dataclass
 class Choice:
-    """One choice's accumulated output."""
+    """One choice's accumulated output. `shadow_sampled`: the shadow scorer sampled it at
+    admission (it runs traced and is submitted for scoring when it finishes)."""
 
     index: int
     trace_id: str
+    shadow_sampled: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -172,9 +175,20 @@ def prepare_request(
     except ValueError as error:
         raise OpenAIError(str(error), status_code=400) from None
     for choice, choice_params in zip(choices, params, strict=True):
-        trace_id = choice.trace_id if tuning is not None else None
-        add_extra_args(choice_params, dataclasses.replace(keys, trace_id=trace_id).to_extra_args())
+        add_extra_args(choice_params, _choice_keys(state, keys, tuning, choice).to_extra_args())
     return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params)
+
+
+def _choice_keys(
+    state: ServerState, keys: TuningKeys, tuning: RequestTuning | None, choice: Choice
+) -> TuningKeys:
+    """The engine keys of one choice: its trace id when tuned, and the per-step trace also when
+    the shadow scorer samples it (drawn here, once per admitted choice)."""
+    choice.shadow_sampled = state.shadow is not None and state.shadow.admit()
+    if tuning is None:
+        return dataclasses.replace(keys, trace_id=None)
+    traced = keys.trace or choice.shadow_sampled
+    return dataclasses.replace(keys, trace_id=choice.trace_id, trace=traced)
 
 
 def _check_model(state: ServerState, requested: str | None) -> None:
@@ -259,9 +273,10 @@ def _absorb(choice: Choice, output: CompletionOutput) -> Piece:
 
 
 async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choice) -> NtsSummary:
-    """A finished choice's `nts` summary; observes its mean T* and offers it to the shadow
-    scorer. Awaits the engine's report of the choice's T* (summary, and the per-step trace when
-    asked) when it was tuned."""
+    """A finished choice's `nts` summary; observes its mean T* and submits the choice to the
+    shadow scorer when it was sampled. Awaits the engine's report of the choice's T* (summary,
+    and the per-step trace when the client asked or the shadow scorer sampled it) when it was
+    tuned."""
     n_steps = len(choice.token_ids)
     report = TraceReport()
     if prepared.tuning is None:
@@ -273,7 +288,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
             choice.trace_id,
             n_steps,
             state.settings.trace_timeout_s,
-            want_trace=prepared.tuning.trace,
+            want_trace=prepared.tuning.trace or choice.shadow_sampled,
         )
         trace = list(report.trace)
         if report.steps < n_steps:
@@ -290,9 +305,19 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
     )
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
-    if state.shadow is not None and choice.token_ids:
-        state.shadow.offer(prepared.prompt_ids, choice.token_ids, trace)
+    if state.shadow is not None and choice.shadow_sampled:
+        state.shadow.submit(prepared.prompt_ids, choice.token_ids, trace)
     return summary
+
+
+def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
+    """Tell the trace channel to drop what it holds for the tuned choices that end without a
+    summary (cancelled or failed): nobody will wait for their T*, so it must not keep them."""
+    if prepared.tuning is None or state.trace_source is None:
+        return
+    for choice in prepared.choices:
+        if choice.summary is None:
+            state.trace_source.forget(choice.trace_id)
 
 
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:
@@ -325,6 +350,8 @@ async def _run_to_end(state: ServerState, prepared: PreparedRequest) -> list[tup
             choice.summary = summary
     except Exception as error:
         raise openai_error_from_exception(error) from error
+    finally:
+        _forget_unsummarized(state, prepared)
     return [
         (c, Piece(c.token_ids, c.text, finals[c.index].logprobs, c.finish_reason, 0))
         for c in prepared.choices
@@ -417,6 +444,8 @@ async def stream_choices(
             )
         except Exception as error:  # after the 200 status line: report in-band
             yield _sse(openai_error_from_exception(error).body())
+        finally:  # also when the client goes away mid-stream
+            _forget_unsummarized(state, prepared)
         yield _sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")

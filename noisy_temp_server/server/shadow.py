@@ -1,18 +1,20 @@
 """The shadow scorer: online estimation from a sample of live traffic, off the serving path.
 
-`ShadowScorer.offer` is called by the HTTP layer for every finished choice. It samples a fraction
-of them and puts them on a bounded queue without ever blocking (a full queue drops the item and
-counts it). One daemon thread takes items off the queue, scores prompt + completion teacher-
-forced with the clean and the served model (`pairs.scorer.PairScorer`), feeds the per-position
-records to the online estimator and, when the estimator publishes a new policy version, updates
-the policy gauges. New requests pick the new version up from the estimator; requests in flight
-keep the version they were admitted with.
+The HTTP layer calls `ShadowScorer.admit` for every choice it admits: a fraction of them are
+sampled, and a sampled choice runs with its per-step T* trace (the engine sends traces only for
+requests that ask) and goes to `ShadowScorer.submit` when it finishes, which puts it on a bounded
+queue without ever blocking (a full queue drops the item and counts it). One daemon thread
+takes items off the queue, scores prompt + completion teacher-forced with the clean and the
+served model (`pairs.scorer.PairScorer`), feeds the per-position records to the online
+estimator and, when the estimator publishes a new policy version, updates the policy gauges.
+New requests pick the new version up from the estimator; requests in flight keep the version
+they were admitted with.
 
 Cost: the scorer runs two full forward passes per scored request on `shadow_device`, competing
 for the same cores as the engine when both are on the CPU; `nts_shadow_score_seconds` and
 `nts_shadow_tokens_scored_total` give its cost per scored token, and `status()` reports it.
 
-Faults stay off the serving path: `offer` never blocks and never raises for a scoring fault; a
+Faults stay off the serving path: `submit` never blocks and never raises for a scoring fault; a
 failure while scoring an item drops that item (`nts_shadow_requests_dropped_total{reason=
 "error"}`) and the thread goes on; a hung scorer fills the queue, so later items are dropped
 (`reason="queue_full"`) and `status()["busy_for_s"]` grows. Either way requests are served as
@@ -65,10 +67,11 @@ class _Item:
 
 
 class ShadowScorer:
-    """Bounded-queue background scoring of sampled finished requests.
+    """Bounded-queue background scoring of a sample of finished requests.
 
     `on_policy(policy)` is called from the scorer thread whenever the estimator's policy
-    version changes (e.g. to update gauges). Thread-safe `offer`; `start` once, `close` once.
+    version changes (e.g. to update gauges). Thread-safe `admit` and `submit`; `start` once,
+    `close` once.
     """
 
     def __init__(
@@ -104,22 +107,32 @@ class ShadowScorer:
         self._scoring_since: float | None = None
         self._last_version = version_of(estimator.current_policy())
 
-    def offer(
+    def admit(self) -> bool:
+        """Draw whether a choice being admitted is sampled for scoring (counted as offered, and
+        as sampled when it is). A sampled choice must be generated with its per-step trace and
+        handed to `submit` when it finishes; an unsampled one costs nothing more."""
+        with self._lock:
+            self._counts["offered"] += 1
+            if self._rng.random() >= self._fraction:
+                return False
+            self._counts["sampled"] += 1
+            return True
+
+    def submit(
         self,
         prompt_ids: Sequence[int],
         completion_ids: Sequence[int],
         served_temperatures: Sequence[float],
     ) -> bool:
-        """Sample this finished choice for scoring; never blocks. Returns whether it was queued.
+        """Queue a finished choice that `admit` sampled; never blocks. Returns whether it was
+        queued (False for an empty completion, or when the queue is full: dropped, counted).
 
         `served_temperatures`: the T* of each generated step (may be shorter than the
         completion, or empty, when the trace is incomplete).
         """
+        if not completion_ids:
+            return False
         with self._lock:
-            self._counts["offered"] += 1
-            if not completion_ids or self._rng.random() >= self._fraction:
-                return False
-            self._counts["sampled"] += 1
             sequence_id = self._next_sequence_id
             self._next_sequence_id += 1
         item = _Item(

@@ -50,6 +50,8 @@ class TraceSource(Protocol):
         self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
     ) -> TraceReport: ...
 
+    def forget(self, trace_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class ServerState:
@@ -57,7 +59,7 @@ class ServerState:
 
     `engine`: vLLM's `AsyncLLM` (or a fake with its interface); `policy_source`: the policy in
     force for new requests; `trace_source`: the per-step T* of tuned requests (None: tuned
-    requests report no T statistics); `shadow`: the shadow scorer finished choices are offered
+    requests report no T statistics); `shadow`: the shadow scorer sampled choices are submitted
     to (None: no shadow scoring); `metrics`: the API metrics, registered where
     `metrics_registry` (what `/metrics` serves) sees them; `model_name`: the served model name
     clients must send; `max_model_len`: the context length prompts and completions share.

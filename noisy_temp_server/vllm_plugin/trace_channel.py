@@ -25,7 +25,10 @@ waiting request ties up no thread.
 The sender never blocks the engine: it sends with ``NOBLOCK`` and a small high-water mark, and a
 message that cannot be queued (peer absent or slow) is dropped and counted
 (`TraceSender.dropped_messages`). The collector keeps memory bounded: an id is forgotten once
-`TraceCollector.wait_for` has returned it, and ids nobody waits for expire after a TTL.
+`TraceCollector.wait_for` has returned it or the server calls `TraceCollector.forget` (a choice
+cancelled, or finished without a wait), and records that arrive for a forgotten id during a
+grace period afterwards (the engine's last reports lag the response) are dropped instead of
+opening a new entry; ids nobody waits for or forgets expire after a TTL.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ _LOGGER = logging.getLogger(__name__)
 _SEND_HIGH_WATER_MARK = 1024
 _RECEIVE_POLL_MS = 100
 _EXPIRY_INTERVAL_S = 1.0
+_FORGOTTEN_GRACE_S = 30.0
 
 
 class TraceSender:
@@ -169,11 +173,19 @@ class TraceCollector:
     `close`. `wait_for` is a coroutine (any event loop; the reader thread wakes it).
     """
 
-    def __init__(self, endpoint: str, *, ttl_s: float = 600.0, max_ids: int = 100_000) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ttl_s: float = 600.0,
+        max_ids: int = 100_000,
+        forgotten_grace_s: float = _FORGOTTEN_GRACE_S,
+    ) -> None:
         """``endpoint``: the address to bind (``ipc://...``; ``tcp://127.0.0.1:*`` picks a free
         port, see `endpoint` after `start`). ``ttl_s``: an id that has not received a record for
         this long is forgotten. ``max_ids``: beyond this many pending ids the oldest are
-        forgotten first.
+        forgotten first. ``forgotten_grace_s``: for this long after an id is forgotten, records
+        for it are dropped (late reports of a finished or cancelled request).
         """
         if ttl_s <= 0 or max_ids <= 0:
             raise ValueError("TraceCollector needs ttl_s > 0 and max_ids > 0.")
@@ -183,6 +195,8 @@ class TraceCollector:
         self._max_ids = max_ids
         self._pending: dict[str, _PendingTrace] = {}
         self._waiters: dict[str, _Waiter] = {}
+        self._forgotten: dict[str, float] = {}  # id -> when forgotten (insertion order)
+        self._forgotten_grace_s = forgotten_grace_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -226,7 +240,8 @@ class TraceCollector:
     ) -> TraceReport:
         """What arrived for ``trace_id`` once its summary covers ``n_steps`` steps (and, with
         ``want_trace``, its trace has ``n_steps`` steps), or after ``timeout`` seconds with what
-        arrived by then. The id is forgotten afterwards either way. Holds no thread."""
+        arrived by then. The id is forgotten afterwards either way (also when the wait is
+        cancelled). Holds no thread."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(n_steps, want_trace, loop, loop.create_future())
         with self._lock:
@@ -234,18 +249,37 @@ class TraceCollector:
             done = pending is not None and pending.complete(n_steps, want_trace)
             if not done and not self._stop.is_set():
                 self._waiters[trace_id] = waiter
-        if not done and not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        with self._lock:
-            self._waiters.pop(trace_id, None)
-            pending = self._pending.pop(trace_id, None)
+        try:
+            if not done and not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        finally:  # cancelled waits forget too
+            with self._lock:
+                pending = self._forget_locked(trace_id)
         return TraceReport() if pending is None else pending.report(n_steps)
+
+    def forget(self, trace_id: str) -> None:
+        """Drop what is held for ``trace_id`` and ignore its records for a grace period: for a
+        request that ends without `wait_for` (cancelled, or finished with no step). Idempotent;
+        a `wait_for` in progress for it returns an empty report at once."""
+        with self._lock:
+            waiter = self._waiters.get(trace_id)
+            self._forget_locked(trace_id)
+        if waiter is not None:
+            _wake(waiter)
 
     def pending_ids(self) -> int:
         """How many trace ids are held (for tests and diagnostics)."""
         with self._lock:
             return len(self._pending)
+
+    def _forget_locked(self, trace_id: str) -> _PendingTrace | None:
+        self._waiters.pop(trace_id, None)
+        self._forgotten.pop(trace_id, None)  # re-inserted last: the dict stays in time order
+        self._forgotten[trace_id] = time.monotonic()
+        if len(self._forgotten) > self._max_ids:
+            del self._forgotten[next(iter(self._forgotten))]
+        return self._pending.pop(trace_id, None)
 
     def _read_loop(self) -> None:
         assert self._socket is not None
@@ -282,12 +316,15 @@ class TraceCollector:
         now = time.monotonic()
         woken: list[_Waiter] = []
         with self._lock:
+            forgotten = self._forgotten
             touched: set[str] = set()
             for trace_id, step, temperature in steps:
+                if trace_id in forgotten:
+                    continue
                 self._entry(trace_id, now).temperatures_by_step[step] = temperature
                 touched.add(trace_id)
             for trace_id, part, total, count, low, high in parts:
-                if count > 0 and math.isfinite(total):
+                if trace_id not in forgotten and count > 0 and math.isfinite(total):
                     self._entry(trace_id, now).parts[part] = (total, count, low, high)
                     touched.add(trace_id)
             for trace_id in touched:
@@ -308,6 +345,12 @@ class TraceCollector:
 
     def _expire(self, now: float) -> None:
         with self._lock:
+            forgotten = self._forgotten
+            while forgotten:
+                first, since = next(iter(forgotten.items()))
+                if now - since <= self._forgotten_grace_s:
+                    break
+                del forgotten[first]
             stale = [tid for tid, p in self._pending.items() if now - p.last_update > self._ttl_s]
             for trace_id in stale:
                 del self._pending[trace_id]

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from test_server_app import POLICY, _assert_error, _build
+from server_fakes import (
+    POLICY,
+    assert_error,
+    build,
+)
 
 from noisy_temp_server.settings import Settings
 
@@ -28,14 +32,14 @@ BODY = {"prompt": "abc", "max_tokens": 1}
     ],
 )
 def test_a_bad_authorization_header_is_a_401(header: bytes) -> None:
-    harness = _build(Settings(api_key=KEY), POLICY)  # type: ignore[arg-type]
+    harness = build(Settings(api_key=KEY), POLICY)  # type: ignore[arg-type]
     response = harness.client.post("/v1/completions", json=BODY, headers={"Authorization": header})
-    _assert_error(response, 401, "invalid_api_key")
+    assert_error(response, 401, "invalid_api_key")
     assert harness.engine.calls == []
 
 
 def test_the_right_key_is_accepted_whatever_the_scheme_case() -> None:
-    harness = _build(Settings(api_key=KEY), POLICY)  # type: ignore[arg-type]
+    harness = build(Settings(api_key=KEY), POLICY)  # type: ignore[arg-type]
     for scheme in (b"Bearer ", b"bearer ", b"BEARER  "):
         response = harness.client.post(
             "/v1/completions", json=BODY, headers={"Authorization": scheme + KEY.encode()}

@@ -9,7 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_server_app import POLICY, Harness, _assert_error, _build
+from server_fakes import (
+    POLICY,
+    Harness,
+    assert_error,
+    build,
+)
 
 from noisy_temp_server.server.body_limit import BodyLimitMiddleware
 from noisy_temp_server.settings import Settings
@@ -19,7 +24,7 @@ LIMIT = 4096
 
 @pytest.fixture
 def server() -> Harness:
-    return _build(Settings(max_request_body_bytes=LIMIT), POLICY)
+    return build(Settings(max_request_body_bytes=LIMIT), POLICY)
 
 
 def _body_of_size(size: int) -> bytes:
@@ -44,7 +49,7 @@ def test_a_body_at_the_limit_is_served(server: Harness) -> None:
 
 
 def test_a_body_over_the_limit_is_a_413(server: Harness) -> None:
-    error = _assert_error(_post(server, _body_of_size(LIMIT + 1)), 413, "request_too_large")
+    error = assert_error(_post(server, _body_of_size(LIMIT + 1)), 413, "request_too_large")
     assert f"limit of {LIMIT} bytes" in error["message"]
     assert server.engine.calls == []
     assert server.client.get("/v1/models").status_code == 200  # and the server keeps serving
@@ -54,7 +59,7 @@ def test_a_chunked_body_is_counted_as_it_arrives(server: Harness) -> None:
     within = _post(server, _chunks(_body_of_size(LIMIT)))
     assert within.status_code == 200, within.text
     over = _post(server, _chunks(_body_of_size(10 * LIMIT)))
-    _assert_error(over, 413, "request_too_large")
+    assert_error(over, 413, "request_too_large")
     assert len(server.engine.calls) == 1
 
 

@@ -12,7 +12,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from test_server_app import POLICY, FakeEngine, _assert_error, _build, _events
+from server_fakes import (
+    POLICY,
+    FakeEngine,
+    assert_error,
+    build,
+    sse_events,
+)
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from noisy_temp_server.server.engine_watchdog import EngineWatchedServer
@@ -42,7 +48,7 @@ class DyingEngine(FakeEngine):
 
 
 def _dying_harness(outputs_left: int) -> Any:
-    harness = _build(Settings(), POLICY)
+    harness = build(Settings(), POLICY)
     engine = DyingEngine(outputs_left)
     harness.engine.generate = engine.generate  # type: ignore[method-assign]
     harness.engine.check_health = engine.check_health  # type: ignore[method-assign]
@@ -51,7 +57,7 @@ def _dying_harness(outputs_left: int) -> Any:
 
 def test_a_request_in_flight_gets_a_503_saying_the_engine_failed() -> None:
     harness, _ = _dying_harness(outputs_left=0)
-    error = _assert_error(harness.post("/v1/completions", {"prompt": "ab", "max_tokens": 4}), 503)
+    error = assert_error(harness.post("/v1/completions", {"prompt": "ab", "max_tokens": 4}), 503)
     assert error["code"] == "engine_dead"
     assert error["type"] == "service_unavailable_error"
     assert "engine failed" in error["message"]
@@ -63,7 +69,7 @@ def test_a_stream_in_flight_gets_the_error_in_band() -> None:
     body = {"prompt": "ab", "max_tokens": 6, "stream": True}
     response = harness.post("/v1/completions", body)
     assert response.status_code == 200
-    events = list(_events(response))
+    events = list(sse_events(response))
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "engine_dead"
     assert sum(1 for e in events[:-2] if e.get("choices")) == 2
@@ -73,7 +79,7 @@ def test_a_new_request_after_the_death_gets_a_503() -> None:
     harness, engine = _dying_harness(outputs_left=0)
     engine.dead = True
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    error = _assert_error(harness.post("/v1/chat/completions", body), 503)
+    error = assert_error(harness.post("/v1/chat/completions", body), 503)
     assert error["code"] == "engine_dead"
 
 

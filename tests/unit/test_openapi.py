@@ -6,14 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_server_app import POLICY, _build
+from server_fakes import (
+    POLICY,
+    build,
+)
 
 from noisy_temp_server.settings import Settings
 
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
-    return dict(_build(Settings(), POLICY).client.get("/openapi.json").json())
+    return dict(build(Settings(), POLICY).client.get("/openapi.json").json())
 
 
 def _responses(document: dict[str, Any], path: str, method: str) -> dict[str, Any]:

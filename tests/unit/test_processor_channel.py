@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -88,6 +89,63 @@ def test_ids_nobody_waits_for_expire(endpoint: str) -> None:
             time.sleep(0.05)
         assert collector.pending_ids() == 0
         sender.close()
+
+
+def _until(condition: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
+
+
+def test_forgotten_ids_are_dropped_and_their_late_records_ignored(endpoint: str) -> None:
+    with TraceCollector(endpoint, forgotten_grace_s=0.2) as collector:
+        sender = TraceSender(endpoint)
+        sender.send_summaries([("gone", 0, 1.5, 1, 1.5, 1.5)])
+        assert _until(lambda: collector.pending_ids() == 1)
+        collector.forget("gone")
+        assert collector.pending_ids() == 0
+        sender.send_step([("gone", 1, 1.5)])  # a late report of the cancelled request
+        sender.send_summaries([("gone", 0, 3.0, 2, 1.5, 1.5), ("marker", 0, 1.0, 1, 1.0, 1.0)])
+        assert _until(lambda: collector.pending_ids() == 1)  # the marker arrived ...
+        assert _wait(collector, "marker", 1, timeout=1.0).steps == 1
+        assert collector.pending_ids() == 0  # ... and nothing opened an entry for "gone"
+        time.sleep(1.5)  # past the grace period (swept once a second): the id is new again
+        sender.send_step([("gone", 0, 1.0)])
+        assert _until(lambda: collector.pending_ids() == 1)
+        sender.close()
+
+
+def test_a_cancelled_wait_forgets_its_id(endpoint: str) -> None:
+    async def cancel_a_wait(collector: TraceCollector) -> None:
+        wait = asyncio.create_task(collector.wait_for("c", 5, timeout=30.0))
+        await asyncio.sleep(0.2)
+        wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wait
+
+    with TraceCollector(endpoint) as collector:
+        sender = TraceSender(endpoint)
+        sender.send_summaries([("c", 0, 1.5, 1, 1.5, 1.5)])
+        assert _until(lambda: collector.pending_ids() == 1)
+        asyncio.run(cancel_a_wait(collector))
+        assert collector.pending_ids() == 0
+        sender.close()
+
+
+def test_forget_wakes_a_wait_in_progress_with_an_empty_report(endpoint: str) -> None:
+    async def forget_while_waiting(collector: TraceCollector) -> tuple[TraceReport, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        wait = asyncio.create_task(collector.wait_for("w", 5, timeout=30.0))
+        await asyncio.sleep(0.1)
+        collector.forget("w")
+        return await wait, loop.time() - started
+
+    with TraceCollector(endpoint) as collector:
+        report, elapsed = asyncio.run(forget_while_waiting(collector))
+    assert report == TraceReport()
+    assert elapsed < 5.0
 
 
 def test_sender_without_reader_drops_and_counts_instead_of_blocking(endpoint: str) -> None:

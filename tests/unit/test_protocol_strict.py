@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from test_server_app import POLICY, Harness, _assert_error, _build
+from server_fakes import (
+    POLICY,
+    Harness,
+    assert_error,
+    build,
+)
 
 from noisy_temp_server.server.protocol import (
     MAX_STOP_SEQUENCES,
@@ -21,7 +26,7 @@ USER_HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 def server() -> Harness:
-    return _build(Settings(), POLICY)
+    return build(Settings(), POLICY)
 
 
 @pytest.mark.parametrize("value", ["yes", "true", 1, 0, "1"])
@@ -32,7 +37,7 @@ def server() -> Harness:
 def test_a_stream_flag_that_is_not_a_boolean_is_a_400(
     server: Harness, path: str, body: dict[str, Any], value: object
 ) -> None:
-    error = _assert_error(server.post(path, {**body, "stream": value}), 400)
+    error = assert_error(server.post(path, {**body, "stream": value}), 400)
     assert error["param"] == "stream"
     assert "valid boolean" in error["message"]
     assert server.engine.calls == []
@@ -59,7 +64,7 @@ def test_more_than_four_stop_sequences_is_a_400(server: Harness) -> None:
         ("/v1/completions", {"prompt": "a"}),
         ("/v1/chat/completions", {"messages": USER_HI}),
     ]:
-        error = _assert_error(server.post(path, {**body, "stop": many}), 400)
+        error = assert_error(server.post(path, {**body, "stop": many}), 400)
         assert error["param"] == "stop"
         assert f"stop takes up to {MAX_STOP_SEQUENCES} sequences" in error["message"]
     assert server.engine.calls == []
@@ -77,7 +82,7 @@ def test_a_null_content_is_a_400_unless_the_message_is_the_assistants(
     server: Harness, role: str
 ) -> None:
     messages = [{"role": role, "content": None}]
-    error = _assert_error(server.post("/v1/chat/completions", {"messages": messages}), 400)
+    error = assert_error(server.post("/v1/chat/completions", {"messages": messages}), 400)
     assert error["param"] == "messages.0"
     assert f"content of a {role} message must be a string" in error["message"]
     assert server.engine.calls == []

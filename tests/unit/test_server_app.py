@@ -8,173 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
-from vllm.exceptions import VLLMValidationError
-from vllm.inputs import TokensPrompt
-from vllm.logprobs import Logprob
-from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from server_fakes import (
+    MAX_MODEL_LEN,
+    MODEL,
+    POLICY,
+    VOCAB,
+    FakeTokenizer,
+    FakeTraces,
+    Harness,
+    assert_error,
+    build,
+    sse_events,
+)
 
-from noisy_temp_server.server.app import create_app
-from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
-VOCAB = 1000
-MAX_MODEL_LEN = 64
-MODEL = "fake-model"
-
-
-class FakeEngine:
-    """AsyncLLM's generate(): `max_tokens` tokens, one per step, token id = position."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[int], SamplingParams, str]] = []
-        self.dead = False
-        self.step_seconds = 0.0
-        self.aborted: list[str] = []
-
-    async def generate(
-        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
-    ) -> AsyncGenerator[RequestOutput, None]:
-        ids = list(prompt["prompt_token_ids"])
-        if any(i >= VOCAB for i in ids):
-            raise VLLMValidationError("Token id out of vocabulary", parameter="prompt")
-        self.calls.append((ids, sampling_params, request_id))
-        count = sampling_params.max_tokens or 1
-        new = [(len(ids) + step) % VOCAB for step in range(count)]
-        delta = sampling_params.output_kind == RequestOutputKind.DELTA
-        try:
-            async for output in self._outputs(request_id, ids, new, delta, sampling_params):
-                yield output
-        except (asyncio.CancelledError, GeneratorExit):
-            self.aborted.append(request_id)  # where AsyncLLM aborts the engine request
-            raise
-
-    async def _outputs(
-        self,
-        request_id: str,
-        ids: list[int],
-        new: list[int],
-        delta: bool,
-        sampling_params: SamplingParams,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        count = len(new)
-        for step, token in enumerate(new):
-            await asyncio.sleep(self.step_seconds)
-            last = step == count - 1
-            if not delta and not last:
-                continue
-            tokens = [token] if delta else new
-            logprobs = None
-            if sampling_params.logprobs is not None:
-                logprobs = [
-                    {t: Logprob(-0.5, 1, f" t{t}"), t + 1: Logprob(float("-inf"), 2, f" t{t + 1}")}
-                    for t in tokens
-                ]
-            output = CompletionOutput(
-                index=0,
-                text="".join(f" t{t}" for t in tokens),
-                token_ids=tokens,
-                cumulative_logprob=None,
-                logprobs=logprobs,
-                finish_reason="length" if last else None,
-            )
-            yield RequestOutput(request_id, None, ids, None, [output], finished=last)
-
-    async def check_health(self) -> None:
-        if self.dead:
-            raise RuntimeError("engine is dead")
-
-
-class FakeTokenizer:
-    def __init__(self, chat_template: str | None = "{{ messages }}") -> None:
-        self.chat_template = chat_template
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % 256 for c in text]
-
-    def apply_chat_template(
-        self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
-    ) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-class FakeTraces:
-    """The trace channel: every tuned step ran at `temperature`."""
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self.waited: list[tuple[str, int]] = []
-
-    async def wait_for(
-        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
-    ) -> TraceReport:
-        self.waited.append((trace_id, n_steps))
-        t = self.temperature
-        trace = (t,) * n_steps if want_trace else ()
-        return TraceReport(steps=n_steps, t_mean=t, t_min=t, t_max=t, trace=trace)
-
-
-class Harness:
-    def __init__(self, client: TestClient, engine: FakeEngine, traces: FakeTraces) -> None:
-        self.client = client
-        self.engine = engine
-        self.traces = traces
-        self.registry: CollectorRegistry = client.app.state.registry  # type: ignore[attr-defined]
-
-    def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
-        return self.client.post(path, json=body, **kwargs)
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        return self.registry.get_sample_value(name, labels)
-
-
-def _build(
-    settings: Settings,
-    policy: TemperaturePolicy,
-    trace_t: float = 1.25,
-    traces: FakeTraces | None = None,
-    tokenizer: FakeTokenizer | None = None,
-) -> Harness:
-    engine, registry = FakeEngine(), CollectorRegistry()
-    traces = traces or FakeTraces(trace_t)
-    app = create_app(
-        settings,
-        engine,
-        tokenizer=tokenizer or FakeTokenizer(),
-        model_name=MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        policy_source=StaticPolicySource(policy, "test"),
-        metrics=ApiMetrics(registry),
-        metrics_registry=registry,
-        trace_source=traces,
-    )
-    app.state.registry = registry
-    return Harness(TestClient(app), engine, traces)
-
-
-POLICY = TemperaturePolicy(version=7, rule="sqrt", alpha_by_step=(0.5625,))
-
 
 @pytest.fixture
 def server() -> Harness:
-    return _build(Settings(), POLICY)
-
-
-def _events(response: Any) -> Iterator[Any]:
-    for line in response.text.splitlines():
-        if line.startswith("data: "):
-            payload = line.removeprefix("data: ")
-            yield payload if payload == "[DONE]" else json.loads(payload)
+    return build(Settings(), POLICY)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -263,7 +120,7 @@ def test_a_tiny_temperature_is_tuned_as_the_engine_samples_it(server: Harness) -
 
 def test_n_greedy_choices_are_a_400(server: Harness) -> None:
     body = {"prompt": "abc", "n": 2, "temperature": 0}
-    error = _assert_error(server.post("/v1/completions", body), 400)
+    error = assert_error(server.post("/v1/completions", body), 400)
     assert error["param"] == "n"
     assert server.engine.calls == []
 
@@ -313,7 +170,7 @@ def test_streamed_completion_ends_with_usage_and_summary(server: Harness) -> Non
     )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
-    events = list(_events(response))
+    events = list(sse_events(response))
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     texts: dict[int, str] = {0: "", 1: ""}
@@ -331,7 +188,7 @@ def test_streamed_completion_ends_with_usage_and_summary(server: Harness) -> Non
 
 def test_stream_without_include_usage_has_no_usage(server: Harness) -> None:
     response = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "stream": True})
-    chunks = [e for e in _events(response) if e != "[DONE]"]
+    chunks = [e for e in sse_events(response) if e != "[DONE]"]
     assert all(chunk["usage"] is None for chunk in chunks)
     assert chunks[-1]["nts"]["rule"] == "sqrt"
 
@@ -375,7 +232,7 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_the_summary(server: Ha
             "stream_options": {"include_usage": True},
         },
     )
-    chunks = [e for e in _events(response) if e != "[DONE]"]
+    chunks = [e for e in sse_events(response) if e != "[DONE]"]
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     content = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks[1:-1])
@@ -385,7 +242,7 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_the_summary(server: Ha
 
 
 def test_chat_without_template_is_a_400() -> None:
-    templateless = _build(Settings(), POLICY, tokenizer=FakeTokenizer(chat_template=None))
+    templateless = build(Settings(), POLICY, tokenizer=FakeTokenizer(chat_template=None))
     response = templateless.post(
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
     )
@@ -394,10 +251,11 @@ def test_chat_without_template_is_a_400() -> None:
     assert templateless.engine.calls == []
 
 
-def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -> None:
-    """The ASGI app is driven directly: after the body, the client disconnects mid-generation."""
+def _disconnect_mid_generation(server: Harness, request: dict[str, Any]) -> float:
+    """Drive the ASGI app directly: after the body, the client disconnects mid-generation.
+    Returns how long the app took to finish."""
     server.engine.step_seconds = 0.05
-    body = json.dumps({"prompt": "abc", "max_tokens": 40, "n": 2}).encode()
+    body = json.dumps(request).encode()
     incoming = [{"type": "http.request", "body": body, "more_body": False}]
     sent: list[dict[str, Any]] = []
 
@@ -424,10 +282,34 @@ def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -
         "client": ("127.0.0.1", 1),
         "server": ("test", 80),
     }
-    elapsed = asyncio.run(_timed(server.client.app(scope, receive, send)))  # type: ignore[arg-type]
+    return asyncio.run(_timed(server.client.app(scope, receive, send)))  # type: ignore[arg-type]
+
+
+def test_a_client_disconnect_aborts_its_non_streaming_request(server: Harness) -> None:
+    elapsed = _disconnect_mid_generation(server, {"prompt": "abc", "max_tokens": 40, "n": 2})
     assert elapsed < 1.0  # 40 steps of 50 ms would take 2 s
     assert sorted(server.engine.aborted) == sorted(c[2] for c in server.engine.calls)
     assert len(server.engine.aborted) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_cancelled_request_tells_the_trace_channel_to_forget_its_choices(
+    server: Harness, stream: bool
+) -> None:
+    request = {"prompt": "abc", "max_tokens": 40, "n": 2, "stream": stream}
+    _disconnect_mid_generation(server, request)
+    trace_ids = sorted(c[2] for c in server.engine.calls)
+    assert len(trace_ids) == 2
+    assert sorted(server.traces.forgotten) == trace_ids
+    assert server.traces.waited == []
+
+
+def test_finished_choices_are_not_forgotten_twice(server: Harness) -> None:
+    for stream in (False, True):
+        body = {"prompt": "abc", "max_tokens": 3, "n": 2, "stream": stream}
+        assert server.post("/v1/completions", body).status_code == 200
+    assert len(server.traces.waited) == 4  # wait_for forgets each of them itself
+    assert server.traces.forgotten == []
 
 
 async def _timed(work: Any) -> float:
@@ -440,28 +322,19 @@ async def _timed(work: Any) -> float:
 # ----------------------------------------------------------------------------- errors
 
 
-def _assert_error(response: Any, status: int, code: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if code is not None:
-        assert error["code"] == code
-    return dict(error)
-
-
 def test_malformed_json_is_a_400(server: Harness) -> None:
     response = server.client.post(
         "/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"}
     )
-    error = _assert_error(response, 400)
+    error = assert_error(response, 400)
     assert error["type"] == "invalid_request_error"
     assert "JSON" in error["message"]
 
 
 def test_validation_error_is_a_400_naming_the_field(server: Harness) -> None:
-    error = _assert_error(server.post("/v1/completions", {"prompt": "a", "temperature": 5}), 400)
+    error = assert_error(server.post("/v1/completions", {"prompt": "a", "temperature": 5}), 400)
     assert error["param"] == "temperature"
-    error = _assert_error(server.post("/v1/completions", {"prompt": "a", "nts_tmax": 2}), 400)
+    error = assert_error(server.post("/v1/completions", {"prompt": "a", "nts_tmax": 2}), 400)
     assert error["param"] == "nts_tmax"
 
 
@@ -477,7 +350,7 @@ def test_validation_error_is_a_400_naming_the_field(server: Harness) -> None:
     ],
 )
 def test_bad_nts_keys_are_400s(server: Harness, keys: dict[str, Any], message: str) -> None:
-    error = _assert_error(server.post("/v1/completions", {"prompt": "a", **keys}), 400)
+    error = assert_error(server.post("/v1/completions", {"prompt": "a", **keys}), 400)
     assert message in error["message"]
     assert server.engine.calls == []
 
@@ -495,7 +368,7 @@ def test_bad_nts_keys_are_400s(server: Harness, keys: dict[str, Any], message: s
 def test_out_of_range_sampling_fields_are_400s(
     server: Harness, fields: dict[str, Any], message: str
 ) -> None:
-    error = _assert_error(server.post("/v1/completions", {"prompt": "a", **fields}), 400)
+    error = assert_error(server.post("/v1/completions", {"prompt": "a", **fields}), 400)
     assert message in error["message"]
     assert server.engine.calls == []
 
@@ -507,19 +380,19 @@ def test_the_largest_seed_of_n_choices_is_accepted(server: Harness) -> None:
 
 
 def test_unknown_model_is_a_404(server: Harness) -> None:
-    error = _assert_error(
+    error = assert_error(
         server.post("/v1/completions", {"model": "gpt-5", "prompt": "a"}), 404, "model_not_found"
     )
     assert error["param"] == "model"
 
 
 def test_over_context_length_is_a_400(server: Harness) -> None:
-    _assert_error(
+    assert_error(
         server.post("/v1/completions", {"prompt": "a" * 60, "max_tokens": 10}),
         400,
         "context_length_exceeded",
     )
-    _assert_error(
+    assert_error(
         server.post("/v1/completions", {"prompt": "a" * MAX_MODEL_LEN, "max_tokens": None}),
         400,
         "context_length_exceeded",
@@ -528,12 +401,12 @@ def test_over_context_length_is_a_400(server: Harness) -> None:
 
 def test_engine_validation_error_is_a_400_streaming_or_not(server: Harness) -> None:
     body = {"prompt": [5, VOCAB + 1], "max_tokens": 2}
-    _assert_error(server.post("/v1/completions", body), 400)
-    _assert_error(server.post("/v1/completions", {**body, "stream": True}), 400)
+    assert_error(server.post("/v1/completions", body), 400)
+    assert_error(server.post("/v1/completions", {**body, "stream": True}), 400)
 
 
 def test_unknown_route_is_an_openai_404(server: Harness) -> None:
-    _assert_error(server.client.get("/v1/nothing"), 404)
+    assert_error(server.client.get("/v1/nothing"), 404)
 
 
 def test_bad_requests_do_not_disturb_the_next_ones(server: Harness) -> None:
@@ -549,10 +422,10 @@ def test_bad_requests_do_not_disturb_the_next_ones(server: Harness) -> None:
 
 
 def test_api_key_is_required_when_configured() -> None:
-    harness = _build(Settings(api_key="sekrit"), POLICY)  # type: ignore[arg-type]
+    harness = build(Settings(api_key="sekrit"), POLICY)  # type: ignore[arg-type]
     body = {"prompt": "abc", "max_tokens": 1}
-    _assert_error(harness.post("/v1/completions", body), 401, "invalid_api_key")
-    _assert_error(
+    assert_error(harness.post("/v1/completions", body), 401, "invalid_api_key")
+    assert_error(
         harness.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"}),
         401,
         "invalid_api_key",
@@ -582,7 +455,7 @@ def test_models_health_and_status(server: Harness) -> None:
 
 
 def test_server_defaults_apply_unless_the_request_overrides_them() -> None:
-    harness = _build(Settings(default_rule="fixed", default_t=1.5), POLICY, trace_t=1.5)
+    harness = build(Settings(default_rule="fixed", default_t=1.5), POLICY, trace_t=1.5)
     body = {"prompt": "abc", "max_tokens": 1}
     assert harness.post("/v1/completions", body).json()["nts"]["rule"] == "fixed"
     assert (
@@ -621,7 +494,7 @@ class BarrierTraces(FakeTraces):
 
 
 def test_the_choices_wait_for_their_traces_together() -> None:
-    server = _build(Settings(), POLICY, traces=BarrierTraces(1.25, parties=3))
+    server = build(Settings(), POLICY, traces=BarrierTraces(1.25, parties=3))
     response = server.post("/v1/completions", {"prompt": "ab", "max_tokens": 2, "n": 3})
     assert response.status_code == 200, response.text
     assert [c["nts"]["t_mean"] for c in response.json()["choices"]] == [1.25] * 3
@@ -629,7 +502,7 @@ def test_the_choices_wait_for_their_traces_together() -> None:
 
 def test_temperatures_are_reported_at_float32_precision() -> None:
     float32_t = 1.2000000476837158  # what the engine's float32 T* of 1.2 reads as in Python
-    server = _build(Settings(), POLICY, trace_t=float32_t)
+    server = build(Settings(), POLICY, trace_t=float32_t)
     body = {"prompt": "ab", "max_tokens": 2, "nts_trace": True}
     nts = server.post("/v1/completions", body).json()["nts"]
     assert (nts["t_mean"], nts["t_min"], nts["t_max"], nts["trace"]) == (1.2, 1.2, 1.2, [1.2, 1.2])

@@ -4,59 +4,16 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Any
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
+from server_fakes import (
+    FakeEstimator,
+    FakeScorer,
+)
 
-from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import ShadowScorer
-
-
-def _records(sequence: ScoringSequence) -> PositionRecords:
-    count = len(sequence.token_ids) - sequence.prompt_length
-    generator = torch.Generator().manual_seed(sequence.sequence_id)
-    clean = torch.randn(count, 16, generator=generator)
-    served = clean + 0.5 * torch.randn(count, 16, generator=generator)
-    return PositionRecords.from_logits(
-        clean, served, step=torch.arange(count), sequence_id=sequence.sequence_id
-    )
-
-
-class FakeScorer:
-    def __init__(self, gate: threading.Event | None = None, fail: bool = False) -> None:
-        self.gate = gate
-        self.fail = fail
-        self.sequences: list[ScoringSequence] = []
-
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
-        if self.gate is not None:
-            self.gate.wait(5)
-        if self.fail:
-            raise RuntimeError("scoring failed")
-        self.sequences.append(sequence)
-        return _records(sequence)
-
-
-class FakeEstimator:
-    """Publishes version + 1 every `every` positions."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self.positions = 0
-        self.version = 0
-
-    def add(self, records: PositionRecords) -> None:
-        self.positions += len(records)
-        self.version = self.positions // self.every
-
-    def current_policy(self) -> int:
-        return self.version
-
-    def status(self) -> dict[str, Any]:
-        return {"version": self.version}
 
 
 class Setup:
@@ -82,12 +39,19 @@ class Setup:
         return self.registry.get_sample_value(name, labels) or 0.0
 
 
+def _offer(
+    shadow: ShadowScorer, prompt: list[int], completion: list[int], temperatures: list[float]
+) -> bool:
+    """Admit a choice and, when sampled, submit it finished: whether it was queued."""
+    return shadow.admit() and shadow.submit(prompt, completion, temperatures)
+
+
 def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
     setup = Setup(FakeScorer(), every=4)
     setup.shadow.start()
     try:
         for _ in range(3):
-            assert setup.shadow.offer([1, 2, 3], [4, 5, 6], [1.5, 1.5, 1.5])
+            assert _offer(setup.shadow, [1, 2, 3], [4, 5, 6], [1.5, 1.5, 1.5])
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()
@@ -111,7 +75,7 @@ def test_partial_trace_scores_kl_at_served_t_only_where_known() -> None:
     setup = Setup(FakeScorer())
     setup.shadow.start()
     try:
-        setup.shadow.offer([1], [2, 3, 4, 5], [1.2])
+        _offer(setup.shadow, [1], [2, 3, 4, 5], [1.2])
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()
@@ -121,9 +85,9 @@ def test_partial_trace_scores_kl_at_served_t_only_where_known() -> None:
 
 def test_fraction_zero_samples_nothing_and_fraction_samples_about_that_share() -> None:
     none = Setup(FakeScorer(), fraction=0.0)
-    assert not any(none.shadow.offer([1], [2], [1.0]) for _ in range(50))
+    assert not any(_offer(none.shadow, [1], [2], [1.0]) for _ in range(50))
     some = Setup(FakeScorer(), fraction=0.3, queue_size=1000)
-    sampled = sum(some.shadow.offer([1], [2], [1.0]) for _ in range(1000))
+    sampled = sum(_offer(some.shadow, [1], [2], [1.0]) for _ in range(1000))
     assert 230 < sampled < 370
     assert some.shadow.status()["offered"] == 1000
 
@@ -133,7 +97,7 @@ def test_full_queue_drops_and_counts_without_blocking() -> None:
     setup = Setup(FakeScorer(gate), queue_size=2)
     setup.shadow.start()
     try:
-        results = [setup.shadow.offer([1], [2, 3], [1.0, 1.0]) for _ in range(6)]
+        results = [_offer(setup.shadow, [1], [2, 3], [1.0, 1.0]) for _ in range(6)]
         # one item may already be in the scorer's hands; the queue holds two more
         assert results.count(False) >= 3
         assert setup.value(
@@ -151,10 +115,10 @@ def test_scoring_errors_are_counted_and_the_loop_survives() -> None:
     setup = Setup(scorer)
     setup.shadow.start()
     try:
-        setup.shadow.offer([1], [2], [1.0])
+        _offer(setup.shadow, [1], [2], [1.0])
         assert setup.shadow.wait_idle(5)
         scorer.fail = False
-        setup.shadow.offer([1], [2], [1.0])
+        _offer(setup.shadow, [1], [2], [1.0])
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()
@@ -162,9 +126,12 @@ def test_scoring_errors_are_counted_and_the_loop_survives() -> None:
     assert setup.value("nts_shadow_requests_scored_total") == 1
 
 
-def test_empty_completions_are_not_sampled() -> None:
+def test_sampling_is_drawn_at_admission_and_empty_completions_are_not_queued() -> None:
     setup = Setup(FakeScorer())
-    assert not setup.shadow.offer([1, 2], [], [])
+    assert setup.shadow.admit()
+    assert not setup.shadow.submit([1, 2], [], [])
+    status = setup.shadow.status()
+    assert (status["offered"], status["sampled"], status["queue_depth"]) == (1, 1, 0)
 
 
 @pytest.mark.parametrize(("fraction", "size"), [(-0.1, 4), (1.1, 4), (0.5, 0)])

@@ -12,15 +12,16 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from test_server_app import (
+from server_fakes import (
     MAX_MODEL_LEN,
     MODEL,
     POLICY,
     FakeEngine,
+    FakeEstimator,
+    FakeScorer,
     FakeTokenizer,
     FakeTraces,
 )
-from test_server_shadow import FakeEstimator, FakeScorer
 
 from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
 from noisy_temp_server.server.app import create_app
@@ -54,14 +55,21 @@ class FailingEstimator(FakeEstimator):
 
 
 class Served:
-    def __init__(self, scorer: FakeScorer, estimator: FakeEstimator, queue_size: int) -> None:
+    def __init__(
+        self,
+        scorer: FakeScorer,
+        estimator: FakeEstimator,
+        queue_size: int,
+        fraction: float = 1.0,
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.engine = FakeEngine()
         metrics = ApiMetrics(self.registry)
         self.shadow = ShadowScorer(
             scorer,
             estimator,
             metrics,
-            fraction=1.0,
+            fraction=fraction,
             queue_size=queue_size,
             version_of=int,
             on_policy=lambda _: None,
@@ -69,7 +77,7 @@ class Served:
         ).start()
         app = create_app(
             Settings(),
-            FakeEngine(),
+            self.engine,
             tokenizer=FakeTokenizer(),
             model_name=MODEL,
             max_model_len=MAX_MODEL_LEN,
@@ -96,6 +104,13 @@ class Served:
 
     def status(self) -> dict[str, Any]:
         return dict(self.client.get("/v1/nts/status").json()["shadow"])
+
+    def engine_keys(self) -> list[dict[str, Any]]:
+        """The `nts_*` keys of every engine request so far."""
+        return [dict(params.extra_args or {}) for _, params, _ in self.engine.calls]
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
 
     def dropped(self, reason: str) -> float:
         value = self.registry.get_sample_value(
@@ -154,16 +169,47 @@ def test_a_hung_clean_model_fills_the_queue_and_serving_is_untouched(
     assert after["scored"] == 3
 
 
-def test_a_full_queue_drops_without_blocking_the_offer() -> None:
+def test_a_full_queue_drops_without_blocking_the_submit() -> None:
     scorer = HungScorer()
     served = Served(scorer, FakeEstimator(every=4), queue_size=1)
     try:
-        assert served.shadow.offer([1, 2], [3], [1.0])  # taken by the (hung) scorer
+        assert served.shadow.submit([1, 2], [3], [1.0])  # taken by the (hung) scorer
         assert scorer.entered.wait(10)
-        assert served.shadow.offer([1, 2], [3], [1.0])  # fills the queue
-        assert [served.shadow.offer([1, 2], [3], [1.0]) for _ in range(5)] == [False] * 5
+        assert served.shadow.submit([1, 2], [3], [1.0])  # fills the queue
+        assert [served.shadow.submit([1, 2], [3], [1.0]) for _ in range(5)] == [False] * 5
         assert served.dropped("queue_full") == 5
         assert served.status()["dropped_queue_full"] == 5
     finally:
         scorer.release.set()
         served.shadow.close()
+
+
+def test_a_sampled_tuned_request_runs_traced_and_its_full_trace_is_scored() -> None:
+    served = Served(FakeScorer(), FakeEstimator(every=100), queue_size=8, fraction=1.0)
+    try:
+        response = served.client.post("/v1/completions", json={**BODY, "max_tokens": 5})
+        assert response.status_code == 200, response.text
+        assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    assert response.json()["nts"]["trace"] is None  # the client did not ask for it
+    assert [keys.get("nts_trace") for keys in served.engine_keys()] == [True]
+    assert served.value("nts_shadow_kl_nats_count", temperature="one") == 5
+    assert served.value("nts_shadow_kl_nats_count", temperature="served") == 5
+    status = served.status()
+    assert (status["offered"], status["sampled"], status["scored"]) == (1, 1, 1)
+
+
+def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:
+    served = Served(FakeScorer(), FakeEstimator(every=100), queue_size=8, fraction=0.0)
+    try:
+        for body in (BODY, {**BODY, "stream": True}):
+            assert served.client.post("/v1/completions", json=body).status_code == 200
+        assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    keys = served.engine_keys()
+    assert len(keys) == 2
+    assert all("nts_trace" not in k and k.get("nts_trace_id") for k in keys)
+    status = served.status()
+    assert (status["offered"], status["sampled"], status["scored"]) == (2, 0, 0)

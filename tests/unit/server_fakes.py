@@ -1,0 +1,233 @@
+"""Fakes and builders the server tests share: an engine with AsyncLLM's `generate()` interface
+(one token per step, token id = position), a tokenizer, a trace channel, the app harness and its
+builder, the OpenAI error-body check, and a shadow scorer and estimator.
+
+The fake engine produces one token per step (ids counting up from the prompt length), so every
+test built on it runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import torch
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
+from noisy_temp_server.server.app import create_app
+from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.server.policy_source import StaticPolicySource
+from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
+
+VOCAB = 1000
+MAX_MODEL_LEN = 64
+MODEL = "fake-model"
+
+
+class FakeEngine:
+    """AsyncLLM's generate(): `max_tokens` tokens, one per step, token id = position."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], SamplingParams, str]] = []
+        self.dead = False
+        self.step_seconds = 0.0
+        self.aborted: list[str] = []
+
+    async def generate(
+        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        ids = list(prompt["prompt_token_ids"])
+        if any(i >= VOCAB for i in ids):
+            raise VLLMValidationError("Token id out of vocabulary", parameter="prompt")
+        self.calls.append((ids, sampling_params, request_id))
+        count = sampling_params.max_tokens or 1
+        new = [(len(ids) + step) % VOCAB for step in range(count)]
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        try:
+            async for output in self._outputs(request_id, ids, new, delta, sampling_params):
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)  # where AsyncLLM aborts the engine request
+            raise
+
+    async def _outputs(
+        self,
+        request_id: str,
+        ids: list[int],
+        new: list[int],
+        delta: bool,
+        sampling_params: SamplingParams,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        count = len(new)
+        for step, token in enumerate(new):
+            await asyncio.sleep(self.step_seconds)
+            last = step == count - 1
+            if not delta and not last:
+                continue
+            tokens = [token] if delta else new
+            logprobs = None
+            if sampling_params.logprobs is not None:
+                logprobs = [
+                    {t: Logprob(-0.5, 1, f" t{t}"), t + 1: Logprob(float("-inf"), 2, f" t{t + 1}")}
+                    for t in tokens
+                ]
+            output = CompletionOutput(
+                index=0,
+                text="".join(f" t{t}" for t in tokens),
+                token_ids=tokens,
+                cumulative_logprob=None,
+                logprobs=logprobs,
+                finish_reason="length" if last else None,
+            )
+            yield RequestOutput(request_id, None, ids, None, [output], finished=last)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("engine is dead")
+
+
+class FakeTokenizer:
+    def __init__(self, chat_template: str | None = "{{ messages }}") -> None:
+        self.chat_template = chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeTraces:
+    """The trace channel: every tuned step ran at `temperature`."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.waited: list[tuple[str, int]] = []
+        self.forgotten: list[str] = []
+
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport:
+        self.waited.append((trace_id, n_steps))
+        t = self.temperature
+        trace = (t,) * n_steps if want_trace else ()
+        return TraceReport(steps=n_steps, t_mean=t, t_min=t, t_max=t, trace=trace)
+
+    def forget(self, trace_id: str) -> None:
+        self.forgotten.append(trace_id)
+
+
+class Harness:
+    def __init__(self, client: TestClient, engine: FakeEngine, traces: FakeTraces) -> None:
+        self.client = client
+        self.engine = engine
+        self.traces = traces
+        self.registry: CollectorRegistry = client.app.state.registry  # type: ignore[attr-defined]
+
+    def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        return self.client.post(path, json=body, **kwargs)
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+
+def build(
+    settings: Settings,
+    policy: TemperaturePolicy,
+    trace_t: float = 1.25,
+    traces: FakeTraces | None = None,
+    tokenizer: FakeTokenizer | None = None,
+) -> Harness:
+    engine, registry = FakeEngine(), CollectorRegistry()
+    traces = traces or FakeTraces(trace_t)
+    app = create_app(
+        settings,
+        engine,
+        tokenizer=tokenizer or FakeTokenizer(),
+        model_name=MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        policy_source=StaticPolicySource(policy, "test"),
+        metrics=ApiMetrics(registry),
+        metrics_registry=registry,
+        trace_source=traces,
+    )
+    app.state.registry = registry
+    return Harness(TestClient(app), engine, traces)
+
+
+POLICY = TemperaturePolicy(version=7, rule="sqrt", alpha_by_step=(0.5625,))
+
+
+def sse_events(response: Any) -> Iterator[Any]:
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def assert_error(response: Any, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code
+    return dict(error)
+
+
+def records_of(sequence: ScoringSequence) -> PositionRecords:
+    count = len(sequence.token_ids) - sequence.prompt_length
+    generator = torch.Generator().manual_seed(sequence.sequence_id)
+    clean = torch.randn(count, 16, generator=generator)
+    served = clean + 0.5 * torch.randn(count, 16, generator=generator)
+    return PositionRecords.from_logits(
+        clean, served, step=torch.arange(count), sequence_id=sequence.sequence_id
+    )
+
+
+class FakeScorer:
+    def __init__(self, gate: threading.Event | None = None, fail: bool = False) -> None:
+        self.gate = gate
+        self.fail = fail
+        self.sequences: list[ScoringSequence] = []
+
+    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
+        if self.gate is not None:
+            self.gate.wait(5)
+        if self.fail:
+            raise RuntimeError("scoring failed")
+        self.sequences.append(sequence)
+        return records_of(sequence)
+
+
+class FakeEstimator:
+    """Publishes version + 1 every `every` positions."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.positions = 0
+        self.version = 0
+
+    def add(self, records: PositionRecords) -> None:
+        self.positions += len(records)
+        self.version = self.positions // self.every
+
+    def current_policy(self) -> int:
+        return self.version
+
+    def status(self) -> dict[str, Any]:
+        return {"version": self.version}

@@ -287,9 +287,11 @@ def _shadow(
     """The online estimator and its shadow scorer, or (None, None) when scoring is off."""
     if pair.clean is None or settings.shadow_fraction == 0.0:
         return None, None
+    from noisy_temp_server.estimation.heap import fix_mmap_threshold  # noqa: PLC0415
     from noisy_temp_server.estimation.online import OnlineEstimator  # noqa: PLC0415
     from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
 
+    fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
     scorer = pair_scorer(settings, pair)
     estimator = OnlineEstimator(
         profile,

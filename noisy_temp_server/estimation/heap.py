@@ -4,9 +4,8 @@ Each refit concatenates the estimator's window (about 9 MB at 50 000 positions) 
 it: large, short-lived tensors. glibc serves an allocation above its mmap threshold with its
 own mapping, returned to the system when freed, but the threshold is *dynamic*: once a large
 mapped block is freed, the threshold rises past it, later blocks of that size come from the
-heap, and the heap fragments. Measured on the tiny pair (3 000 scored sequences, a refit every
-256 positions, the window full after about 2 000): the process grew by 284 MiB with the dynamic
-threshold, still 112 MiB after the window was full; with this fix by 52 MiB, 9 MiB after.
+heap, and the heap fragments. `benchmarks/estimator_heap.py` measures it (with and without
+``--fixed``).
 """
 
 from __future__ import annotations
@@ -15,15 +14,15 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "fix_mmap_threshold"]
+__all__ = ["fix_mmap_threshold"]
 
 _LOGGER = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 1 << 20
+_MMAP_THRESHOLD_BYTES = 1 << 20
 
 
-def fix_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold at ``threshold_bytes`` for this process, which also turns
+def fix_mmap_threshold() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB for this process, which also turns
     its dynamic adjustment off (``mallopt(M_MMAP_THRESHOLD)``). Returns whether it was set;
     False (and nothing changed) where the C library is not glibc."""
     name = ctypes.util.find_library("c")
@@ -35,4 +34,4 @@ def fix_mmap_threshold(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))

@@ -73,7 +73,7 @@ def main() -> int:
         pair = load_pair(clean_path, spec=spec, device=args.device)
         result = calibrate(pair, prompts, settings, device=args.device)
         seconds = time.monotonic() - spec_started
-        quality = result.profile.quality
+        quality = result.profile.test_quality
         parameters = result.profile.parameters
         table = "; ".join(
             f"steps {start}+: " + " ".join(f"{t:.3f}" for t in row)

@@ -60,7 +60,20 @@ def sample_profile(recommended_rule: Rule = Rule.CALIBRATED) -> Profile:
             calibrated_temperatures=((0.9, 1.0), (1.0, 1.1)),
         ),
         recommended_rule=recommended_rule,
-        quality=QualityTable(
-            positions=300, sequences=10, same_top_rate=0.9, same_top_stderr=0.01, rows=(row,)
+        validation_quality=QualityTable(
+            split="validation",
+            positions=300,
+            sequences=10,
+            same_top_rate=0.9,
+            same_top_stderr=0.01,
+            rows=(row,),
+        ),
+        test_quality=QualityTable(
+            split="test",
+            positions=280,
+            sequences=10,
+            same_top_rate=0.9,
+            same_top_stderr=0.01,
+            rows=(row,),
         ),
     )

@@ -2,13 +2,15 @@
 
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
-        [--held-out-fraction F] [--records FILE] [--report DIR] [--device DEV]
+        [--validation-fraction F] [--test-fraction F] [--records FILE] [--report DIR]
+        [--device DEV]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
-scored, every rule is fitted on part of the prompts and measured on the rest; the profile
-(`noisy_temp_server.estimation.profile`) is written to --out and the held-out quality table
-printed, with the recommended rule: the lowest-KL rule whose held-out gain over T = 1 is
-significant, else `off`. `--records` also saves the per-position records (safetensors);
+scored, and the prompts are split three ways: every rule is fitted on the fit split, the
+recommended rule is chosen on the validation split (the lowest-KL rule whose gain over T = 1 is
+significant there, else `off`) and measured on the test split. The profile
+(`noisy_temp_server.estimation.profile`) is written to --out and both quality tables printed,
+each headed by its split. `--records` also saves the per-position records (safetensors);
 `--report DIR` writes the markdown + PNG report of the four reference experiments on the clean
 model (`noisy_temp_server.estimation.report`), and may be given alone. Progress goes to stderr.
 """
@@ -40,7 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="completion length")
     parser.add_argument("--seed", type=int, default=0, help="sampling and split seed")
-    parser.add_argument("--held-out-fraction", type=float, default=0.5)
+    parser.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.3,
+        help="share of the prompts that choose the rule (and check the calibrated table)",
+    )
+    parser.add_argument(
+        "--test-fraction", type=float, default=0.3, help="share of the prompts that report"
+    )
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")
     parser.add_argument("--device", default="cpu", help="torch device for scoring")
@@ -70,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                 prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens,
                 seed=args.seed,
-                held_out_fraction=args.held_out_fraction,
+                validation_fraction=args.validation_fraction,
+                test_fraction=args.test_fraction,
             )
             spec = read_spec_argument(args.spec) if args.spec else None
             pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
@@ -79,13 +90,16 @@ def run(args: argparse.Namespace) -> int:
             if args.records is not None:
                 from noisy_temp_server.pairs.scorer import PositionRecords  # noqa: PLC0415
 
-                PositionRecords.concat([result.fit, result.held_out]).save(args.records)
-            print(result.profile.quality.to_markdown())
+                parts = [result.fit, result.validation, result.test]
+                PositionRecords.concat(parts).save(args.records)
+            print(result.profile.validation_quality.to_markdown())
+            print(result.profile.test_quality.to_markdown())
             rule = result.profile.recommended_rule.value
             why = (
-                "no rule's held-out gain over T=1 exceeds 2 standard errors"
+                "no rule's validation gain over T=1 exceeds 2 standard errors"
                 if rule == "off"
-                else "the lowest held-out KL among rules whose gain over T=1 exceeds 2 s.e."
+                else "the lowest validation KL among rules whose gain over T=1 exceeds 2 s.e.; "
+                "its test row is the figure to quote"
             )
             print(f"recommended rule: {rule} ({why}); profile: {args.out}")
         if args.report is not None:

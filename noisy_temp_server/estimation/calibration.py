@@ -5,13 +5,17 @@ The pipeline (`calibrate`):
 1. the served model samples a completion for every prompt at T = 1, as it would serve it
    (with its runtime logit noise, if the pair has one; `pairs.generation`);
 2. the pair scorer turns prompt + completion into per-position records (`pairs.scorer`);
-3. prompts (not positions) are split into a fit set and a held-out set (`split_by_sequence`);
-4. every rule is fitted on the fit set (`estimation.fitting.fit_rules`);
-5. the quality table compares T = 1, every rule, calibrated and the oracle on the held-out
-   prompts (`estimation.quality.quality_table`);
-6. the recommended rule (`recommend_rule`) is the lowest-KL rule whose paired held-out gain over
-   T = 1 is significant (mean minus 2 cluster-robust standard errors > 0), else `off`: no rule
-   is served on the strength of noise.
+3. prompts (not positions) are split three ways: fit, validation and test
+   (`split_fit_validation_test`);
+4. every rule is fitted on the fit split (`estimation.fitting.fit_rules`); the calibrated
+   table starts from the best global T and departs from it only where the validation split
+   shows a significant gain;
+5. quality tables compare T = 1, every rule, calibrated and the oracle on the validation and
+   on the test split (`estimation.quality.quality_table`);
+6. the recommended rule (`recommend_rule`) is chosen on the validation table: the lowest-KL
+   rule whose paired gain over T = 1 is significant (mean minus 2 cluster-robust standard
+   errors > 0), else `off`: no rule is served on the strength of noise. The test table, on
+   prompts that took part in neither fitting nor choosing, reports it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from noisy_temp_server.estimation.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.estimation.profile import CalibrationSettings, ModelIdentity, Profile
 from noisy_temp_server.estimation.prompts import Prompt, encode_prompt
 from noisy_temp_server.estimation.quality import quality_table, recommend_rule
-from noisy_temp_server.estimation.significance import split_by_sequence
+from noisy_temp_server.estimation.significance import split_fit_validation_test
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturb import PerturbationSpec
@@ -46,11 +50,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """The profile, and the records it was fitted (`fit`) and measured (`held_out`) on."""
+    """The profile, and the records of its three splits: rules were fitted on `fit`, the
+    recommended rule chosen on `validation`, and the reported quality measured on `test`."""
 
     profile: Profile
     fit: PositionRecords
-    held_out: PositionRecords
+    validation: PositionRecords
+    test: PositionRecords
 
 
 def _log_progress(label: str) -> Callable[[int, int], None]:
@@ -116,19 +122,20 @@ def calibrate_records(
     perturbation: PerturbationSpec | None,
     settings: CalibrationSettings,
 ) -> CalibrationResult:
-    """Split `records` by prompt, fit every rule on the fit part, measure on the held-out part.
+    """Split `records` by prompt into fit / validation / test, fit every rule on the first,
+    choose the recommended rule on the second (`recommend_rule`), report on the third.
 
-    The recommended rule is `recommend_rule` on the held-out quality table. Raises
-    `InsufficientDataError` when the held-out part is too small to report on.
+    Raises `InsufficientDataError` when a split is too small to fit or report on.
     """
-    fit_mask, held_mask = split_by_sequence(
-        records.sequence_id, settings.held_out_fraction, settings.seed
+    fit_mask, validation_mask, test_mask = split_fit_validation_test(
+        records.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
     )
-    fit, held_out = records.select(fit_mask), records.select(held_mask)
-    parameters, noise = fit_rules(fit, settings)
+    fit, validation, test = (records.select(m) for m in (fit_mask, validation_mask, test_mask))
+    parameters, noise = fit_rules(fit, settings, validation=validation)
     policies = [parameters.to_policy(rule) for rule in FITTED_RULES]
-    quality = quality_table(held_out, policies, settings.min_quality_positions)
-    recommended = recommend_rule(quality)
+    minimum = settings.min_quality_positions
+    validation_quality = quality_table(validation, policies, minimum, split="validation")
+    test_quality = quality_table(test, policies, minimum, split="test")
     profile = Profile(
         clean=pair_identity[0],
         served=pair_identity[1],
@@ -136,10 +143,11 @@ def calibrate_records(
         settings=settings,
         noise_by_step=tuple(noise),
         parameters=parameters,
-        recommended_rule=recommended,
-        quality=quality,
+        recommended_rule=recommend_rule(validation_quality),
+        validation_quality=validation_quality,
+        test_quality=test_quality,
     )
-    return CalibrationResult(profile=profile, fit=fit, held_out=held_out)
+    return CalibrationResult(profile=profile, fit=fit, validation=validation, test=test)
 
 
 def calibrate(

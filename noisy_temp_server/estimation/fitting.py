@@ -41,6 +41,7 @@ from noisy_temp_server.temperature.stats import ServedRowFeatures
 __all__ = [
     "FITTED_RULES",
     "best_curve_temperature",
+    "finite_positions",
     "fit_calibrated_table",
     "fit_rules",
     "noise_by_step",
@@ -243,17 +244,17 @@ def fit_calibrated_table(
 ) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
     """The calibrated table: one T per (step bucket, served-entropy bucket), fitted top-down.
 
-    Every node of the hierarchy (all positions -> step bucket -> step bucket x entropy bucket)
-    starts from its parent's T (the root's parent is T = 1). Its own T is the best shared T of
-    its `fit` positions, kept only if the node has at least `min_cell_positions` positions in
-    both sets and that T beats the parent's on the node's `validation` positions significantly
-    (paired gain minus 2 cluster-robust standard errors > 0); otherwise the node inherits the
-    parent's T. So a single global T is found whenever the evidence supports one, a split is
-    made only where the cell's own evidence demands it, a cell with thin evidence takes the
-    coarser estimate rather than 1, and with no evidence at all the table stays at T = 1: it
-    never does worse than T = 1 beyond statistical noise. Entropy edges are quantiles of
-    `fit`'s served entropy. Returns (entropy_edges, temperatures [step buckets][entropy
-    buckets]).
+    The root is the best global T of `fit` (the `fixed` rule's T): the table starts as that
+    constant. Every other node of the hierarchy (step bucket -> step bucket x entropy bucket)
+    starts from its parent's T; its own T is the best shared T of its `fit` positions, kept
+    only if the node has at least `min_cell_positions` positions in both sets and that T beats
+    the parent's on the node's `validation` positions significantly (paired gain minus 2
+    cluster-robust standard errors > 0); otherwise the node inherits the parent's T. So the
+    table departs from the constant only where a cell's own held-out evidence demands it, and
+    a cell with thin evidence takes the coarser estimate: the rule is never behind the
+    constant beyond statistical noise. (Whether either beats T = 1 is `recommend_rule`'s
+    question, on the validation split.) Entropy edges are quantiles of `fit`'s served entropy.
+    Returns (entropy_edges, temperatures [step buckets][entropy buckets]).
     """
     entropy_edges = _entropy_edges(fit.served_entropy, entropy_buckets)
     refine = functools.partial(
@@ -263,7 +264,7 @@ def fit_calibrated_table(
     fit_entropy, validation_entropy = (
         _entropy_bucket(r.served_entropy, entropy_edges) for r in (fit, validation)
     )
-    root = refine(1.0, fit, validation)
+    root = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
     table = []
     for s in range(len(step_edges)):
         step_fit, step_validation = fit_steps == s, validation_steps == s
@@ -327,6 +328,8 @@ def fit_rules(
     records: PositionRecords,
     settings: CalibrationSettings,
     rules: Collection[Rule] = FITTED_RULES,
+    *,
+    validation: PositionRecords | None = None,
 ) -> tuple[RuleParameters, list[StepBucketNoise]]:
     """Fit the parameters of `rules` (default: every rule) on `records` (the fit set; see the
     module docstring).
@@ -335,15 +338,16 @@ def fit_rules(
     fitted; `fixed` adds the best shared T, `fisher` the Var_q floor, `schedule` (t_max, beta)
     and `calibrated` the table. The parameters of rules not in `rules` are the neutral ones of
     `TemperaturePolicy` (T = 1: fixed T 1, floor 1, schedule t_max 1 / beta 0, an all-ones
-    table). The calibrated table is fitted on part of the sequences and checked on the others
-    (`settings.validation_fraction`), so the held-out set stays untouched. Positions whose KL
-    is infinite at every T (the served row masks a token the clean row supports) carry no
+    table). The calibrated table is fitted on `records` and its departures from the global T
+    checked on `validation` (`fit_calibrated_table`); without `validation`, `records` is split
+    by sequence for that (`settings.validation_fraction` to check). Positions whose KL is
+    infinite at every T (the served row masks a token the clean row supports) carry no
     information about T and are left out, as in
     `noisy_temp_server.estimation.quality.quality_table`. Raises
-    `InsufficientDataError` when there is nothing to fit on (or, for `calibrated`, fewer than
-    two sequences).
+    `InsufficientDataError` when there is nothing to fit on (or, for `calibrated` without
+    `validation`, fewer than two sequences).
     """
-    records = records.select(torch.isfinite(records.kl_at_one))
+    records = finite_positions(records)
     bounds = settings.bounds
     step_edges = tuple(settings.step_edges)
     noise = noise_by_step(records, step_edges)
@@ -353,12 +357,16 @@ def fit_rules(
     entropy_edges: tuple[float, ...] = (0.0,)
     table: tuple[tuple[float, ...], ...] = tuple((1.0,) for _ in step_edges)
     if Rule.CALIBRATED in rules:
-        table_fit, table_check = split_by_sequence(
-            records.sequence_id, settings.validation_fraction, settings.seed + 1
-        )
+        if validation is None:
+            table_fit, table_check = split_by_sequence(
+                records.sequence_id, settings.validation_fraction, settings.seed + 1
+            )
+            table_records, validation = records.select(table_fit), records.select(table_check)
+        else:
+            table_records, validation = records, finite_positions(validation)
         entropy_edges, table = fit_calibrated_table(
-            records.select(table_fit),
-            records.select(table_check),
+            table_records,
+            validation,
             step_edges=step_edges,
             entropy_buckets=settings.entropy_buckets,
             bounds=bounds,
@@ -399,6 +407,11 @@ def fit_rules(
         calibrated_temperatures=table,
     )
     return parameters, noise
+
+
+def finite_positions(records: PositionRecords) -> PositionRecords:
+    """The positions whose KL is finite (at T = 1, hence at every T)."""
+    return records.select(torch.isfinite(records.kl_at_one))
 
 
 def rule_temperatures(policy: TemperaturePolicy, records: PositionRecords) -> Tensor:

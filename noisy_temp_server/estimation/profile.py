@@ -5,7 +5,8 @@ name and weights sha256 of both models, and for a perturbed one the clean weight
 the spec, so a profile calibrated with the perturbation applied in memory is accepted for the
 checkpoint `perturb` or `serve` writes for the same spec), the perturbation spec, the calibration
 settings, alpha / sigma2 / tau2 by generation-step bucket, the fitted parameters of every rule
-(the calibrated table among them) and the held-out quality table. `Profile.to_policy(rule)`
+(the calibrated table among them) and the quality tables of the validation split (which chose
+the recommended rule) and of the test split (which reports it). `Profile.to_policy(rule)`
 turns it into the `TemperaturePolicy` the server applies.
 
 `schema_version` is checked on load: a profile written by another schema is refused, not
@@ -39,7 +40,7 @@ __all__ = [
     "StepBucketNoise",
 ]
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 
 
 class ProfileError(ValueError):
@@ -51,13 +52,18 @@ class _Frozen(BaseModel):
 
 
 class CalibrationSettings(_Frozen):
-    """How the calibration data were made and the rules fitted (recorded for reproduction)."""
+    """How the calibration data were made and the rules fitted (recorded for reproduction).
+
+    Prompts are split three ways (`split_fit_validation_test`): `test_fraction` of them
+    for the reported quality, `validation_fraction` for the choices (the calibrated table's
+    departures from its global T, the recommended rule), the rest to fit the rules on.
+    """
 
     prompts: int = Field(default=64, ge=2)
     max_new_tokens: int = Field(default=64, ge=1)
     seed: int = 0
-    held_out_fraction: float = Field(default=0.5, gt=0.0, lt=1.0)
-    validation_fraction: float = Field(default=0.5, gt=0.0, lt=1.0)
+    validation_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
+    test_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
     step_edges: tuple[int, ...] = (0, 4, 16, 64)
     entropy_buckets: int = Field(default=4, ge=1)
     min_cell_positions: int = Field(default=40, ge=1)
@@ -67,7 +73,13 @@ class CalibrationSettings(_Frozen):
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
-        """Bounds and step edges as `TemperaturePolicy` accepts them (ValueError otherwise)."""
+        """Bounds and step edges as `TemperaturePolicy` accepts them, and some prompts left to
+        fit on (ValueError otherwise)."""
+        if self.validation_fraction + self.test_fraction >= 1.0:
+            raise ValueError(
+                f"validation_fraction ({self.validation_fraction}) + test_fraction "
+                f"({self.test_fraction}) must be < 1: the rest of the prompts fit the rules"
+            )
         buckets = len(self.step_edges)
         TemperaturePolicy(
             bounds=self.bounds,
@@ -147,13 +159,16 @@ class RuleParameters(_Frozen):
 
 
 class QualityRow(_Frozen):
-    """KL(p || served at the row's T) over held-out positions.
+    """KL(p || served at the row's T) over the positions of one split.
 
     `stderr` is cluster-robust by sequence; `gain` is the mean paired improvement over T = 1,
     KL(T=1) - KL(row) position by position, and `gain_stderr` its cluster-robust standard error
     (paired, so much smaller than the two rows' own standard errors); `closure` =
     (KL(T=1) - KL) / (KL(T=1) - KL(oracle)), None when the oracle gains nothing over T = 1;
-    `mean_temperature` is the mean T served.
+    `mean_temperature` is the mean T served. `gain_over_fixed` (± `gain_over_fixed_stderr`)
+    is the same paired gain over the fitted `fixed` rule, KL(fixed) - KL(row), for the rules
+    other than `fixed` when the table has a `fixed` row (else None): a rule is "not behind the
+    constant" when this gain plus 2 standard errors is >= 0 (`is_not_worse`).
     """
 
     name: str
@@ -166,15 +181,20 @@ class QualityRow(_Frozen):
     p99: float
     closure: float | None
     mean_temperature: float
+    gain_over_fixed: float | None = None
+    gain_over_fixed_stderr: float | None = None
 
 
 class QualityTable(_Frozen):
-    """Held-out quality of T = 1, every rule, calibrated and the oracle.
+    """Quality of T = 1, every rule, calibrated and the oracle on one split of the prompts.
 
-    The same-top-token rate (served argmax == clean argmax, with its binomial standard error)
-    does not depend on temperature, so it is reported once for the pair.
+    `split` says which: "validation" (the prompts the recommended rule was chosen on) or
+    "test" (prompts used for nothing else: the honest figure). The same-top-token rate (served
+    argmax == clean argmax, with its binomial standard error) does not depend on temperature,
+    so it is reported once for the pair.
     """
 
+    split: Literal["validation", "test"]
     positions: int
     sequences: int
     same_top_rate: float
@@ -191,20 +211,26 @@ class QualityTable(_Frozen):
     def to_markdown(self) -> str:
         """The table as GitHub markdown, KL in units of 1e-3 nats."""
         lines = [
-            f"Held-out positions: {self.positions} in {self.sequences} sequences; same top token "
-            f"{100 * self.same_top_rate:.2f}% ± {100 * self.same_top_stderr:.2f}% "
-            "(temperature-invariant).",
+            f"{self.split.capitalize()} split: {self.positions} positions in {self.sequences} "
+            f"sequences; same top token {100 * self.same_top_rate:.2f}% ± "
+            f"{100 * self.same_top_stderr:.2f}% (temperature-invariant).",
             "",
-            "| T rule | mean KL (1e-3) | ± s.e. | gain vs T=1 ± paired s.e. | p50 | p90 | p99 "
-            "| closure | mean T |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| T rule | mean KL (1e-3) | ± s.e. | gain vs T=1 ± paired s.e. | gain vs fixed "
+            "± paired s.e. | p50 | p90 | p99 | closure | mean T |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in self.rows:
             closure = "–" if r.closure is None else f"{100 * r.closure:.1f}%"
+            over_fixed = (
+                "–"
+                if r.gain_over_fixed is None or r.gain_over_fixed_stderr is None
+                else f"{1e3 * r.gain_over_fixed:+.3f} ± {1e3 * r.gain_over_fixed_stderr:.3f}"
+            )
             lines.append(
                 f"| {r.name} | {1e3 * r.mean_kl:.3f} | {1e3 * r.stderr:.3f} "
-                f"| {1e3 * r.gain:+.3f} ± {1e3 * r.gain_stderr:.3f} | {1e3 * r.p50:.3f} "
-                f"| {1e3 * r.p90:.3f} | {1e3 * r.p99:.3f} | {closure} | {r.mean_temperature:.3f} |"
+                f"| {1e3 * r.gain:+.3f} ± {1e3 * r.gain_stderr:.3f} | {over_fixed} "
+                f"| {1e3 * r.p50:.3f} | {1e3 * r.p90:.3f} | {1e3 * r.p99:.3f} | {closure} "
+                f"| {r.mean_temperature:.3f} |"
             )
         return "\n".join(lines) + "\n"
 
@@ -212,12 +238,14 @@ class QualityTable(_Frozen):
 class Profile(_Frozen):
     """Everything calibration learnt about one pair (see the module docstring).
 
-    `recommended_rule` (what `to_policy()` serves by default) is the fitted rule with the lowest
-    held-out mean KL among those whose paired gain over T = 1 is significant (gain - 2 s.e. > 0),
-    and `off` when none is (`noisy_temp_server.estimation.quality.recommend_rule`).
+    Rules are fitted on the fit split. `recommended_rule` (what `to_policy()` serves by
+    default) is chosen on `validation_quality`: the fitted rule with the lowest validation mean
+    KL among those whose paired gain over T = 1 is significant (gain - 2 s.e. > 0), `off` when
+    none is (`noisy_temp_server.estimation.quality.recommend_rule`). `test_quality`, on prompts
+    used for neither, is the figure to report.
     """
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     clean: ModelIdentity
     served: ModelIdentity
     perturbation: PerturbationSpec | None
@@ -225,7 +253,8 @@ class Profile(_Frozen):
     noise_by_step: tuple[StepBucketNoise, ...]
     parameters: RuleParameters
     recommended_rule: Rule
-    quality: QualityTable
+    validation_quality: QualityTable
+    test_quality: QualityTable
 
     def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
         """The policy for `rule` (default: `recommended_rule`) with the fitted parameters."""

@@ -1,11 +1,15 @@
-"""The held-out quality table, and the rule it recommends.
+"""The quality table of one split of the prompts, and the rule it recommends.
 
-KL of a rule at a position is read off the position's KL curve at the rule's T
-(`interpolate_kl`, within about 0.2% of the exact KL); T = 1 and the oracle use the exact values.
-Standard errors of mean KL, and of the paired gains KL(T=1) - KL(rule) that decide
-significance, are cluster-robust by sequence (`noisy_temp_server.estimation.significance`). The
-same-top-token rate gets the binomial standard error. Temperature never changes the argmax, so
-that rate is a property of the pair, the same for every rule.
+Calibration builds two: on the validation split (it chooses the recommended rule,
+`recommend_rule`) and on the test split (it reports it, untouched by any choice). KL of a rule
+at a position is read off the position's KL curve at the rule's T (`interpolate_kl`, within
+about 0.2% of the exact KL); T = 1 and the oracle use the exact values. Standard errors of mean
+KL, and of the paired gains KL(T=1) - KL(rule) that decide significance, are cluster-robust by
+sequence (`noisy_temp_server.estimation.significance`). Every rule other than `fixed` also gets
+its paired gain over the fitted constant, KL(fixed) - KL(rule), with its clustered standard
+error: "not behind the constant" means that gain + 2 s.e. >= 0. The same-top-token rate gets the
+binomial standard error. Temperature never changes the argmax, so that rate is a property of
+the pair, the same for every rule.
 """
 
 from __future__ import annotations
@@ -13,11 +17,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.fitting import FITTED_RULES, rule_temperatures
+from noisy_temp_server.estimation.fitting import (
+    FITTED_RULES,
+    finite_positions,
+    rule_temperatures,
+)
 from noisy_temp_server.estimation.profile import QualityRow, QualityTable
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
@@ -40,12 +49,14 @@ def _quality_row(
     kl_at_one: Tensor,
     kl_one: float,
     kl_oracle: float,
+    kl_fixed: Tensor | None,
 ) -> QualityRow:
     kl = kl.double()
     mean = float(kl.mean())
     percentiles = torch.quantile(kl, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
     gap = kl_one - kl_oracle
     gain = kl_at_one.double() - kl
+    over_fixed = None if kl_fixed is None else kl_fixed.double() - kl
     return QualityRow(
         name=name,
         mean_kl=mean,
@@ -57,6 +68,10 @@ def _quality_row(
         p99=percentiles[2],
         closure=(kl_one - mean) / gap if gap > 0 else None,
         mean_temperature=float(temperatures.double().mean()),
+        gain_over_fixed=None if over_fixed is None else float(over_fixed.mean()),
+        gain_over_fixed_stderr=(
+            None if over_fixed is None else cluster_stderr(over_fixed, sequence_ids)
+        ),
     )
 
 
@@ -64,19 +79,23 @@ def quality_table(
     records: PositionRecords,
     policies: Sequence[TemperaturePolicy],
     min_positions: int = 100,
+    *,
+    split: Literal["validation", "test"],
 ) -> QualityTable:
-    """The quality table on `records` (held-out): T = 1, each policy's rule, and the oracle.
+    """The quality table on `records` (one split, named by `split`): T = 1, each policy's rule,
+    and the oracle.
 
     Rows are named by rule value (give at most one policy per rule), with "T=1" and "oracle".
+    When a `fixed` policy is among `policies`, the other policies' rows carry their paired gain
+    over it (`QualityRow.gain_over_fixed`).
 
     Positions whose KL is infinite at every T (the served row masks a token the clean row
     supports) are left out. Raises `InsufficientDataError` below `min_positions` positions.
     """
-    finite = torch.isfinite(records.kl_at_one)
-    records = records.select(finite)
+    records = finite_positions(records)
     if len(records) < min_positions:
         raise InsufficientDataError(
-            f"only {len(records)} held-out positions with finite KL; the quality table needs at "
+            f"only {len(records)} {split} positions with finite KL; the quality table needs at "
             f"least {min_positions}: use more prompts or longer completions"
         )
     ones = torch.ones(len(records))
@@ -90,15 +109,20 @@ def quality_table(
         kl_one=kl_one,
         kl_oracle=kl_oracle,
     )
-    rows = [row("T=1", kl=records.kl_at_one, temperatures=ones)]
+    served = {}
     for policy in policies:
         t = rule_temperatures(policy, records)
-        kl = interpolate_kl(records.kl_curve, records.curve_temperatures, t)
-        rows.append(row(policy.rule.value, kl=kl, temperatures=t))
-    rows.append(row("oracle", kl=records.oracle_kl, temperatures=records.oracle_t))
+        served[policy.rule] = (t, interpolate_kl(records.kl_curve, records.curve_temperatures, t))
+    kl_fixed = served[Rule.FIXED][1] if Rule.FIXED in served else None
+    rows = [row("T=1", kl=records.kl_at_one, temperatures=ones, kl_fixed=None)]
+    for rule, (t, kl) in served.items():
+        versus = None if rule is Rule.FIXED else kl_fixed
+        rows.append(row(rule.value, kl=kl, temperatures=t, kl_fixed=versus))
+    rows.append(row("oracle", kl=records.oracle_kl, temperatures=records.oracle_t, kl_fixed=None))
     same = records.same_top.double()
     rate = float(same.mean())
     return QualityTable(
+        split=split,
         positions=len(records),
         sequences=int(torch.unique(ids).numel()),
         same_top_rate=rate,
@@ -108,12 +132,14 @@ def quality_table(
 
 
 def recommend_rule(quality: QualityTable, rules: Sequence[Rule] = FITTED_RULES) -> Rule:
-    """The rule to serve: among `rules` (rows of `quality`, held-out), the one with the lowest
-    mean KL among those whose paired gain over T = 1 is significant; `Rule.OFF` when none is.
+    """The rule to serve: among `rules` (rows of `quality`, the validation split), the one with
+    the lowest mean KL among those whose paired gain over T = 1 is significant; `Rule.OFF` when
+    none is.
 
     A rule that looks better than T = 1 only by noise is never recommended, so the served rule
     is not worse than T = 1 beyond statistical noise. (Six rules are tested at about 2 standard
-    errors each; the held-out set is not used for fitting, only for this choice.)
+    errors each; the choice favours the rule that got lucky on these prompts, which is why the
+    quality reported for it comes from a test split that took no part in it.)
     """
     significant = [
         row

@@ -3,7 +3,8 @@
 Positions of one completion are correlated, so treating them as independent would overstate the
 evidence: standard errors of means over positions are cluster-robust by sequence (prompt), and
 sets are split by sequence, never by position. A mean gain is significant when it exceeds
-`SIGNIFICANCE_STDERRS` (2) standard errors.
+`SIGNIFICANCE_STDERRS` (2) standard errors; a mean loss is within noise when it is smaller than
+that many standard errors.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ __all__ = [
     "SIGNIFICANCE_STDERRS",
     "InsufficientDataError",
     "cluster_stderr",
+    "is_not_worse",
     "is_significant",
     "split_by_sequence",
+    "split_fit_validation_test",
 ]
 
 SIGNIFICANCE_STDERRS = 2.0
@@ -48,6 +51,30 @@ def split_by_sequence(sequence_ids: Tensor, fraction: float, seed: int) -> tuple
     return ~second, second
 
 
+def split_fit_validation_test(
+    sequence_ids: Tensor, validation_fraction: float, test_fraction: float, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Split the distinct ids of `sequence_ids` [N] into three disjoint sets of sequences.
+
+    Returns bool masks over the N rows: (fit, validation, test), with about `test_fraction`
+    and `validation_fraction` of the sequences in the last two and at least one sequence in
+    each. Deterministic in `seed`. Raises `InsufficientDataError` with fewer than three
+    sequences.
+    """
+    if torch.unique(sequence_ids).numel() < 3:
+        raise InsufficientDataError(
+            "need at least 3 sequences to split into fit, validation and test; use more prompts"
+        )
+    rest, test = split_by_sequence(sequence_ids, test_fraction, seed)
+    rest_ids = sequence_ids[rest]
+    _, validation_part = split_by_sequence(
+        rest_ids, validation_fraction / (1.0 - test_fraction), seed + 1
+    )
+    validation = torch.zeros_like(rest)
+    validation[rest.nonzero().squeeze(1)] = validation_part
+    return rest & ~validation, validation, test
+
+
 def cluster_stderr(values: Tensor, sequence_ids: Tensor) -> float:
     """Standard error of the mean of `values` [N], cluster-robust over `sequence_ids`."""
     count = values.shape[0]
@@ -66,3 +93,9 @@ def cluster_stderr(values: Tensor, sequence_ids: Tensor) -> float:
 def is_significant(gain: float, stderr: float) -> bool:
     """Whether a mean gain with this standard error is significant (see `SIGNIFICANCE_STDERRS`)."""
     return gain - SIGNIFICANCE_STDERRS * stderr > 0
+
+
+def is_not_worse(gain: float, stderr: float) -> bool:
+    """Whether a mean gain with this standard error is not significantly negative: gain plus
+    `SIGNIFICANCE_STDERRS` standard errors >= 0 (a loss within the noise of the estimate)."""
+    return gain + SIGNIFICANCE_STDERRS * stderr >= 0

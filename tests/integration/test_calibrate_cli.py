@@ -23,7 +23,9 @@ def _sha(path: Path) -> str:
     return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
 
-def test_perturb_then_calibrate(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_perturb_then_calibrate(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     spec = '{"kind": "quantization", "format": "int4", "group_size": 16}'
     for name in ("a", "b"):
         argv = ["--spec", spec, "--out", str(tmp_path / name), "--clean", str(tiny_model_dir)]
@@ -39,7 +41,7 @@ def test_perturb_then_calibrate(tiny_model_dir: Path, tmp_path: Path) -> None:
         "--out",
         str(profile_path),
         "--num-prompts",
-        "12",
+        "24",
         "--max-new-tokens",
         "20",
         "--records",
@@ -48,6 +50,9 @@ def test_perturb_then_calibrate(tiny_model_dir: Path, tmp_path: Path) -> None:
         str(tmp_path / "report"),
     ]
     assert _run(calibrate_command, argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("Validation split: ") < printed.index("Test split: ")
+    assert "its test row is the figure to quote" in printed or "recommended rule: off" in printed
     clean, served = (ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, tmp_path / "a"))
     profile = Profile.load_for_pair(profile_path, clean, served)
     assert profile.perturbation is not None
@@ -68,7 +73,7 @@ def test_profile_calibrated_in_memory_serves_the_perturbed_checkpoint(
     spec = '{"kind": "weight_noise", "scale": 0.1, "seed": 3}'
     profile_path = tmp_path / "profile.json"
     argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(profile_path)]
-    assert _run(calibrate_command, [*argv, "--num-prompts", "12", "--max-new-tokens", "20"]) == 0
+    assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--max-new-tokens", "20"]) == 0
     for name, written_spec in (("same", spec), ("other", spec.replace('"seed": 3', '"seed": 4'))):
         argv = [
             "--spec",

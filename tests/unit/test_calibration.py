@@ -6,14 +6,16 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from kl_reference import kl_to_clean
 from spy_helpers import record_calls
 
+from noisy_temp_server.estimation import calibration as calibration_module
 from noisy_temp_server.estimation import fitting
-from noisy_temp_server.estimation.calibration import calibrate
+from noisy_temp_server.estimation.calibration import CalibrationResult, calibrate
 from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
     best_curve_temperature,
@@ -30,7 +32,11 @@ from noisy_temp_server.estimation.profile import (
 )
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_table, recommend_rule
-from noisy_temp_server.estimation.significance import InsufficientDataError, split_by_sequence
+from noisy_temp_server.estimation.significance import (
+    InsufficientDataError,
+    split_by_sequence,
+    split_fit_validation_test,
+)
 from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
 from noisy_temp_server.pairs.scorer import (
@@ -197,6 +203,21 @@ def test_split_is_by_sequence_and_disjoint() -> None:
         split_by_sequence(torch.zeros(5, dtype=torch.int64), 0.5, seed=0)
 
 
+def test_three_way_split_is_by_sequence_disjoint_and_covers_every_row() -> None:
+    ids = torch.arange(40).repeat_interleave(3)
+    fit, validation, test = split_fit_validation_test(ids, 0.3, 0.3, seed=4)
+    assert bool((fit.int() + validation.int() + test.int() == 1).all())
+    groups = [set(ids[mask].tolist()) for mask in (fit, validation, test)]
+    assert [len(g) for g in groups] == [16, 12, 12]
+    assert not groups[0] & groups[1]
+    assert not groups[0] & groups[2]
+    assert not groups[1] & groups[2]
+    again = split_fit_validation_test(ids, 0.3, 0.3, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip((fit, validation, test), again, strict=True))
+    with pytest.raises(InsufficientDataError, match="3 sequences"):
+        split_fit_validation_test(torch.tensor([0, 0, 1]), 0.3, 0.3, seed=0)
+
+
 def test_noise_by_step_is_a_ratio_of_means_and_fills_empty_buckets() -> None:
     records = _records(64, shrink=1.0, noise=1.0)
     buckets = noise_by_step(records, (0, 4, 100))
@@ -251,9 +272,11 @@ def test_calibrated_table_splits_by_step_bucket_when_the_optimum_differs() -> No
     assert bool(((table[1:] - 1.0).abs() < 0.04).all()), table
 
 
-def test_calibrated_table_stays_at_one_on_pure_noise() -> None:
+def test_calibrated_table_stays_at_the_global_temperature_on_pure_noise() -> None:
     fit, validation = _hierarchy_records(lambda step: torch.zeros(step.shape), 3, spread=0.3)
-    assert bool((_fit_table(fit, validation) == 1.0).all())
+    table = _fit_table(fit, validation)
+    global_t = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, BOUNDS)
+    assert bool((table == global_t).all()), table
 
 
 def test_calibrated_table_needs_evidence_in_every_node() -> None:
@@ -275,11 +298,12 @@ def test_calibrated_table_needs_evidence_in_every_node() -> None:
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=300
     )
     assert thin[0][0] == thin[1][0] > 1.1
-    # too little evidence anywhere: T = 1 everywhere
+    # too little evidence anywhere: the global T (the fixed rule's) everywhere
     _, sparse = fit_calibrated_table(
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=500
     )
-    assert sparse == ((1.0,), (1.0,))
+    global_t = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, BOUNDS)
+    assert sparse == ((global_t,), (global_t,))
 
 
 def test_rule_temperatures_from_features_match_policy_temperature_on_logits() -> None:
@@ -312,7 +336,8 @@ def test_rule_temperatures_from_features_match_policy_temperature_on_logits() ->
 def test_quality_table_rows_closure_and_refusal() -> None:
     records = _records(150, shrink=1.0, noise=1.5)
     policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.5)
-    table = quality_table(records, [policy])
+    table = quality_table(records, [policy], split="test")
+    assert table.split == "test"
     assert [r.name for r in table.rows] == ["T=1", "fixed", "oracle"]
     assert table.row("T=1").closure == 0.0
     assert table.row("oracle").closure == pytest.approx(1.0)
@@ -321,8 +346,28 @@ def test_quality_table_rows_closure_and_refusal() -> None:
     assert table.same_top_rate == pytest.approx(float(records.same_top.double().mean()))
     assert table.sequences == 20
     assert "| fixed |" in table.to_markdown()
-    with pytest.raises(InsufficientDataError, match="at least 100"):
-        quality_table(records.select(torch.arange(99)), [policy])
+    assert table.to_markdown().startswith("Test split: ")
+    with pytest.raises(InsufficientDataError, match=r"only 99 test positions.*at least 100"):
+        quality_table(records.select(torch.arange(99)), [policy], split="test")
+
+
+def test_rules_are_compared_with_the_fitted_constant_position_by_position() -> None:
+    records = _records(150, shrink=1.0, noise=1.5)
+    fixed = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.5)
+    linear = TemperaturePolicy(rule=Rule.LINEAR, alpha_by_step=(0.1,))
+    table = quality_table(records, [fixed, linear], split="test")
+    row = table.row("linear")
+    kl_at = {
+        t: interpolate_kl(records.kl_curve, records.curve_temperatures, torch.full((150,), t))
+        for t in (1.5, 1.1)
+    }
+    difference = (kl_at[1.5] - kl_at[1.1]).double()
+    assert row.gain_over_fixed == pytest.approx(float(difference.mean()), rel=1e-4)
+    assert row.gain_over_fixed_stderr is not None
+    assert row.gain_over_fixed < -2 * row.gain_over_fixed_stderr  # T = 1.1 is behind 1.5 here
+    assert table.row("fixed").gain_over_fixed is None
+    assert table.row("oracle").gain_over_fixed is None
+    assert quality_table(records, [linear], split="test").row("linear").gain_over_fixed is None
 
 
 def _curve_records(
@@ -392,7 +437,7 @@ def test_a_gain_within_noise_is_not_recommended() -> None:
     # Optima alternate between e^0.32 and e^-0.28 by sequence (mean ln t = 0.02): T = 1.01 is
     # better than T = 1 on average, but by far less than its paired standard error.
     records = _sequence_records([0.02 + 0.3 * (-1) ** s for s in range(20)])
-    table = quality_table(records, _step_policies(1.01), min_positions=100)
+    table = quality_table(records, _step_policies(1.01), min_positions=100, split="validation")
     for rule in ("fixed", "linear", "sqrt"):
         row = table.row(rule)
         assert 0 < row.gain < 2 * row.gain_stderr, rule
@@ -406,7 +451,7 @@ def test_a_clear_gain_is_recommended_and_the_best_significant_rule_wins() -> Non
         TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.28),
         TemperaturePolicy(rule=Rule.LINEAR, alpha_by_step=(0.1,)),
     ]
-    table = quality_table(records, policies, min_positions=100)
+    table = quality_table(records, policies, min_positions=100, split="validation")
     assert table.row("fixed").gain > 10 * table.row("fixed").gain_stderr
     assert table.row("linear").gain > 2 * table.row("linear").gain_stderr
     assert recommend_rule(table, (Rule.FIXED, Rule.LINEAR)) is Rule.FIXED
@@ -429,29 +474,72 @@ def test_a_lower_but_insignificant_kl_loses_to_a_significant_rule() -> None:
 
     rows = (row("T=1", 0.1, 0.0), row("fixed", 0.08, 0.011), row("linear", 0.09, 0.004))
     table = QualityTable(
-        positions=1000, sequences=10, same_top_rate=1.0, same_top_stderr=0.0, rows=rows
+        split="validation",
+        positions=1000,
+        sequences=10,
+        same_top_rate=1.0,
+        same_top_stderr=0.0,
+        rows=rows,
     )
     assert recommend_rule(table, (Rule.FIXED, Rule.LINEAR)) is Rule.LINEAR
     assert recommend_rule(table, (Rule.FIXED,)) is Rule.OFF
 
 
+@dataclasses.dataclass(frozen=True)
+class _Calibrated:
+    result: CalibrationResult
+    fitted_on: list[tuple[set[int], set[int]]]
+    """(sequences of the records, of `validation`) of every `fit_rules` call."""
+
+
 @pytest.fixture(scope="module")
-def calibrated(tiny_model_dir: Path) -> Profile:
+def calibrated(tiny_model_dir: Path) -> _Calibrated:
     pair = load_pair(tiny_model_dir, spec=WeightNoiseSpec(scale=0.1, seed=2))
-    settings = CalibrationSettings(prompts=12, max_new_tokens=20, min_cell_positions=10)
-    return calibrate(pair, load_prompts()[:12], settings).profile
+    settings = CalibrationSettings(
+        prompts=12, max_new_tokens=20, min_cell_positions=10, min_quality_positions=40
+    )
+    fitted_on: list[tuple[set[int], set[int]]] = []
+    real_fit_rules = calibration_module.fit_rules
+
+    def spy(records: PositionRecords, *args: Any, **kwargs: Any) -> Any:
+        validation = kwargs["validation"]
+        fitted_on.append((set(records.sequence_id.tolist()), set(validation.sequence_id.tolist())))
+        return real_fit_rules(records, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration_module, "fit_rules", spy)
+        result = calibrate(pair, load_prompts()[:12], settings)
+    return _Calibrated(result, fitted_on)
 
 
-def test_calibration_end_to_end_on_the_tiny_model(calibrated: Profile, tmp_path: Path) -> None:
-    quality = calibrated.quality
-    names = [r.name for r in quality.rows]
-    assert names == ["T=1", *(r.value for r in FITTED_RULES), "oracle"]
-    one, cal = quality.row("T=1"), quality.row("calibrated")
+def test_calibration_end_to_end_on_the_tiny_model(calibrated: _Calibrated, tmp_path: Path) -> None:
+    profile = calibrated.result.profile
+    validation, test = profile.validation_quality, profile.test_quality
+    assert (validation.split, test.split) == ("validation", "test")
+    for quality in (validation, test):
+        names = [r.name for r in quality.rows]
+        assert names == ["T=1", *(r.value for r in FITTED_RULES), "oracle"]
+        assert quality.row("oracle").mean_kl <= min(r.mean_kl for r in quality.rows) + 1e-6
+        assert quality.positions >= 40
+    one, cal = test.row("T=1"), test.row("calibrated")
     assert cal.mean_kl <= one.mean_kl + 2 * one.stderr
-    assert quality.row("oracle").mean_kl <= min(r.mean_kl for r in quality.rows) + 1e-6
-    assert quality.positions >= 100
-    assert calibrated.to_policy().rule == calibrated.recommended_rule
-    assert calibrated.recommended_rule == recommend_rule(quality)
-    assert calibrated.to_policy("linear").alpha_by_step == calibrated.parameters.alpha_by_step
-    calibrated.save(tmp_path / "profile.json")
-    assert Profile.load(tmp_path / "profile.json") == calibrated
+    assert profile.to_policy().rule == profile.recommended_rule
+    assert profile.recommended_rule == recommend_rule(validation)
+    assert profile.to_policy("linear").alpha_by_step == profile.parameters.alpha_by_step
+    profile.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json") == profile
+
+
+def test_rules_are_fitted_on_fit_chosen_on_validation_and_reported_on_test(
+    calibrated: _Calibrated,
+) -> None:
+    result = calibrated.result
+    ((fit_ids, validation_ids),) = calibrated.fitted_on
+    test_ids = set(result.test.sequence_id.tolist())
+    assert fit_ids == set(result.fit.sequence_id.tolist())
+    assert validation_ids == set(result.validation.sequence_id.tolist())
+    assert not fit_ids & validation_ids
+    assert not fit_ids & test_ids
+    assert not validation_ids & test_ids
+    assert result.profile.test_quality.sequences == len(test_ids)
+    assert result.profile.validation_quality.sequences == len(validation_ids)

@@ -105,7 +105,7 @@ def test_another_served_model_is_refused_with_both_identities(
     ("mutate", "message"),
     [
         (lambda d: "{not json", "not valid JSON"),
-        (lambda d: json.dumps({**d, "schema_version": 2}), "schema_version 2"),
+        (lambda d: json.dumps({**d, "schema_version": 1}), "schema_version 1"),
         (lambda d: json.dumps({k: v for k, v in d.items() if k != "schema_version"}), "None"),
         (lambda d: json.dumps({**d, "recommended_rule": "bogus"}), "failed validation"),
         (lambda d: json.dumps({**d, "clean": {"name": "x"}}), "failed validation"),

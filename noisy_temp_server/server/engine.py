@@ -42,7 +42,7 @@ from noisy_temp_server.settings import Settings, engine_settings
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 if TYPE_CHECKING:
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensInput
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -73,7 +73,7 @@ class GenerationEngine(Protocol):
     """What the HTTP layer uses of `AsyncLLM`."""
 
     def generate(
-        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
+        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say)."""
         ...

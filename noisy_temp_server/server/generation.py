@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
-from vllm.inputs import TokensPrompt
+from vllm.inputs import tokens_input
 from vllm.utils.async_utils import merge_async_iterators
 
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
@@ -249,7 +249,7 @@ def _engine_streams(
     state: ServerState, prepared: PreparedRequest
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """All choices' engine outputs, merged, each with its choice's index."""
-    prompt = TokensPrompt(prompt_token_ids=prepared.prompt_ids)
+    prompt = tokens_input(prepared.prompt_ids)
     generators = [
         state.engine.generate(prompt, params, choice.trace_id)
         for choice, params in zip(prepared.choices, prepared.params, strict=True)

@@ -18,7 +18,7 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from vllm.exceptions import VLLMValidationError
-from vllm.inputs import TokensPrompt
+from vllm.inputs import TokensInput
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -46,7 +46,7 @@ class FakeEngine:
         self.aborted: list[str] = []
 
     async def generate(
-        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
+        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
         ids = list(prompt["prompt_token_ids"])
         if any(i >= VOCAB for i in ids):

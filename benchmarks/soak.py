@@ -19,9 +19,11 @@ an error; *garbled* when it is a 200 whose content breaks an invariant (wrong nu
 or tokens, a chunk that is not JSON, a missing ``[DONE]``, a trace of the wrong length);
 *completed* otherwise; cancelled requests are counted apart. Reported: those counts, generated
 tokens per second, and the resident memory (RSS) of the API process and of vLLM's engine core
-at start (after a warm-up request), middle and end, with the growth per 1 000 requests from
-middle to end (after warm-up). Printed, and saved as JSON + markdown under
-``benchmarks/results/``.
+every ``--sample-every`` seconds from the start (after a warm-up request), each sample with the
+online estimator's window (positions seen, positions held) from ``/v1/nts/status``. The growth
+per 1 000 requests is given from the middle to the end, and from the first sample where the
+estimator's window had stopped growing (it is full: what is left is what serving leaks) to the
+end. Printed, and saved as JSON + markdown under ``benchmarks/results/``.
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python benchmarks/soak.py                 # 64 x 10 min
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python benchmarks/soak.py --tiny --streams 16 --minutes 2
@@ -200,31 +202,70 @@ def _rss_mib(pid: int) -> dict[str, float]:
     }
 
 
+async def _estimator_window(client: httpx.AsyncClient) -> dict[str, int | None]:
+    """The online estimator's positions seen and held (None where the server has none)."""
+    try:
+        estimator = (await client.get("/v1/nts/status")).json().get("estimator", {})
+    except (httpx.HTTPError, json.JSONDecodeError):
+        estimator = {}
+    return {
+        "positions_seen": estimator.get("positions_seen"),
+        "window_positions": estimator.get("window_positions"),
+    }
+
+
+async def _sample(
+    client: httpx.AsyncClient, pid: int, started: float, tally: Tally
+) -> dict[str, Any]:
+    return {
+        "t_s": time.monotonic() - started,
+        "requests": tally.requests,
+        **_rss_mib(pid),
+        **await _estimator_window(client),
+    }
+
+
 async def _soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
     tally = Tally()
     warm = Tally()
-    async with httpx.AsyncClient(
-        base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300
-    ) as client:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300) as client:
         for kind in KINDS:
             await _one(client, kind, random.Random(0), warm, args.max_tokens)
-    started = time.monotonic()
-    deadline = started + args.minutes * 60
-    memory = [{"t_s": 0.0, "requests": 0, **_rss_mib(pid)}]
-    clients = [
-        asyncio.create_task(_client_loop(url, i, deadline, tally, args.max_tokens))
-        for i in range(args.streams)
-    ]
-    middle_at = started + args.minutes * 30
-    while not all(c.done() for c in clients):
-        await asyncio.sleep(1.0)
-        now = time.monotonic()
-        if now >= middle_at and len(memory) == 1:
-            memory.append({"t_s": now - started, "requests": tally.requests, **_rss_mib(pid)})
-    await asyncio.gather(*clients)
-    elapsed = time.monotonic() - started
-    memory.append({"t_s": elapsed, "requests": tally.requests, **_rss_mib(pid)})
+        started = time.monotonic()
+        deadline = started + args.minutes * 60
+        memory = [await _sample(client, pid, started, tally)]
+        clients = [
+            asyncio.create_task(_client_loop(url, i, deadline, tally, args.max_tokens))
+            for i in range(args.streams)
+        ]
+        next_sample = started + args.sample_every
+        while not all(c.done() for c in clients):
+            await asyncio.sleep(1.0)
+            if time.monotonic() >= next_sample:
+                memory.append(await _sample(client, pid, started, tally))
+                next_sample += args.sample_every
+        await asyncio.gather(*clients)
+        elapsed = time.monotonic() - started
+        memory.append(await _sample(client, pid, started, tally))
     return _summary(args, tally, warm, elapsed, memory)
+
+
+def _growth_per_1000(first: dict[str, Any], last: dict[str, Any], key: str) -> float | None:
+    """MiB of ``key`` gained per 1 000 requests between two samples (None: no requests)."""
+    requests = last["requests"] - first["requests"]
+    return (last[key] - first[key]) / requests * 1000 if requests > 0 else None
+
+
+def _window_full_sample(memory: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first sample at which the estimator's window was full: it held at least 95 % of the
+    most it ever held, and by the end it had dropped records (positions seen > the most held).
+    None when it never filled, or the server has no estimator."""
+    held = [m["window_positions"] or 0 for m in memory]
+    seen = memory[-1]["positions_seen"] or 0
+    if max(held) == 0 or seen <= max(held):
+        return None
+    return next(m for m, h in zip(memory, held, strict=True) if h >= 0.95 * max(held))
 
 
 def _summary(
@@ -234,8 +275,9 @@ def _summary(
     elapsed: float,
     memory: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    middle, end = memory[1] if len(memory) > 2 else memory[0], memory[-1]
-    per_k = max(end["requests"] - middle["requests"], 1) / 1000
+    end = memory[-1]
+    middle = min(memory, key=lambda m: abs(m["t_s"] - end["t_s"] / 2))
+    full = _window_full_sample(memory)
     return {
         "streams": args.streams,
         "minutes": args.minutes,
@@ -249,8 +291,12 @@ def _summary(
         "warm_up_failed_or_garbled": warm.counts["failed"] + warm.counts["garbled"],
         "tokens_per_s": tally.tokens / elapsed,
         "memory": memory,
-        "api_growth_mib_per_1000_requests": (end["api_mib"] - middle["api_mib"]) / per_k,
-        "engine_growth_mib_per_1000_requests": (end["engine_mib"] - middle["engine_mib"]) / per_k,
+        "api_growth_mib_per_1000_requests": _growth_per_1000(middle, end, "api_mib"),
+        "engine_growth_mib_per_1000_requests": _growth_per_1000(middle, end, "engine_mib"),
+        "window_full_at_s": full["t_s"] if full else None,
+        "api_growth_after_window_full_mib_per_1000_requests": (
+            _growth_per_1000(full, end, "api_mib") if full else None
+        ),
         "examples": tally.examples + warm.examples,
     }
 
@@ -302,11 +348,18 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None
     raise SystemExit("server not healthy in 15 minutes")
 
 
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f} MiB"
+
+
 def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = "\n".join(
-        f"| {m['t_s']:.0f} | {m['requests']} | {m['api_mib']:.0f} | {m['engine_mib']:.0f} |"
+        f"| {m['t_s']:.0f} | {m['requests']} | {m['api_mib']:.0f} | {m['engine_mib']:.0f} | "
+        f"{m['positions_seen']} | {m['window_positions']} |"
         for m in result["memory"]
     )
+    full_at = result["window_full_at_s"]
+    after_full = _mib(result["api_growth_after_window_full_mib_per_1000_requests"])
     return (
         f"# Soak\n\n`{meta['command']}` on {meta['machine']} ({meta['cpu_count']} CPUs), "
         f"{meta['timestamp']}\n\n"
@@ -315,11 +368,19 @@ def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         f"| {result['streams']} | {result['seconds']:.0f} | {result['requests']} | "
         f"{result['completed']} | {result['failed']} | {result['garbled']} | "
         f"{result['cancelled']} | {result['tokens_per_s']:.1f} |\n\n"
-        f"Resident memory (MiB), start (after warm-up), middle, end:\n\n"
-        f"| s | requests | API | engine core |\n|---:|---:|---:|---:|\n{rows}\n\n"
+        f"Resident memory (MiB) from the start (after warm-up), with the online estimator's "
+        f"positions seen and held:\n\n"
+        f"| s | requests | API | engine core | positions seen | window |\n"
+        f"|---:|---:|---:|---:|---:|---:|\n{rows}\n\n"
         f"Growth middle → end per 1 000 requests: API "
-        f"{result['api_growth_mib_per_1000_requests']:+.2f} MiB, engine core "
-        f"{result['engine_growth_mib_per_1000_requests']:+.2f} MiB\n"
+        f"{_mib(result['api_growth_mib_per_1000_requests'])}, engine core "
+        f"{_mib(result['engine_growth_mib_per_1000_requests'])}\n\n"
+        + (
+            f"Estimator window full at {full_at:.0f} s; API growth from then to the end per "
+            f"1 000 requests: {after_full}\n"
+            if full_at is not None
+            else "The estimator's window did not fill during the run.\n"
+        )
     )
 
 
@@ -330,6 +391,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64, help="concurrent clients")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per choice")
+    parser.add_argument(
+        "--sample-every", type=float, default=60.0, help="seconds between memory samples"
+    )
     parser.add_argument("--tiny", action="store_true", help="serve the tiny random Llama pair")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--url", help="soak this running server instead (its key: soak-key)")

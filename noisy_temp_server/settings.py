@@ -124,6 +124,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Scored positions the estimator needs before it publishes its first policy.",
     )
+    shadow_window_positions: int = Field(
+        default=50_000,
+        ge=1,
+        description="Most recent scored positions the estimator refits on (this bounds its memory); "
+        "at least shadow_min_positions.",
+    )
 
     # --- engine ---
     max_model_len: int = Field(default=2048, ge=16, description="Context length (tokens).")
@@ -172,6 +178,15 @@ class Settings(BaseSettings):
 
         parse_spec(value)
         return value
+
+    @model_validator(mode="after")
+    def _shadow_window_holds_the_first_refit(self) -> Settings:
+        if self.shadow_window_positions < self.shadow_min_positions:
+            raise ValueError(
+                f"shadow_window_positions ({self.shadow_window_positions}) must be at least "
+                f"shadow_min_positions ({self.shadow_min_positions})."
+            )
+        return self
 
     @model_validator(mode="after")
     def _temperature_defaults_are_consistent(self) -> Settings:

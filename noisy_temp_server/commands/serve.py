@@ -297,6 +297,7 @@ def _shadow(
         profile,
         min_positions=settings.shadow_min_positions,
         refit_every=settings.shadow_min_positions,
+        window_positions=settings.shadow_window_positions,
     )
     shadow = ShadowScorer(
         scorer,

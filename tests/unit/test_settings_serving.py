@@ -70,6 +70,7 @@ def test_api_key_is_masked_in_the_startup_dump() -> None:
         ({"kv_cache_gib": 0}, "greater than or equal"),
         ({"tensor_parallel_size": 0}, "greater than or equal"),
         ({"default_rule": "linear", "default_t": 1.2}, "applies to the `fixed` rule only"),
+        ({"shadow_min_positions": 4096, "shadow_window_positions": 1024}, "at least"),
     ],
 )
 def test_bad_values_fail_at_startup(fields: dict[str, object], message: str) -> None:

@@ -37,9 +37,11 @@ from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_fe
 __all__ = [
     "CalibratedTable",
     "PolicyValidationError",
+    "StepTemperatures",
     "TemperaturePolicy",
     "bucket_index",
     "policy_temperature",
+    "step_temperatures",
 ]
 
 
@@ -452,3 +454,66 @@ def policy_temperature(
     lower = policy.bounds.t_min if t_min is None else t_min
     upper = policy.bounds.t_max if t_max is None else t_max
     return clamp_temperature(temperature.to(torch.float32), lower, upper)
+
+
+@dataclass(frozen=True)
+class StepTemperatures:
+    """One request's T* as a function of its generation step alone (see
+    :func:`step_temperatures`): for ``step`` in bucket ``i`` of ``step_edges``,
+    ``T*(step) = clamp(scale[i] / sqrt(1 + beta * step), t_min, t_max)``.
+
+    ``beta`` is 0 for every rule but ``schedule``; then ``scale`` is already within the bounds
+    and T* is a table lookup. ``step_edges`` refines the policy's own ``step_edges`` (each of
+    those is among them), so a caller can also tell which policy step bucket a bucket is in.
+    """
+
+    step_edges: tuple[int, ...]
+    scale: tuple[float, ...]
+    beta: float
+    t_min: float
+    t_max: float
+
+
+def step_temperatures(
+    policy: TemperaturePolicy,
+    request_temperature: float,
+    *,
+    fixed: float | None = None,
+    t_min: float | None = None,
+    t_max: float | None = None,
+) -> StepTemperatures | None:
+    """Evaluate ``policy`` once for one request, when it is admitted, so that each generation
+    step costs a table lookup; None when the policy reads the served row (``fisher``, a
+    ``calibrated`` table with entropy buckets: :func:`policy_temperature` per step).
+
+    Args:
+        policy: the request's policy (rule overrides already applied).
+        request_temperature: the request's own temperature (> 0; greedy requests are never
+            tuned). No rule reads it yet: it is the input for T* that depends on the
+            request's temperature band.
+        fixed, t_min, t_max: the request's ``fixed`` T and bounds (None: the policy's).
+
+    The values are :func:`policy_temperature` at the first step of each bucket (bounds
+    applied), so the two never disagree; ``schedule`` keeps its closed form (``scale`` =
+    its ``t_max``, ``beta`` its ``beta``). Step buckets: the policy's ``step_edges``, merged
+    with the calibrated table's for ``calibrated``.
+    """
+    if policy.reads_served_row:
+        return None
+    lower = policy.bounds.t_min if t_min is None else t_min
+    upper = policy.bounds.t_max if t_max is None else t_max
+    edges = policy.step_edges
+    if policy.rule is Rule.CALIBRATED:
+        edges = tuple(sorted({*edges, *policy.calibrated.step_edges}))
+    if policy.rule is Rule.SCHEDULE:
+        scale = (policy.schedule_t_max,) * len(edges)
+        return StepTemperatures(edges, scale, policy.schedule_beta, lower, upper)
+    buckets = len(edges)
+    temperature = policy_temperature(
+        policy,
+        torch.tensor(edges),
+        fixed=None if fixed is None else torch.full((buckets,), fixed),
+        t_min=torch.full((buckets,), lower),
+        t_max=torch.full((buckets,), upper),
+    )
+    return StepTemperatures(edges, tuple(temperature.tolist()), 0.0, lower, upper)

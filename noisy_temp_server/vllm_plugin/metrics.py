@@ -7,12 +7,13 @@ processor uses prometheus_client's default ``REGISTRY``, whose values live in
 serves them (a custom collector would not cross the process boundary, hence a plain
 ``Histogram``).
 
-Cost: the processor bins T* on the device (``torch.bucketize`` into `STEP_TEMPERATURE_BUCKETS`)
-and its reporter thread adds the counts that grew since the last report with
-`StepTemperatureMetrics.add`: one increment per (label, bucket) that changed, never one per row
-and step. prometheus_client has no public bulk observation, so `add` increments the child's
-bucket and sum values directly (``_buckets``, ``_sum``: the same value objects ``observe``
-increments, multiprocess mode included). Label children are cached per (step bucket, rule).
+Cost: nothing per row and step. The processor accumulates the count and sum of T* per request
+and step bucket on the device; its reporter thread adds what each of those gained since the last
+report (every 20 ms) with `StepTemperatureMetrics.add`, binned at the gain's mean (exact for
+rules constant on a step bucket; see `reports`). prometheus_client has no public bulk
+observation, so `add` increments the child's bucket and sum values directly (``_buckets``,
+``_sum``: the same value objects ``observe`` increments, multiprocess mode included).
+Label children are cached per (step bucket, rule).
 """
 
 from __future__ import annotations

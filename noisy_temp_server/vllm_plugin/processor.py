@@ -19,9 +19,11 @@ fail the request in ``validate_params`` (HTTP 400 in vLLM's server). Where it ru
   unscaled (so min-p is evaluated at T_request × T* there, at T_request under V1).
 
 Per step everything happens on the device (`slot_tuning.SlotTuning`): no device→host copy, no
-per-row Python work; summaries, traces and the ``nts_step_temperature`` histogram reach the host
-through `reports.Reporter`'s background thread. Bad rows (NaN/+inf logits, all masked, a
-non-finite T*) get T* = 1 and are counted (``bad_rows``).
+per-row Python work; a step-only rule costs a table lookup (the request's policy is evaluated
+once, at admission). Summaries, traces and the ``nts_step_temperature`` histogram reach the host
+through `reports.Reporter`'s background thread. Rules that read the served row (``fisher``, an
+entropy-dependent ``calibrated`` table) give a bad row (NaN/+inf logits, all masked) T* = 1 and
+count it (``bad_rows``); step-only rules divide it by their finite T* like any other row.
 """
 
 from __future__ import annotations

@@ -156,6 +156,8 @@ class NoisyTemperatureV1(LogitsProcessor):
             return logits
         slots = self._row_slot_device[: logits.shape[0]]
         advancing = self._advancing[slots]
-        self.tuning.tune(logits, slots, self._step[slots], advancing > 0)
+        self.tuning.tune(
+            logits, slots, self._step[slots], advancing > 0, remember=bool(self._waiting)
+        )
         self._step.index_add_(0, slots, advancing)
         return logits

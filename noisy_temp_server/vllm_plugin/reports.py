@@ -1,22 +1,28 @@
 """From the device to the host off the step loop: per-step traces, summaries, histogram counts.
 
-`SlotTuning` stages, per step, one asynchronous device→host copy of its cumulative state (the
-per-slot summaries and the histogram counts, one flat float64 tensor) and, only while some slot
-is traced, one copy of the step's ``[slot, step, T*, traced]`` rows. A `Reporter` background
-thread waits for those copies (a CUDA event on GPU; nothing to wait for on CPU), then:
+`SlotTuning` accumulates, per *cell* (a slot's step bucket), the count and sum of the counted T*
+and their extrema, in one flat float64 tensor (`StateLayout`). Per step it stages one
+asynchronous device→host copy of that state and, only while some slot is traced, one copy of
+the step's ``[slot, step, T*, traced]`` rows. A `Reporter` background thread waits for those
+copies (a CUDA event on GPU; nothing to wait for on CPU), then:
 
 - sends the step traces of traced slots (``nts_trace`` or the server's shadow sample) on the
   trace channel;
-- sends the cumulative summary (sum, count, min, max of T*) of every slot whose summary changed
-  since the last report; each message is cumulative for one *occupancy* of a slot, so a lost or
-  skipped snapshot loses nothing and the collector merges the occupancies of one request
-  (preemption);
-- adds the histogram counts that grew since the last report to ``nts_step_temperature``.
+- sends the cumulative summary (sum, count, min, max of T*, reduced over the slot's cells) of
+  every slot whose summary changed since the last report; each message is cumulative for one
+  *occupancy* of a slot, so a skipped snapshot loses nothing and the collector merges the
+  occupancies of one request (preemption);
+- adds to ``nts_step_temperature`` what each cell gained since the last report: Δcount
+  observations of value Δsum / Δcount, binned on the host. Exact for every rule whose T* is
+  constant on a step bucket (off, fixed, sqrt, linear, calibrated); for ``schedule``,
+  ``fisher`` and an entropy-dependent ``calibrated`` table, the observations of one request
+  and step bucket between two reports (20 ms) are binned at their mean (``_sum`` stays exact).
 
-The step loop never waits: a snapshot goes into whichever of two host buffers the thread is not
-reading. Reports lag the device by at most one ``interval_s`` (default 20 ms). Model Runner V2
-has no hook for a finished request, which is why summaries are sent when they change rather than
-when the request ends.
+The step loop never waits: a new snapshot replaces the one not yet read, except a *kept*
+snapshot (`SlotTuning` keeps the last state before it resets cells for new occupants), which
+is always delivered, in order. Reports lag the device by at most one ``interval_s`` (default
+20 ms). Model Runner V2 has no hook for a finished request, which is why summaries are sent when
+they change rather than when the request ends.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,45 +39,68 @@ import torch
 from noisy_temp_server.vllm_plugin.metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
 from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
 
-__all__ = ["MAX_LABELS", "SUMMARY_COLUMNS", "Occupants", "Reporter", "StateLayout"]
+__all__ = ["Occupancy", "Reporter", "StateLayout"]
 
 _LOGGER = logging.getLogger(__name__)
-SUMMARY_COLUMNS = 4  # sum, count, min, max of the counted T* of a slot's occupant
-MAX_LABELS = 256
-Occupants = tuple[tuple[str | None, int], ...]
-"""Each slot's (trace id or None, occupancy serial)."""
+# Binned as the device would bin float32 T*: a value equal to a bound goes into its bucket.
+_BUCKET_BOUNDS = np.asarray(STEP_TEMPERATURE_BUCKETS, dtype=np.float32)
 
 
 @dataclass(frozen=True)
 class StateLayout:
-    """Where each part lives in the flat float64 state of ``slots`` slots: the summaries
-    ``[slots, 4]``, the histogram counts ``[MAX_LABELS, buckets + 1]``, the histogram sums
-    ``[MAX_LABELS]`` and the number of bad rows ``[1]``."""
+    """Where each part lives in the flat float64 state of ``slots`` slots with ``columns`` step
+    buckets each: cell ``1 + slot * columns + bucket`` (cell 0 takes rows that are not counted)
+    of the accumulators ``[cells, 2]`` (count, sum of T*) and of the extrema ``[cells, 2]``
+    (-min, max of T*), then the number of bad rows ``[1]``."""
 
     slots: int
-    width: int = len(STEP_TEMPERATURE_BUCKETS) + 1
+    columns: int
 
     @property
-    def summary_end(self) -> int:
-        return self.slots * SUMMARY_COLUMNS
-
-    @property
-    def counts_end(self) -> int:
-        return self.summary_end + MAX_LABELS * self.width
+    def cells(self) -> int:
+        return 1 + self.slots * self.columns
 
     @property
     def size(self) -> int:
-        return self.counts_end + MAX_LABELS + 1
+        return 4 * self.cells + 1
 
-    def split(self, state: Any) -> tuple[Any, Any, Any, Any]:
-        """(summary [slots, 4], counts [labels, width], sums [labels], bad [1]) views of a
-        flat numpy array or tensor."""
+    def split(self, state: Any) -> tuple[Any, Any, Any]:
+        """(accumulators [cells, 2], extrema [cells, 2], bad [1]) views of a flat numpy array
+        or tensor."""
+        end = 2 * self.cells
         return (
-            state[: self.summary_end].reshape(self.slots, SUMMARY_COLUMNS),
-            state[self.summary_end : self.counts_end].reshape(MAX_LABELS, self.width),
-            state[self.counts_end : self.size - 1],
-            state[self.size - 1 :],
+            state[:end].reshape(self.cells, 2),
+            state[end : 2 * end].reshape(self.cells, 2),
+            state[2 * end :],
         )
+
+    def initial(self, device: torch.device) -> torch.Tensor:
+        """A fresh state: nothing counted (extrema at -inf)."""
+        state = torch.zeros(self.size, dtype=torch.float64, device=device)
+        self.split(state)[1].fill_(-torch.inf)
+        return state
+
+    def by_slot(self, cells: np.ndarray) -> np.ndarray:
+        """``[cells, 2]`` per-cell values as ``[slots, columns, 2]`` (cell 0 dropped)."""
+        return cells[1:].reshape(self.slots, self.columns, 2)
+
+    def summaries(self, state: np.ndarray) -> np.ndarray:
+        """``[slots, 4]`` (sum, count, min, max) of each slot's counted T* (min = +inf, max =
+        -inf for a slot with none)."""
+        accumulators, extrema, _ = self.split(state)
+        count, total = self.by_slot(accumulators).sum(axis=1).T
+        low, high = self.by_slot(extrema).max(axis=1).T
+        return np.stack((total, count, -low, high), axis=1)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Who holds each slot from a staged snapshot on: ``ids[slot]`` = (trace id or None,
+    occupancy serial), ``labels[slot, bucket]`` = the histogram label id of the slot's step
+    bucket (-1: not observed, e.g. an untuned slot)."""
+
+    ids: tuple[tuple[str | None, int], ...]
+    labels: np.ndarray = field(compare=False)
 
 
 class _HostCopy:
@@ -79,7 +108,7 @@ class _HostCopy:
 
     def __init__(self, source: torch.Tensor, target: torch.Tensor | None = None) -> None:
         on_device = source.device.type == "cuda"
-        if target is None:
+        if target is None or target.shape != source.shape:
             target = torch.empty(source.shape, dtype=source.dtype, pin_memory=on_device)
         target.copy_(source, non_blocking=on_device)
         self.host = target
@@ -95,6 +124,14 @@ class _HostCopy:
         return self.host.numpy()
 
 
+@dataclass
+class _Snapshot:
+    copy: _HostCopy
+    occupancy: Occupancy
+    layout: StateLayout
+    keep: bool
+
+
 class Reporter:
     """Delivers what `SlotTuning` stages (see the module docstring). Thread-safe for one
     producer (the engine's step loop) and its own reader thread."""
@@ -104,27 +141,22 @@ class Reporter:
         sender: TraceSender | None,
         metrics: StepTemperatureMetrics,
         *,
-        layout: StateLayout,
+        slots: int,
         interval_s: float = 0.02,
     ) -> None:
         self.sender = sender
         self.metrics = metrics
-        self.layout = layout
         self.interval_s = interval_s
         self.bad_rows = 0
         self._labels: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._latest: tuple[int, _HostCopy, Occupants] | None = None
-        self._reading: int | None = None
-        self._occupants: Occupants = ((None, 0),) * layout.slots
-        self._traces: deque[tuple[_HostCopy, Occupants]] = deque()
-        self._sent_counts = np.zeros(layout.slots)
-        self._sent_occupants: Occupants = self._occupants
-        self._sent_state = np.zeros(layout.size)
+        self._snapshots: deque[_Snapshot] = deque()
+        self._spare: list[torch.Tensor] = []
+        self._occupancy = Occupancy(((None, 0),) * slots, np.full((slots, 1), -1))
+        self._traces: deque[tuple[_HostCopy, Occupancy]] = deque()
+        self._sent: tuple[np.ndarray, Occupancy, StateLayout] | None = None
 
     # -- producer side (the step loop) -----------------------------------------------------
 
@@ -132,24 +164,29 @@ class Reporter:
         """Histogram label id ``label`` stands for (step bucket label, rule)."""
         self._labels[label] = key
 
-    def set_occupants(self, occupants: Occupants) -> None:
-        """Each slot's (trace id or None, occupancy serial) from the next staged copy on."""
-        self._occupants = occupants
+    def set_occupancy(self, occupancy: Occupancy) -> None:
+        """Who holds each slot, from the next staged copy on."""
+        self._occupancy = occupancy
 
-    def stage_snapshot(self, state: torch.Tensor) -> None:
-        """Copy the cumulative flat state (`StateLayout`) to the host asynchronously."""
+    def stage_snapshot(
+        self, state: torch.Tensor, layout: StateLayout, *, keep: bool = False
+    ) -> None:
+        """Copy the cumulative flat state (``layout``) to the host asynchronously. It replaces
+        the previous snapshot if that was not read yet, unless that one is ``keep``."""
         with self._lock:
-            index = 0 if self._reading != 0 else 1
-            buffer = self._buffers[index]
-            copy = _HostCopy(state, buffer)
-            self._buffers[index] = copy.host
-            self._latest = (index, copy, self._occupants)
+            target = None
+            if self._snapshots and not self._snapshots[-1].keep:
+                target = self._snapshots.pop().copy.host
+            elif self._spare:
+                target = self._spare.pop()
+            snapshot = _Snapshot(_HostCopy(state, target), self._occupancy, layout, keep)
+            self._snapshots.append(snapshot)
         self._start()
 
     def stage_trace(self, rows: torch.Tensor) -> None:
         """Copy one step's ``[4, R]`` rows (slot, step, T*, traced flag) to the host."""
         with self._lock:
-            self._traces.append((_HostCopy(rows), self._occupants))
+            self._traces.append((_HostCopy(rows), self._occupancy))
         self._start()
 
     def _start(self) -> None:
@@ -171,17 +208,14 @@ class Reporter:
         with self._lock:
             traces = list(self._traces)
             self._traces.clear()
-            latest, self._latest = self._latest, None
-            if latest is not None:
-                self._reading = latest[0]
-        for copy, occupants in traces:
-            self._send_trace(copy.wait(), occupants)
-        if latest is not None:
-            try:
-                self._deliver_snapshot(latest[1].wait(), latest[2])
-            finally:
-                with self._lock:
-                    self._reading = None
+            snapshots = list(self._snapshots)
+            self._snapshots.clear()
+        for copy, occupancy in traces:
+            self._send_trace(copy.wait(), occupancy)
+        for snapshot in snapshots:
+            self._deliver_snapshot(snapshot.copy.wait(), snapshot.occupancy, snapshot.layout)
+        with self._lock:
+            self._spare = [snapshot.copy.host for snapshot in snapshots[-2:]]
 
     def close(self) -> None:
         """Stop the thread after a last `flush`."""
@@ -191,7 +225,7 @@ class Reporter:
             self._thread = None
         self.flush()
 
-    def _send_trace(self, rows: np.ndarray, occupants: Occupants) -> None:
+    def _send_trace(self, rows: np.ndarray, occupancy: Occupancy) -> None:
         if self.sender is None:
             return
         slots, steps, temperatures, _ = rows[:, rows[3] > 0]
@@ -200,34 +234,57 @@ class Reporter:
             for slot, step, t in zip(
                 slots.tolist(), steps.tolist(), temperatures.tolist(), strict=True
             )
-            if (trace_id := occupants[int(slot)][0]) is not None
+            if (trace_id := occupancy.ids[int(slot)][0]) is not None
         ]
         if records:
             self.sender.send_step(records)
 
-    def _deliver_snapshot(self, state: np.ndarray, occupants: Occupants) -> None:
-        summary, counts, sums, bad = self.layout.split(state)
-        _, sent_counts, sent_sums, sent_bad = self.layout.split(self._sent_state)
-        self._send_summaries(summary, occupants)
-        self.bad_rows += int(bad[0] - sent_bad[0])
-        new_counts, new_sums = counts - sent_counts, sums - sent_sums
-        for label, (step_label, rule) in self._labels.items():
-            if new_counts[label].any():
-                self.metrics.add(rule, step_label, new_counts[label], float(new_sums[label]))
-        self._sent_state = state.copy()
+    def _deliver_snapshot(
+        self, state: np.ndarray, occupancy: Occupancy, layout: StateLayout
+    ) -> None:
+        accumulators, _, bad = layout.split(state)
+        summary = layout.summaries(state)
+        cells = layout.by_slot(accumulators)
+        sent_bad, previous, changed = 0.0, np.zeros_like(cells), summary[:, 1] > 0
+        if self._sent is not None:
+            sent_state, sent_occupancy, sent_layout = self._sent
+            sent_bad = float(sent_layout.split(sent_state)[2][0])
+            if sent_layout == layout:
+                same = np.fromiter(
+                    (a == b for a, b in zip(occupancy.ids, sent_occupancy.ids, strict=True)),
+                    dtype=bool,
+                    count=layout.slots,
+                )
+                previous = layout.by_slot(layout.split(sent_state)[0]) * same[:, None, None]
+                changed = ~same | (summary[:, 1] != layout.summaries(sent_state)[:, 1])
+        self._send_summaries(summary, changed, occupancy)
+        self._observe(cells - previous, occupancy.labels)
+        self.bad_rows += int(bad[0] - sent_bad)
+        self._sent = (state.copy(), occupancy, layout)
 
-    def _send_summaries(self, summary: np.ndarray, occupants: Occupants) -> None:
-        changed = set(np.flatnonzero(summary[:, 1] != self._sent_counts).tolist())
-        if occupants is not self._sent_occupants:
-            pairs = zip(occupants, self._sent_occupants, strict=True)
-            changed.update(slot for slot, (now, before) in enumerate(pairs) if now != before)
+    def _observe(self, gained: np.ndarray, labels: np.ndarray) -> None:
+        """Add each cell's gain ``[slots, columns, 2]`` (count, sum) to the histogram."""
+        count, total = gained[..., 0], gained[..., 1]
+        observed = (count > 0) & (labels >= 0)
+        if not observed.any():
+            return
+        count, total, label = count[observed], total[observed], labels[observed]
+        bucket = np.searchsorted(_BUCKET_BOUNDS, (total / count).astype(np.float32))
+        counts = np.zeros((len(self._labels), len(_BUCKET_BOUNDS) + 1))
+        np.add.at(counts, (label, bucket), count)
+        sums = np.bincount(label, weights=total, minlength=len(self._labels))
+        for label_id in np.unique(label).tolist():
+            step_label, rule = self._labels[label_id]
+            self.metrics.add(rule, step_label, counts[label_id], float(sums[label_id]))
+
+    def _send_summaries(
+        self, summary: np.ndarray, changed: np.ndarray, occupancy: Occupancy
+    ) -> None:
         records = []
-        for slot in sorted(changed):
-            trace_id, serial = occupants[slot]
+        for slot in np.flatnonzero(changed).tolist():
+            trace_id, serial = occupancy.ids[slot]
             total, count, low, high = summary[slot].tolist()
             if trace_id is not None and count > 0:
                 records.append((trace_id, serial, total, int(count), low, high))
-        self._sent_counts = summary[:, 1].copy()
-        self._sent_occupants = occupants
         if records and self.sender is not None:
             self.sender.send_summaries(records)

@@ -5,15 +5,29 @@ V2: vLLM's persistent request slot; V1 runner: a slot the V1 adapter assigns at 
 batch moves never touch the device). The last entry is a sentinel that is never tuned (the V1
 adapter maps untuned rows there). Per step, the runner adapter hands `SlotTuning.tune` the
 logits rows, the slot of each row and the generation step of each row (all device tensors);
-everything else happens on the device:
+everything else happens on the device.
 
-- T* per row: `policy_temperature` (the torch-only core) once per *live policy* (usually one or
-  two) over the whole batch, selected per row by the slot's policy id. Untuned rows get T* = 1
-  (``x / 1 == x`` bitwise), bad rows (NaN/+inf logits, all masked, non-finite T*) too;
-- the per-slot summary (sum, min, max, count of T*, bad rows) and the ``nts_step_temperature``
-  histogram counts accumulate in device tensors (no per-row host work, no device→host sync);
-- the per-step trace of traced slots and a snapshot of the summaries travel to the host by
-  asynchronous copies that `reports.Reporter` (a background thread) reads and sends.
+Admission evaluates the request's policy once (`policy.step_temperatures`, the torch-only
+core): each slot gets its step-bucket edges and its T* per bucket (bounds folded in), plus the
+schedule's ``beta`` and bounds. The edges of all slots live in one sorted key array (slot ``s``,
+edge ``e`` -> ``s * STEP_STRIDE + e``), so one ``bucketize`` of ``slot * STEP_STRIDE + step``
+gives each row its *cell* (slot, step bucket) and one gather its T*. A step of the step-only
+rules (off, fixed, sqrt, linear, schedule, a step-only calibrated table) is therefore:
+
+    bucketize + gather (+ the schedule's factor and clamp) + one division + accounting
+
+with no check of the logits: T* is finite and > 0 by construction, and dividing a row by it
+never makes a finite logit non-finite nor changes which logits are NaN or ±inf, so a bad row
+reaches vLLM's sampler exactly as it would without the processor. Rules that read the served
+row (``fisher``, an entropy-dependent ``calibrated`` table) run `policy_temperature` once per
+live policy over the batch; a row whose statistics are NaN (NaN/+inf logits, all masked) gets
+T* = 1 and is counted in ``bad_rows``.
+
+Accounting is two device ops per step: the count and sum of T* per cell (``index_add_``) and
+their extrema (one ``scatter_reduce_`` over a packed ``[-T, T]``); rows the engine discards go
+to cell 0. `reports.Reporter` reads an asynchronous copy of that state and reduces it on the host
+into per-request summaries and the ``nts_step_temperature`` histogram. The per-step trace is
+copied only while some slot is traced.
 
 Admission (`stage`) only writes host-side staging lists; `flush_staged` copies them to the
 device in one go (V2: ``apply_staged_writes``; V1: the end of ``update_state``).
@@ -26,9 +40,11 @@ entropy is read from the served row z̃, as in calibration.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import weakref
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,15 +52,16 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    StepTemperatures,
+    TemperaturePolicy,
+    policy_temperature,
+    step_temperatures,
+)
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
-from noisy_temp_server.vllm_plugin.metrics import (
-    STEP_TEMPERATURE_BUCKETS,
-    step_bucket_labels,
-    step_temperature_metrics,
-)
-from noisy_temp_server.vllm_plugin.reports import MAX_LABELS, Reporter, StateLayout
+from noisy_temp_server.vllm_plugin.metrics import step_bucket_labels, step_temperature_metrics
+from noisy_temp_server.vllm_plugin.reports import Occupancy, Reporter, StateLayout
 from noisy_temp_server.vllm_plugin.request_args import (
     RequestTuning,
     default_policy_json,
@@ -57,26 +74,38 @@ from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["SUMMARY_INIT", "SlotTuning", "build_slot_tuning", "request_tuning", "validate_request"]
+__all__ = ["STEP_STRIDE", "SlotTuning", "build_slot_tuning", "request_tuning", "validate_request"]
 
 _LOGGER = logging.getLogger(__name__)
 _INSTANCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
-# Summary columns: sum and count of the counted T*, their min and max.
-SUMMARY_INIT = (0.0, 0.0, float("inf"), float("-inf"))
-_PARAM_INIT = (1.0, 1.0, 1.0, 1.0)  # request temperature, fixed T, t_min, t_max
+STEP_STRIDE = 1 << 32
+"""Slot stride of the step keys; generation steps stay below it."""
+_PAD_EDGE = STEP_STRIDE - 1  # fills a slot's unused buckets: no step reaches it
+_INITIAL_COLUMNS = 8
+_UNTUNED = StepTemperatures(step_edges=(0,), scale=(1.0,), beta=0.0, t_min=1.0, t_max=1.0)
 _NO_POLICY = -1
 
 
 @dataclass
-class _LivePolicy:
-    """A policy some slot uses, with its device tables for the histogram labels."""
+class _RowPolicy:
+    """A live policy that reads the served row, and how many slots use it."""
 
     policy_id: int
     policy: TemperaturePolicy
-    step_edges: torch.Tensor  # [K] int64, device
-    labels: torch.Tensor  # [K] int64 histogram label id of each step bucket, device
     slots: int = 0
+
+
+@lru_cache(maxsize=1024)
+def _admitted(resolved: RequestTuning, request_temperature: float) -> StepTemperatures | None:
+    """`step_temperatures` of a request (cached: requests of one policy share the result)."""
+    return step_temperatures(
+        resolved.policy,
+        request_temperature,
+        fixed=resolved.fixed_t,
+        t_min=resolved.t_min,
+        t_max=resolved.t_max,
+    )
 
 
 class SlotTuning:
@@ -85,8 +114,9 @@ class SlotTuning:
     ``logits_scaled``: whether ``tune`` sees logits already divided by the request temperature
     (V1 runner) or the unscaled served logits z̃ (V2). ``reporter``: None on ranks that do not
     report (tensor parallelism: only the first rank does), else where traces and summaries go.
-    ``keep_last``: remember each slot's last uncounted row so `commit_last` can count it later
-    (the V1 runner learns only a step late which row was a request's first token).
+    ``keep_last``: remember the last row of slots that `tune` is told to (``remember``) so
+    `commit_last` can count it later (the V1 runner learns only a step late which row was a
+    request's first token).
     """
 
     def __init__(
@@ -108,40 +138,51 @@ class SlotTuning:
         self.reporter = reporter
         self._pin = pin_memory
         n = capacity + 1
-        self.params = torch.tensor([_PARAM_INIT] * n, device=self.device)
+        # Host mirrors of the per-slot tables, written at admission only.
+        self._edges = np.full((n, _INITIAL_COLUMNS), _PAD_EDGE, dtype=np.int64)
+        self._edges[:, 0] = 0
+        self._scale = np.ones((n, _INITIAL_COLUMNS), dtype=np.float32)
+        self._labels = np.full((n, _INITIAL_COLUMNS), -1, dtype=np.int64)
+        # Per slot: request temperature, schedule beta, t_min, t_max.
+        self.params = torch.tensor([(1.0, 0.0, 1.0, 1.0)] * n, device=self.device)
         self.policy_id = torch.full((n,), _NO_POLICY, dtype=torch.int64, device=self.device)
         self.traced = torch.zeros(n, dtype=torch.bool, device=self.device)
-        self.layout = StateLayout(slots=n)
-        # Cumulative reported state, one flat float64 tensor (one host copy per step).
-        self.state = torch.zeros(self.layout.size, dtype=torch.float64, device=self.device)
-        self.summary, self.histogram_counts, self.histogram_sums, self.bad_rows = self.layout.split(
-            self.state
+        self._signs = torch.tensor([-1.0, 1.0], dtype=torch.float64, device=self.device)
+        self.last = (
+            torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
         )
-        self.summary.copy_(torch.tensor(SUMMARY_INIT))
-        self.last = torch.zeros(n, 3, device=self.device) if keep_last else None
-        self._t_bounds = torch.tensor(STEP_TEMPERATURE_BUCKETS, device=self.device)
-        # Host mirrors, written at admission only.
+        self._build_tables(_INITIAL_COLUMNS)
         self.host_policy_id = np.full(n, _NO_POLICY, dtype=np.int64)
         self.occupants: list[tuple[str | None, int]] = [(None, 0)] * n
         self._serial = 0
         self.n_traced = 0
         self._host_traced = np.zeros(n, dtype=bool)
-        self._policies: dict[int, _LivePolicy] = {}
-        self._policy_ids: dict[TemperaturePolicy, int] = {}
-        self._labels: dict[tuple[str, str], int] = {}
+        self._n_scheduled = 0
+        self._host_scheduled = np.zeros(n, dtype=bool)
+        self._row_policies: dict[int, _RowPolicy] = {}
+        self._row_policy_ids: dict[TemperaturePolicy, int] = {}
+        self._label_ids: dict[tuple[str, str], int] = {}
         self._staged: list[tuple[int, RequestTuning | None, float]] = []
+        self._keep_before_flush = False
+
+    def _build_tables(self, columns: int) -> None:
+        """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,
+        with a fresh accumulator state."""
+        self.layout = StateLayout(slots=self.capacity + 1, columns=columns)
+        slot_base = np.arange(self.capacity + 1, dtype=np.int64)[:, None] * STEP_STRIDE
+        self.edge_keys = torch.from_numpy(slot_base + self._edges).view(-1).to(self.device)
+        self.cell_scale = torch.ones(self.layout.cells, device=self.device)
+        self.cell_scale[1:] = torch.from_numpy(self._scale).view(-1)
+        self.state = self.layout.initial(self.device)
+        self.accumulators, self.extrema, self.bad_rows = self.layout.split(self.state)
 
     # -- admission -------------------------------------------------------------------------
 
     def stage(self, slot: int, resolved: RequestTuning | None, request_temperature: float) -> None:
         """Give ``slot`` to a new occupant (``resolved``; None: untuned) from the next
-        `flush_staged` on; the previous occupant's state is dropped (its summary has been
-        reported up to the last snapshot)."""
+        `flush_staged` on; the previous occupant's state is dropped (after one last report)."""
         self._release(slot)
         if resolved is not None:
-            entry = self._live_policy(resolved.policy)
-            entry.slots += 1
-            self.host_policy_id[slot] = entry.policy_id
             self._serial += 1
             self.occupants[slot] = (resolved.trace_id, self._serial)
             traced = resolved.trace and resolved.trace_id is not None
@@ -150,129 +191,225 @@ class SlotTuning:
         self._staged.append((slot, resolved, request_temperature))
 
     def _release(self, slot: int) -> None:
+        if self.occupants[slot] != (None, 0):
+            self._keep_before_flush = True
         policy_id = int(self.host_policy_id[slot])
         if policy_id != _NO_POLICY:
-            entry = self._policies[policy_id]
+            entry = self._row_policies[policy_id]
             entry.slots -= 1
             if entry.slots == 0:
-                del self._policies[policy_id]
-                del self._policy_ids[entry.policy]
+                del self._row_policies[policy_id]
+                del self._row_policy_ids[entry.policy]
         self.host_policy_id[slot] = _NO_POLICY
         self.occupants[slot] = (None, 0)
         self.n_traced -= bool(self._host_traced[slot])
         self._host_traced[slot] = False
+        self._n_scheduled -= bool(self._host_scheduled[slot])
+        self._host_scheduled[slot] = False
 
-    def _live_policy(self, policy: TemperaturePolicy) -> _LivePolicy:
-        policy_id = self._policy_ids.get(policy)
-        if policy_id is not None:
-            return self._policies[policy_id]
-        policy_id = next(i for i in range(len(self._policies) + 1) if i not in self._policies)
-        labels = [
-            self._label(label, policy.rule) for label in step_bucket_labels(policy.step_edges)
-        ]
-        entry = _LivePolicy(
-            policy_id=policy_id,
-            policy=policy,
-            step_edges=torch.tensor(policy.step_edges, dtype=torch.int64, device=self.device),
-            labels=torch.tensor(labels, dtype=torch.int64, device=self.device),
-        )
-        self._policies[policy_id] = entry
-        self._policy_ids[policy] = policy_id
-        return entry
+    def _row_policy(self, policy: TemperaturePolicy) -> _RowPolicy:
+        policy_id = self._row_policy_ids.get(policy)
+        if policy_id is None:
+            policy_id = next(
+                i for i in range(len(self._row_policies) + 1) if i not in self._row_policies
+            )
+            self._row_policies[policy_id] = _RowPolicy(policy_id, policy)
+            self._row_policy_ids[policy] = policy_id
+        return self._row_policies[policy_id]
 
     def _label(self, step_label: str, rule: Rule) -> int:
         key = (step_label, rule.value)
-        label = self._labels.get(key)
+        label = self._label_ids.get(key)
         if label is None:
-            label = min(len(self._labels), MAX_LABELS - 1)  # the last id is shared overflow
-            self._labels[key] = label
+            label = self._label_ids[key] = len(self._label_ids)
             if self.reporter is not None:
                 self.reporter.name_label(label, key)
         return label
 
+    def _slot_table(
+        self, slot: int, resolved: RequestTuning | None, request_temperature: float
+    ) -> tuple[StepTemperatures, list[int]]:
+        """The slot's step table and the histogram label of each of its step buckets."""
+        if resolved is None:
+            return _UNTUNED, [-1]
+        policy = resolved.policy
+        table = _admitted(resolved, request_temperature)
+        if table is None:  # reads the served row: per step, `policy_temperature`
+            entry = self._row_policy(policy)
+            entry.slots += 1
+            self.host_policy_id[slot] = entry.policy_id
+            table = replace(
+                _UNTUNED,
+                step_edges=policy.step_edges,
+                scale=(1.0,) * len(policy.step_edges),
+                t_min=resolved.t_min,
+                t_max=resolved.t_max,
+            )
+        names = step_bucket_labels(policy.step_edges)
+        labels = [
+            self._label(names[bisect.bisect_right(policy.step_edges, edge) - 1], policy.rule)
+            for edge in table.step_edges
+        ]
+        self._host_scheduled[slot] = table.beta > 0
+        self._n_scheduled += table.beta > 0
+        return table, labels
+
     def flush_staged(self) -> None:
-        """Write the staged admissions to the device: one host→device copy per column."""
+        """Write the staged admissions to the device: one host→device copy per table."""
         if not self._staged:
             return
         latest = {slot: (resolved, temperature) for slot, resolved, temperature in self._staged}
         self._staged.clear()
         slots = list(latest)
-        params, policy_ids, traced = [], [], []
+        params, tables = [], {}
         for slot in slots:
             resolved, temperature = latest[slot]
-            if resolved is None:
-                params.append(_PARAM_INIT)
-                traced.append(False)
-            else:
-                params.append((temperature, resolved.fixed_t, resolved.t_min, resolved.t_max))
-                traced.append(resolved.trace and resolved.trace_id is not None)
-            policy_ids.append(int(self.host_policy_id[slot]))
-        index = self._upload(torch.tensor(slots, dtype=torch.int64))
-        self.params.index_copy_(0, index, self._upload(torch.tensor(params)))
-        self.policy_id.index_copy_(0, index, self._upload(torch.tensor(policy_ids)))
-        self.traced.index_copy_(0, index, self._upload(torch.tensor(traced)))
-        fresh = torch.tensor([SUMMARY_INIT] * len(slots), dtype=torch.float64)
-        self.summary.index_copy_(0, index, self._upload(fresh))
+            tables[slot] = self._slot_table(slot, resolved, temperature)
+            table = tables[slot][0]
+            params.append((temperature if resolved else 1.0, table.beta, table.t_min, table.t_max))
+        columns = max(len(table.step_edges) for table, _ in tables.values())
+        if columns > self.layout.columns:
+            self._grow(max(columns, 2 * self.layout.columns))
+        elif self._keep_before_flush and self.reporter is not None:
+            self.reporter.stage_snapshot(self.state, self.layout, keep=True)
+        self._keep_before_flush = False
+        for slot, (table, labels) in tables.items():
+            width = len(table.step_edges)
+            self._edges[slot] = _PAD_EDGE
+            self._edges[slot, :width] = table.step_edges
+            self._scale[slot] = 1.0
+            self._scale[slot, :width] = table.scale
+            self._labels[slot] = -1
+            self._labels[slot, :width] = labels
+        self._upload_slots(slots)
+        index = self._upload(np.asarray(slots, dtype=np.int64))
+        self.params.index_copy_(0, index, self._upload(np.asarray(params, dtype=np.float32)))
+        self.policy_id.index_copy_(0, index, self._upload(self.host_policy_id[slots]))
+        self.traced.index_copy_(0, index, self._upload(self._host_traced[slots]))
         if self.reporter is not None:
-            self.reporter.set_occupants(tuple(self.occupants))
+            self.reporter.set_occupancy(Occupancy(tuple(self.occupants), self._labels.copy()))
 
-    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _upload_slots(self, slots: list[int]) -> None:
+        """Copy the slots' rows of the host tables to the device and reset their cells."""
+        columns = self.layout.columns
+        rows = np.asarray(slots, dtype=np.int64)
+        keys = rows[:, None] * STEP_STRIDE + self._edges[rows]
+        cells = 1 + rows[:, None] * columns + np.arange(columns)
+        keys_index = self._upload((cells - 1).reshape(-1))
+        self.edge_keys.index_copy_(0, keys_index, self._upload(keys.reshape(-1)))
+        cells_index = self._upload(cells.reshape(-1))
+        self.cell_scale.index_copy_(0, cells_index, self._upload(self._scale[rows].reshape(-1)))
+        self.accumulators.index_fill_(0, cells_index, 0.0)
+        self.extrema.index_fill_(0, cells_index, -torch.inf)
+
+    def _grow(self, columns: int) -> None:
+        """More step buckets per slot: rebuild the tables. The accumulated state starts afresh
+        after a kept report, as a new occupancy of every tuned slot (the trace collector merges
+        a request's occupancies)."""
+        if self.reporter is not None:
+            self.reporter.stage_snapshot(self.state, self.layout, keep=True)
+        pad = columns - self.layout.columns
+        self._edges = np.pad(self._edges, ((0, 0), (0, pad)), constant_values=_PAD_EDGE)
+        self._scale = np.pad(self._scale, ((0, 0), (0, pad)), constant_values=1.0)
+        self._labels = np.pad(self._labels, ((0, 0), (0, pad)), constant_values=-1)
+        self._build_tables(columns)
+        for slot, (trace_id, serial) in enumerate(self.occupants):
+            if serial:
+                self._serial += 1
+                self.occupants[slot] = (trace_id, self._serial)
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self._pin:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
-    @property
-    def any_tuned(self) -> bool:
-        """Whether some slot holds a tuned request (host-side, no sync)."""
-        return bool(self._policies)
+    def summaries(self) -> np.ndarray:
+        """``[slots, 4]`` (sum, count, min, max) of each slot's counted T* so far (a device
+        sync: for tests and diagnostics, never called per step)."""
+        return self.layout.summaries(self.state.cpu().numpy())
 
     # -- per step --------------------------------------------------------------------------
 
     def tune(
-        self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor, counted: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        steps: torch.Tensor,
+        counted: torch.Tensor,
+        *,
+        remember: bool = False,
     ) -> torch.Tensor:
         """Divide each row of ``logits`` ([R, V] float32, in place) by its T* and account it.
 
         ``slots``/``steps``: [R] int64 slot and generation step of each row. ``counted``: [R]
         bool, rows whose sample the engine keeps (they enter the summaries and the histogram).
-        Returns T* per row ([R], 1 for untuned and bad rows). No host sync.
+        ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``). Returns T*
+        per row ([R], 1 for untuned and bad rows). No host sync.
         """
-        params = self.params[slots]  # [R, 4]
-        request_temperature, fixed, t_min, t_max = params.unbind(1)
+        cells = torch.bucketize(
+            torch.add(steps, slots, alpha=STEP_STRIDE), self.edge_keys, right=True
+        )
+        temperature = self.cell_scale[cells]
+        bad = None
+        if self._n_scheduled or self._row_policies:
+            request_temperature, beta, t_min, t_max = self.params[slots].unbind(1)
+            if self._n_scheduled:
+                factor = beta.mul(steps).add_(1.0).rsqrt_()
+                temperature = torch.clamp(temperature * factor, t_min, t_max)
+            if self._row_policies:
+                temperature, bad = self._read_rows(
+                    logits,
+                    slots,
+                    steps,
+                    temperature=temperature,
+                    request_temperature=request_temperature,
+                    t_min=t_min,
+                    t_max=t_max,
+                )
+        logits.div_(temperature.unsqueeze(1))
+        if self.reporter is not None:
+            self._account(
+                cells,
+                slots,
+                steps,
+                temperature=temperature,
+                counted=counted,
+                bad=bad,
+                remember=remember,
+            )
+        return temperature
+
+    def _read_rows(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        steps: torch.Tensor,
+        *,
+        temperature: torch.Tensor,
+        request_temperature: torch.Tensor,
+        t_min: torch.Tensor,
+        t_max: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T* of the rows whose policy reads the served row (one `policy_temperature` per live
+        such policy), and which of them are bad (NaN statistics: T* = 1)."""
         policy_of_row = self.policy_id[slots]
-        temperature = torch.ones_like(request_temperature)
-        labels = torch.zeros_like(policy_of_row)
         features: dict[Rule, ServedRowFeatures] = {}
-        for entry in self._policies.values():
+        bad = torch.zeros_like(policy_of_row, dtype=torch.bool)
+        for entry in self._row_policies.values():
             served = self._features(entry.policy, logits, request_temperature, features)
             value = policy_temperature(
                 entry.policy,
                 steps,
                 served_features=served,
-                fixed=fixed,
                 t_min=t_min,
                 t_max=t_max,
                 validate=False,
             )
             mine = policy_of_row == entry.policy_id
             temperature = torch.where(mine, value, temperature)
-            if self.reporter is not None:
-                bucket = (torch.bucketize(steps, entry.step_edges, right=True) - 1).clamp_(min=0)
-                labels = torch.where(mine, entry.labels[bucket], labels)
-        tuned = policy_of_row != _NO_POLICY
-        ok = torch.isfinite(logits.amax(dim=1)) & torch.isfinite(temperature) & (temperature > 0)
-        temperature = torch.where(ok, temperature, 1.0)
-        logits.div_(temperature.unsqueeze(1))
-        if self.reporter is not None:
-            self._account(
-                slots=slots,
-                steps=steps,
-                temperature=temperature,
-                counted=tuned & counted,
-                bad=tuned & ~ok,
-                labels=labels,
-            )
-        return temperature
+            bad |= mine & served.entropy.isnan()
+        return temperature, bad
 
     def _features(
         self,
@@ -280,11 +417,9 @@ class SlotTuning:
         logits: torch.Tensor,
         request_temperature: torch.Tensor,
         cache: dict[Rule, ServedRowFeatures],
-    ) -> ServedRowFeatures | None:
-        """The served-row features ``policy`` reads (None for step-only policies), computed once
-        per step and rule over the whole batch."""
-        if not policy.reads_served_row:
-            return None
+    ) -> ServedRowFeatures:
+        """The served-row features ``policy`` reads, computed once per step and rule over the
+        whole batch."""
         rule = policy.rule
         if rule not in cache:
             scale = request_temperature.unsqueeze(1)
@@ -300,57 +435,49 @@ class SlotTuning:
 
     def _account(
         self,
-        *,
+        cells: torch.Tensor,
         slots: torch.Tensor,
         steps: torch.Tensor,
+        *,
         temperature: torch.Tensor,
         counted: torch.Tensor,
-        bad: torch.Tensor,
-        labels: torch.Tensor,
+        bad: torch.Tensor | None,
+        remember: bool,
     ) -> None:
-        """Summaries, histogram counts and (when some slot is traced) the step's trace."""
+        """Summaries and histogram cells, bad rows, the step's trace (when some slot is
+        traced), and the rows `commit_last` may count later."""
         assert self.reporter is not None
-        self.bad_rows.add_(bad.sum())
-        self.accumulate(slots, temperature, counted.to(torch.float64), labels)
-        if self.last is not None:
-            last = torch.stack((temperature, labels.to(temperature.dtype), counted.float()), dim=1)
+        self.accumulate(cells * counted, temperature)
+        if bad is not None:
+            self.bad_rows.add_(bad.sum())
+        if remember and self.last is not None:
+            column = cells - 1 - slots * self.layout.columns
+            last = torch.stack((column.double(), temperature.double(), counted.double()), dim=1)
             self.last.index_copy_(0, slots, last)
         if self.n_traced:
             dtype = temperature.dtype
             rows = (slots.to(dtype), steps.to(dtype), temperature, self.traced[slots].to(dtype))
             self.reporter.stage_trace(torch.stack(rows))
-        self.reporter.stage_snapshot(self.state)
+        self.reporter.stage_snapshot(self.state, self.layout)
 
     def commit_last(self, slots: torch.Tensor) -> None:
-        """Count the last row of each of ``slots`` if it was not counted (needs ``keep_last``).
-        Call before the slots' next `tune`."""
+        """Count the last remembered row of each of ``slots`` if it was not counted (needs
+        ``keep_last``). Call before the slots' next `tune`."""
         if self.last is None or self.reporter is None:
             return
-        temperature, labels, counted = self.last[slots].unbind(1)
-        weight = (1 - counted).to(torch.float64)
-        self.accumulate(slots, temperature, weight, labels.long())
-        self.reporter.stage_snapshot(self.state)
+        column, temperature, counted = self.last[slots].unbind(1)
+        cells = 1 + slots * self.layout.columns + column.long()
+        self.accumulate(cells * (counted == 0), temperature)
+        self.reporter.stage_snapshot(self.state, self.layout)
 
-    def accumulate(
-        self,
-        slots: torch.Tensor,
-        temperature: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-    ) -> None:
-        """Add rows (float64 ``weight`` 1 = counted, 0 = not) to their slots' summaries and to
-        the histogram counts of their labels. Device ops only."""
+    def accumulate(self, cells: torch.Tensor, temperature: torch.Tensor) -> None:
+        """Add one row per entry of ``cells`` (cell 0: not counted) with its T* to the count,
+        sum and extrema of its cell. Two device ops."""
         value = temperature.to(torch.float64)
-        self.summary[:, :2].index_add_(0, slots, torch.stack((value * weight, weight), dim=1))
-        counted = weight > 0
-        self.summary[:, 2].scatter_reduce_(0, slots, torch.where(counted, value, torch.inf), "amin")
-        self.summary[:, 3].scatter_reduce_(
-            0, slots, torch.where(counted, value, -torch.inf), "amax"
+        self.accumulators.index_add_(0, cells, torch.stack((torch.ones_like(value), value), 1))
+        self.extrema.scatter_reduce_(
+            0, cells.unsqueeze(1).expand(-1, 2), value.unsqueeze(1) * self._signs, "amax"
         )
-        t_bucket = torch.bucketize(temperature, self._t_bounds)
-        width = self.histogram_counts.shape[1]
-        self.histogram_counts.view(-1).index_add_(0, labels * width + t_bucket, weight)
-        self.histogram_sums.index_add_(0, labels, value * weight)
 
 
 def request_tuning(params: SamplingParams) -> RequestTuning | None:
@@ -389,9 +516,7 @@ def build_slot_tuning(
     reporter = None
     if not duplicate and reports_on_this_rank(vllm_config):
         reporter = Reporter(
-            TraceSender.from_env(),
-            step_temperature_metrics(registry),
-            layout=StateLayout(slots=capacity + 1),
+            TraceSender.from_env(), step_temperature_metrics(registry), slots=capacity + 1
         )
     tuning = SlotTuning(
         capacity,

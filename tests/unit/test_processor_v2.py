@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,7 +34,7 @@ from noisy_temp_server.temperature.stats import served_row_features
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
 from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
+from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
 VOCAB = 13
 SLOTS = 6
@@ -152,7 +154,7 @@ def test_recycled_slot_takes_the_new_occupant_state() -> None:
     logits = torch.ones(1, VOCAB)
     processor.apply(logits, _ctx([(0, 1)]))
     assert torch.allclose(logits, torch.full_like(logits, 0.25))
-    summary = processor.tuning.summary[0].tolist()
+    summary = processor.tuning.summaries()[0].tolist()
     assert summary == [4.0, 1.0, 4.0, 4.0]  # only the new occupant's step
 
 
@@ -167,9 +169,9 @@ def test_chunked_prefill_rows_are_tuned_but_not_counted() -> None:
     processor.add_request(3, _params(nts_rule="fixed", nts_t=2.0))
     processor.apply_staged_writes()
     processor.apply(torch.ones(1, VOCAB), _ctx([(3, 3)]))  # prefill chunk ends at position 3
-    assert processor.tuning.summary[3, 1].item() == 0
+    assert processor.tuning.summaries()[3, 1] == 0
     processor.apply(torch.ones(1, VOCAB), _ctx([(3, 7)]))  # last prompt token: step 0
-    assert processor.tuning.summary[3, 1].item() == 1
+    assert processor.tuning.summaries()[3, 1] == 1
 
 
 def test_fisher_takes_the_variance_under_the_request_temperature() -> None:
@@ -241,3 +243,106 @@ def test_apply_does_not_synchronise_on_cuda() -> None:
         processor.apply(logits, ctx)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+SCHEDULE = TemperaturePolicy(rule=Rule.SCHEDULE, schedule_t_max=2.0, schedule_beta=0.3)
+
+
+def test_schedule_rows_follow_the_closed_form_next_to_table_rows() -> None:
+    batch = _Batch([1] * SLOTS)
+    processor = _processor(batch, CollectorRegistry())
+    processor.add_request(0, _params(nts_policy=SCHEDULE.to_json(), nts_t_max=1.8))
+    processor.add_request(1, _params(nts_policy=LINEAR.to_json()))
+    processor.add_request(2, _params(nts_tune=False))
+    processor.apply_staged_writes()
+    for position in (0, 3, 40):
+        logits = torch.randn(3, VOCAB)
+        expected = logits.clone()
+        step = position + 1 - 1
+        schedule = SCHEDULE.with_overrides(t_max=1.8)
+        expected[0] /= _reference(schedule, [step])
+        expected[1] /= _reference(LINEAR, [step])
+        processor.apply(logits, _ctx([(0, position), (1, position), (2, position)]))
+        torch.testing.assert_close(logits, expected)
+        assert torch.equal(logits[2], expected[2])
+
+
+def test_step_only_rules_divide_bad_rows_like_any_other() -> None:
+    """T* is finite and > 0 by construction: NaN stays NaN, ±inf stays ±inf, nothing new."""
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0))
+    processor.apply_staged_writes()
+    logits = torch.tensor([[float("nan"), float("inf"), -float("inf")] + [4.0] * (VOCAB - 3)])
+    processor.apply(logits, _ctx([(0, 0)]))
+    assert logits[0, 0].isnan()
+    assert logits[0, 1:3].tolist() == [float("inf"), -float("inf")]
+    assert torch.equal(logits[0, 3:], torch.full((VOCAB - 3,), 2.0))
+    assert processor.bad_rows == 0
+
+
+def _summary_parts(collector: TraceCollector, trace_id: str, steps: int) -> tuple[int, float]:
+    report = asyncio.run(collector.wait_for(trace_id, steps, timeout=5.0))
+    return report.steps, report.t_mean
+
+
+def test_a_recycled_slot_reports_its_previous_occupant_to_the_end(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The reporter may not have read the last steps of a finished request before its slot is
+    reset for the next one: the state before the reset is kept and delivered."""
+    endpoint = f"ipc://{tmp_path}/trace.sock"
+    with TraceCollector(endpoint) as collector:
+        monkeypatch.setenv(TRACE_ENDPOINT_ENV, endpoint)
+        processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+        processor.tuning.reporter.interval_s = 3600.0  # no report unless flushed
+        processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0, nts_trace_id="old"))
+        processor.apply_staged_writes()
+        for position in range(3):
+            processor.apply(torch.ones(1, VOCAB), _ctx([(0, position)]))
+        processor.add_request(0, _params(nts_rule="fixed", nts_t=4.0, nts_trace_id="new"))
+        processor.apply_staged_writes()
+        processor.apply(torch.ones(1, VOCAB), _ctx([(0, 0)]))
+        processor.tuning.reporter.flush()
+        assert _summary_parts(collector, "old", 3) == (3, 2.0)
+        assert _summary_parts(collector, "new", 1) == (1, 4.0)
+
+
+def test_policies_with_more_step_buckets_grow_the_tables_without_losing_counts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    edges = tuple(range(0, 40, 2))  # 20 step buckets: more than the tables start with
+    fine = TemperaturePolicy(
+        rule=Rule.SQRT,
+        step_edges=edges,
+        alpha_by_step=tuple(0.1 * i for i in range(len(edges))),
+        sigma2_by_step=(0.0,) * len(edges),
+    )
+    endpoint = f"ipc://{tmp_path}/trace.sock"
+    with TraceCollector(endpoint) as collector:
+        monkeypatch.setenv(TRACE_ENDPOINT_ENV, endpoint)
+        registry = CollectorRegistry()
+        processor = _processor(_Batch([1] * SLOTS), registry)
+        processor.add_request(0, _params(nts_policy=LINEAR.to_json(), nts_trace_id="coarse"))
+        processor.apply_staged_writes()
+        for position in range(2):
+            processor.apply(torch.randn(1, VOCAB), _ctx([(0, position)]))
+        processor.add_request(1, _params(nts_policy=fine.to_json(), nts_trace_id="fine"))
+        processor.apply_staged_writes()
+        for position in range(2, 12):
+            logits = torch.randn(2, VOCAB)
+            expected = logits / torch.cat(
+                [_reference(LINEAR, [position]), _reference(fine, [position - 2])]
+            ).unsqueeze(1)
+            processor.apply(logits, _ctx([(0, position), (1, position - 2)]))
+            torch.testing.assert_close(logits, expected)
+        processor.tuning.reporter.flush()
+        steps, mean = _summary_parts(collector, "coarse", 12)
+        assert steps == 12
+        assert mean == pytest.approx(_reference(LINEAR, list(range(12))).mean().item())
+        steps, mean = _summary_parts(collector, "fine", 10)
+        assert steps == 10
+        assert mean == pytest.approx(_reference(fine, list(range(10))).mean().item())
+    count = registry.get_sample_value(
+        "nts_step_temperature_count", {"step_bucket": "8-9", "rule": "sqrt"}
+    )
+    assert count == 2

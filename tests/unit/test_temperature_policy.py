@@ -16,6 +16,7 @@ from noisy_temp_server.temperature.policy import (
     TemperaturePolicy,
     bucket_index,
     policy_temperature,
+    step_temperatures,
 )
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import NonFiniteLogitsError, served_row_features
@@ -401,3 +402,29 @@ def test_only_fisher_and_entropy_dependent_tables_read_the_served_row() -> None:
     ).tolist() == pytest.approx([0.9, 0.9, 1.1, 1.1])
     with pytest.raises(ValueError, match="reads the served row"):
         policy_temperature(TemperaturePolicy(rule="calibrated", calibrated=by_entropy), step)
+
+
+@pytest.mark.parametrize(
+    "rule", [Rule.OFF, Rule.FIXED, Rule.SQRT, Rule.LINEAR, Rule.SCHEDULE, Rule.CALIBRATED]
+)
+def test_admission_evaluation_gives_the_per_step_temperature(rule: Rule) -> None:
+    policy = dataclasses.replace(
+        full_policy(rule),
+        calibrated=CalibratedTable(step_edges=(0, 4, 100), temperatures=((0.75,), (1.5,), (2.5,))),
+    )
+    steps = torch.arange(0, 700)
+    for overrides in ({}, {"fixed": 2.5, "t_min": 0.8, "t_max": 2.2}):
+        table = step_temperatures(policy, 0.7, **overrides)
+        assert table is not None
+        assert set(policy.step_edges) <= set(table.step_edges)
+        per_row = {name: torch.full((len(steps),), value) for name, value in overrides.items()}
+        expected = policy_temperature(policy, steps, **per_row)
+        bucket = bucket_index(steps, torch.tensor(table.step_edges))
+        scale = torch.tensor(table.scale)[bucket]
+        found = torch.clamp(scale * torch.rsqrt(steps * table.beta + 1.0), table.t_min, table.t_max)
+        torch.testing.assert_close(found, expected)
+
+
+def test_admission_evaluation_leaves_rules_that_read_the_served_row_to_each_step() -> None:
+    assert step_temperatures(full_policy(Rule.FISHER), 1.0) is None
+    assert step_temperatures(full_policy(Rule.CALIBRATED), 1.0) is None  # entropy buckets

@@ -127,8 +127,8 @@ class Settings(BaseSettings):
     shadow_window_positions: int = Field(
         default=50_000,
         ge=1,
-        description="Most recent scored positions the estimator refits on (this bounds its memory); "
-        "at least shadow_min_positions.",
+        description="Most recent scored positions the estimator refits on (this bounds its "
+        "memory); at least shadow_min_positions.",
     )
 
     # --- engine ---

@@ -1,0 +1,79 @@
+"""The bias on scored pairs: rows beside the records, the penalty chosen on validation
+prompts, and its held-out quality row beside T = 1 and the oracle."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from noisy_temp_server.estimation.bias_fit import (
+    BIAS_ROW_NAME,
+    bias_quality,
+    fit_bias_on_rows,
+    score_with_rows,
+)
+from noisy_temp_server.estimation.significance import InsufficientDataError
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.temperature.bias import LogitBias
+
+
+@pytest.fixture(scope="module")
+def scorer(tiny_model_dir: Path) -> PairScorer:
+    clean, _ = load_causal_lm(tiny_model_dir)
+    served = copy.deepcopy(clean)
+    apply_perturbation(served, QuantizationSpec(format="int4", group_size=32))
+    return PairScorer(clean, served, chunk_positions=16)
+
+
+def _sequences(count: int) -> list[ScoringSequence]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ScoringSequence(torch.randint(3, 500, (40,), generator=generator).tolist(), 8, i)
+        for i in range(count)
+    ]
+
+
+def test_rows_are_scored_beside_the_records_of_the_same_positions(scorer: PairScorer) -> None:
+    sequences = _sequences(3)
+    scored = score_with_rows(scorer, sequences)
+    expected = scorer.score(sequences)
+    assert len(scored.records) == len(expected) == len(scored.rows) == 3 * 32
+    torch.testing.assert_close(scored.records.kl_at_one, expected.kl_at_one)
+    kl_one = bias_quality(scored.rows, LogitBias.identity(scored.rows.vocab_size), 1).t_one
+    assert kl_one.mean_kl == pytest.approx(float(expected.kl_at_one.double().mean()), rel=1e-5)
+
+
+def test_max_rows_keeps_an_even_share_of_every_sequence(scorer: PairScorer) -> None:
+    scored = score_with_rows(scorer, _sequences(3), max_rows=40)
+    assert len(scored.records) == 96
+    assert len(scored.rows) <= 40
+    assert torch.unique(scored.rows.sequence_id).tolist() == [0, 1, 2]
+
+
+def test_the_held_out_quality_row_is_paired_with_t_one_and_the_oracle(scorer: PairScorer) -> None:
+    scored = score_with_rows(scorer, _sequences(12))
+    fit_mask = scored.rows.sequence_id < 8
+    path = fit_bias_on_rows(scored.rows.select(fit_mask), penalties=(1e-1, 1e-2, 1e-3))
+    quality = bias_quality(scored.rows.select(~fit_mask), path.chosen.correction)
+    assert quality.row.name == BIAS_ROW_NAME
+    assert quality.sequences == 4
+    assert quality.t_one.gain == 0.0
+    assert quality.oracle.mean_kl <= quality.t_one.mean_kl
+    assert quality.row.gain == pytest.approx(quality.t_one.mean_kl - quality.row.mean_kl)
+    assert quality.share_removed == pytest.approx(quality.row.gain / quality.t_one.mean_kl)
+    assert quality.row.mean_temperature == path.chosen.correction.temperature
+    assert math.inf in path.validation_kl  # the T-only fit competed
+
+
+def test_too_few_held_out_rows_are_refused(scorer: PairScorer) -> None:
+    scored = score_with_rows(scorer, _sequences(1))
+    with pytest.raises(InsufficientDataError, match="at least 100"):
+        bias_quality(scored.rows, LogitBias.identity(scored.rows.vocab_size))
+    with pytest.raises(InsufficientDataError):
+        fit_bias_on_rows(scored.rows)

@@ -156,6 +156,7 @@ def bias_quality(rows: PairedRows, correction: LogitBias, min_positions: int = 1
         kl_at_one=kl_one,
         kl_one=float(kl_one.mean()),
         kl_oracle=float(oracle_kl.mean()),
+        kl_fixed=None,
     )
     ones = torch.ones(len(rows), dtype=torch.float64)
     return BiasQuality(

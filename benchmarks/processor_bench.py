@@ -10,8 +10,9 @@ Reported per configuration: the median wall time of one ``apply()`` and of the b
 ``logits.div_(t)`` it contains, and their difference, the processor's *overhead*. On the CPU
 (this script's default device) the time is all host time and includes the arithmetic; the
 overhead at a small vocabulary is the host work per step that a GPU would otherwise wait for
-(target: ≤ 0.1 ms at batch 256 for step-only rules). Rules: ``sqrt`` (step-only) and
-``fisher`` (reads the served row: one softmax pass). Saved as JSON + markdown under
+(target: ≤ 0.1 ms at batch 256 for step-only rules). Rules: ``sqrt`` (a table lookup, as off,
+fixed, linear and a step-only calibrated table), ``schedule`` (the lookup plus its closed-form
+factor) and ``fisher`` (reads the served row: one softmax pass). Saved as JSON + markdown under
 ``benchmarks/results/``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/processor_bench.py
@@ -51,6 +52,7 @@ POLICIES = {
         alpha_by_step=(0.3, 0.2, 0.1, 0.05, 0.02),
         sigma2_by_step=(0.0,) * 5,
     ),
+    "schedule": TemperaturePolicy(rule=Rule.SCHEDULE, schedule_t_max=1.5, schedule_beta=0.05),
     "fisher": TemperaturePolicy(
         rule=Rule.FISHER,
         step_edges=_EDGES,
@@ -162,6 +164,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[1024, 128_000])
+    parser.add_argument("--rules", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     parser.add_argument("--steps", type=int, default=200, help="timed steps (vocab 1024)")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: no OpenMP barrier noise)"
@@ -175,7 +178,7 @@ def main() -> None:
         for vocab in args.vocabs:
             steps = args.steps if vocab <= 4096 else max(5, args.steps // 20)
             for batch in args.batches:
-                for rule in POLICIES:
+                for rule in args.rules:
                     for runner in ("v1", "v2"):
                         row = measure(runner, rule, batch, vocab, steps=steps, device=device)
                         print(json.dumps(row), flush=True)

@@ -1,61 +1,264 @@
-"""Decode throughput and latency with the temperature processor vs without it, side by side.
+"""Decode throughput of the T* processor and of our HTTP server against stock vLLM, in one run.
 
-One vLLM engine (V1 model runner, CPU or GPU) serves two workloads, alternated repeat by repeat
-so that both see the same machine load:
+Engine part (vLLM's offline ``LLM``; each round generates ``--max-tokens`` tokens, EOS ignored,
+for ``--batch`` prompts submitted at once):
 
-- ``baseline``: requests with ``nts_tune=false``: the processor is loaded (it is an installed
-  entry point, as in every deployment of this package) but no row opts in, so vLLM runs its
-  own sampler only -- `NoisyTemperatureLogitsProcessor.apply` returns at once;
-- ``tuned-<rule>``: every request tuned by the given rule (default ``linear``, which needs no
-  statistics of the row, and ``fisher``, which reads the served row: one log-softmax per step).
+- ``stock``: an engine that cannot see this package's entry point, i.e. vLLM as it runs without
+  noisy-temp-server installed (`stock_environment`);
+- ``untuned``: the processor loaded (the installed entry point, as in every engine of an
+  environment with this package) and no request tuned;
+- ``tuned``: every request tuned by ``--rule`` (default ``sqrt``; every step-only rule is a
+  table lookup and costs the same).
 
-Each workload generates ``--max-tokens`` tokens (EOS ignored) for ``batch`` identical-length
-prompts; throughput = generated tokens / wall time; latency = wall time / tokens per request.
-Reported: the median over ``--repeats`` and the tuned/baseline throughput ratio, as a table on
-stdout and as JSON + markdown under ``benchmarks/results/``.
+HTTP part (``--streams`` concurrent clients send ``--requests`` completions per round, the same
+bodies to both servers):
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python benchmarks/throughput.py --batch-sizes 1 32
+- ``vllm-server``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``),
+  stock;
+- ``nts-server``: ``noisy-temp-server serve`` with shadow scoring off, every request tuned
+  (``--default-rule fixed --default-t 1.2``), on the same checkpoint and engine settings.
+
+Every engine runs in its own process, started once; the variants of a part take turns round by
+round (the order rotates), so all see the same machine load. The first round of each variant
+warms up and is not reported. Reported per variant: the median tokens/s over ``--repeats``
+rounds with its min-max, and each ratio as the median of the per-repeat ratios (rounds of one
+repeat ran back to back) with its min-max. Targets on CPU at batch 32: untuned and tuned ≥ 0.98×
+stock, nts-server ≥ 0.95× vllm-server. Saved as JSON + markdown under ``benchmarks/results/``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/throughput.py
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from importlib.metadata import distribution, entry_points
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import torch
-from prometheus_client import CollectorRegistry
-from vllm import LLM, SamplingParams
-from vllm.v1.sample.logits_processor import BatchUpdate
-
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
-from noisy_temp_server.vllm_plugin.request_args import TuningKeys
+import httpx
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DISTRIBUTION = "noisy-temp-server"
+ENTRY_POINT_GROUP = "vllm.logits_processors"
+PROMPT = "Write a short story about a lighthouse keeper who"
+MODEL_NAME = "throughput"
+RESULT_PREFIX = "RESULT "
+
+
+def stock_environment(directory: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables under which Python processes do not see this package's entry
+    points: ``PYTHONPATH`` starts with ``directory``, where a metadata-only copy of the
+    distribution (no ``entry_points.txt``) is written. ``importlib.metadata`` keeps the first
+    distribution of a name found on ``sys.path``, so vLLM's processor loaders (both runners)
+    find none of ours; the package itself stays importable. Child processes inherit it."""
+    installed = distribution(DISTRIBUTION)
+    name = installed.metadata["Name"]
+    dist_info = directory / f"{name.replace('-', '_')}-{installed.version}.dist-info"
+    dist_info.mkdir(parents=True, exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {installed.version}\n"
+    )
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def visible_processor_entry_points() -> list[str]:
+    """The ``vllm.logits_processors`` entry points this process sees, as ``name=value``."""
+    return sorted(f"{e.name}={e.value}" for e in entry_points(group=ENTRY_POINT_GROUP))
+
+
+# -- the engine worker (a subprocess; imports vLLM only) -------------------------------------
+
+
+def _engine_worker(config: dict[str, Any]) -> None:
+    """Build one ``LLM``, then answer one round per stdin line (JSON: extra_args, seed) with a
+    ``RESULT {seconds, tokens}`` line on stdout. Everything else written to stdout (vLLM's logs,
+    also those of its engine process) goes to stderr, so the pipe holds only results."""
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+
+    llm = LLM(
+        model=config["model"],
+        max_model_len=config["max_model_len"],
+        max_num_seqs=config["batch"],
+        dtype=config["dtype"],
+        enforce_eager=True,
+        seed=0,
+    )
+    ready = {"entry_points": visible_processor_entry_points()}
+    print(RESULT_PREFIX + json.dumps(ready), file=results, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        params = SamplingParams(
+            temperature=0.8,
+            max_tokens=config["max_tokens"],
+            ignore_eos=True,
+            seed=request["seed"],
+            extra_args=request["extra_args"],
+        )
+        started = time.perf_counter()
+        outputs = llm.generate([PROMPT] * config["batch"], params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result = {"seconds": seconds, "tokens": tokens}
+        print(RESULT_PREFIX + json.dumps(result), file=results, flush=True)
+
+
+class EngineProcess:
+    """An `_engine_worker` subprocess (log in ``log_path``)."""
+
+    def __init__(self, name: str, config: dict[str, Any], env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = Path(tempfile.gettempdir()) / f"nts-throughput-{name}-{os.getpid()}.log"
+        command = [sys.executable, __file__, "--engine-worker", json.dumps(config)]
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+
+    def read_result(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(RESULT_PREFIX):
+                result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+                return result
+        raise RuntimeError(f"engine {self.name} exited; see {self.log_path}")
+
+    def round(self, extra_args: dict[str, Any] | None, seed: int) -> tuple[float, int]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"extra_args": extra_args, "seed": seed}) + "\n")
+        self.process.stdin.flush()
+        result = self.read_result()
+        return result["seconds"], result["tokens"]
+
+    def stop(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        _stop(self.process)
+
+
+# -- the HTTP servers ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop(process: subprocess.Popen[Any]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class ServerProcess:
+    """An OpenAI-compatible server subprocess on a free port (log in ``log_path``)."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.gettempdir()) / f"nts-throughput-{name}-{self.port}.log"
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                [*command, "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not healthy in time; see {self.log_path}")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        _stop(self.process)
+
+
+async def _http_round(server: ServerProcess, args: argparse.Namespace, seed: int) -> int:
+    """Send ``args.requests`` completions over ``args.streams`` concurrent clients; the number of
+    generated tokens."""
+    pending = list(range(args.requests))
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+    }
+
+    async def client(http: httpx.AsyncClient) -> int:
+        tokens = 0
+        while pending:
+            request = pending.pop()
+            response = await http.post("/v1/completions", json={**body, "seed": seed + request})
+            response.raise_for_status()
+            tokens += int(response.json()["usage"]["completion_tokens"])
+        return tokens
+
+    limits = httpx.Limits(max_connections=args.streams)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+        return sum(await asyncio.gather(*(client(http) for _ in range(args.streams))))
+
+
+# -- the run ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Measurement:
-    workload: str
-    batch: int
-    tokens_per_s: float
-    ms_per_token_per_request: float
-    repeats: int
+class Round:
+    part: str
+    variant: str
+    repeat: int
+    seconds: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
 
 
-def _policy_args(rule: str) -> dict[str, Any]:
+def _rotated(items: list[Any], repeat: int) -> Iterator[Any]:
+    shift = repeat % len(items)
+    yield from items[shift:] + items[:shift]
+
+
+def _tuned_extra_args(rule: str) -> dict[str, Any]:
+    from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
+    from noisy_temp_server.temperature.rules import Rule  # noqa: PLC0415
+    from noisy_temp_server.vllm_plugin.request_args import TuningKeys  # noqa: PLC0415
+
     policy = TemperaturePolicy(
         version=1,
         rule=Rule(rule),
@@ -68,171 +271,207 @@ def _policy_args(rule: str) -> dict[str, Any]:
     return TuningKeys(policy_json=policy.to_json()).to_extra_args()
 
 
-def _run(args: argparse.Namespace) -> list[Measurement]:
-    model = args.model or str(ensure_default_model(Settings().cache_dir))
-    llm = LLM(
-        model=model,
-        max_model_len=args.max_model_len,
-        max_num_seqs=max(args.batch_sizes),
-        seed=0,
-        enforce_eager=True,
-    )
-    workloads: dict[str, dict[str, Any]] = {"baseline": {"nts_tune": False}}
-    for rule in args.rules:
-        workloads[f"tuned-{rule}"] = _policy_args(rule)
-
-    prompt = "Write a short story about a lighthouse keeper who"
-    results: list[Measurement] = []
-    for batch in args.batch_sizes:
-        timings: dict[str, list[float]] = {name: [] for name in workloads}
+def _engine_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[Round]:
+    config = {
+        "model": str(model),
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+    }
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+    rounds = []
+    with ExitStack() as stack:
+        engines = {}
+        for name, engine_env in (("stock", stock_environment(stock_dir, env)), ("loaded", env)):
+            engines[name] = EngineProcess(name, config, engine_env)
+            stack.callback(engines[name].stop)
+        for name, engine in engines.items():
+            visible = engine.read_result()["entry_points"]
+            ours = any("noisy_temp_server" in e for e in visible)
+            if ours != (name == "loaded"):
+                raise RuntimeError(f"engine {name} sees the entry points {visible}")
+        variants = [
+            ("stock", engines["stock"], None),
+            ("untuned", engines["loaded"], None),
+            (f"tuned-{args.rule}", engines["loaded"], _tuned_extra_args(args.rule)),
+        ]
         for repeat in range(args.repeats + 1):
-            for name, extra_args in workloads.items():
-                params = SamplingParams(
-                    temperature=0.8,
-                    max_tokens=args.max_tokens,
-                    ignore_eos=True,
-                    seed=repeat,
-                    extra_args=extra_args,
-                )
-                start = time.perf_counter()
-                outputs = llm.generate([prompt] * batch, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-                generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-                if generated != batch * args.max_tokens:
+            for variant, engine, extra_args in _rotated(variants, repeat):
+                seconds, tokens = engine.round(extra_args, seed=1000 * repeat)
+                if tokens != args.batch * args.max_tokens:
                     raise RuntimeError(
-                        f"{name}: expected {batch * args.max_tokens} tokens, got {generated}"
+                        f"{variant}: {tokens} tokens, not {args.batch * args.max_tokens}"
                     )
-                if repeat > 0:  # repeat 0 warms up
-                    timings[name].append(elapsed)
-        for name, seconds in timings.items():
-            median = statistics.median(seconds)
-            results.append(
-                Measurement(
-                    workload=name,
-                    batch=batch,
-                    tokens_per_s=batch * args.max_tokens / median,
-                    ms_per_token_per_request=1000.0 * median / args.max_tokens,
-                    repeats=len(seconds),
-                )
-            )
-    return results
+                if repeat:
+                    rounds.append(Round("engine", variant, repeat, seconds, tokens))
+                    print(
+                        f"engine round {repeat} {variant:>12}: {tokens / seconds:7.1f} tokens/s",
+                        flush=True,
+                    )
+    return rounds
 
 
-def _processor_step_cost(
-    batch_sizes: list[int], rules: list[str], vocab: int, steps: int = 200
-) -> list[dict[str, Any]]:
-    """Microseconds per `apply` call of the processor alone on [B, vocab] CPU logits (the
-    engine-free cost per decode step: grouping, rule, division, histogram)."""
-    registry = CollectorRegistry()
-    rows: list[dict[str, Any]] = []
-    for batch in batch_sizes:
-        for rule in rules:
-            config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=batch))
-            processor = NoisyTemperatureLogitsProcessor(
-                config,  # type: ignore[arg-type]
-                torch.device("cpu"),
-                False,
-                registry=registry,
-            )
-            params = SamplingParams(temperature=0.8, extra_args=_policy_args(rule))
-            added = [(row, params, None, [0] * row) for row in range(batch)]
-            processor.update_state(BatchUpdate(batch, removed=[], added=added, moved=[]))
-            logits = torch.randn(batch, vocab)
-            for _ in range(10):
-                processor.apply(logits)
-            start = time.perf_counter()
-            for _ in range(steps):
-                processor.apply(logits)
-            rows.append(
-                {
-                    "batch": batch,
-                    "rule": rule,
-                    "vocab": vocab,
-                    "us_per_step": 1e6 * (time.perf_counter() - start) / steps,
-                }
-            )
-    return rows
-
-
-def _table(results: list[Measurement]) -> str:
-    baseline = {m.batch: m.tokens_per_s for m in results if m.workload == "baseline"}
-    lines = [
-        "| batch | workload | tokens/s | ms/token/request | ratio to baseline |",
-        "|---:|---|---:|---:|---:|",
+def _http_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[Round]:
+    shared = [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.streams),
+        "--dtype",
+        args.dtype,
     ]
-    for m in results:
-        ratio = m.tokens_per_s / baseline[m.batch]
-        lines.append(
-            f"| {m.batch} | {m.workload} | {m.tokens_per_s:.1f} | "
-            f"{m.ms_per_token_per_request:.2f} | {ratio:.3f} |"
+    vllm_server = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", MODEL_NAME, "--enforce-eager", "--disable-uvicorn-access-log",
+        *shared,
+    ]  # fmt: skip
+    nts_server = [
+        sys.executable, "-m", "noisy_temp_server.cli", "serve", "--served-model", str(model),
+        "--served-model-name", MODEL_NAME, "--shadow-fraction", "0", "--default-rule", "fixed",
+        "--default-t", "1.2", "--kv-cache-gib", str(args.kv_cache_gib), "--log-level", "warning",
+        *shared,
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    rounds = []
+    with ExitStack() as stack:
+        servers = []
+        for name, command, server_env in (
+            ("vllm-server", vllm_server, stock_environment(stock_dir, env)),
+            ("nts-server", nts_server, env),
+        ):
+            server = ServerProcess(name, command, server_env)
+            stack.callback(server.stop)
+            servers.append(server)
+        for server in servers:
+            server.wait_healthy(args.startup_timeout)
+        for repeat in range(args.repeats + 1):
+            for server in _rotated(servers, repeat):
+                started = time.perf_counter()
+                tokens = asyncio.run(_http_round(server, args, seed=1000 * repeat))
+                seconds = time.perf_counter() - started
+                if tokens != args.requests * args.max_tokens:
+                    raise RuntimeError(
+                        f"{server.name}: {tokens} tokens, not {args.requests * args.max_tokens}"
+                    )
+                if repeat:
+                    rounds.append(Round("http", server.name, repeat, seconds, tokens))
+                    print(
+                        f"http round {repeat} {server.name:>12}: {tokens / seconds:7.1f} tokens/s",
+                        flush=True,
+                    )
+    return rounds
+
+
+def _summaries(
+    rounds: list[Round], ratios: list[tuple[str, str]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    by_variant: dict[str, dict[int, float]] = {}
+    for r in rounds:
+        by_variant.setdefault(r.variant, {})[r.repeat] = r.tokens_per_s
+    variants = [
+        {
+            "variant": name,
+            "rounds": len(rates),
+            "tokens_per_s": statistics.median(rates.values()),
+            "min": min(rates.values()),
+            "max": max(rates.values()),
+        }
+        for name, rates in by_variant.items()
+    ]
+    compared = []
+    for variant, baseline in ratios:
+        paired = [by_variant[variant][k] / by_variant[baseline][k] for k in by_variant[variant]]
+        compared.append(
+            {
+                "ratio": f"{variant} / {baseline}",
+                "median": statistics.median(paired),
+                "min": min(paired),
+                "max": max(paired),
+            }
         )
+    return variants, compared
+
+
+def _tables(variants: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:
+    lines = ["| variant | rounds | tokens/s (median) | min | max |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        f"| {v['variant']} | {v['rounds']} | {v['tokens_per_s']:.1f} | {v['min']:.1f} | "
+        f"{v['max']:.1f} |"
+        for v in variants
+    ]
+    lines += ["", "| ratio | median of paired rounds | min | max |", "|---|---:|---:|---:|"]
+    lines += [
+        f"| {r['ratio']} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} |" for r in ratios
+    ]
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--rules", nargs="+", default=["linear", "fisher"])
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=32, help="prompts per engine round")
+    parser.add_argument("--streams", type=int, default=32, help="concurrent HTTP clients")
+    parser.add_argument("--requests", type=int, default=64, help="completions per HTTP round")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds per variant")
+    parser.add_argument("--rule", default="sqrt", help="rule of the tuned engine variant")
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=49152, help="vocab of the step-cost table")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["engine", "http"], default=["engine", "http"]
+    )
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
     args = parser.parse_args()
+    if args.engine_worker:
+        _engine_worker(json.loads(args.engine_worker))
+        return 0
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # Before the engine starts: its busy process would skew the in-process timing.
-    step_cost = _processor_step_cost(args.batch_sizes, args.rules, args.vocab)
-    results = _run(args)
-    table = _table(results)
-    cost_table = "\n".join(
-        [
-            "| batch | rule | vocab | processor µs/step |",
-            "|---:|---|---:|---:|",
-            *(
-                f"| {r['batch']} | {r['rule']} | {r['vocab']} | {r['us_per_step']:.0f} |"
-                for r in step_cost
-            ),
-        ]
-    )
+    from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.settings import Settings  # noqa: PLC0415
+
+    model = ensure_default_model(Settings().cache_dir)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    rounds: list[Round] = []
+    ratios: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="nts-stock-") as stock_dir:
+        if "engine" in args.parts:
+            rounds += _engine_part(args, model, Path(stock_dir))
+            ratios += [("untuned", "stock"), (f"tuned-{args.rule}", "stock")]
+        if "http" in args.parts:
+            rounds += _http_part(args, model, Path(stock_dir))
+            ratios += [("nts-server", "vllm-server")]
+    variants, compared = _summaries(rounds, ratios)
+    load = f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
+    command = " ".join(["benchmarks/throughput.py", *sys.argv[1:]])
+    machine = f"{platform.platform()} ({os.cpu_count()} CPUs)"
+    minutes = (time.perf_counter() - started) / 60
+    table = _tables(variants, compared)
     print(table)
-    print()
-    print(cost_table)
-
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    meta = {
-        "command": "benchmarks/throughput.py "
-        + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-            for k, v in vars(args).items()
-            if v is not None and k != "output_dir"
-        ),
-        "machine": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "timestamp": stamp,
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    document = {
+        "command": command,
+        "machine": machine,
+        "load": load,
+        "minutes": minutes,
+        "settings": {k: v for k, v in vars(args).items() if k != "engine_worker"},
+        "variants": variants,
+        "ratios": compared,
+        "rounds": [asdict(r) for r in rounds],
     }
-    (args.output_dir / f"throughput-{stamp}.json").write_text(
-        json.dumps(
-            {
-                "meta": meta,
-                "results": [asdict(m) for m in results],
-                "processor_step_cost": step_cost,
-            },
-            indent=2,
-        )
-        + "\n"
+    (RESULTS_DIR / f"throughput-{stamp}.json").write_text(json.dumps(document, indent=2) + "\n")
+    (RESULTS_DIR / f"throughput-{stamp}.md").write_text(
+        "# Throughput: stock vLLM, the processor, our server\n\n"
+        f"`{command}` on {machine} ({load}), {stamp}, {minutes:.1f} min. Engine rounds: "
+        f"{args.batch} prompts x {args.max_tokens} tokens; HTTP rounds: {args.requests} "
+        f"completions x {args.max_tokens} tokens over {args.streams} streams.\n\n{table}\n"
     )
-    (args.output_dir / f"throughput-{stamp}.md").write_text(
-        f"# Throughput: temperature processor vs baseline\n\n`{meta['command']}` on "
-        f"{meta['machine']} ({meta['cpu_count']} CPUs), {stamp}\n\n{table}\n\n"
-        f"Processor alone (no engine), per decode step:\n\n{cost_table}\n"
-    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

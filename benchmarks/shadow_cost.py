@@ -15,6 +15,12 @@ servers do the same engine work and only the scorer differs) and measures
   another's scoring). Sustained throughput = tokens / (round + drain) is the throughput the
   server could keep up indefinitely while scoring every sampled request.
 
+Before the rounds, the ``shadow`` server is timed to its first online policy: ``--streams``
+clients send completions of ``--policy-max-tokens`` tokens without pause until the status
+endpoint shows policy version 1 (the estimator needs ``shadow_min_positions`` scored positions);
+the time from the first request, the positions scored by then and the alpha it published are
+reported.
+
 Reported: medians over ``--repeats`` rounds per server (after one warm-up round each), the
 shadow/off throughput ratios, and the scorer's own cost from ``/v1/nts/status``
 (``seconds_per_scored_token``: clean + served teacher-forced passes per completion token), as
@@ -125,9 +131,12 @@ class Server:
                 raise RuntimeError(f"{self.name} server not healthy in time; see {self.log_path}")
             time.sleep(1.0)
 
-    def shadow_status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
         status: dict[str, Any] = httpx.get(f"{self.url}/v1/nts/status", timeout=10).json()
-        return dict(status["shadow"])
+        return status
+
+    def shadow_status(self) -> dict[str, Any]:
+        return dict(self.status()["shadow"])
 
     def stop(self) -> None:
         self.process.terminate()
@@ -179,6 +188,47 @@ async def _load(server: Server, args: argparse.Namespace, seed: int) -> int:
     return sum(counts)
 
 
+async def _first_policy(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """Load `server` from `args.streams` clients until its estimator publishes version 1."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": args.policy_max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+    }
+    published = asyncio.Event()
+    started = time.perf_counter()
+
+    async def client(http: httpx.AsyncClient, index: int) -> None:
+        request = 0
+        while not published.is_set():
+            seed = 10_000_000 + 1000 * index + request
+            response = await http.post("/v1/completions", json={**body, "seed": seed})
+            response.raise_for_status()
+            request += 1
+
+    async def watch(http: httpx.AsyncClient) -> dict[str, Any]:
+        while time.perf_counter() - started < args.policy_timeout:
+            status = (await http.get("/v1/nts/status")).json()
+            if status["estimator"]["policy_version"] >= 1:
+                published.set()
+                return {
+                    "seconds": time.perf_counter() - started,
+                    "scored_positions": status["shadow"]["tokens"],
+                    "alpha_by_step": status["estimator"]["alpha_by_step"],
+                }
+            await asyncio.sleep(0.5)
+        published.set()
+        raise RuntimeError(f"no online policy within {args.policy_timeout} s")
+
+    limits = httpx.Limits(max_connections=args.streams + 1)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+        clients = [client(http, i) for i in range(args.streams)]
+        result, *_ = await asyncio.gather(watch(http), *clients)
+    return dict(result)
+
+
 def _drain(server: Server, timeout: float) -> float:
     """Seconds until every request the scorer sampled has been scored or dropped."""
     started = time.perf_counter()
@@ -198,9 +248,18 @@ def _scored(server: Server) -> tuple[int, int]:
     return (int(status["scored"]), int(status["tokens"])) if status.get("enabled") else (0, 0)
 
 
-def _run(args: argparse.Namespace, pair: tuple[Path, Path]) -> tuple[list[Round], list[Summary]]:
+def _run(
+    args: argparse.Namespace, pair: tuple[Path, Path]
+) -> tuple[dict[str, Any], list[Round], list[Summary]]:
     rounds: list[Round] = []
     with _servers(args, pair) as servers:
+        first_policy = asyncio.run(_first_policy(servers[1], args))
+        print(
+            f"first online policy after {first_policy['seconds']:.1f} s, "
+            f"{first_policy['scored_positions']} scored positions",
+            flush=True,
+        )
+        _drain(servers[1], args.drain_timeout)
         baseline: dict[str, tuple[int, int]] = {}
         for repeat in range(args.repeats + 1):
             for server in servers:
@@ -249,7 +308,7 @@ def _run(args: argparse.Namespace, pair: tuple[Path, Path]) -> tuple[list[Round]
                 seconds_per_scored_token=status.get("seconds_per_scored_token"),
             )
         )
-    return rounds, summaries
+    return first_policy, rounds, summaries
 
 
 def _table(summaries: list[Summary]) -> str:
@@ -274,6 +333,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=16, help="concurrent HTTP clients")
     parser.add_argument("--requests", type=int, default=32, help="completions per round")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--policy-max-tokens", type=int, default=128)
+    parser.add_argument("--policy-timeout", type=float, default=600.0)
     parser.add_argument("--repeats", type=int, default=2, help="measured rounds per server")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
@@ -287,7 +348,7 @@ def main() -> int:
     clean = ensure_default_model(cache)
     served = ensure_perturbed_checkpoint(clean, parse_spec(Settings().perturbation), cache)
     load_before = os.getloadavg()
-    rounds, summaries = _run(args, (served, clean))
+    first_policy, rounds, summaries = _run(args, (served, clean))
     load = f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -304,6 +365,7 @@ def main() -> int:
         "settings": vars(args),
         "served_model": str(served),
         "clean_model": str(clean),
+        "first_policy": first_policy,
         "summaries": [asdict(s) for s in summaries],
         "rounds": [asdict(r) for r in rounds],
     }
@@ -313,7 +375,9 @@ def main() -> int:
         f"`{command}` on {machine} ({load}), {stamp}; {args.streams} concurrent streams, "
         f"{args.requests} completions of {args.max_tokens} tokens per round, medians over "
         f"{args.repeats} rounds per server. Sustained = tokens / (round + time the scorer "
-        "still needs for that round's samples).\n\n" + table + "\n"
+        "still needs for that round's samples).\n\n" + table + "\n\n"
+        f"First online policy: {first_policy['seconds']:.1f} s after the first request of "
+        f"{args.streams} streams ({first_policy['scored_positions']} scored positions).\n"
     )
     (RESULTS_DIR / f"shadow-cost-{stamp}.md").write_text(markdown)
     return 0

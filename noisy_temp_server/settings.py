@@ -119,8 +119,21 @@ class Settings(BaseSettings):
         default="cpu",
         description="Torch device of the shadow scorer's clean and served models (cpu, cuda).",
     )
+    shadow_threads: int = Field(
+        default=1,
+        ge=1,
+        description="Torch threads of the API process, i.e. of the shadow scorer (the engine "
+        "runs in its own process with its own threads).",
+    )
+    shadow_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="Nice steps the shadow scoring thread runs below the API process, so that "
+        "the engine wins shared CPU cores and the scorer catches up in the gaps (0: same).",
+    )
     shadow_min_positions: int = Field(
-        default=2048,
+        default=1000,
         ge=1,
         description="Scored positions the estimator needs before it publishes its first policy.",
     )

@@ -307,6 +307,8 @@ def _shadow(
         queue_size=settings.shadow_queue_size,
         version_of=lambda policy: policy.version,
         on_policy=_policy_gauges(metrics),
+        threads=settings.shadow_threads,
+        nice=settings.shadow_nice,
     )
     return estimator, shadow
 

@@ -32,7 +32,8 @@ supports) are counted in `infinite_positions` and left out of every statistic.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -44,12 +45,14 @@ from noisy_temp_server.temperature.stats import KLTerms, stable_log_softmax
 __all__ = [
     "MIN_SCOREBOARD_POSITIONS",
     "SCOREBOARD_PERCENTILES",
+    "LiveScoreboard",
     "PairScoreboard",
     "PositionScores",
     "ScoreAccumulator",
     "ScoreboardResult",
     "TooFewPositionsError",
     "position_scores",
+    "scores_at_temperatures",
 ]
 
 SCOREBOARD_PERCENTILES: tuple[float, ...] = (99.9, 99.0, 90.0, 50.0, 10.0, 5.0, 1.0)
@@ -79,6 +82,74 @@ class PositionScores:
     delta_p: Tensor
     log_ratio: Tensor
 
+    @classmethod
+    def concat(cls, parts: Sequence[PositionScores]) -> PositionScores:
+        """The rows of all `parts`, in order (zero rows for no parts)."""
+        if not parts:
+            ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
+            return cls(ints, ints, floats, torch.zeros(0, dtype=torch.bool), floats, floats)
+        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
+
+    def select(self, rows: Tensor) -> PositionScores:
+        """The rows picked by a bool mask [B] or an index tensor."""
+        return PositionScores(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def __len__(self) -> int:
+        return int(self.step.shape[0])
+
+
+def scores_at_temperatures(
+    clean: Tensor,
+    served: Tensor,
+    next_tokens: Tensor,
+    temperatures: Sequence[float | Tensor],
+    *,
+    sequence_id: int | Tensor,
+    step: Tensor,
+) -> list[PositionScores]:
+    """Scores of `[B, V]` clean and served logits at each of `temperatures` (each a float or
+    `[B]`, > 0), sharing the clean-side work: one log-softmax of the clean rows, then one
+    log-sum-exp of the served rows per temperature.
+
+    next_tokens: int [B], the token that followed each position (the one scored for
+    perplexity); step: int [B]; sequence_id: an int or int [B].
+    """
+    batch = clean.shape[0]
+    if next_tokens.shape != (batch,) or step.shape != (batch,):
+        raise ValueError(f"next_tokens and step must have shape [{batch}]")
+    terms = KLTerms.from_logits(clean, served)
+    shifted = terms.served_shifted  # s = served - max(served) <= 0
+    log_p = stable_log_softmax(clean)
+    top = clean.argmax(dim=-1, keepdim=True)
+    tokens = next_tokens.to(clean.device, torch.int64)[:, None]
+    same_top = (top[:, 0] == served.argmax(dim=-1)).cpu()
+    p_top, log_p_token = log_p.gather(1, top)[:, 0].exp(), log_p.gather(1, tokens)[:, 0]
+    ids = torch.as_tensor(sequence_id, dtype=torch.int64).expand(batch).clone()
+    steps = step.detach().to("cpu", torch.int64)
+
+    def cpu(values: Tensor) -> Tensor:
+        return values.detach().to("cpu", torch.float64)
+
+    results = []
+    for temperature in temperatures:
+        t = torch.as_tensor(temperature, dtype=shifted.dtype, device=shifted.device)
+        u = t.expand(batch).reciprocal()
+        log_normaliser = torch.logsumexp(shifted * u[:, None], dim=-1)  # [B]
+        kld = terms.neg_entropy_clean - u * terms.served_mean_under_clean + log_normaliser
+        log_q_top = u * shifted.gather(1, top)[:, 0] - log_normaliser
+        log_q_token = u * shifted.gather(1, tokens)[:, 0] - log_normaliser
+        results.append(
+            PositionScores(
+                sequence_id=ids,
+                step=steps,
+                kld=cpu(kld.clamp(min=0.0)),
+                same_top=same_top,
+                delta_p=cpu(log_q_top.exp() - p_top),
+                log_ratio=cpu(log_p_token - log_q_token),
+            )
+        )
+    return results
+
 
 def position_scores(
     clean: Tensor,
@@ -89,31 +160,12 @@ def position_scores(
     sequence_id: int | Tensor,
     step: Tensor,
 ) -> PositionScores:
-    """Scores of `[B, V]` clean and served logits at `temperature` (a float or `[B]`, > 0).
-
-    next_tokens: int [B], the token that followed each position (the one scored for
-    perplexity); step: int [B]; sequence_id: an int or int [B].
-    """
-    batch = clean.shape[0]
-    if next_tokens.shape != (batch,) or step.shape != (batch,):
-        raise ValueError(f"next_tokens and step must have shape [{batch}]")
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=served.device).expand(batch)
-    log_p = stable_log_softmax(clean)
-    log_q = stable_log_softmax(served / t[:, None])
-    top = clean.argmax(dim=-1, keepdim=True)
-    tokens = next_tokens.to(clean.device, torch.int64)[:, None]
-
-    def cpu(values: Tensor) -> Tensor:
-        return values.detach().to("cpu", torch.float64)
-
-    return PositionScores(
-        sequence_id=torch.as_tensor(sequence_id, dtype=torch.int64).expand(batch).clone(),
-        step=step.detach().to("cpu", torch.int64),
-        kld=cpu(KLTerms.from_logits(clean, served).kl(t.reciprocal())),
-        same_top=(top[:, 0] == served.argmax(dim=-1)).cpu(),
-        delta_p=cpu(log_q.gather(1, top).exp() - log_p.gather(1, top).exp())[:, 0],
-        log_ratio=cpu(log_p.gather(1, tokens) - log_q.gather(1, tokens))[:, 0],
+    """Scores of `[B, V]` clean and served logits at one `temperature` (a float or `[B]`, > 0);
+    see `scores_at_temperatures`."""
+    (scores,) = scores_at_temperatures(
+        clean, served, next_tokens, [temperature], sequence_id=sequence_id, step=step
     )
+    return scores
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -302,11 +354,11 @@ class PairScoreboard:
     ) -> None:
         """Score one chunk of `[B, V]` logits (served as sampled from, before temperature)."""
         t_star = policy_temperature(self.policy, step.to(served.device), served)
-        for label, temperature in (("T=1", 1.0), ("T*", t_star)):
-            scores = position_scores(
-                clean, served, next_tokens, temperature, sequence_id=sequence_id, step=step
-            )
-            self.accumulators[label].update(scores)
+        scores = scores_at_temperatures(
+            clean, served, next_tokens, [1.0, t_star], sequence_id=sequence_id, step=step
+        )
+        for label, chunk in zip(self.LABELS, scores, strict=True):
+            self.accumulators[label].update(chunk)
         self.temperature_sum += float(t_star.double().sum())
 
     def merge(self, other: PairScoreboard) -> None:
@@ -324,3 +376,49 @@ class PairScoreboard:
     def result(self) -> dict[str, ScoreboardResult]:
         """Results by label; `TooFewPositionsError` below the minimum number of positions."""
         return {label: acc.result() for label, acc in self.accumulators.items()}
+
+
+class LiveScoreboard:
+    """The scoreboard of recent live traffic: T = 1 ("T=1") and the T* the engine applied
+    ("T*"), over a rolling window.
+
+    Each label keeps two accumulators, the current epoch and the previous one; when the
+    current one has seen `epoch_positions` positions it becomes the previous one (the older
+    is dropped). `result()` merges the two, so it covers between `epoch_positions` and twice
+    that many of the most recent positions (all of them before the first rollover). Memory is
+    bounded by the epochs: `capacity` sampled positions and one row of sums per sequence.
+    Not thread-safe: one thread updates, and publishes `result()` snapshots.
+    """
+
+    LABELS = PairScoreboard.LABELS
+
+    def __init__(self, epoch_positions: int = 10_000, capacity: int = 1 << 14) -> None:
+        if epoch_positions < MIN_SCOREBOARD_POSITIONS:
+            raise ValueError(
+                f"epoch_positions must be >= {MIN_SCOREBOARD_POSITIONS}, got {epoch_positions}"
+            )
+        self.epoch_positions = epoch_positions
+        self.capacity = capacity
+        self._epochs = {label: [ScoreAccumulator(capacity)] for label in self.LABELS}
+
+    def update(self, at_one: PositionScores, at_served: PositionScores) -> None:
+        """Add one request's scores at T = 1 and at the served T*."""
+        for label, scores in zip(self.LABELS, (at_one, at_served), strict=True):
+            epochs = self._epochs[label]
+            epochs[-1].update(scores)
+            if epochs[-1].seen >= self.epoch_positions:
+                self._epochs[label] = [epochs[-1], ScoreAccumulator(self.capacity)]
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        """By label: `ScoreboardResult.to_dict()`, or `{"positions": n, "error": why}` below
+        `MIN_SCOREBOARD_POSITIONS` finite positions."""
+        results: dict[str, dict[str, Any]] = {}
+        for label, epochs in self._epochs.items():
+            window = ScoreAccumulator(self.capacity)
+            for epoch in epochs:
+                window.merge(epoch)
+            try:
+                results[label] = window.result().to_dict()
+            except TooFewPositionsError as error:
+                results[label] = {"positions": window.seen, "error": str(error)}
+        return results

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from noisy_temp_server.estimation.scoreboard import PositionScores, scores_at_temperatures
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
 from noisy_temp_server.temperature.oracle import kl_curve, oracle_temperature
 from noisy_temp_server.temperature.stats import pair_statistics, served_row_features
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KL_CURVE_TEMPERATURES",
     "KLCurveInterpolant",
+    "LiveScores",
     "PairScorer",
     "PositionRecords",
     "ScoringSequence",
@@ -96,18 +98,25 @@ class PositionRecords:
         step: Tensor,
         sequence_id: int | Tensor,
         curve_temperatures: Tensor = KL_CURVE_TEMPERATURES,
+        with_oracle: bool = True,
     ) -> PositionRecords:
         """Records of `[B, V]` clean and served logits (served as sampled from, noise included).
 
         step: int [B]; sequence_id: an int or int [B]. Statistics are computed on the logits'
         device and returned on the CPU. Raises `NonFiniteLogitsError` for NaN/+inf rows.
+        `with_oracle=False` skips the per-row oracle (about a third of the cost), whose columns
+        `oracle_t` and `oracle_kl` are then NaN: no fit reads them, only offline evaluation.
         """
         count = clean.shape[0]
         grid = curve_temperatures.to(clean.device)
         stats = pair_statistics(clean, served)
         features = served_row_features(served, validate=False)
-        oracle = oracle_temperature(clean, served)
         curve = kl_curve(clean, served, grid)  # [B, G]
+        if with_oracle:
+            oracle = oracle_temperature(clean, served)
+            oracle_t, oracle_kl = oracle.temperature, oracle.kl
+        else:
+            oracle_t = oracle_kl = torch.full_like(stats.tau2, torch.nan)
 
         def cpu(t: Tensor) -> Tensor:
             return t.detach().to("cpu", torch.float32)
@@ -121,8 +130,8 @@ class PositionRecords:
             alpha=cpu(stats.alpha),
             var_p_clean=cpu(stats.var_p_clean),
             kl_at_one=cpu(stats.kl_at_one),
-            oracle_t=cpu(oracle.temperature),
-            oracle_kl=cpu(oracle.kl),
+            oracle_t=cpu(oracle_t),
+            oracle_kl=cpu(oracle_kl),
             same_top=stats.same_top.cpu(),
             served_entropy=cpu(features.entropy),
             served_var=cpu(features.var_q),
@@ -186,6 +195,20 @@ class PositionRecords:
         if any(getattr(records, n).shape[0] != len(records) for n in cls._row_fields()):
             raise ValueError(f"{path}: columns have different numbers of rows")
         return records
+
+
+@dataclass(frozen=True)
+class LiveScores:
+    """What the shadow scorer makes of one finished request (`PairScorer.score_live`).
+
+    records: the online estimator's records, without the oracle (`oracle_t`, `oracle_kl` NaN);
+    at_one: the scoreboard's per-position scores of the served model at T = 1, every position;
+    at_served: the same at the T* the engine applied, for the positions whose T* is known.
+    """
+
+    records: PositionRecords
+    at_one: PositionScores
+    at_served: PositionScores
 
 
 class KLCurveInterpolant:
@@ -324,6 +347,47 @@ class PairScorer:
             if generator is not None and self.runtime_noise is not None:
                 served = add_runtime_logit_noise(served, self.runtime_noise.sigma, generator)
             yield torch.arange(first, first + clean.shape[0]), clean, served
+
+    def score_live(
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+    ) -> LiveScores:
+        """`LiveScores` of one finished request: lean records plus the scoreboard's scores at
+        T = 1 and at `served_temperatures` (the T* of generated step s at index s; may be
+        shorter than the completion, whose later positions are then scored at T = 1 only)."""
+        grid = self.curve_temperatures.to(self.device)
+        ids = list(sequence.token_ids)
+        records, at_one, at_served = [], [], []
+        for steps, clean, served in self.logit_chunks(sequence):
+            records.append(
+                PositionRecords.from_logits(
+                    clean,
+                    served,
+                    step=steps,
+                    sequence_id=sequence.sequence_id,
+                    curve_temperatures=grid,
+                    with_oracle=False,
+                )
+            )
+            first = sequence.prompt_length + int(steps[0])
+            next_tokens = torch.tensor(ids[first : first + len(steps)], device=self.device)
+            known = torch.tensor(served_temperatures[int(steps[0]) : int(steps[-1]) + 1])
+            t_star = torch.ones(len(steps), device=self.device)
+            t_star[: len(known)] = known.to(self.device)
+            one, starred = scores_at_temperatures(
+                clean,
+                served,
+                next_tokens,
+                [1.0, t_star],
+                sequence_id=sequence.sequence_id,
+                step=steps,
+            )
+            at_one.append(one)
+            at_served.append(starred.select(slice(0, len(known))))
+        return LiveScores(
+            PositionRecords.concat(records),
+            PositionScores.concat(at_one),
+            PositionScores.concat(at_served),
+        )
 
     def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
         """Records for the completion positions of one sequence (see the module docstring)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from starlette.requests import Request
@@ -32,6 +33,30 @@ __all__ = [
 _TEMPERATURE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
 _KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+_SCOREBOARD_GAUGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("positions", "positions in the window", ()),
+    ("kld_mean", "mean KL(clean || served) in nats", ()),
+    ("kld_stderr", "standard error of the mean KL (clustered by request)", ()),
+    ("kld_quantile", "percentiles of the KL", ("quantile",)),
+    ("same_top_ratio", "share of positions where served and clean agree on the top token", ()),
+    ("delta_p_mean", "mean change of the clean top token's probability", ()),
+    ("delta_p_rms", "RMS change of the clean top token's probability", ()),
+    ("ppl_ratio", "perplexity ratio PPL(served) / PPL(clean)", ()),
+)
+"""`nts_scoreboard_*` gauges: (name, what it is, labels besides `temperature`)."""
+_SCOREBOARD_FIELDS = {
+    "positions": "positions",
+    "kld_mean": "kld_mean",
+    "kld_stderr": "kld_stderr",
+    "same_top_ratio": "same_top_rate",
+    "delta_p_mean": "delta_p_mean",
+    "delta_p_rms": "delta_p_rms",
+    "ppl_ratio": "ppl_ratio",
+}
+"""Gauge name -> `ScoreboardResult` field, for the gauges without extra labels."""
+_SCOREBOARD_TEMPERATURES = {"T=1": "one", "T*": "served"}
 
 
 def serving_registry() -> CollectorRegistry:
@@ -128,6 +153,17 @@ class ApiMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=registry,
         )
+        self.scoreboard = {
+            name: Gauge(
+                f"nts_scoreboard_{name}",
+                f"Live KL scoreboard of recent shadow-scored positions: {description}, at T = 1 "
+                "(one) and at the T* the engine applied (served).",
+                ["temperature", *extra],
+                registry=registry,
+                multiprocess_mode="mostrecent",
+            )
+            for name, description, extra in _SCOREBOARD_GAUGES
+        }
         for reason in ("queue_full", "error"):
             self.shadow_requests_dropped.labels(reason=reason)
         for temperature in ("one", "served"):
@@ -148,6 +184,21 @@ class ApiMetrics:
             self.sigma2.labels(step_bucket=bucket).set(value)
         if published_at is not None:
             self.estimator_last_update.set(published_at)
+
+    def publish_scoreboard(self, results: Mapping[str, Mapping[str, Any]]) -> None:
+        """Set the `nts_scoreboard_*` gauges from `LiveScoreboard.result()` (labels `T=1` and
+        `T*` become `temperature="one"` / `"served"`; quantiles keep their level, e.g.
+        `"99.9"`). A label with too few positions sets only `positions`."""
+        for label, result in results.items():
+            temperature = _SCOREBOARD_TEMPERATURES[label]
+            self.scoreboard["positions"].labels(temperature=temperature).set(result["positions"])
+            if "error" in result:
+                continue
+            for name, field in _SCOREBOARD_FIELDS.items():
+                self.scoreboard[name].labels(temperature=temperature).set(result[field])
+            quantiles = self.scoreboard["kld_quantile"]
+            for level, value in result["kld_percentiles"].items():
+                quantiles.labels(temperature=temperature, quantile=level).set(value)
 
 
 def _route_template(request: Request) -> str:

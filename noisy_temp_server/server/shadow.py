@@ -5,13 +5,19 @@ sampled, and a sampled choice runs with its per-step T* trace (the engine sends 
 requests that ask) and goes to `ShadowScorer.submit` when it finishes, which puts it on a bounded
 queue without ever blocking (a full queue drops the item and counts it). One daemon thread
 takes items off the queue, scores prompt + completion teacher-forced with the clean and the
-served model (`pairs.scorer.PairScorer`), feeds the per-position records to the online
-estimator and, when the estimator publishes a new policy version, updates the policy gauges.
-New requests pick the new version up from the estimator; requests in flight keep the version
-they were admitted with.
+served model (`pairs.scorer.PairScorer.score_live`: only what the live metrics and the online
+estimator need, no per-position oracle), feeds the per-position records to the online
+estimator and the per-position scores (T = 1 and the T* the engine applied) to the live
+scoreboard (`estimation.scoreboard.LiveScoreboard`, published on the status endpoint and as
+`nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates
+the policy gauges. New requests pick the new version up from the estimator; requests in
+flight keep the version they were admitted with.
 
-Cost: the scorer runs two full forward passes per scored request on `shadow_device`, competing
-for the same cores as the engine when both are on the CPU; `nts_shadow_score_seconds` and
+Cost: the scorer runs teacher-forced passes per scored request on `shadow_device`. On the CPU
+it shares the cores with the engine, so it has its own budget: `threads` torch threads (torch's
+intra-op pool is process-wide, and in the API process only the scorer uses it) and a scoring
+thread `nice` steps below the process, so the engine wins the cores whenever both want them and
+the scorer catches up in the gaps. `nts_shadow_score_seconds` and
 `nts_shadow_tokens_scored_total` give its cost per scored token, and `status()` reports it.
 
 Faults stay off the serving path: `submit` never blocks and never raises for a scoring fault; a
@@ -24,6 +30,7 @@ if there were no scorer.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -34,7 +41,8 @@ from typing import Any, Protocol
 
 import torch
 
-from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence, interpolate_kl
+from noisy_temp_server.estimation.scoreboard import LiveScoreboard
+from noisy_temp_server.pairs.scorer import LiveScores, PositionRecords, ScoringSequence
 from noisy_temp_server.server.metrics import ApiMetrics
 
 __all__ = ["PolicyEstimator", "SequenceScorer", "ShadowScorer"]
@@ -45,7 +53,9 @@ _LOGGER = logging.getLogger(__name__)
 class SequenceScorer(Protocol):
     """What the shadow loop needs of `PairScorer`."""
 
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords: ...
+    def score_live(
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+    ) -> LiveScores: ...
 
 
 class PolicyEstimator(Protocol):
@@ -70,8 +80,9 @@ class ShadowScorer:
     """Bounded-queue background scoring of a sample of finished requests.
 
     `on_policy(policy)` is called from the scorer thread whenever the estimator's policy
-    version changes (e.g. to update gauges). Thread-safe `admit` and `submit`; `start` once,
-    `close` once.
+    version changes (e.g. to update gauges). `threads`: torch's intra-op threads for the
+    process (None: leave them); `nice`: how many nice steps the scoring thread runs below the
+    process (0: same priority). Thread-safe `admit` and `submit`; `start` once, `close` once.
     """
 
     def __init__(
@@ -85,6 +96,9 @@ class ShadowScorer:
         version_of: Callable[[Any], int],
         on_policy: Callable[[Any], None],
         rng: random.Random | None = None,
+        scoreboard: LiveScoreboard | None = None,
+        threads: int | None = None,
+        nice: int = 0,
     ) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"shadow fraction must be in [0, 1], got {fraction}")
@@ -98,6 +112,10 @@ class ShadowScorer:
         self._version_of = version_of
         self._on_policy = on_policy
         self._rng = rng or random.Random()
+        self._scoreboard = scoreboard or LiveScoreboard()
+        self._scoreboard_result: dict[str, Any] | None = None
+        self._threads = threads
+        self._nice = nice
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._next_sequence_id = 0
@@ -185,6 +203,7 @@ class ShadowScorer:
             counts = dict(self._counts)
             seconds = self._seconds
             since = self._scoring_since
+            scoreboard = self._scoreboard_result
         tokens = counts["tokens"]
         return {
             "enabled": True,
@@ -196,11 +215,15 @@ class ShadowScorer:
             **counts,
             "score_seconds_total": seconds,
             "seconds_per_scored_token": seconds / tokens if tokens else None,
+            "threads": self._threads,
+            "nice": self._nice,
+            "scoreboard": scoreboard,
         }
 
     def _loop(self) -> None:
         """Score items until the `None` sentinel. A failure anywhere in scoring, estimation or
         publication drops that item (counted, reason `error`) and never ends the loop."""
+        self._take_budget()
         while True:
             item = self._queue.get()
             try:
@@ -219,6 +242,18 @@ class ShadowScorer:
                     self._scoring_since = None
                 self._queue.task_done()
 
+    def _take_budget(self) -> None:
+        """Apply the scorer's CPU budget from its own thread (see the class docstring)."""
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+        if self._nice:
+            thread = threading.get_native_id()
+            try:
+                current = os.getpriority(os.PRIO_PROCESS, thread)
+                os.setpriority(os.PRIO_PROCESS, thread, min(19, current + self._nice))
+            except OSError as error:
+                _LOGGER.warning("Cannot lower the shadow scorer's priority: %s", error)
+
     def _score(self, item: _Item) -> None:
         started = time.perf_counter()
         sequence = ScoringSequence(
@@ -226,10 +261,15 @@ class ShadowScorer:
             prompt_length=len(item.prompt_ids),
             sequence_id=item.sequence_id,
         )
-        records = self._scorer.score_sequence(sequence)
+        live = self._scorer.score_live(sequence, item.served_temperatures)
         elapsed = time.perf_counter() - started
-        self._estimator.add(records)
-        self._observe(records, item, elapsed)
+        self._estimator.add(live.records)
+        self._scoreboard.update(live.at_one, live.at_served)
+        scoreboard = self._scoreboard.result()
+        with self._lock:
+            self._scoreboard_result = scoreboard
+        self._metrics.publish_scoreboard(scoreboard)
+        self._observe(live, elapsed)
         policy = self._estimator.current_policy()
         version = self._version_of(policy)
         if version != self._last_version:
@@ -237,8 +277,8 @@ class ShadowScorer:
             _LOGGER.info("Online estimator published policy version %d", version)
             self._on_policy(policy)
 
-    def _observe(self, records: PositionRecords, item: _Item, elapsed: float) -> None:
-        count = len(records)
+    def _observe(self, live: LiveScores, elapsed: float) -> None:
+        count = len(live.records)
         with self._lock:
             self._counts["scored"] += 1
             self._counts["tokens"] += count
@@ -247,15 +287,7 @@ class ShadowScorer:
         metrics.shadow_requests_scored.inc()
         metrics.shadow_tokens_scored.inc(count)
         metrics.shadow_score_seconds.observe(elapsed)
-        kl_one = metrics.shadow_kl.labels(temperature="one")
-        for value in records.kl_at_one.tolist():
-            kl_one.observe(value)
-        traced = min(count, len(item.served_temperatures))
-        if traced:
-            temperatures = torch.tensor(item.served_temperatures[:traced], dtype=torch.float32)
-            served = interpolate_kl(
-                records.kl_curve[:traced], records.curve_temperatures, temperatures
-            )
-            kl_served = metrics.shadow_kl.labels(temperature="served")
-            for value in served.tolist():
-                kl_served.observe(value)
+        for temperature, scores in (("one", live.at_one), ("served", live.at_served)):
+            histogram = metrics.shadow_kl.labels(temperature=temperature)
+            for value in scores.kld.tolist():
+                histogram.observe(value)

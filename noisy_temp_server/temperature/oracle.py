@@ -115,22 +115,32 @@ def oracle_temperature(
     return OracleResult(temperature=u.reciprocal(), kl=kl)
 
 
-def kl_curve(
-    clean: Tensor, served: Tensor, temperatures: Tensor, *, max_elements: int = 1 << 24
-) -> Tensor:
+def kl_curve(clean: Tensor, served: Tensor, temperatures: Tensor) -> Tensor:
     """``[B, G]`` KL(p || softmax(served / T_g)) at each grid temperature ``temperatures [G]``.
 
-    Temperatures must be finite and > 0 (``ValueError`` otherwise). The grid is processed in
-    column blocks so that the ``[B, block, V]`` temporary stays near ``max_elements`` elements
-    (at least one column: ``B * V``). Returns the compute dtype (float32 unless float64 input).
+    Temperatures must be finite and > 0 (``ValueError`` otherwise). One grid column at a time
+    through one ``[B, V]`` buffer: ``sum(exp(u * s))`` of the max-shifted served row ``s <= 0``
+    (its top entry is exactly 0, so the sum is >= 1 and cannot overflow; no further shift is
+    needed), i.e. one multiply and one exp per element and column. Returns the compute dtype
+    (float32 unless float64 input); equal to :meth:`KLTerms.kl` up to rounding.
     """
     if temperatures.dim() != 1 or temperatures.numel() == 0:
         raise ValueError(f"temperatures must be a non-empty [G] tensor, got {temperatures.shape}")
     if not bool(((temperatures > 0) & torch.isfinite(temperatures)).all()):
         raise ValueError("temperatures must be finite and > 0")
     terms = KLTerms.from_logits(clean, served)
-    batch, vocab = terms.served_shifted.shape
-    inverse = temperatures.to(dtype=terms.served_shifted.dtype, device=clean.device).reciprocal()
-    block = max(1, max_elements // max(1, batch * vocab))
-    columns = [terms.kl(part.unsqueeze(0)) for part in inverse.split(block)]
-    return torch.cat(columns, dim=-1)
+    shifted = terms.served_shifted
+    inverse = temperatures.to(dtype=shifted.dtype, device=shifted.device).reciprocal()
+    buffer = torch.empty_like(shifted)
+    sums = torch.empty(
+        shifted.shape[0], inverse.shape[0], dtype=shifted.dtype, device=shifted.device
+    )
+    for column, u in enumerate(inverse.tolist()):
+        torch.mul(shifted, u, out=buffer)
+        torch.sum(buffer.exp_(), dim=-1, out=sums[:, column])
+    kl = (
+        terms.neg_entropy_clean.unsqueeze(-1)
+        - inverse * terms.served_mean_under_clean.unsqueeze(-1)
+        + sums.log_()
+    )
+    return kl.clamp(min=0.0)

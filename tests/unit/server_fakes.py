@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
+from noisy_temp_server.estimation.scoreboard import scores_at_temperatures
+from noisy_temp_server.pairs.scorer import LiveScores, PositionRecords, ScoringSequence
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
@@ -189,14 +190,28 @@ def assert_error(response: Any, status: int, code: str | None = None) -> dict[st
     return dict(error)
 
 
-def records_of(sequence: ScoringSequence) -> PositionRecords:
+def live_scores_of(sequence: ScoringSequence, served_temperatures: Sequence[float]) -> LiveScores:
+    """Live scores of random logits, the completion's length, T* where the trace has one."""
     count = len(sequence.token_ids) - sequence.prompt_length
     generator = torch.Generator().manual_seed(sequence.sequence_id)
     clean = torch.randn(count, 16, generator=generator)
     served = clean + 0.5 * torch.randn(count, 16, generator=generator)
-    return PositionRecords.from_logits(
-        clean, served, step=torch.arange(count), sequence_id=sequence.sequence_id
+    steps = torch.arange(count)
+    traced = min(count, len(served_temperatures))
+    t_star = torch.ones(count)
+    t_star[:traced] = torch.tensor(served_temperatures[:traced])
+    one, starred = scores_at_temperatures(
+        clean,
+        served,
+        torch.tensor(list(sequence.token_ids[sequence.prompt_length :])) % 16,
+        [1.0, t_star],
+        sequence_id=sequence.sequence_id,
+        step=steps,
     )
+    records = PositionRecords.from_logits(
+        clean, served, step=steps, sequence_id=sequence.sequence_id, with_oracle=False
+    )
+    return LiveScores(records, one, starred.select(slice(0, traced)))
 
 
 class FakeScorer:
@@ -205,13 +220,15 @@ class FakeScorer:
         self.fail = fail
         self.sequences: list[ScoringSequence] = []
 
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
+    def score_live(
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+    ) -> LiveScores:
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:
             raise RuntimeError("scoring failed")
         self.sequences.append(sequence)
-        return records_of(sequence)
+        return live_scores_of(sequence, served_temperatures)
 
 
 class FakeEstimator:

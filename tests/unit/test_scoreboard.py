@@ -13,11 +13,14 @@ from torch import Tensor
 
 from noisy_temp_server.estimation.scoreboard import (
     SCOREBOARD_PERCENTILES,
+    LiveScoreboard,
     PairScoreboard,
+    PositionScores,
     ScoreAccumulator,
     ScoreboardResult,
     TooFewPositionsError,
     position_scores,
+    scores_at_temperatures,
 )
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
@@ -209,3 +212,45 @@ def test_pair_scoreboard_scores_t_one_and_the_policy_temperature() -> None:
     _assert_matches(results["T=1"], _reference(corpus, 1.0))
     _assert_matches(results["T*"], _reference(corpus, 1.6))
     assert board.mean_temperature() == pytest.approx(1.6)
+
+
+def test_scores_at_several_temperatures_equal_one_temperature_at_a_time() -> None:
+    corpus = _corpus([12])
+    clean, served = corpus.clean, corpus.served
+    tokens, steps = corpus.tokens, corpus.step
+    t_row = torch.linspace(0.5, 2.0, 12)
+    together = scores_at_temperatures(
+        clean, served, tokens, [1.0, t_row], sequence_id=3, step=steps
+    )
+    for temperature, scores in zip([1.0, t_row], together, strict=True):
+        alone = position_scores(clean, served, tokens, temperature, sequence_id=3, step=steps)
+        for name in ("kld", "delta_p", "log_ratio", "same_top", "step", "sequence_id"):
+            assert torch.equal(getattr(scores, name), getattr(alone, name)), name
+    assert not torch.equal(together[0].kld, together[1].kld)
+
+
+def test_live_scoreboard_rolls_over_to_the_recent_epochs() -> None:
+    live = LiveScoreboard(epoch_positions=100, capacity=1000)
+
+    def request(sequence_id: int, kld: float) -> PositionScores:
+        count = 60
+        return PositionScores(
+            sequence_id=torch.full((count,), sequence_id),
+            step=torch.arange(count),
+            kld=torch.full((count,), kld, dtype=torch.float64),
+            same_top=torch.ones(count, dtype=torch.bool),
+            delta_p=torch.zeros(count, dtype=torch.float64),
+            log_ratio=torch.zeros(count, dtype=torch.float64),
+        )
+
+    live.update(request(0, 1.0), PositionScores.concat([]))
+    early = live.result()
+    assert early["T=1"] == {"positions": 60, "error": early["T=1"]["error"]}
+    assert "at least 100" in early["T*"]["error"]
+    for sequence_id in range(1, 6):  # epochs of >= 100 positions: 2 requests each
+        live.update(request(sequence_id, 2.0), request(sequence_id, 0.5))
+    result = live.result()
+    # request 0 (KL 1.0) has rolled out: the window holds the last two epochs only
+    assert result["T=1"]["kld_mean"] == pytest.approx(2.0)
+    assert result["T=1"]["positions"] in (120, 180)
+    assert result["T*"]["kld_mean"] == pytest.approx(0.5)

@@ -156,3 +156,37 @@ def test_records_concat_select_save_load(
 def test_sequence_without_completion_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         ScoringSequence([1, 2, 3], 3, 0)
+
+
+def test_live_scores_match_the_reference_without_the_oracle(
+    pair: tuple[PreTrainedModel, PreTrainedModel],
+) -> None:
+    clean, served = pair
+    sequence = _sequences()[0]  # 21 completion positions
+    trace = [1.0 + 0.05 * s for s in range(15)]  # the engine's T* of the first 15 steps
+    live = PairScorer(clean, served, chunk_positions=4).score_live(sequence, trace)
+    full = PairScorer(clean, served, chunk_positions=4).score_sequence(sequence)
+    for name in PositionRecords._row_fields():
+        actual, expected = getattr(live.records, name), getattr(full, name)
+        if name in ("oracle_t", "oracle_kl"):
+            assert bool(actual.isnan().all()), name  # not computed online
+        else:
+            assert torch.allclose(actual.double(), expected.double(), rtol=1e-5, atol=1e-6), name
+    reference = _reference(clean, served, sequence)
+    assert len(live.at_one) == 21
+    assert len(live.at_served) == 15
+    torch.testing.assert_close(live.at_one.kld, reference["kl_at_one"], rtol=1e-4, atol=1e-5)
+    assert live.at_served.step.tolist() == list(range(15))
+    ids = torch.tensor([list(sequence.token_ids)])
+    rows = slice(sequence.prompt_length - 1, sequence.prompt_length - 1 + 15)
+    with torch.no_grad():
+        z = copy.deepcopy(clean).double()(ids).logits[0, rows]
+        zs = copy.deepcopy(served).double()(ids).logits[0, rows]
+    t = torch.tensor(trace, dtype=torch.float64)
+    torch.testing.assert_close(live.at_served.kld, kl_to_clean(z, zs, t), rtol=1e-4, atol=1e-5)
+    tokens = ids[0, sequence.prompt_length : sequence.prompt_length + 15]
+    log_ratio = (
+        z.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        - (zs / t[:, None]).log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    )
+    torch.testing.assert_close(live.at_served.log_ratio, log_ratio, rtol=1e-4, atol=1e-5)

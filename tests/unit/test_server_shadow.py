@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+from collections.abc import Sequence
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 from server_fakes import (
     FakeEstimator,
     FakeScorer,
 )
 
+from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import ShadowScorer
 
 
 class Setup:
     def __init__(
-        self, scorer: FakeScorer, *, fraction: float = 1.0, queue_size: int = 8, every: int = 4
+        self,
+        scorer: FakeScorer,
+        *,
+        fraction: float = 1.0,
+        queue_size: int = 8,
+        every: int = 4,
+        threads: int | None = None,
+        nice: int = 0,
     ) -> None:
         self.registry = CollectorRegistry()
         self.published: list[int] = []
@@ -33,6 +44,8 @@ class Setup:
             version_of=int,
             on_policy=self.published.append,
             rng=random.Random(0),
+            threads=threads,
+            nice=nice,
         )
 
     def value(self, name: str, **labels: str) -> float:
@@ -138,3 +151,65 @@ def test_sampling_is_drawn_at_admission_and_empty_completions_are_not_queued() -
 def test_bad_configuration_is_refused(fraction: float, size: int) -> None:
     with pytest.raises(ValueError, match="shadow"):
         Setup(FakeScorer(), fraction=fraction, queue_size=size)
+
+
+def test_the_live_scoreboard_is_on_the_status_and_in_the_gauges() -> None:
+    setup = Setup(FakeScorer())
+    setup.shadow.start()
+    try:
+        for request in range(4):  # 4 x 40 positions, T* known for the first 30 of each
+            _offer(setup.shadow, [1, 2], list(range(3, 43)), [1.3] * 30)
+            if request == 1:
+                assert setup.shadow.wait_idle(5)
+                early = setup.shadow.status()["scoreboard"]
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    assert early["T*"] == {"positions": 60, "error": early["T*"]["error"]}
+    assert setup.value("nts_scoreboard_positions", temperature="served") == 120
+    board = setup.shadow.status()["scoreboard"]
+    assert (board["T=1"]["positions"], board["T*"]["positions"]) == (160, 120)
+    for label, temperature in (("T=1", "one"), ("T*", "served")):
+        result = board[label]
+        assert set(result["kld_percentiles"]) == {"99.9", "99", "90", "50", "10", "5", "1"}
+        assert setup.value("nts_scoreboard_kld_mean", temperature=temperature) == pytest.approx(
+            result["kld_mean"]
+        )
+        assert setup.value(
+            "nts_scoreboard_kld_quantile", temperature=temperature, quantile="99"
+        ) == pytest.approx(result["kld_percentiles"]["99"])
+        assert setup.value("nts_scoreboard_ppl_ratio", temperature=temperature) == pytest.approx(
+            result["ppl_ratio"]
+        )
+    assert board["T=1"]["kld_mean"] != pytest.approx(board["T*"]["kld_mean"])
+
+
+class BudgetProbe(FakeScorer):
+    """Records the torch threads and the nice value the scoring thread runs with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, int]] = []
+
+    def score_live(
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+    ) -> LiveScores:
+        thread = threading.get_native_id()
+        self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))
+        return super().score_live(sequence, served_temperatures)
+
+
+def test_the_scoring_thread_runs_with_its_own_budget() -> None:
+    threads_before = torch.get_num_threads()
+    process_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    probe = BudgetProbe()
+    setup = Setup(probe, threads=1, nice=5)
+    setup.shadow.start()
+    try:
+        _offer(setup.shadow, [1], [2, 3], [1.0])
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+        torch.set_num_threads(threads_before)
+    assert probe.seen == [(1, min(19, process_nice + 5))]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == process_nice

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from server_fakes import (
     FakeTraces,
 )
 
-from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.scorer import LiveScores, PositionRecords, ScoringSequence
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
@@ -43,10 +43,12 @@ class HungScorer(FakeScorer):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
+    def score_live(
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+    ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)
-        return super().score_sequence(sequence)
+        return super().score_live(sequence, served_temperatures)
 
 
 class FailingEstimator(FakeEstimator):

@@ -1,0 +1,154 @@
+"""The shadow scorer's own cost and the online estimate it feeds, on the default pair.
+
+Completions are sampled from the served model (the embedded SmolLM2-135M-Instruct perturbed by
+the default spec) on the shipped prompts, then scored teacher-forced against the clean model
+with ``--threads`` torch threads (default 1: the serving default ``shadow_threads``):
+
+- speed: scored completion tokens per CPU-second (per core, from the process's CPU time, so a
+  shared machine slows the wall clock but not the figure) of the offline records
+  (`PairScorer.score_sequence`: per-position oracle and KL curve, what `calibrate` keeps) and
+  of the online path (`PairScorer.score_live`: what the online estimator and the live
+  scoreboard need), each the median of ``--repeats`` passes over the same sequences;
+- accuracy: alpha of the online estimator (`OnlineEstimator`, fed request by request until
+  its first published policy, after at most ``--online-positions`` positions) against the
+  offline alpha of the same pair (`noise_by_step` on the records of every sampled position),
+  by step bucket and pooled.
+
+Figures go to stdout and, as JSON, to ``benchmarks/results/``. Run it on a quiet
+machine (other processes change the speed figures):
+
+    .venv/bin/python benchmarks/online_scoring.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
+from noisy_temp_server.estimation.fitting import noise_by_step
+from noisy_temp_server.estimation.online import OnlineEstimator
+from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.default_model import ensure_default_model
+from noisy_temp_server.pairs.generation import generate_completions
+from noisy_temp_server.pairs.perturb import parse_spec
+from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.settings import Settings
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _tokens_per_second(
+    score: Any, sequences: list[ScoringSequence], repeats: int
+) -> tuple[float, int]:
+    tokens = sum(len(s.token_ids) - s.prompt_length for s in sequences)
+    score(sequences[0])  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        for sequence in sequences:
+            score(sequence)
+        times.append(time.process_time() - started)
+    return tokens / statistics.median(times), tokens
+
+
+def _pooled_alpha(records: PositionRecords) -> float:
+    finite = torch.isfinite(records.sigma2) & torch.isfinite(records.tau2)
+    return float(records.sigma2[finite].double().mean() / records.tau2[finite].double().mean())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=48, help="completions sampled")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=Settings().shadow_threads)
+    parser.add_argument("--speed-sequences", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--online-positions", type=int, default=2000)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    settings = Settings()
+    clean_dir = ensure_default_model(settings.cache_dir)
+    served_dir = ensure_perturbed_checkpoint(
+        clean_dir, parse_spec(settings.perturbation), settings.cache_dir
+    )
+    clean, tokenizer = load_causal_lm(clean_dir)
+    served, _ = load_causal_lm(served_dir)
+    prompts = [encode_prompt(tokenizer, p) for p in load_prompts()][: args.prompts]
+    started = time.perf_counter()
+    sequences = generate_completions(
+        served, tokenizer, prompts, max_new_tokens=args.max_tokens, seed=0
+    )
+    print(f"sampled {len(sequences)} completions in {time.perf_counter() - started:.0f} s")
+    scorer = PairScorer(clean, served)
+
+    speed_set = sequences[: args.speed_sequences]
+    offline_rate, speed_tokens = _tokens_per_second(scorer.score_sequence, speed_set, args.repeats)
+    live_rate, _ = _tokens_per_second(
+        lambda s: scorer.score_live(s, [1.0] * len(s.token_ids)), speed_set, args.repeats
+    )
+    per_core = {"offline_records": offline_rate, "online_live": live_rate}
+
+    records = scorer.score(sequences)
+    estimator = OnlineEstimator(
+        min_positions=settings.shadow_min_positions, refit_every=settings.shadow_min_positions
+    )
+    fed = 0
+    for sequence in sequences:
+        if estimator.current_policy().version > 0 or fed >= args.online_positions:
+            break
+        live = scorer.score_live(sequence, [])
+        estimator.add(live.records)
+        fed += len(live.records)
+    policy = estimator.current_policy()
+    offline_noise = noise_by_step(records, policy.step_edges)
+    online = dict(zip(policy.step_edges, policy.alpha_by_step, strict=True))
+    buckets = [
+        {
+            "step_start": n.step_start,
+            "offline_positions": n.positions,
+            "offline_alpha": n.alpha,
+            "online_alpha": online[n.step_start],
+            "relative_difference": online[n.step_start] / n.alpha - 1 if n.alpha else None,
+        }
+        for n in offline_noise
+        if n.positions
+    ]
+    online_records = records.select(torch.arange(len(records)) < fed)
+    document = {
+        "command": " ".join(["benchmarks/online_scoring.py", *sys.argv[1:]]),
+        "machine": f"{platform.platform()} ({os.cpu_count()} CPUs)",
+        "load_average": os.getloadavg()[0],
+        "timestamp": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"),
+        "threads": args.threads,
+        "speed_tokens": speed_tokens,
+        "scored_tokens_per_s_per_core": per_core,
+        "speedup": per_core["online_live"] / per_core["offline_records"],
+        "positions_total": len(records),
+        "online_positions_at_first_policy": fed,
+        "online_policy_version": policy.version,
+        "alpha_pooled_offline": _pooled_alpha(records),
+        "alpha_pooled_online": _pooled_alpha(online_records),
+        "alpha_by_step_bucket": buckets,
+    }
+    text = json.dumps(document, indent=2)
+    print(text)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"online-scoring-{document['timestamp']}.json").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

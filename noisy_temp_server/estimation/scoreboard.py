@@ -90,8 +90,8 @@ class PositionScores:
             return cls(ints, ints, floats, torch.zeros(0, dtype=torch.bool), floats, floats)
         return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
 
-    def select(self, rows: Tensor) -> PositionScores:
-        """The rows picked by a bool mask [B] or an index tensor."""
+    def select(self, rows: Tensor | slice) -> PositionScores:
+        """The rows picked by a bool mask [B], an index tensor or a slice."""
         return PositionScores(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
     def __len__(self) -> int:

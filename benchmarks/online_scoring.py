@@ -72,10 +72,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=48, help="completions sampled")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=Settings().shadow_threads)
+    parser.add_argument("--threads", type=int, default=1, help="as NTS_SHADOW_THREADS")
     parser.add_argument("--speed-sequences", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--online-positions", type=int, default=2000)
+    parser.add_argument(
+        "--offline-only",
+        action="store_true",
+        help="only the offline records' speed (to measure a checkout from before score_live)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -96,6 +101,11 @@ def main() -> int:
 
     speed_set = sequences[: args.speed_sequences]
     offline_rate, speed_tokens = _tokens_per_second(scorer.score_sequence, speed_set, args.repeats)
+    if args.offline_only:
+        print(
+            json.dumps({"offline_records_tokens_per_cpu_s": offline_rate, "tokens": speed_tokens})
+        )
+        return 0
     live_rate, _ = _tokens_per_second(
         lambda s: scorer.score_live(s, [1.0] * len(s.token_ids)), speed_set, args.repeats
     )

@@ -90,6 +90,10 @@ def test_dashboard_has_the_panels_the_issue_asks_for(
     assert 'temperature="one"' in kl
     assert 'temperature="served"' in kl
     assert panels_using(r"\bnts_policy_version\b")
+    for statistic in ("kld_mean", "kld_stderr", "kld_quantile", "same_top_ratio"):
+        assert panels_using(rf"\bnts_scoreboard_{statistic}\b"), statistic
+    for statistic in ("delta_p_mean", "delta_p_rms", "ppl_ratio"):
+        assert panels_using(rf"\bnts_scoreboard_{statistic}\b"), statistic
     for vllm_series in (
         "vllm:generation_tokens_total",
         "vllm:num_requests_running",

@@ -69,8 +69,8 @@ class NoisyTemperatureV1(LogitsProcessor):
         self._row_slot = np.full(capacity, sentinel, dtype=np.int64)
         self._row_slot_device = self._upload(self._row_slot)
         self._free = list(range(capacity - 1, -1, -1))
-        self._step = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
-        self._advancing = torch.zeros_like(self._step)
+        # Per slot: the generation step (row 0), and whether it advances (1) or waits (0).
+        self._steps = torch.zeros(2, capacity + 1, dtype=torch.int64, device=self.device)
         self._waiting: dict[int, tuple[list[int], int]] = {}  # slot -> (outputs, len at entry)
         self._step_writes: dict[int, tuple[int, int]] = {}  # slot -> (step, advancing)
         self._n_tuned_rows = 0
@@ -139,8 +139,7 @@ class NoisyTemperatureV1(LogitsProcessor):
             return
         slots = self._upload(np.fromiter(self._step_writes, dtype=np.int64))
         values = self._upload(np.asarray(list(self._step_writes.values()), dtype=np.int64))
-        self._step.index_copy_(0, slots, values[:, 0])
-        self._advancing.index_copy_(0, slots, values[:, 1])
+        self._steps.index_copy_(1, slots, values.T)
         self._step_writes.clear()
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
@@ -155,9 +154,7 @@ class NoisyTemperatureV1(LogitsProcessor):
         if not self._n_tuned_rows:
             return logits
         slots = self._row_slot_device[: logits.shape[0]]
-        advancing = self._advancing[slots]
-        self.tuning.tune(
-            logits, slots, self._step[slots], advancing > 0, remember=bool(self._waiting)
-        )
-        self._step.index_add_(0, slots, advancing)
+        steps, advancing = self._steps[:, slots]
+        self.tuning.tune(logits, slots, steps, advancing, remember=bool(self._waiting))
+        self._steps[0].index_add_(0, slots, advancing)
         return logits

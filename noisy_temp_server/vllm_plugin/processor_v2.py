@@ -90,8 +90,8 @@ class NoisyTemperatureV2(LogitsProcessor):
         """logits: [rows, V] float32 unscaled, divided in place on tuned rows. No host sync."""
         if not self._tuned[ctx.idx_mapping_np].any():
             return logits
-        slots = ctx.expanded_idx_mapping.long()
-        sampled_position = ctx.pos.long() + 1
+        slots = ctx.expanded_idx_mapping
+        sampled_position = ctx.pos + 1
         prompt_len = self._req_states.prompt_len.gpu[slots]
         prefill_len = self._req_states.prefill_len.gpu[slots]
         steps = (sampled_position - prompt_len).clamp_(min=0)

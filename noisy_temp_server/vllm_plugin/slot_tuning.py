@@ -148,6 +148,7 @@ class SlotTuning:
         self.policy_id = torch.full((n,), _NO_POLICY, dtype=torch.int64, device=self.device)
         self.traced = torch.zeros(n, dtype=torch.bool, device=self.device)
         self._signs = torch.tensor([-1.0, 1.0], dtype=torch.float64, device=self.device)
+        self._powers = torch.tensor([0.0, 1.0], dtype=torch.float64, device=self.device)
         self.last = (
             torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
         )
@@ -342,8 +343,9 @@ class SlotTuning:
     ) -> torch.Tensor:
         """Divide each row of ``logits`` ([R, V] float32, in place) by its T* and account it.
 
-        ``slots``/``steps``: [R] int64 slot and generation step of each row. ``counted``: [R]
-        bool, rows whose sample the engine keeps (they enter the summaries and the histogram).
+        ``slots``/``steps``: [R] integer slot (int32 or int64) and int64 generation step of each
+        row. ``counted``: [R] bool (or 0/1 integers), rows whose sample the engine keeps (they
+        enter the summaries and the histogram).
         ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``). Returns T*
         per row ([R], 1 for untuned and bad rows). No host sync.
         """
@@ -473,10 +475,10 @@ class SlotTuning:
     def accumulate(self, cells: torch.Tensor, temperature: torch.Tensor) -> None:
         """Add one row per entry of ``cells`` (cell 0: not counted) with its T* to the count,
         sum and extrema of its cell. Two device ops."""
-        value = temperature.to(torch.float64)
-        self.accumulators.index_add_(0, cells, torch.stack((torch.ones_like(value), value), 1))
+        value = temperature.to(torch.float64).unsqueeze(1)
+        self.accumulators.index_add_(0, cells, value.pow(self._powers))  # (1, T*)
         self.extrema.scatter_reduce_(
-            0, cells.unsqueeze(1).expand(-1, 2), value.unsqueeze(1) * self._signs, "amax"
+            0, cells.unsqueeze(1).expand(-1, 2), value * self._signs, "amax"
         )
 
 

@@ -154,7 +154,7 @@ class NoisyTemperatureV1(LogitsProcessor):
         if not self._n_tuned_rows:
             return logits
         slots = self._row_slot_device[: logits.shape[0]]
-        steps, advancing = self._steps[:, slots]
+        steps, advancing = self._steps.index_select(1, slots)
         self.tuning.tune(logits, slots, steps, advancing, remember=bool(self._waiting))
         self._steps[0].index_add_(0, slots, advancing)
         return logits

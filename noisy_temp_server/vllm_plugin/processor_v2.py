@@ -92,8 +92,8 @@ class NoisyTemperatureV2(LogitsProcessor):
             return logits
         slots = ctx.expanded_idx_mapping
         sampled_position = ctx.pos + 1
-        prompt_len = self._req_states.prompt_len.gpu[slots]
-        prefill_len = self._req_states.prefill_len.gpu[slots]
+        prompt_len = self._req_states.prompt_len.gpu.index_select(0, slots)
+        prefill_len = self._req_states.prefill_len.gpu.index_select(0, slots)
         steps = (sampled_position - prompt_len).clamp_(min=0)
         self.tuning.tune(logits, slots, steps, sampled_position >= prefill_len)
         return logits

@@ -148,7 +148,6 @@ class SlotTuning:
         self.policy_id = torch.full((n,), _NO_POLICY, dtype=torch.int64, device=self.device)
         self.traced = torch.zeros(n, dtype=torch.bool, device=self.device)
         self._signs = torch.tensor([-1.0, 1.0], dtype=torch.float64, device=self.device)
-        self._powers = torch.tensor([0.0, 1.0], dtype=torch.float64, device=self.device)
         self.last = (
             torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
         )
@@ -352,10 +351,10 @@ class SlotTuning:
         cells = torch.bucketize(
             torch.add(steps, slots, alpha=STEP_STRIDE), self.edge_keys, right=True
         )
-        temperature = self.cell_scale[cells]
+        temperature = self.cell_scale.index_select(0, cells)
         bad = None
         if self._n_scheduled or self._row_policies:
-            request_temperature, beta, t_min, t_max = self.params[slots].unbind(1)
+            request_temperature, beta, t_min, t_max = self.params.index_select(0, slots).unbind(1)
             if self._n_scheduled:
                 factor = beta.mul(steps).add_(1.0).rsqrt_()
                 temperature = torch.clamp(temperature * factor, t_min, t_max)
@@ -395,7 +394,7 @@ class SlotTuning:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """T* of the rows whose policy reads the served row (one `policy_temperature` per live
         such policy), and which of them are bad (NaN statistics: T* = 1)."""
-        policy_of_row = self.policy_id[slots]
+        policy_of_row = self.policy_id.index_select(0, slots)
         features: dict[Rule, ServedRowFeatures] = {}
         bad = torch.zeros_like(policy_of_row, dtype=torch.bool)
         for entry in self._row_policies.values():
@@ -458,7 +457,12 @@ class SlotTuning:
             self.last.index_copy_(0, slots, last)
         if self.n_traced:
             dtype = temperature.dtype
-            rows = (slots.to(dtype), steps.to(dtype), temperature, self.traced[slots].to(dtype))
+            rows = (
+                slots.to(dtype),
+                steps.to(dtype),
+                temperature,
+                self.traced.index_select(0, slots).to(dtype),
+            )
             self.reporter.stage_trace(torch.stack(rows))
         self.reporter.stage_snapshot(self.state, self.layout)
 
@@ -467,7 +471,7 @@ class SlotTuning:
         ``keep_last``). Call before the slots' next `tune`."""
         if self.last is None or self.reporter is None:
             return
-        column, temperature, counted = self.last[slots].unbind(1)
+        column, temperature, counted = self.last.index_select(0, slots).unbind(1)
         cells = 1 + slots * self.layout.columns + column.long()
         self.accumulate(cells * (counted == 0), temperature)
         self.reporter.stage_snapshot(self.state, self.layout)
@@ -475,10 +479,10 @@ class SlotTuning:
     def accumulate(self, cells: torch.Tensor, temperature: torch.Tensor) -> None:
         """Add one row per entry of ``cells`` (cell 0: not counted) with its T* to the count,
         sum and extrema of its cell. Two device ops."""
-        value = temperature.to(torch.float64).unsqueeze(1)
-        self.accumulators.index_add_(0, cells, value.pow(self._powers))  # (1, T*)
+        value = temperature.to(torch.float64)
+        self.accumulators.index_add_(0, cells, torch.stack((torch.ones_like(value), value), 1))
         self.extrema.scatter_reduce_(
-            0, cells.unsqueeze(1).expand(-1, 2), value * self._signs, "amax"
+            0, cells.unsqueeze(1).expand(-1, 2), value.unsqueeze(1) * self._signs, "amax"
         )
 
 

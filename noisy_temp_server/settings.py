@@ -119,6 +119,32 @@ class Settings(BaseSettings):
         default="cpu",
         description="Torch device of the shadow scorer's clean and served models (cpu, cuda).",
     )
+    clean_backend: Literal["in_process", "remote"] = Field(
+        default="in_process",
+        description="Where the shadow scorer gets the clean model's distribution: in_process "
+        "(clean_model, loaded here with transformers on shadow_device in clean_dtype) or "
+        "remote (a vLLM OpenAI server at clean_url serving the clean model, started with "
+        "--max-logprobs -1; several served replicas may share it).",
+    )
+    clean_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Dtype of the in-process clean model."
+    )
+    clean_url: str | None = Field(
+        default=None, description="Base URL of the remote clean server (clean_backend=remote)."
+    )
+    clean_remote_model: str = Field(
+        default="clean",
+        description="The name the remote clean server serves the clean model under "
+        "(its --served-model-name).",
+    )
+    clean_api_key: SecretStr | None = Field(
+        default=None, description="API key of the remote clean server, if it needs one."
+    )
+    clean_timeout_s: PositiveFloat = Field(
+        default=30.0,
+        description="Per-request timeout of the remote clean server; a slower answer drops "
+        "that request from scoring (never from serving).",
+    )
     shadow_threads: int = Field(
         default=1,
         ge=1,
@@ -191,6 +217,12 @@ class Settings(BaseSettings):
 
         parse_spec(value)
         return value
+
+    @model_validator(mode="after")
+    def _remote_clean_has_a_url(self) -> Settings:
+        if self.clean_backend == "remote" and not self.clean_url:
+            raise ValueError("clean_backend=remote needs clean_url (the clean server's base URL)")
+        return self
 
     @model_validator(mode="after")
     def _shadow_window_holds_the_first_refit(self) -> Settings:

@@ -187,26 +187,42 @@ def resolve_pair(settings: Settings) -> ServedPair:
 
 
 def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
-    """The shadow scorer's `PairScorer` for `pair` (which must have a clean model), on
-    `settings.shadow_device`, with the pair's runtime noise. A pair whose two folders are the
-    same (runtime noise on clean weights) loads the model once."""
+    """The shadow scorer's `PairScorer` for `pair`, on `settings.shadow_device`, with the
+    pair's runtime noise. The clean side is `settings.clean_backend`: the pair's clean model
+    in process (in `settings.clean_dtype`; a pair whose two folders are the same, runtime
+    noise on clean weights, loads the model once), or the remote clean server."""
+    import torch  # noqa: PLC0415
+
     from noisy_temp_server.pairs.checkpoint import load_causal_lm  # noqa: PLC0415
+    from noisy_temp_server.pairs.clean_backend import RemoteClean  # noqa: PLC0415
     from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
 
+    device = settings.shadow_device
+    if settings.clean_backend == "remote":
+        if settings.clean_url is None:
+            raise ValueError("clean_backend=remote needs clean_url")
+        with _phase(f"Loading the served model for shadow scoring on {device}"):
+            served_model = load_causal_lm(pair.served, device=device)[0]
+        key = settings.clean_api_key
+        remote = RemoteClean(
+            settings.clean_url,
+            settings.clean_remote_model,
+            vocab_size=int(served_model.get_output_embeddings().weight.shape[0]),
+            api_key=key.get_secret_value() if key is not None else None,
+            timeout_s=settings.clean_timeout_s,
+        )
+        return PairScorer(remote, served_model, runtime_noise=pair.runtime_noise, device=device)
     if pair.clean is None:
         raise ValueError("shadow scoring needs a clean model; pass --clean-model")
-    with _phase(
-        f"Loading the clean and served models for shadow scoring on {settings.shadow_device}"
-    ):
-        clean_model, _ = load_causal_lm(pair.clean, device=settings.shadow_device)
+    dtype = getattr(torch, settings.clean_dtype)
+    with _phase(f"Loading the clean and served models for shadow scoring on {device}"):
+        clean, _ = load_causal_lm(pair.clean, device=device, dtype=dtype)
         served_model = (
-            clean_model
-            if pair.served.resolve() == pair.clean.resolve()
-            else load_causal_lm(pair.served, device=settings.shadow_device)[0]
+            clean
+            if pair.served.resolve() == pair.clean.resolve() and dtype == torch.float32
+            else load_causal_lm(pair.served, device=device)[0]
         )
-    return PairScorer(
-        clean_model, served_model, runtime_noise=pair.runtime_noise, device=settings.shadow_device
-    )
+    return PairScorer(clean, served_model, runtime_noise=pair.runtime_noise, device=device)
 
 
 def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdentity]:
@@ -285,7 +301,9 @@ def _shadow(
     settings: Settings, pair: ServedPair, profile: Profile | None, metrics: ApiMetrics
 ) -> tuple[PolicySource | None, ShadowScorer | None]:
     """The online estimator and its shadow scorer, or (None, None) when scoring is off."""
-    if pair.clean is None or settings.shadow_fraction == 0.0:
+    if settings.shadow_fraction == 0.0:
+        return None, None
+    if pair.clean is None and settings.clean_backend == "in_process":
         return None, None
     from noisy_temp_server.estimation.heap import fix_mmap_threshold  # noqa: PLC0415
     from noisy_temp_server.estimation.online import OnlineEstimator  # noqa: PLC0415

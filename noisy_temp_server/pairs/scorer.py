@@ -17,13 +17,14 @@ import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from noisy_temp_server.estimation.scoreboard import PositionScores, scores_at_temperatures
+from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
 from noisy_temp_server.temperature.oracle import kl_curve, oracle_temperature
 from noisy_temp_server.temperature.stats import pair_statistics, served_row_features
@@ -282,17 +283,18 @@ def _device_generator(seed: int, label: str, device: torch.device) -> torch.Gene
 
 
 class PairScorer:
-    """Scores token sequences with a clean and a served causal LM (transformers models).
+    """Scores token sequences with a clean side (a transformers model, used in process, or any
+    `CleanBackend`, e.g. a remote clean server) and a served causal LM (transformers).
 
-    Both models must share the tokenizer/vocabulary and have no final-logit soft-capping (the
-    logits are `output_embeddings(last_hidden_state)`). They are used as given (dtype, device
+    Both must share the tokenizer/vocabulary; the models must have no final-logit soft-capping
+    (the logits are `output_embeddings(last_hidden_state)`). They are used as given (dtype, on
     `device`); they are not modified. `runtime_noise` adds the serving-time logit noise to the
     served rows, from a generator seeded by (spec seed, sequence id), so scoring is reproducible.
     """
 
     def __init__(
         self,
-        clean_model: PreTrainedModel,
+        clean: PreTrainedModel | CleanBackend,
         served_model: PreTrainedModel,
         *,
         runtime_noise: RuntimeLogitNoiseSpec | None = None,
@@ -302,51 +304,49 @@ class PairScorer:
     ) -> None:
         if chunk_positions < 1:
             raise ValueError(f"chunk_positions must be >= 1, got {chunk_positions}")
-        for role, model in (("clean", clean_model), ("served", served_model)):
-            if getattr(model.config, "final_logit_softcapping", None):
-                raise ValueError(f"the {role} model soft-caps its logits; the scorer cannot")
-        clean_vocab = clean_model.get_output_embeddings().weight.shape[0]
-        served_vocab = served_model.get_output_embeddings().weight.shape[0]
-        if clean_vocab != served_vocab:
+        self.clean: CleanBackend = (
+            InProcessModel(clean) if isinstance(clean, torch.nn.Module) else clean
+        )
+        self.served = InProcessModel(served_model, role="served")
+        if self.clean.vocab_size not in (None, self.served.vocab_size):
             raise ValueError(
-                f"clean and served vocabularies differ ({clean_vocab} vs {served_vocab}); "
-                "a pair must share its tokenizer"
+                f"clean and served vocabularies differ ({self.clean.vocab_size} vs "
+                f"{self.served.vocab_size}); a pair must share its tokenizer"
             )
-        self.clean_model = clean_model
         self.served_model = served_model
         self.runtime_noise = runtime_noise
         self.device = torch.device(device)
         self.chunk_positions = chunk_positions
         self.curve_temperatures = curve_temperatures.float()
 
-    def _hidden(self, model: PreTrainedModel, ids: Tensor) -> Tensor:
-        output = model.base_model(input_ids=ids.unsqueeze(0))
-        return output.last_hidden_state[0]  # [L, H]
-
     @torch.no_grad()
     def logit_chunks(self, sequence: ScoringSequence) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        """(step int64 [c], clean [c, V], served [c, V]) float32 logits of the completion
-        positions of `sequence`, `chunk_positions` at a time, on `device`; the served rows carry
-        the pair's runtime noise (as sampled from, before any temperature). The row at step s
-        predicts token `token_ids[prompt_length + s]`."""
-        ids = torch.tensor(list(sequence.token_ids), dtype=torch.int64, device=self.device)
-        start, stop = sequence.prompt_length - 1, len(ids) - 1
-        clean_hidden = self._hidden(self.clean_model, ids)[start:stop]  # [C, H]
-        served_hidden = self._hidden(self.served_model, ids)[start:stop]
-        clean_head = self.clean_model.get_output_embeddings()
-        served_head = self.served_model.get_output_embeddings()
+        """(step int64 [c], clean [c, V], served [c, V]) float32 rows of the completion
+        positions of `sequence`, `chunk_positions` at a time, on `device`: the clean backend's
+        (logits or log-probabilities, see `pairs.clean_backend`) and the served model's logits
+        with the pair's runtime noise (as sampled from, before any temperature). The row at
+        step s predicts token `token_ids[prompt_length + s]`."""
         generator = None
         if self.runtime_noise is not None and self.runtime_noise.sigma > 0:
             generator = _device_generator(
                 self.runtime_noise.seed, f"sequence/{sequence.sequence_id}", self.device
             )
-        for first in range(0, stop - start, self.chunk_positions):
-            rows = slice(first, first + self.chunk_positions)
-            clean = clean_head(clean_hidden[rows]).float()  # [c, V]
-            served = served_head(served_hidden[rows]).float()
+        first = 0
+        pairs = zip(
+            self.clean.completion_rows(sequence, self.chunk_positions),
+            self.served.completion_rows(sequence, self.chunk_positions),
+            strict=True,
+        )
+        for clean_rows, served_rows in pairs:
+            clean, served = clean_rows.to(self.device), served_rows.to(self.device)
             if generator is not None and self.runtime_noise is not None:
                 served = add_runtime_logit_noise(served, self.runtime_noise.sigma, generator)
             yield torch.arange(first, first + clean.shape[0]), clean, served
+            first += clean.shape[0]
+
+    def clean_status(self) -> dict[str, Any]:
+        """The clean backend's status (`CleanBackend.status`)."""
+        return self.clean.status()
 
     def score_live(
         self, sequence: ScoringSequence, served_temperatures: Sequence[float]

@@ -57,6 +57,8 @@ class SequenceScorer(Protocol):
         self, sequence: ScoringSequence, served_temperatures: Sequence[float]
     ) -> LiveScores: ...
 
+    def clean_status(self) -> dict[str, Any]: ...
+
 
 class PolicyEstimator(Protocol):
     """What the shadow loop needs of `estimation.online.OnlineEstimator`."""
@@ -198,7 +200,9 @@ class ShadowScorer:
     def status(self) -> dict[str, Any]:
         """Counters, queue depth, measured cost (seconds per scored token), whether the scoring
         thread runs, and for how long the item being scored has taken so far (`busy_for_s`,
-        None when idle: a large value means a hung scorer, whose queue then fills and drops)."""
+        None when idle: a large value means a hung scorer, whose queue then fills and drops);
+        the live scoreboard (None before the first scored request) and the clean backend's
+        own status (e.g. a remote clean server's failures and last error)."""
         with self._lock:
             counts = dict(self._counts)
             seconds = self._seconds
@@ -218,6 +222,7 @@ class ShadowScorer:
             "threads": self._threads,
             "nice": self._nice,
             "scoreboard": scoreboard,
+            "clean_backend": self._scorer.clean_status(),
         }
 
     def _loop(self) -> None:

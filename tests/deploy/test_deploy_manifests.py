@@ -259,3 +259,30 @@ def test_prometheus_rule_carries_the_alerts_file(
         "deploy/k8s/prometheusrule.yaml spec.groups differs from deploy/prometheus/alerts.yml; "
         "copy the groups over"
     )
+
+
+def test_the_shared_clean_overlay_points_every_replica_at_one_clean_server() -> None:
+    overlay = DEPLOY / "k8s-shared-clean"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../k8s", "clean-scorer.yaml"]
+    (patch,) = kustomization["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": "noisy-temp-server"}
+    (container,) = yaml.safe_load(patch["patch"])["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert_settings_names(list(env), "k8s-shared-clean patch")
+    assert env["NTS_CLEAN_BACKEND"] == "remote"
+    documents = {
+        d["kind"]: d for d in yaml.safe_load_all((overlay / "clean-scorer.yaml").read_text())
+    }
+    service = documents["Service"]
+    (port,) = service["spec"]["ports"]
+    assert env["NTS_CLEAN_URL"] == f"http://{service['metadata']['name']}:{port['port']}"
+    pod = documents["Deployment"]["spec"]["template"]
+    assert service["spec"]["selector"] == pod["metadata"]["labels"]
+    (vllm,) = pod["spec"]["containers"]
+    assert "--max-logprobs=-1" in vllm["args"]
+    assert f"--served-model-name={env['NTS_CLEAN_REMOTE_MODEL']}" in vllm["args"]
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+    # the clean scorer's pods are not behind the served model's Service
+    served_selector = k8s_documents()["Service"]["spec"]["selector"]
+    assert not served_selector.items() <= pod["metadata"]["labels"].items()

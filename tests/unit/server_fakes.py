@@ -230,6 +230,9 @@ class FakeScorer:
         self.sequences.append(sequence)
         return live_scores_of(sequence, served_temperatures)
 
+    def clean_status(self) -> dict[str, Any]:
+        return {"kind": "fake"}
+
 
 class FakeEstimator:
     """Publishes version + 1 every `every` positions."""

@@ -21,6 +21,7 @@ from noisy_temp_server.commands.serve import (
 )
 from noisy_temp_server.estimation.profile import ModelIdentity, ProfileError
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
+from noisy_temp_server.pairs.clean_backend import InProcessModel
 from noisy_temp_server.pairs.perturb import (
     QuantizationSpec,
     RuntimeLogitNoiseSpec,
@@ -91,7 +92,8 @@ def test_shadow_scorer_gets_the_runtime_noise_and_loads_a_shared_folder_once(
 ) -> None:
     scorer = pair_scorer(Settings(), ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE))
     assert scorer.runtime_noise == NOISE
-    assert scorer.served_model is scorer.clean_model
+    assert isinstance(scorer.clean, InProcessModel)
+    assert scorer.served_model is scorer.clean.model
 
 
 def test_shadow_scorer_of_a_weight_perturbation_has_two_models_and_no_noise(
@@ -101,7 +103,8 @@ def test_shadow_scorer_of_a_weight_perturbation_has_two_models_and_no_noise(
     served = ensure_perturbed_checkpoint(tiny_model_dir, spec, tmp_path)
     scorer = pair_scorer(Settings(), ServedPair(served, tiny_model_dir, spec))
     assert scorer.runtime_noise is None
-    assert scorer.served_model is not scorer.clean_model
+    assert isinstance(scorer.clean, InProcessModel)
+    assert scorer.served_model is not scorer.clean.model
 
 
 def _profile_for(clean: ModelIdentity, served: ModelIdentity, path: Path) -> Path:

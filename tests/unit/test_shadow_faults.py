@@ -5,8 +5,10 @@ full queue leave every response correct, and show on /v1/nts/status and in
 from __future__ import annotations
 
 import random
+import socket
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +24,12 @@ from server_fakes import (
     FakeTokenizer,
     FakeTraces,
 )
+from server_helpers import free_port
 
-from noisy_temp_server.pairs.scorer import LiveScores, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.clean_backend import RemoteClean
+from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
@@ -215,3 +221,39 @@ def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:
     assert all("nts_trace" not in k and k.get("nts_trace_id") for k in keys)
     status = served.status()
     assert (status["offered"], status["sampled"], status["scored"]) == (2, 0, 0)
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A listening socket that accepts connections and never answers (an overloaded server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("fault", ["refused", "overloaded"])
+def test_a_failing_remote_clean_server_drops_items_and_says_so(
+    fault: str, tiny_model_dir: Path, silent_port: int
+) -> None:
+    port = free_port() if fault == "refused" else silent_port
+    served_model, _ = load_causal_lm(tiny_model_dir)
+    remote = RemoteClean(f"http://127.0.0.1:{port}", "clean", TINY_VOCAB_SIZE, timeout_s=0.3)
+    scorer = PairScorer(remote, served_model)
+    served = Served(scorer, FakeEstimator(every=4), queue_size=64)  # type: ignore[arg-type]
+    try:
+        served.serve_all()
+        assert served.shadow.wait_idle(30)
+        status = served.status()
+        assert status["running"] is True
+        assert status["dropped_error"] == REQUESTS
+        assert served.dropped("error") == REQUESTS
+        clean = status["clean_backend"]
+        assert clean["kind"] == "remote"
+        assert (clean["requests"], clean["failures"]) == (REQUESTS, REQUESTS)
+        assert clean["healthy"] is False
+        expected = "ConnectError" if fault == "refused" else "ReadTimeout"
+        assert expected in clean["last_error"]
+    finally:
+        served.shadow.close()
+        remote.close()

@@ -34,11 +34,20 @@ def sample_profile(recommended_rule: Rule = Rule.CALIBRATED) -> Profile:
         closure=0.0,
         mean_temperature=1.0,
     )
+    test = QualityTable(
+        split="test",
+        request_temperatures=(0.7, 1.0),
+        positions=280,
+        sequences=10,
+        same_top_rate=0.9,
+        same_top_stderr=0.01,
+        rows=(row,),
+    )
     return Profile(
         clean=CLEAN,
         served=SERVED,
         perturbation=QuantizationSpec(format="int4", group_size=64),
-        settings=CalibrationSettings(prompts=10),
+        settings=CalibrationSettings(prompts=10, request_temperatures=(0.7, 1.0)),
         noise_by_step=(
             StepBucketNoise(step_start=0, step_stop=4, positions=10, alpha=0.1, sigma2=1, tau2=10),
             StepBucketNoise(
@@ -57,23 +66,22 @@ def sample_profile(recommended_rule: Rule = Rule.CALIBRATED) -> Profile:
             schedule_beta=0.01,
             calibrated_step_edges=(0, 4),
             calibrated_entropy_edges=(0.0, 1.5),
-            calibrated_temperatures=((0.9, 1.0), (1.0, 1.1)),
+            calibrated_request_temperature_edges=(0.0, 0.85),
+            calibrated_temperatures=(((1.2, 1.3), (1.25, 1.35)), ((0.9, 1.0), (1.0, 1.1))),
         ),
         recommended_rule=recommended_rule,
         validation_quality=QualityTable(
             split="validation",
+            request_temperatures=(0.7, 1.0),
             positions=300,
             sequences=10,
             same_top_rate=0.9,
             same_top_stderr=0.01,
             rows=(row,),
         ),
-        test_quality=QualityTable(
-            split="test",
-            positions=280,
-            sequences=10,
-            same_top_rate=0.9,
-            same_top_stderr=0.01,
-            rows=(row,),
+        test_quality=test,
+        test_quality_by_request_temperature=(
+            test.model_copy(update={"request_temperatures": (0.7,), "positions": 140}),
+            test.model_copy(update={"request_temperatures": (1.0,), "positions": 140}),
         ),
     )

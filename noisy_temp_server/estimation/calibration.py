@@ -4,14 +4,16 @@ The pipeline (`calibrate`):
 
 1. the served model samples a completion for every prompt at T = 1, as it would serve it
    (with its runtime logit noise, if the pair has one; `pairs.generation`);
-2. the pair scorer turns prompt + completion into per-position records (`pairs.scorer`);
+2. the pair scorer turns prompt + completion into per-position records (`pairs.scorer`), each
+   position measured at every request temperature of the settings (KL to softmax(z/T_r));
 3. prompts (not positions) are split three ways: fit, validation and test
    (`split_fit_validation_test`);
 4. every rule is fitted on the fit split (`estimation.fitting.fit_rules`); the calibrated
    table starts from the best global T and departs from it only where the validation split
    shows a significant gain;
 5. quality tables compare T = 1, every rule, calibrated and the oracle on the validation and
-   on the test split (`estimation.quality.quality_table`);
+   on the test split (`estimation.quality.quality_table`), pooled over the request
+   temperatures, and on the test split at each request temperature;
 6. the recommended rule (`recommend_rule`) is chosen on the validation table: the lowest-KL
    rule whose paired gain over T = 1 is significant (mean minus 2 cluster-robust standard
    errors > 0), else `off`: no rule is served on the strength of noise. The test table, on
@@ -96,7 +98,8 @@ def score_pair(
     *,
     device: str | torch.device = "cpu",
 ) -> PositionRecords:
-    """Generate with the served model and score the pair: records for every prompt."""
+    """Generate with the served model and score the pair: records for every prompt, each
+    position once per request temperature of `settings`."""
     sequences = sample_completions(
         pair,
         prompts,
@@ -110,7 +113,7 @@ def score_pair(
     report = _log_progress("scoring")
     parts = []
     for done, sequence in enumerate(sequences, start=1):
-        parts.append(scorer.score_sequence(sequence))
+        parts.append(scorer.score_sequence(sequence, settings.request_temperatures))
         if done % 8 == 0 or done == len(sequences):
             report(done, len(sequences))
     return PositionRecords.concat(parts)
@@ -136,6 +139,10 @@ def calibrate_records(
     minimum = settings.min_quality_positions
     validation_quality = quality_table(validation, policies, minimum, split="validation")
     test_quality = quality_table(test, policies, minimum, split="test")
+    by_request_temperature = tuple(
+        quality_table(test.select(test.request_temperature == t), policies, minimum, split="test")
+        for t in settings.request_temperatures
+    )
     profile = Profile(
         clean=pair_identity[0],
         served=pair_identity[1],
@@ -146,6 +153,7 @@ def calibrate_records(
         recommended_rule=recommend_rule(validation_quality),
         validation_quality=validation_quality,
         test_quality=test_quality,
+        test_quality_by_request_temperature=by_request_temperature,
     )
     return CalibrationResult(profile=profile, fit=fit, validation=validation, test=test)
 

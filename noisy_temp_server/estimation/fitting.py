@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 
@@ -31,6 +32,7 @@ from noisy_temp_server.estimation.significance import (
 from noisy_temp_server.pairs.scorer import KLCurveInterpolant, PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.oracle import minimise_convex
 from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
     TemperaturePolicy,
     bucket_index,
     policy_temperature,
@@ -45,6 +47,7 @@ __all__ = [
     "fit_calibrated_table",
     "fit_rules",
     "noise_by_step",
+    "request_temperatures_of",
     "rule_temperatures",
 ]
 
@@ -233,6 +236,12 @@ def _refined_temperature(
     return candidate if significant else parent
 
 
+def _band_edges(request_temperatures: Sequence[float]) -> tuple[float, ...]:
+    """Band edges (from 0) with each of the ascending `request_temperatures` in its own band:
+    the boundaries are the midpoints between neighbours."""
+    return (0.0, *((a + b) / 2 for a, b in itertools.pairwise(request_temperatures)))
+
+
 def fit_calibrated_table(
     fit: PositionRecords,
     validation: PositionRecords,
@@ -241,10 +250,13 @@ def fit_calibrated_table(
     entropy_buckets: int,
     bounds: TemperatureBounds,
     min_cell_positions: int,
-) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
-    """The calibrated table: one T per (step bucket, served-entropy bucket), fitted top-down.
+) -> CalibratedTable:
+    """The calibrated table: one T per (request-temperature band, step bucket, served-entropy
+    bucket), each band fitted top-down on the positions measured at its request temperature.
 
-    The root is the best global T of `fit` (the `fixed` rule's T): the table starts as that
+    One band per distinct request temperature of `fit` (`validation` must have the same ones),
+    its edges the midpoints between them. In a band, the root is the best global T of `fit`
+    at that request temperature (at T_r = 1, the `fixed` rule's T): the band starts as that
     constant. Every other node of the hierarchy (step bucket -> step bucket x entropy bucket)
     starts from its parent's T; its own T is the best shared T of its `fit` positions, kept
     only if the node has at least `min_cell_positions` positions in both sets and that T beats
@@ -254,9 +266,40 @@ def fit_calibrated_table(
     a cell with thin evidence takes the coarser estimate: the rule is never behind the
     constant beyond statistical noise. (Whether either beats T = 1 is `recommend_rule`'s
     question, on the validation split.) Entropy edges are quantiles of `fit`'s served entropy.
-    Returns (entropy_edges, temperatures [step buckets][entropy buckets]).
     """
     entropy_edges = _entropy_edges(fit.served_entropy, entropy_buckets)
+    request_temperatures = request_temperatures_of(fit)
+    if request_temperatures_of(validation) != request_temperatures:
+        raise ValueError("fit and validation records must share their request temperatures")
+    bands = tuple(
+        _band_table(
+            fit.select(fit.request_temperature == t),
+            validation.select(validation.request_temperature == t),
+            step_edges=step_edges,
+            entropy_edges=entropy_edges,
+            bounds=bounds,
+            min_cell_positions=min_cell_positions,
+        )
+        for t in request_temperatures
+    )
+    return CalibratedTable(
+        step_edges=tuple(step_edges),
+        entropy_edges=entropy_edges,
+        temperatures=bands,
+        request_temperature_edges=_band_edges(request_temperatures),
+    )
+
+
+def _band_table(
+    fit: PositionRecords,
+    validation: PositionRecords,
+    *,
+    step_edges: Sequence[int],
+    entropy_edges: Sequence[float],
+    bounds: TemperatureBounds,
+    min_cell_positions: int,
+) -> tuple[tuple[float, ...], ...]:
+    """One band of `fit_calibrated_table`: T [step buckets][entropy buckets]."""
     refine = functools.partial(
         _refined_temperature, bounds=bounds, min_positions=min_cell_positions
     )
@@ -279,7 +322,7 @@ def fit_calibrated_table(
                 for e in range(len(entropy_edges))
             )
         )
-    return entropy_edges, tuple(table)
+    return tuple(table)
 
 
 def _fisher_floor(records: PositionRecords, fisher: TemperaturePolicy) -> float:
@@ -339,23 +382,22 @@ def fit_rules(
     and `calibrated` the table. The parameters of rules not in `rules` are the neutral ones of
     `TemperaturePolicy` (T = 1: fixed T 1, floor 1, schedule t_max 1 / beta 0, an all-ones
     table). The calibrated table is fitted on `records` and its departures from the global T
-    checked on `validation` (`fit_calibrated_table`); without `validation`, `records` is split
-    by sequence for that (`settings.validation_fraction` to check). Positions whose KL is
+    checked on `validation` (`fit_calibrated_table`, one band per request temperature of the
+    records); without `validation`, `records` is split by sequence for that
+    (`settings.validation_fraction` to check). Every other parameter is fitted on the positions
+    measured at request temperature 1. Positions whose KL is
     infinite at every T (the served row masks a token the clean row supports) carry no
     information about T and are left out, as in
     `noisy_temp_server.estimation.quality.quality_table`. Raises
-    `InsufficientDataError` when there is nothing to fit on (or, for `calibrated` without
-    `validation`, fewer than two sequences).
+    `InsufficientDataError` when there is nothing to fit on at request temperature 1 (or, for
+    `calibrated` without `validation`, fewer than two sequences).
     """
     records = finite_positions(records)
     bounds = settings.bounds
     step_edges = tuple(settings.step_edges)
-    noise = noise_by_step(records, step_edges)
-    alpha_by_step = tuple(max(n.alpha, 0.0) for n in noise)
-    sigma2_by_step = tuple(max(n.sigma2, 0.0) for n in noise)
-    neutral = TemperaturePolicy()
-    entropy_edges: tuple[float, ...] = (0.0,)
-    table: tuple[tuple[float, ...], ...] = tuple((1.0,) for _ in step_edges)
+    table = CalibratedTable(
+        step_edges=step_edges, temperatures=(tuple((1.0,) for _ in step_edges),)
+    )
     if Rule.CALIBRATED in rules:
         if validation is None:
             table_fit, table_check = split_by_sequence(
@@ -364,7 +406,7 @@ def fit_rules(
             table_records, validation = records.select(table_fit), records.select(table_check)
         else:
             table_records, validation = records, finite_positions(validation)
-        entropy_edges, table = fit_calibrated_table(
+        table = fit_calibrated_table(
             table_records,
             validation,
             step_edges=step_edges,
@@ -372,6 +414,13 @@ def fit_rules(
             bounds=bounds,
             min_cell_positions=settings.min_cell_positions,
         )
+    records = records.select(records.request_temperature == 1.0)
+    if len(records) == 0:
+        raise InsufficientDataError("no position measured at request temperature 1 to fit on")
+    noise = noise_by_step(records, step_edges)
+    alpha_by_step = tuple(max(n.alpha, 0.0) for n in noise)
+    sigma2_by_step = tuple(max(n.sigma2, 0.0) for n in noise)
+    neutral = TemperaturePolicy()
     t_max, beta = (
         _schedule(records, bounds)
         if Rule.SCHEDULE in rules
@@ -402,11 +451,18 @@ def fit_rules(
         fisher_var_floor=fisher_var_floor,
         schedule_t_max=t_max,
         schedule_beta=beta,
-        calibrated_step_edges=step_edges,
-        calibrated_entropy_edges=entropy_edges,
-        calibrated_temperatures=table,
+        calibrated_step_edges=table.step_edges,
+        calibrated_entropy_edges=table.entropy_edges,
+        calibrated_request_temperature_edges=table.request_temperature_edges,
+        calibrated_temperatures=table.temperatures,
     )
     return parameters, noise
+
+
+def request_temperatures_of(records: PositionRecords) -> tuple[float, ...]:
+    """The distinct request temperatures `records` were measured at, ascending (rounded to 6
+    decimals, so a float32 0.7 reads 0.7)."""
+    return tuple(round(t, 6) for t in torch.unique(records.request_temperature).tolist())
 
 
 def finite_positions(records: PositionRecords) -> PositionRecords:
@@ -425,4 +481,9 @@ def rule_temperatures(policy: TemperaturePolicy, records: PositionRecords) -> Te
         var_q=records.served_var,
         top_prob=records.served_top_prob,
     )
-    return policy_temperature(policy, records.step, served_features=features)
+    return policy_temperature(
+        policy,
+        records.step,
+        served_features=features,
+        request_temperature=records.request_temperature,
+    )

@@ -18,6 +18,7 @@ names the file and what is wrong.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, Self
 
@@ -57,6 +58,9 @@ class CalibrationSettings(_Frozen):
     Prompts are split three ways (`split_fit_validation_test`): `test_fraction` of them
     for the reported quality, `validation_fraction` for the choices (the calibrated table's
     departures from its global T, the recommended rule), the rest to fit the rules on.
+    Every position is measured at each of `request_temperatures` (KL to softmax(z/T_r), the
+    clean model at the client's temperature): the calibrated table gets one band per request
+    temperature, the other rules are fitted at T_r = 1, which must be among them.
     """
 
     prompts: int = Field(default=64, ge=2)
@@ -64,6 +68,7 @@ class CalibrationSettings(_Frozen):
     seed: int = 0
     validation_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
     test_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
+    request_temperatures: tuple[float, ...] = (0.5, 0.7, 1.0, 1.2)
     step_edges: tuple[int, ...] = (0, 4, 16, 64)
     entropy_buckets: int = Field(default=4, ge=1)
     min_cell_positions: int = Field(default=40, ge=1)
@@ -75,6 +80,16 @@ class CalibrationSettings(_Frozen):
     def _check_bounds_and_step_edges(self) -> Self:
         """Bounds and step edges as `TemperaturePolicy` accepts them, and some prompts left to
         fit on (ValueError otherwise)."""
+        temperatures = self.request_temperatures
+        if (
+            1.0 not in temperatures
+            or any(not 0 < t < math.inf for t in temperatures)
+            or list(temperatures) != sorted(set(temperatures))
+        ):
+            raise ValueError(
+                f"request_temperatures {temperatures} must be ascending, distinct, finite, > 0 "
+                "and include 1.0 (the reference the other rules are fitted at)"
+            )
         if self.validation_fraction + self.test_fraction >= 1.0:
             raise ValueError(
                 f"validation_fraction ({self.validation_fraction}) + test_fraction "
@@ -129,7 +144,8 @@ class RuleParameters(_Frozen):
     schedule_beta: float
     calibrated_step_edges: tuple[int, ...]
     calibrated_entropy_edges: tuple[float, ...]
-    calibrated_temperatures: tuple[tuple[float, ...], ...]
+    calibrated_request_temperature_edges: tuple[float, ...]
+    calibrated_temperatures: tuple[tuple[tuple[float, ...], ...], ...]
 
     @model_validator(mode="after")
     def _check_every_policy(self) -> Self:
@@ -154,6 +170,7 @@ class RuleParameters(_Frozen):
                 step_edges=self.calibrated_step_edges,
                 entropy_edges=self.calibrated_entropy_edges,
                 temperatures=self.calibrated_temperatures,
+                request_temperature_edges=self.calibrated_request_temperature_edges,
             ),
         )
 
@@ -189,12 +206,15 @@ class QualityTable(_Frozen):
     """Quality of T = 1, every rule, calibrated and the oracle on one split of the prompts.
 
     `split` says which: "validation" (the prompts the recommended rule was chosen on) or
-    "test" (prompts used for nothing else: the honest figure). The same-top-token rate (served
-    argmax == clean argmax, with its binomial standard error) does not depend on temperature,
-    so it is reported once for the pair.
+    "test" (prompts used for nothing else: the honest figure). `request_temperatures`: the
+    request temperatures T_r its positions were measured at (KL to softmax(z/T_r)); with
+    several, each position counts once per T_r and the standard errors stay clustered by
+    prompt. The same-top-token rate (served argmax == clean argmax, with its binomial standard
+    error) does not depend on temperature, so it is reported once for the pair.
     """
 
     split: Literal["validation", "test"]
+    request_temperatures: tuple[float, ...]
     positions: int
     sequences: int
     same_top_rate: float
@@ -211,9 +231,11 @@ class QualityTable(_Frozen):
     def to_markdown(self) -> str:
         """The table as GitHub markdown, KL in units of 1e-3 nats."""
         lines = [
-            f"{self.split.capitalize()} split: {self.positions} positions in {self.sequences} "
-            f"sequences; same top token {100 * self.same_top_rate:.2f}% ± "
-            f"{100 * self.same_top_stderr:.2f}% (temperature-invariant).",
+            f"{self.split.capitalize()} split at request temperature "
+            f"{', '.join(f'{t:g}' for t in self.request_temperatures)}: {self.positions} "
+            f"positions in {self.sequences} sequences; same top token "
+            f"{100 * self.same_top_rate:.2f}% ± {100 * self.same_top_stderr:.2f}% "
+            "(temperature-invariant).",
             "",
             "| T rule | mean KL (1e-3) | ± s.e. | gain vs T=1 ± paired s.e. | gain vs fixed "
             "± paired s.e. | p50 | p90 | p99 | closure | mean T |",
@@ -242,7 +264,8 @@ class Profile(_Frozen):
     default) is chosen on `validation_quality`: the fitted rule with the lowest validation mean
     KL among those whose paired gain over T = 1 is significant (gain - 2 s.e. > 0), `off` when
     none is (`noisy_temp_server.estimation.quality.recommend_rule`). `test_quality`, on prompts
-    used for neither, is the figure to report.
+    used for neither, is the figure to report. Both pool the calibration's request
+    temperatures; `test_quality_by_request_temperature` has one test table per temperature.
     """
 
     schema_version: Literal[2] = 2
@@ -255,6 +278,7 @@ class Profile(_Frozen):
     recommended_rule: Rule
     validation_quality: QualityTable
     test_quality: QualityTable
+    test_quality_by_request_temperature: tuple[QualityTable, ...]
 
     def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
         """The policy for `rule` (default: `recommended_rule`) with the fitted parameters."""

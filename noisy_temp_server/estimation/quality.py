@@ -25,6 +25,7 @@ from torch import Tensor
 from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
     finite_positions,
+    request_temperatures_of,
     rule_temperatures,
 )
 from noisy_temp_server.estimation.profile import QualityRow, QualityTable
@@ -126,6 +127,7 @@ def quality_table(
     rate = float(same.mean())
     return QualityTable(
         split=split,
+        request_temperatures=request_temperatures_of(records),
         positions=len(records),
         sequences=int(torch.unique(ids).numel()),
         same_top_rate=rate,

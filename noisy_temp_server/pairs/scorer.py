@@ -70,8 +70,11 @@ class PositionRecords:
     sequence_id, step: int64 [N] (step = index of the token within its completion);
     tau2, sigma2, alpha, var_p_clean, kl_at_one, oracle_t, oracle_kl: float32 [N];
     same_top: bool [N]; served_entropy, served_var, served_top_prob: float32 [N] (what the
-    served row shows, after runtime noise); kl_curve: float32 [N, G], KL(p || softmax(z~/T)) at
-    `curve_temperatures` (float32 [G], shared by all rows, not a per-row field).
+    served row shows, after runtime noise); request_temperature: float32 [N], the request
+    temperature T_r the KL columns are measured at; kl_curve: float32 [N, G],
+    KL(softmax(z/T_r) || softmax(z~/(T_r T))) at the T* of `curve_temperatures` (float32 [G],
+    shared by all rows, not a per-row field). kl_at_one, oracle_t and oracle_kl are at T_r too;
+    the noise statistics and the served-row features are those of the logits themselves.
     """
 
     sequence_id: Tensor
@@ -87,6 +90,7 @@ class PositionRecords:
     served_entropy: Tensor
     served_var: Tensor
     served_top_prob: Tensor
+    request_temperature: Tensor
     kl_curve: Tensor
     curve_temperatures: Tensor
 
@@ -100,18 +104,27 @@ class PositionRecords:
         sequence_id: int | Tensor,
         curve_temperatures: Tensor = KL_CURVE_TEMPERATURES,
         with_oracle: bool = True,
+        request_temperature: float = 1.0,
     ) -> PositionRecords:
         """Records of `[B, V]` clean and served logits (served as sampled from, noise included).
 
-        step: int [B]; sequence_id: an int or int [B]. Statistics are computed on the logits'
-        device and returned on the CPU. Raises `NonFiniteLogitsError` for NaN/+inf rows.
+        step: int [B]; sequence_id: an int or int [B]; request_temperature: T_r > 0, the
+        request temperature whose target softmax(z/T_r) the KL columns measure against.
+        Statistics are computed on the logits' device and returned on the CPU. Raises
+        `NonFiniteLogitsError` for NaN/+inf rows.
         `with_oracle=False` skips the per-row oracle (about a third of the cost), whose columns
         `oracle_t` and `oracle_kl` are then NaN: no fit reads them, only offline evaluation.
         """
+        if not request_temperature > 0:
+            raise ValueError(f"request_temperature must be > 0, got {request_temperature!r}")
         count = clean.shape[0]
         grid = curve_temperatures.to(clean.device)
         stats = pair_statistics(clean, served)
         features = served_row_features(served, validate=False)
+        at_request = stats
+        if request_temperature != 1.0:
+            clean, served = clean / request_temperature, served / request_temperature
+            at_request = pair_statistics(clean, served)
         curve = kl_curve(clean, served, grid)  # [B, G]
         if with_oracle:
             oracle = oracle_temperature(clean, served)
@@ -130,13 +143,14 @@ class PositionRecords:
             sigma2=cpu(stats.sigma2),
             alpha=cpu(stats.alpha),
             var_p_clean=cpu(stats.var_p_clean),
-            kl_at_one=cpu(stats.kl_at_one),
+            kl_at_one=cpu(at_request.kl_at_one),
             oracle_t=cpu(oracle_t),
             oracle_kl=cpu(oracle_kl),
             same_top=stats.same_top.cpu(),
             served_entropy=cpu(features.entropy),
             served_var=cpu(features.var_q),
             served_top_prob=cpu(features.top_prob),
+            request_temperature=torch.full((count,), float(request_temperature)),
             kl_curve=cpu(curve),
             curve_temperatures=cpu(curve_temperatures),
         )
@@ -389,8 +403,12 @@ class PairScorer:
             PositionScores.concat(at_served),
         )
 
-    def score_sequence(self, sequence: ScoringSequence) -> PositionRecords:
-        """Records for the completion positions of one sequence (see the module docstring)."""
+    def score_sequence(
+        self, sequence: ScoringSequence, request_temperatures: Sequence[float] = (1.0,)
+    ) -> PositionRecords:
+        """Records for the completion positions of one sequence (see the module docstring),
+        each position once per request temperature (`PositionRecords.from_logits`), in the
+        order of `request_temperatures`, chunk by chunk."""
         grid = self.curve_temperatures.to(self.device)
         parts = [
             PositionRecords.from_logits(
@@ -399,8 +417,10 @@ class PairScorer:
                 step=steps,
                 sequence_id=sequence.sequence_id,
                 curve_temperatures=grid,
+                request_temperature=temperature,
             )
             for steps, clean, served in self.logit_chunks(sequence)
+            for temperature in request_temperatures
         ]
         return PositionRecords.concat(parts)
 

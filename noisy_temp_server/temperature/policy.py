@@ -7,7 +7,10 @@ Every field is validated on construction; :class:`PolicyValidationError` names t
 
 Step buckets: ascending integer edges starting at 0, e.g. ``(0, 8, 32, 128, 512)``; bucket
 ``i`` covers steps ``[edge_i, edge_{i+1})`` and the last bucket is open-ended. Entropy buckets
-of the calibrated table work the same way over the served row's entropy in nats.
+of the calibrated table work the same way over the served row's entropy in nats, and so do its
+request-temperature bands over the request's own temperature: the best T* depends on it (a
+request at temperature 0.5 needs a larger T* than one at 1.2 on the same noisy pair), so the
+calibrated table holds one band per request temperature it was calibrated at.
 """
 
 from __future__ import annotations
@@ -47,36 +50,58 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CalibratedTable:
-    """T by (step bucket, served-entropy bucket); entries may be below or above 1.
+    """T by (request-temperature band, step bucket, served-entropy bucket); entries may be below
+    or above 1.
 
-    ``temperatures[i][j]`` applies to steps in step bucket ``i`` whose served row has entropy in
-    entropy bucket ``j``. Sequences are normalised to tuples; validated on construction.
+    ``temperatures[b][i][j]`` applies to a request whose temperature is in band ``b`` of
+    ``request_temperature_edges``, at steps in step bucket ``i``, when its served row has
+    entropy in entropy bucket ``j``. Request-temperature bands work like entropy buckets
+    (ascending edges from 0; the last band is open-ended); one band, ``(0.0,)``, serves every
+    request temperature alike. Sequences are normalised to tuples; validated on construction.
     """
 
     step_edges: tuple[int, ...] = (0,)
     entropy_edges: tuple[float, ...] = (0.0,)
-    temperatures: tuple[tuple[float, ...], ...] = ((1.0,),)
+    temperatures: tuple[tuple[tuple[float, ...], ...], ...] = (((1.0,),),)
+    request_temperature_edges: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
         step_edges = checks.step_edges("calibrated.step_edges", self.step_edges)
         entropy_edges = checks.entropy_edges("calibrated.entropy_edges", self.entropy_edges)
+        band_edges = checks.entropy_edges(
+            "calibrated.request_temperature_edges", self.request_temperature_edges
+        )
         field = "calibrated.temperatures"
         expected = (
-            f"a {len(step_edges)} x {len(entropy_edges)} table (step buckets x entropy "
-            "buckets) of finite numbers > 0"
+            f"a {len(band_edges)} x {len(step_edges)} x {len(entropy_edges)} table (request "
+            "temperature bands x step buckets x entropy buckets) of finite numbers > 0"
         )
-        table = checks.sequence(field, self.temperatures, expected)
-        if len(table) != len(step_edges):
+        bands = checks.sequence(field, self.temperatures, expected)
+        if len(bands) != len(band_edges):
             raise checks.fail(field, expected, self.temperatures)
-        rows = []
-        for row in table:
+        table = []
+        for band in bands:
+            rows = checks.sequence(field, band, expected)
+            if len(rows) != len(step_edges):
+                raise checks.fail(field, expected, self.temperatures)
             try:
-                rows.append(checks.per_bucket(field, row, len(entropy_edges), positive=True))
+                table.append(
+                    tuple(
+                        checks.per_bucket(field, row, len(entropy_edges), positive=True)
+                        for row in rows
+                    )
+                )
             except PolicyValidationError:
                 raise checks.fail(field, expected, self.temperatures) from None
         object.__setattr__(self, "step_edges", step_edges)
         object.__setattr__(self, "entropy_edges", entropy_edges)
-        object.__setattr__(self, "temperatures", tuple(rows))
+        object.__setattr__(self, "temperatures", tuple(table))
+        object.__setattr__(self, "request_temperature_edges", band_edges)
+
+    @property
+    def reads_entropy(self) -> bool:
+        """Whether some (band, step bucket) holds different T for different entropies."""
+        return any(len(set(row)) > 1 for band in self.temperatures for row in band)
 
 
 _JSON_KEYS = (
@@ -93,7 +118,7 @@ _JSON_KEYS = (
     "schedule_beta",
     "calibrated",
 )
-_CALIBRATED_KEYS = ("step_edges", "entropy_edges", "temperatures")
+_CALIBRATED_KEYS = ("step_edges", "entropy_edges", "temperatures", "request_temperature_edges")
 
 
 @dataclass(frozen=True)
@@ -169,14 +194,13 @@ class TemperaturePolicy:
         """Whether evaluating this policy needs the served row's statistics (a softmax pass).
 
         ``fisher`` always does. ``calibrated`` does only when its table tells entropy buckets
-        apart, i.e. some step bucket holds different T for different entropies; an all-ones
-        (not yet fitted) or entropy-independent table is evaluated from the step alone.
+        apart, i.e. some (band, step bucket) holds different T for different entropies; an
+        all-ones (not yet fitted) or entropy-independent table is evaluated from the step (and
+        the request temperature) alone.
         """
         if self.rule is Rule.FISHER:
             return True
-        if self.rule is not Rule.CALIBRATED or self.calibrated is None:
-            return False
-        return any(len(set(row)) > 1 for row in self.calibrated.temperatures)
+        return self.rule is Rule.CALIBRATED and self.calibrated.reads_entropy
 
     def with_overrides(
         self,
@@ -242,6 +266,9 @@ class TemperaturePolicy:
                 step_edges=table.get("step_edges", calibrated.step_edges),
                 entropy_edges=table.get("entropy_edges", calibrated.entropy_edges),
                 temperatures=table.get("temperatures", calibrated.temperatures),
+                request_temperature_edges=table.get(
+                    "request_temperature_edges", calibrated.request_temperature_edges
+                ),
             )
         return cls(
             version=data.get("version", defaults.version),
@@ -296,7 +323,8 @@ def _encode(policy: TemperaturePolicy) -> dict[str, Any]:
         "calibrated": {
             "step_edges": list(table.step_edges),
             "entropy_edges": list(table.entropy_edges),
-            "temperatures": [list(row) for row in table.temperatures],
+            "temperatures": [[list(row) for row in band] for band in table.temperatures],
+            "request_temperature_edges": list(table.request_temperature_edges),
         },
     }
 
@@ -310,7 +338,8 @@ class _PolicyTensors:
     sigma2_by_step: Tensor
     calibrated_step_edges: Tensor
     calibrated_entropy_edges: Tensor
-    calibrated_temperatures: Tensor  # [step buckets * entropy buckets], row-major
+    calibrated_request_temperature_edges: Tensor
+    calibrated_temperatures: Tensor  # [bands * step buckets * entropy buckets], row-major
 
 
 _TABLES_CACHE_SIZE = 64
@@ -343,7 +372,10 @@ def _build_policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _P
         sigma2_by_step=values(policy.sigma2_by_step),
         calibrated_step_edges=torch.tensor(table.step_edges, dtype=torch.int64, device=device),
         calibrated_entropy_edges=values(table.entropy_edges),
-        calibrated_temperatures=values([t for row in table.temperatures for t in row]),
+        calibrated_request_temperature_edges=values(table.request_temperature_edges),
+        calibrated_temperatures=values(
+            [t for band in table.temperatures for row in band for t in row]
+        ),
     )
 
 
@@ -367,6 +399,7 @@ def policy_temperature(
     fixed: Tensor | None = None,
     t_min: Tensor | None = None,
     t_max: Tensor | None = None,
+    request_temperature: Tensor | None = None,
     validate: bool = True,
 ) -> Tensor:
     """T* for each row under ``policy``: ``[B]`` float32 on ``step``'s device, in the bounds.
@@ -384,6 +417,8 @@ def policy_temperature(
         fixed: ``[B]`` per-row T of the ``fixed`` rule, overriding ``policy.fixed_temperature``.
         t_min, t_max: ``[B]`` per-row bounds overriding ``policy.bounds`` (same contract as
             :class:`~noisy_temp_server.temperature.rules.TemperatureBounds`; not re-checked).
+        request_temperature: ``[B]`` each row's request temperature (> 0), which picks the
+            band of the ``calibrated`` table; None: every row at 1. Other rules ignore it.
         validate: check ``served_logits`` with ``check_logits`` (one device sync); with
             ``False`` a row with NaN statistics (NaN or +inf logits, or every token masked)
             gets T* = 1 instead of raising, under every rule that reads the served row.
@@ -412,7 +447,13 @@ def policy_temperature(
             )
         elif served_features.entropy.shape != (batch,) or served_features.var_q.shape != (batch,):
             raise ValueError(f"served_features fields must have shape [{batch}]")
-    for name, per_row in (("fixed", fixed), ("t_min", t_min), ("t_max", t_max)):
+    per_row_inputs = (
+        ("fixed", fixed),
+        ("t_min", t_min),
+        ("t_max", t_max),
+        ("request_temperature", request_temperature),
+    )
+    for name, per_row in per_row_inputs:
         if per_row is not None and per_row.shape != (batch,):
             raise ValueError(f"{name} must have shape [{batch}], got {tuple(per_row.shape)}")
 
@@ -439,21 +480,40 @@ def policy_temperature(
         var_q = served_features.var_q.to(device)
         temperature = fisher_temperature(sigma2, var_q, policy.fisher_var_floor)
     else:
-        step_bucket = bucket_index(step, tables.calibrated_step_edges)
-        entropy_buckets = tables.calibrated_entropy_edges.shape[0]
-        if served_features is None:  # the table does not depend on entropy
-            temperature = tables.calibrated_temperatures[step_bucket * entropy_buckets]
-        else:
-            entropy = served_features.entropy.to(device=device, dtype=torch.float32)
-            entropy_bucket = bucket_index(entropy, tables.calibrated_entropy_edges)
-            flat_index = step_bucket * entropy_buckets + entropy_bucket
-            # bucketize puts NaN in the last bucket; a row with no entropy gets NaN: T* = 1.
-            temperature = torch.where(
-                entropy.isnan(), torch.nan, tables.calibrated_temperatures[flat_index]
-            )
+        temperature = _calibrated_temperature(tables, step, served_features, request_temperature)
     lower = policy.bounds.t_min if t_min is None else t_min
     upper = policy.bounds.t_max if t_max is None else t_max
     return clamp_temperature(temperature.to(torch.float32), lower, upper)
+
+
+def _calibrated_temperature(
+    tables: _PolicyTensors,
+    step: Tensor,
+    served_features: ServedRowFeatures | None,
+    request_temperature: Tensor | None,
+) -> Tensor:
+    """The calibrated table's T per row (before bounds): band x step bucket x entropy bucket.
+
+    Without ``served_features`` the table does not depend on entropy (entropy bucket 0);
+    without ``request_temperature`` every row is in the band of T_request = 1.
+    """
+    step_buckets = tables.calibrated_step_edges.shape[0]
+    entropy_buckets = tables.calibrated_entropy_edges.shape[0]
+    if request_temperature is None:
+        request_temperature = torch.ones(step.shape[0], device=step.device)
+    band = bucket_index(
+        request_temperature.to(device=step.device, dtype=torch.float32),
+        tables.calibrated_request_temperature_edges,
+    )
+    flat_index = (band * step_buckets + bucket_index(step, tables.calibrated_step_edges)) * (
+        entropy_buckets
+    )
+    if served_features is None:
+        return tables.calibrated_temperatures[flat_index]
+    entropy = served_features.entropy.to(device=step.device, dtype=torch.float32)
+    flat_index = flat_index + bucket_index(entropy, tables.calibrated_entropy_edges)
+    # bucketize puts NaN in the last bucket; a row with no entropy gets NaN: T* = 1.
+    return torch.where(entropy.isnan(), torch.nan, tables.calibrated_temperatures[flat_index])
 
 
 @dataclass(frozen=True)
@@ -489,8 +549,7 @@ def step_temperatures(
     Args:
         policy: the request's policy (rule overrides already applied).
         request_temperature: the request's own temperature (> 0; greedy requests are never
-            tuned). No rule reads it yet: it is the input for T* that depends on the
-            request's temperature band.
+            tuned): it picks the band of a ``calibrated`` table.
         fixed, t_min, t_max: the request's ``fixed`` T and bounds (None: the policy's).
 
     The values are :func:`policy_temperature` at the first step of each bucket (bounds
@@ -515,5 +574,6 @@ def step_temperatures(
         fixed=None if fixed is None else torch.full((buckets,), fixed),
         t_min=torch.full((buckets,), lower),
         t_max=torch.full((buckets,), upper),
+        request_temperature=torch.full((buckets,), request_temperature),
     )
     return StepTemperatures(edges, tuple(temperature.tolist()), 0.0, lower, upper)

@@ -405,6 +405,7 @@ class SlotTuning:
                 served_features=served,
                 t_min=t_min,
                 t_max=t_max,
+                request_temperature=request_temperature,
                 validate=False,
             )
             mine = policy_of_row == entry.policy_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -245,7 +246,7 @@ def _hierarchy_records(
 
 
 def _fit_table(fit: PositionRecords, validation: PositionRecords) -> torch.Tensor:
-    edges, table = fit_calibrated_table(
+    table = fit_calibrated_table(
         fit,
         validation,
         step_edges=(0, 4, 12),
@@ -253,8 +254,9 @@ def _fit_table(fit: PositionRecords, validation: PositionRecords) -> torch.Tenso
         bounds=BOUNDS,
         min_cell_positions=40,
     )
-    assert edges == (0.0, 1.5)
-    return torch.tensor(table)
+    assert table.entropy_edges == (0.0, 1.5)
+    assert table.request_temperature_edges == (0.0,)
+    return torch.tensor(table.temperatures[0])
 
 
 def test_calibrated_table_finds_one_global_temperature() -> None:
@@ -287,23 +289,101 @@ def test_calibrated_table_needs_evidence_in_every_node() -> None:
     )
     fit = PositionRecords.concat([noisy_fit, clean_fit])
     check = PositionRecords.concat([noisy_check, clean_check])
-    edges, table = fit_calibrated_table(
+    fitted = fit_calibrated_table(
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=50
     )
-    assert edges == (0.0,)
+    assert fitted.entropy_edges == (0.0,)
+    (table,) = fitted.temperatures
     assert table[0][0] > 1.3
     assert table[1][0] == pytest.approx(1.0, abs=0.01)
     # a bucket too thin to judge alone inherits the global T, not 1
-    _, thin = fit_calibrated_table(
+    (thin,) = fit_calibrated_table(
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=300
-    )
+    ).temperatures
     assert thin[0][0] == thin[1][0] > 1.1
     # too little evidence anywhere: the global T (the fixed rule's) everywhere
-    _, sparse = fit_calibrated_table(
+    (sparse,) = fit_calibrated_table(
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=500
-    )
+    ).temperatures
     global_t = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, BOUNDS)
     assert sparse == ((global_t,), (global_t,))
+
+
+def _constant(value: float, step: torch.Tensor) -> torch.Tensor:
+    return torch.full(step.shape, value)
+
+
+def _at_request_temperature(records: PositionRecords, temperature: float) -> PositionRecords:
+    return dataclasses.replace(
+        records, request_temperature=torch.full((len(records),), temperature)
+    )
+
+
+def test_calibrated_table_has_one_band_per_request_temperature() -> None:
+    # at T_r 0.5 the optimum is e^0.4, at T_r 1 it is 1: each band starts from its own constant
+    parts = [
+        (_hierarchy_records(functools.partial(_constant, log_t), seed), t_r)
+        for log_t, seed, t_r in ((0.4, 5, 0.5), (0.0, 6, 1.0))
+    ]
+    fit, validation = (
+        PositionRecords.concat([_at_request_temperature(p[i], t_r) for p, t_r in parts])
+        for i in (0, 1)
+    )
+    table = fit_calibrated_table(
+        fit, validation, step_edges=(0, 12), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=40
+    )
+    assert table.request_temperature_edges == (0.0, 0.75)
+    low, high = (torch.tensor(band) for band in table.temperatures)
+    assert bool(((low - math.exp(0.4)).abs() < 0.05).all()), low
+    assert bool(((high - 1.0).abs() < 0.05).all()), high
+    policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table)
+    served = rule_temperatures(policy, fit)
+    assert bool(
+        (
+            (served - torch.where(fit.request_temperature < 0.75, low[0, 0], high[0, 0])).abs()
+            < 1e-6
+        ).all()
+    )
+    with pytest.raises(ValueError, match="share their request temperatures"):
+        fit_calibrated_table(
+            fit,
+            validation.select(validation.request_temperature == 1.0),
+            step_edges=(0, 12),
+            entropy_buckets=1,
+            bounds=BOUNDS,
+            min_cell_positions=40,
+        )
+
+
+def test_records_at_a_request_temperature_measure_kl_to_the_clean_model_at_it() -> None:
+    generator = torch.Generator().manual_seed(9)
+    clean = torch.randn(6, 50, generator=generator) * 3
+    served = clean + torch.randn(6, 50, generator=generator)
+    step = torch.arange(6)
+    at_one = PositionRecords.from_logits(clean, served, step=step, sequence_id=0)
+    at_half = PositionRecords.from_logits(
+        clean, served, step=step, sequence_id=0, request_temperature=0.5
+    )
+    assert at_half.request_temperature.tolist() == [0.5] * 6
+    for t_index in (8, 16, 20):
+        t = float(KL_CURVE_TEMPERATURES[t_index])
+        expected = kl_to_clean(clean / 0.5, served / 0.5, t)
+        torch.testing.assert_close(at_half.kl_curve[:, t_index], expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(at_half.kl_at_one, kl_to_clean(clean / 0.5, served / 0.5, 1.0))
+    assert not torch.allclose(at_half.kl_at_one, at_one.kl_at_one)
+    for name in ("served_entropy", "served_var", "served_top_prob", "sigma2", "tau2"):
+        assert torch.equal(getattr(at_half, name), getattr(at_one, name)), name
+    with pytest.raises(ValueError, match="request_temperature must be > 0"):
+        PositionRecords.from_logits(clean, served, step=step, sequence_id=0, request_temperature=0)
+
+
+def test_request_temperatures_must_include_one_and_ascend() -> None:
+    assert CalibrationSettings().request_temperatures == (0.5, 0.7, 1.0, 1.2)
+    for bad in ((0.5, 0.7), (1.0, 0.5), (0.0, 1.0), (1.0, 1.0)):
+        with pytest.raises(ValueError, match="request_temperatures"):
+            CalibrationSettings(request_temperatures=bad)
+    with pytest.raises(ValueError, match="must be < 1"):
+        CalibrationSettings(validation_fraction=0.5, test_fraction=0.5)
 
 
 def test_rule_temperatures_from_features_match_policy_temperature_on_logits() -> None:
@@ -315,7 +395,7 @@ def test_rule_temperatures_from_features_match_policy_temperature_on_logits() ->
     table = CalibratedTable(
         step_edges=(0, 5),
         entropy_edges=(0.0, 2.0, 4.0),
-        temperatures=((0.7, 1.2, 2.0), (1.5, 1.0, 3.0)),
+        temperatures=(((0.7, 1.2, 2.0), (1.5, 1.0, 3.0)),),
     )
     for rule in Rule:
         policy = TemperaturePolicy(
@@ -346,7 +426,7 @@ def test_quality_table_rows_closure_and_refusal() -> None:
     assert table.same_top_rate == pytest.approx(float(records.same_top.double().mean()))
     assert table.sequences == 20
     assert "| fixed |" in table.to_markdown()
-    assert table.to_markdown().startswith("Test split: ")
+    assert table.to_markdown().startswith("Test split at request temperature 1: ")
     with pytest.raises(InsufficientDataError, match=r"only 99 test positions.*at least 100"):
         quality_table(records.select(torch.arange(99)), [policy], split="test")
 
@@ -396,6 +476,7 @@ def _curve_records(
         served_entropy=1.0 + (step % 2).float(),
         served_var=ones,
         served_top_prob=ones / 2,
+        request_temperature=ones,
         kl_curve=0.01 + 0.1 * (grid.log()[None, :] - log_optimum[:, None]).square(),
         curve_temperatures=grid,
     )
@@ -475,6 +556,7 @@ def test_a_lower_but_insignificant_kl_loses_to_a_significant_rule() -> None:
     rows = (row("T=1", 0.1, 0.0), row("fixed", 0.08, 0.011), row("linear", 0.09, 0.004))
     table = QualityTable(
         split="validation",
+        request_temperatures=(1.0,),
         positions=1000,
         sequences=10,
         same_top_rate=1.0,
@@ -521,6 +603,13 @@ def test_calibration_end_to_end_on_the_tiny_model(calibrated: _Calibrated, tmp_p
         assert names == ["T=1", *(r.value for r in FITTED_RULES), "oracle"]
         assert quality.row("oracle").mean_kl <= min(r.mean_kl for r in quality.rows) + 1e-6
         assert quality.positions >= 40
+    assert test.request_temperatures == (0.5, 0.7, 1.0, 1.2)
+    by_temperature = profile.test_quality_by_request_temperature
+    assert [q.request_temperatures for q in by_temperature] == [(0.5,), (0.7,), (1.0,), (1.2,)]
+    assert sum(q.positions for q in by_temperature) == test.positions
+    table = profile.to_policy("calibrated").calibrated
+    assert table.request_temperature_edges == pytest.approx((0.0, 0.6, 0.85, 1.1))
+    assert len(table.temperatures) == 4
     one, cal = test.row("T=1"), test.row("calibrated")
     assert cal.mean_kl <= one.mean_kl + 2 * one.stderr
     assert profile.to_policy().rule == profile.recommended_rule

@@ -40,7 +40,7 @@ def test_serves_t_one_until_enough_evidence_then_publishes_a_new_version() -> No
     estimator.add(_request(9))
     policy = estimator.current_policy()
     assert policy.version == first.version + 1
-    assert max(max(row) for row in policy.calibrated.temperatures) > 1.2
+    assert max(t for band in policy.calibrated.temperatures for row in band for t in row) > 1.2
     assert min(policy.alpha_by_step) > 0.3
     status = estimator.status()
     assert status["positions_seen"] == 400
@@ -58,7 +58,7 @@ def test_a_profile_recommending_off_learns_with_its_calibrated_table() -> None:
         estimator.add(_request(request))
     policy = estimator.current_policy()
     assert (policy.rule, policy.version) == (Rule.CALIBRATED, 1)
-    assert max(max(row) for row in policy.calibrated.temperatures) > 1.2
+    assert max(t for band in policy.calibrated.temperatures for row in band for t in row) > 1.2
 
 
 def test_keeps_a_rule_the_profile_recommends() -> None:

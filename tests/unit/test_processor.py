@@ -214,7 +214,7 @@ def test_rows_with_nan_logits_keep_their_logits_and_are_counted(
 def test_calibrated_rows_without_an_entropy_keep_their_logits_and_are_counted(
     registry: CollectorRegistry,
 ) -> None:
-    table = CalibratedTable(entropy_edges=(0.0, 1.0), temperatures=((2.0, 3.0),))
+    table = CalibratedTable(entropy_edges=(0.0, 1.0), temperatures=(((2.0, 3.0),),))
     policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table)
     processor = _processor(registry)
     outputs: list[list[int]] = [[], [], []]

@@ -30,8 +30,9 @@ def test_round_trip(tmp_path: Path) -> None:
 def test_to_policy_carries_every_parameter() -> None:
     policy = sample_profile().to_policy()
     assert policy.rule is Rule.CALIBRATED
-    assert policy.calibrated.temperatures == ((0.9, 1.0), (1.0, 1.1))
+    assert policy.calibrated.temperatures == (((1.2, 1.3), (1.25, 1.35)), ((0.9, 1.0), (1.0, 1.1)))
     assert policy.calibrated.entropy_edges == (0.0, 1.5)
+    assert policy.calibrated.request_temperature_edges == (0.0, 0.85)
     linear = sample_profile().to_policy("linear", version=3)
     assert (linear.rule, linear.version, linear.alpha_by_step) == (Rule.LINEAR, 3, (0.1, 0.2))
     assert TemperaturePolicy.from_json(linear.to_json()) == linear
@@ -129,7 +130,7 @@ def test_corrupt_profiles_fail_clearly(tmp_path: Path, mutate: object, message: 
             "'fixed_temperature' must be a finite number",
         ),
         ("parameters", "t_min", 0, "t_min must satisfy 0 < t_min"),
-        ("parameters", "calibrated_temperatures", [[1.0]], "'calibrated.temperatures' must be"),
+        ("parameters", "calibrated_temperatures", [[[1.0]]], "'calibrated.temperatures' must be"),
         ("parameters", "alpha_by_step", [0.1], "'alpha_by_step' must be"),
         ("settings", "t_max", 0.5, "t_max must satisfy"),
         ("settings", "step_edges", [4, 0], "'step_edges' must be"),

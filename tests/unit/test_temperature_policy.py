@@ -41,7 +41,7 @@ def full_policy(rule: Rule = Rule.LINEAR) -> TemperaturePolicy:
         calibrated=CalibratedTable(
             step_edges=(0, 16),
             entropy_edges=(0.0, 0.5),
-            temperatures=((0.8, 1.1), (0.9, 1.3)),
+            temperatures=(((0.8, 1.1), (0.9, 1.3)),),
         ),
     )
 
@@ -95,6 +95,30 @@ def test_calibrated_looks_up_step_and_served_entropy() -> None:
     step = torch.tensor([0, 3, 16, 400])
     t = policy_temperature(full_policy(Rule.CALIBRATED), served_logits=served, step=step)
     assert t.tolist() == pytest.approx([1.1, 0.8, 1.3, 0.9])
+
+
+def test_calibrated_bands_are_picked_by_the_request_temperature() -> None:
+    # bands [0, 0.6), [0.6, 0.85), [0.85, inf); step buckets [0, 4), [4, inf); no entropy split
+    table = CalibratedTable(
+        step_edges=(0, 4),
+        temperatures=(((1.5,), (1.4,)), ((1.2,), (1.1,)), ((1.0,), (0.95,))),
+        request_temperature_edges=(0.0, 0.6, 0.85),
+    )
+    policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table)
+    assert not policy.reads_served_row
+    step = torch.tensor([0, 5, 0, 5, 0, 5, 2])
+    request = torch.tensor([0.5, 0.5, 0.7, 0.7, 1.0, 1.2, 0.6])
+    t = policy_temperature(policy, step, request_temperature=request)
+    assert t.tolist() == pytest.approx([1.5, 1.4, 1.2, 1.1, 1.0, 0.95, 1.2])
+    # without request temperatures every row is at T_request = 1
+    assert policy_temperature(policy, step[:2]).tolist() == pytest.approx([1.0, 0.95])
+    # other rules ignore it
+    fixed = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.3)
+    assert policy_temperature(fixed, step, request_temperature=request).tolist() == (
+        pytest.approx([1.3] * 7)
+    )
+    with pytest.raises(ValueError, match=r"request_temperature must have shape \[7\]"):
+        policy_temperature(policy, step, request_temperature=request[:3])
 
 
 def test_per_row_overrides_replace_policy_values() -> None:
@@ -233,11 +257,16 @@ def policies(draw: st.DrawFn) -> TemperaturePolicy:
     entropy_gaps = draw(st.lists(st.floats(0.01, 3.0), min_size=0, max_size=3))
     entropy_edges = tuple(float(sum(entropy_gaps[:i])) for i in range(len(entropy_gaps) + 1))
     cal_steps = draw(st.sampled_from([(0,), (0, 8), (0, 8, 64)]))
+    band_edges = draw(st.sampled_from([(0.0,), (0.0, 0.85), (0.0, 0.6, 0.85, 1.1)]))
     table = draw(
         st.lists(
-            st.lists(positive, min_size=len(entropy_edges), max_size=len(entropy_edges)),
-            min_size=len(cal_steps),
-            max_size=len(cal_steps),
+            st.lists(
+                st.lists(positive, min_size=len(entropy_edges), max_size=len(entropy_edges)),
+                min_size=len(cal_steps),
+                max_size=len(cal_steps),
+            ),
+            min_size=len(band_edges),
+            max_size=len(band_edges),
         )
     )
     return TemperaturePolicy(
@@ -251,7 +280,9 @@ def policies(draw: st.DrawFn) -> TemperaturePolicy:
         fisher_var_floor=draw(positive),
         schedule_t_max=draw(positive),
         schedule_beta=draw(finite),
-        calibrated=CalibratedTable(cal_steps, entropy_edges, tuple(map(tuple, table))),
+        calibrated=CalibratedTable(
+            cal_steps, entropy_edges, tuple(tuple(map(tuple, band)) for band in table), band_edges
+        ),
     )
 
 
@@ -296,7 +327,7 @@ def test_noise_free_parameters_give_exactly_one_under_every_rule(
         schedule_t_max=1.0,
         schedule_beta=0.0,
         calibrated=CalibratedTable(
-            step_edges=(0, 16), entropy_edges=(0.0, 0.5, 2.0), temperatures=((1.0,) * 3,) * 2
+            step_edges=(0, 16), entropy_edges=(0.0, 0.5, 2.0), temperatures=(((1.0,) * 3,) * 2,)
         ),
     )
     generator = torch.Generator().manual_seed(seed)
@@ -340,10 +371,22 @@ def test_noise_free_parameters_give_exactly_one_under_every_rule(
         ('{"schedule_beta":-1}', "'schedule_beta' must be a finite number >= 0"),
         ('{"calibrated":[]}', "'calibrated' must be an object"),
         ('{"calibrated":{"t":1}}', r"'calibrated' has unknown field\(s\) \['t'\]"),
-        ('{"calibrated":{"temperatures":[[1,2]]}}', "'calibrated.temperatures' must be a 1 x 1"),
-        ('{"calibrated":{"temperatures":[[0]]}}', "'calibrated.temperatures'"),
+        (
+            '{"calibrated":{"temperatures":[[[1,2]]]}}',
+            "'calibrated.temperatures' must be a 1 x 1 x 1",
+        ),
+        ('{"calibrated":{"temperatures":[[1]]}}', "'calibrated.temperatures' must be a 1 x 1 x 1"),
+        ('{"calibrated":{"temperatures":[[[0]]]}}', "'calibrated.temperatures'"),
         ('{"calibrated":{"entropy_edges":[0,0]}}', "'calibrated.entropy_edges'"),
-        ('{"calibrated":{"step_edges":[0,4]}}', "'calibrated.temperatures' must be a 2 x 1"),
+        ('{"calibrated":{"step_edges":[0,4]}}', "'calibrated.temperatures' must be a 1 x 2 x 1"),
+        (
+            '{"calibrated":{"request_temperature_edges":[0,1]}}',
+            "'calibrated.temperatures' must be a 2 x 1 x 1",
+        ),
+        (
+            '{"calibrated":{"request_temperature_edges":[0.5]}}',
+            "'calibrated.request_temperature_edges'",
+        ),
     ],
 )
 def test_malformed_json_raises_naming_the_field(text: str, message: str) -> None:
@@ -374,10 +417,10 @@ def test_the_core_imports_no_serving_stack() -> None:
 
 def test_only_fisher_and_entropy_dependent_tables_read_the_served_row() -> None:
     by_step_only = CalibratedTable(
-        step_edges=(0, 4), entropy_edges=(0.0, 2.0), temperatures=((0.9, 0.9), (1.1, 1.1))
+        step_edges=(0, 4), entropy_edges=(0.0, 2.0), temperatures=(((0.9, 0.9), (1.1, 1.1)),)
     )
     by_entropy = CalibratedTable(
-        step_edges=(0, 4), entropy_edges=(0.0, 2.0), temperatures=((0.9, 0.9), (1.0, 1.2))
+        step_edges=(0, 4), entropy_edges=(0.0, 2.0), temperatures=(((0.9, 0.9), (1.0, 1.2)),)
     )
     reads = {
         name: policy.reads_served_row

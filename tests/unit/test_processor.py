@@ -364,3 +364,34 @@ def test_is_argmax_invariant(registry: CollectorRegistry) -> None:
 def test_validate_params_rejects_bad_keys(keys: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         NoisyTemperatureLogitsProcessor.validate_params(SamplingParams(extra_args=keys))
+
+
+@pytest.mark.parametrize("by_entropy", [False, True], ids=["step table", "entropy table"])
+def test_calibrated_bands_follow_each_request_temperature(
+    registry: CollectorRegistry, by_entropy: bool
+) -> None:
+    # bands [0, 0.6) -> T* 2, [0.6, 0.85) -> 1.5, [0.85, inf) -> 1.25; with an entropy split
+    # the served row is read per step (its entropy is above 1 nat: the second column)
+    low_entropy = 0.5 if by_entropy else None
+    table = CalibratedTable(
+        entropy_edges=(0.0, 1.0),
+        temperatures=tuple(((low_entropy or t, t),) for t in (2.0, 1.5, 1.25)),
+        request_temperature_edges=(0.0, 0.6, 0.85),
+    )
+    policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table)
+    assert policy.reads_served_row is by_entropy
+    processor = _processor(registry)
+    request_temperatures = (0.5, 0.7, 1.2)
+    _add(
+        processor,
+        3,
+        *[
+            (row, _params(t, nts_policy=policy.to_json()), [])
+            for row, t in enumerate(request_temperatures)
+        ],
+    )
+    logits = _logits(3)
+    before = logits.clone()
+    out = processor.apply(logits)
+    for row, expected in enumerate((2.0, 1.5, 1.25)):
+        torch.testing.assert_close(out[row], before[row] / expected, rtol=1e-6, atol=1e-6)

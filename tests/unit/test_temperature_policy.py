@@ -1,6 +1,7 @@
 """Tests for noisy_temp_server.temperature.policy: validation, JSON, overrides, evaluation."""
 
 import dataclasses
+import itertools
 import math
 import subprocess
 import sys
@@ -453,15 +454,26 @@ def test_only_fisher_and_entropy_dependent_tables_read_the_served_row() -> None:
 def test_admission_evaluation_gives_the_per_step_temperature(rule: Rule) -> None:
     policy = dataclasses.replace(
         full_policy(rule),
-        calibrated=CalibratedTable(step_edges=(0, 4, 100), temperatures=((0.75,), (1.5,), (2.5,))),
+        calibrated=CalibratedTable(
+            step_edges=(0, 4, 100),
+            temperatures=(((0.75,), (1.5,), (2.5,)), ((0.9,), (1.2,), (1.1,))),
+            request_temperature_edges=(0.0, 0.85),
+        ),
     )
     steps = torch.arange(0, 700)
-    for overrides in ({}, {"fixed": 2.5, "t_min": 0.8, "t_max": 2.2}):
-        table = step_temperatures(policy, 0.7, **overrides)
+    for overrides, request_temperature in itertools.product(
+        ({}, {"fixed": 2.5, "t_min": 0.8, "t_max": 2.2}), (0.7, 1.0)
+    ):
+        table = step_temperatures(policy, request_temperature, **overrides)
         assert table is not None
         assert set(policy.step_edges) <= set(table.step_edges)
         per_row = {name: torch.full((len(steps),), value) for name, value in overrides.items()}
-        expected = policy_temperature(policy, steps, **per_row)
+        expected = policy_temperature(
+            policy,
+            steps,
+            request_temperature=torch.full((len(steps),), request_temperature),
+            **per_row,
+        )
         bucket = bucket_index(steps, torch.tensor(table.step_edges))
         scale = torch.tensor(table.scale)[bucket]
         found = torch.clamp(scale * torch.rsqrt(steps * table.beta + 1.0), table.t_min, table.t_max)

@@ -1,14 +1,29 @@
-"""Held-out quality of every temperature rule on the embedded default model, per perturbation.
+"""Test-split quality of every temperature rule on the embedded default model, per perturbation
+family and request temperature.
 
-    .venv/bin/python benchmarks/quality.py [--num-prompts 48] [--max-new-tokens 32] [--threads N]
+    .venv/bin/python benchmarks/quality.py [--families int4 logit-noise ...] [--num-prompts 48]
+        [--max-new-tokens 32] [--threads N]
 
-For gaussian weight noise 0.01, 0.02, 0.05, int4 RTN (group 128), int8, fp8 e4m3 and runtime
-logit noise sigma = 1, runs the calibration pipeline (served-model completions, pair scoring,
-fit on half the prompts, quality table on the other half) and prints one table per
-perturbation with its wall time, recommended rule and calibrated table. Writes
-benchmarks/results/quality.md and quality.json. With the defaults (48 prompts: 24 to fit, of
-which 12 fit the calibrated table and 12 check it, and 24 held out) it takes about 11 minutes
-with --threads 1 on 2 CPU cores.
+Families: noise-0.01, noise-0.02, noise-0.05 (gaussian weight noise), int4 (RTN, group 128),
+int8, fp8 (e4m3) and logit-noise (runtime logit noise sigma = 1); default: all. For each, runs
+the calibration pipeline (served-model completions, pair scoring at the request temperatures
+0.5, 0.7, 1.0 and 1.2, rules fitted on the fit prompts, the recommended rule chosen on the
+validation prompts) and reports on the test prompts, per request temperature T_r (KL to the
+clean model at T_r, softmax(z/T_r)):
+
+- mean KL at T* = 1 and of the per-position oracle; the closure of the T = 1 -> oracle gap of
+  every rule (`fixed` is one constant fitted at T_r = 1; `calibrated` has one band per T_r);
+- `const`: the best constant fitted on the fit prompts at this T_r (the calibrated band's
+  starting point), and `hindsight`: the best constant fitted on the test prompts themselves,
+  an upper bound for any constant; with their T;
+- the served (recommended) rule's closure next to the hindsight constant's;
+- "never behind the constant": the paired per-position difference KL(const) - KL(calibrated)
+  on the test prompts, its mean ± cluster-robust standard error; the check passes when
+  mean + 2 s.e. >= 0.
+
+Writes benchmarks/results/quality.md and quality.json. 48 prompts (about 19 fit, 14
+validation, 15 test) of 32 tokens take a few minutes per family with --threads 1 on 2 CPU
+cores.
 """
 
 from __future__ import annotations
@@ -18,12 +33,21 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.calibration import calibrate
+from noisy_temp_server.estimation.calibration import CalibrationResult, calibrate
+from noisy_temp_server.estimation.fitting import (
+    FITTED_RULES,
+    best_curve_temperature,
+    finite_positions,
+    rule_temperatures,
+)
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.estimation.quality import quality_row
+from noisy_temp_server.estimation.significance import is_not_worse
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import (
@@ -32,22 +56,129 @@ from noisy_temp_server.pairs.perturb import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
 )
+from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.rules import Rule
 
-SPECS: tuple[PerturbationSpec, ...] = (
-    WeightNoiseSpec(scale=0.01),
-    WeightNoiseSpec(scale=0.02),
-    WeightNoiseSpec(scale=0.05),
-    QuantizationSpec(format="int4", group_size=128),
-    QuantizationSpec(format="int8"),
-    QuantizationSpec(format="fp8_e4m3"),
-    RuntimeLogitNoiseSpec(sigma=1.0),
-)
+FAMILIES: dict[str, PerturbationSpec] = {
+    "noise-0.01": WeightNoiseSpec(scale=0.01),
+    "noise-0.02": WeightNoiseSpec(scale=0.02),
+    "noise-0.05": WeightNoiseSpec(scale=0.05),
+    "int4": QuantizationSpec(format="int4", group_size=128),
+    "int8": QuantizationSpec(format="int8"),
+    "fp8": QuantizationSpec(format="fp8_e4m3"),
+    "logit-noise": RuntimeLogitNoiseSpec(sigma=1.0),
+}
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _at(records: PositionRecords, request_temperature: float) -> PositionRecords:
+    return finite_positions(records.select(records.request_temperature == request_temperature))
+
+
+def _kl_at_constant(records: PositionRecords, temperature: float) -> torch.Tensor:
+    constant = torch.full((len(records),), temperature)
+    return interpolate_kl(records.kl_curve, records.curve_temperatures, constant)
+
+
+def _request_temperature_row(
+    result: CalibrationResult, request_temperature: float, bounds: Any
+) -> dict[str, Any]:
+    """Every figure of one (family, T_r) line, from the test records at T_r."""
+    fit, test = _at(result.fit, request_temperature), _at(result.test, request_temperature)
+    profile = result.profile
+    kl_one = float(test.kl_at_one.double().mean())
+    kl_oracle = float(test.oracle_kl.double().mean())
+    gap = kl_one - kl_oracle
+
+    def closure(kl: torch.Tensor) -> float:
+        return (kl_one - float(kl.double().mean())) / gap
+
+    rule_kl = {
+        rule.value: interpolate_kl(
+            test.kl_curve,
+            test.curve_temperatures,
+            rule_temperatures(profile.to_policy(rule), test),
+        )
+        for rule in FITTED_RULES
+    }
+    rule_kl["off"] = test.kl_at_one
+    constant_t = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
+    hindsight_t = best_curve_temperature(test.kl_curve, test.curve_temperatures, bounds)
+    constant_kl = _kl_at_constant(test, constant_t)
+    versus = quality_row(
+        "calibrated",
+        kl=rule_kl["calibrated"],
+        temperatures=rule_temperatures(profile.to_policy(Rule.CALIBRATED), test),
+        sequence_ids=test.sequence_id,
+        kl_at_one=test.kl_at_one,
+        kl_one=kl_one,
+        kl_oracle=kl_oracle,
+        kl_fixed=constant_kl,
+    )
+    assert versus.gain_over_fixed is not None
+    assert versus.gain_over_fixed_stderr is not None
+    served = profile.recommended_rule.value
+    return {
+        "request_temperature": request_temperature,
+        "positions": len(test),
+        "kl_t1": kl_one,
+        "kl_oracle": kl_oracle,
+        "closure": {name: closure(kl) for name, kl in rule_kl.items() if name != "off"},
+        "constant_t": constant_t,
+        "constant_closure": closure(constant_kl),
+        "hindsight_t": hindsight_t,
+        "hindsight_closure": closure(_kl_at_constant(test, hindsight_t)),
+        "served_rule": served,
+        "served_closure": closure(rule_kl[served]),
+        "calibrated_minus_constant": versus.gain_over_fixed,
+        "calibrated_minus_constant_stderr": versus.gain_over_fixed_stderr,
+        "not_behind_constant": is_not_worse(versus.gain_over_fixed, versus.gain_over_fixed_stderr),
+    }
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:+.1f}%"
+
+
+def _markdown(label: str, seconds: float, result: CalibrationResult, rows: list[dict]) -> str:
+    rules = [rule.value for rule in FITTED_RULES]
+    lines = [
+        f"## {label}",
+        "",
+        f"served (recommended on validation): {result.profile.recommended_rule.value}; "
+        f"wall time {seconds:.0f} s; test split: "
+        f"{result.profile.test_quality.sequences} prompts",
+        "",
+        "| T_r | KL T=1 | "
+        + " | ".join(rules)
+        + " | const (T) | hindsight (T) | oracle KL | served | calibrated − const ± s.e. |",
+        "|---:|---:|" + "---:|" * len(rules) + "---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        closures = " | ".join(_percent(row["closure"][rule]) for rule in rules)
+        check = "ok" if row["not_behind_constant"] else "BEHIND"
+        lines.append(
+            f"| {row['request_temperature']:g} | {1e3 * row['kl_t1']:.2f} | {closures} "
+            f"| {_percent(row['constant_closure'])} ({row['constant_t']:.3f}) "
+            f"| {_percent(row['hindsight_closure'])} ({row['hindsight_t']:.3f}) "
+            f"| {1e3 * row['kl_oracle']:.2f} "
+            f"| {_percent(row['served_closure'])} vs {_percent(row['hindsight_closure'])} "
+            f"| {1e3 * row['calibrated_minus_constant']:+.3f} ± "
+            f"{1e3 * row['calibrated_minus_constant_stderr']:.3f} {check} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        choices=list(FAMILIES),
+        default=list(FAMILIES),
+        help="perturbation families to run (default: all)",
+    )
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
@@ -68,44 +199,42 @@ def main() -> int:
     prompts = load_prompts()[: args.num_prompts]
     settings = CalibrationSettings(prompts=len(prompts), max_new_tokens=args.max_new_tokens)
     sections, documents = [], []
-    for spec in SPECS:
-        spec_started = time.monotonic()
+    for name in args.families:
+        spec = FAMILIES[name]
+        family_started = time.monotonic()
         pair = load_pair(clean_path, spec=spec, device=args.device)
         result = calibrate(pair, prompts, settings, device=args.device)
-        seconds = time.monotonic() - spec_started
-        quality = result.profile.test_quality
-        parameters = result.profile.parameters
-        table = "; ".join(
-            f"steps {start}+: " + " ".join(f"{t:.3f}" for t in row)
-            for start, row in zip(
-                parameters.calibrated_step_edges, parameters.calibrated_temperatures, strict=True
-            )
-        )
-        section = (
-            f"## {spec.label}\n\nrecommended rule: {result.profile.recommended_rule.value}; "
-            f"wall time {seconds:.0f} s\n\ncalibrated T by step bucket (entropy edges "
-            f"{list(parameters.calibrated_entropy_edges)}): {table}\n\n{quality.to_markdown()}"
-        )
+        rows = [
+            _request_temperature_row(result, t, settings.bounds)
+            for t in settings.request_temperatures
+        ]
+        seconds = time.monotonic() - family_started
+        section = _markdown(spec.label, seconds, result, rows)
         print(section, flush=True)
         sections.append(section)
         documents.append(
             {
+                "family": name,
                 "perturbation": spec.model_dump(mode="json"),
                 "seconds": seconds,
                 "recommended_rule": result.profile.recommended_rule.value,
-                "noise_by_step": [n.model_dump() for n in result.profile.noise_by_step],
+                "by_request_temperature": rows,
                 "parameters": result.profile.parameters.model_dump(mode="json"),
-                "quality": quality.model_dump(mode="json"),
+                "validation_quality": result.profile.validation_quality.model_dump(mode="json"),
+                "test_quality": result.profile.test_quality.model_dump(mode="json"),
             }
         )
     total = time.monotonic() - started
     header = (
-        f"# Held-out quality on {clean_path.name}\n\n{len(prompts)} prompts (half held out), "
-        f"completions of up to {args.max_new_tokens} tokens sampled from the served model, "
-        f"device {args.device}, {torch.get_num_threads()} torch threads; total wall time "
-        f"{total:.0f} s. KL in 1e-3 nats; gain = KL(T=1) - KL, paired by position, with its "
-        "sequence-clustered standard error (a rule is recommended only if gain > 2 s.e.); "
-        "closure = (KL(T=1) - KL) / (KL(T=1) - KL(oracle)).\n"
+        f"# Test-split quality on {clean_path.name}\n\n{len(prompts)} prompts split fit / "
+        f"validation / test ({settings.validation_fraction:g} validation, "
+        f"{settings.test_fraction:g} test), completions of up to {args.max_new_tokens} tokens "
+        f"sampled from the served model, device {args.device}, {torch.get_num_threads()} torch "
+        f"threads; total wall time {total:.0f} s. Closure = (KL(T=1) - KL) / (KL(T=1) - "
+        "KL(oracle)) on the test prompts at each request temperature T_r; KL in 1e-3 nats. "
+        "const: the best constant fitted on the fit prompts at T_r; hindsight: the best "
+        "constant fitted on the test prompts. calibrated − const: paired per-position "
+        "KL(const) - KL(calibrated) ± cluster-robust s.e.; ok when mean + 2 s.e. >= 0.\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(header + "\n" + "\n".join(sections), encoding="utf-8")

@@ -8,7 +8,9 @@ least `refit_every` new ones arrived since the last fit, refits with the calibra
 the metrics), plus the best shared T for `fixed`, the floor for `fisher`, (t_max, beta) for
 `schedule`, or the table for `calibrated` (fitted top-down with a significance check at every
 split). It publishes a new `TemperaturePolicy` whose version is one higher, in which the other
-rules' parameters (which a request may select by override) stay as they were. The rule served
+rules' parameters (which a request may select by override) stay as they were. A calibrated table
+with request-temperature bands (from a profile) is kept as it is: the shadow records are
+measured at request temperature 1 and cannot refit the other bands. The rule served
 stays the one it started with, except that a profile recommending `off` starts on `calibrated`
 with the profile's table: that table is significance-gated (all ones where nothing beat T = 1),
 so it serves T = 1 until the live evidence says otherwise instead of pinning the server at
@@ -93,6 +95,9 @@ class OnlineEstimator:
         )
         self._policy = policy
         self._fitted_rules = frozenset({policy.rule}) & _PARAMETERS_OF_RULE.keys()
+        if len(policy.calibrated.request_temperature_edges) > 1:
+            # shadow records are measured at request temperature 1: keep the profile's bands
+            self._fitted_rules -= {Rule.CALIBRATED}
         self._noise: tuple[StepBucketNoise, ...] = (
             initial.noise_by_step if isinstance(initial, Profile) else ()
         )

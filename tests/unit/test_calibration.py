@@ -281,6 +281,21 @@ def test_calibrated_table_stays_at_the_global_temperature_on_pure_noise() -> Non
     assert bool((table == global_t).all()), table
 
 
+def test_without_a_validation_split_the_table_must_beat_t_one_to_leave_it() -> None:
+    # the online estimator's path: no recommendation step follows, so the root is gated too
+    fit, validation = _hierarchy_records(lambda step: torch.zeros(step.shape), 3, spread=0.3)
+    settings = CalibrationSettings(step_edges=(0, 4, 12), entropy_buckets=2, min_cell_positions=40)
+    records = PositionRecords.concat([fit, validation])
+    online, _ = fit_rules(records, settings, {Rule.CALIBRATED})
+    assert online.calibrated_temperatures == (((1.0, 1.0),) * 3,)
+    clear, _ = fit_rules(
+        PositionRecords.concat(_hierarchy_records(lambda step: torch.full(step.shape, 0.3), 4)),
+        settings,
+        {Rule.CALIBRATED},
+    )
+    assert all(t > 1.25 for row in clear.calibrated_temperatures[0] for t in row)
+
+
 def test_calibrated_table_needs_evidence_in_every_node() -> None:
     # steps 0-7: strong noise (T > 1 helps); steps 100-107: no noise (T = 1 is optimal)
     noisy_fit, noisy_check = (_records(200, shrink=1.0, noise=2.0, seed=s) for s in (1, 2))

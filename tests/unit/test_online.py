@@ -11,7 +11,7 @@ from spy_helpers import record_calls
 
 from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
-from noisy_temp_server.estimation.profile import CalibrationSettings
+from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
@@ -49,8 +49,19 @@ def test_serves_t_one_until_enough_evidence_then_publishes_a_new_version() -> No
     assert len(status["alpha_by_step"]) == len(policy.step_edges)
 
 
+def _one_band(profile: Profile) -> Profile:
+    """`profile` with only its T_r = 1 band (what a single-band calibration writes)."""
+    parameters = profile.parameters.model_copy(
+        update={
+            "calibrated_request_temperature_edges": (0.0,),
+            "calibrated_temperatures": profile.parameters.calibrated_temperatures[-1:],
+        }
+    )
+    return profile.model_copy(update={"parameters": parameters})
+
+
 def test_a_profile_recommending_off_learns_with_its_calibrated_table() -> None:
-    profile = sample_profile(Rule.OFF)
+    profile = _one_band(sample_profile(Rule.OFF))
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(profile, settings=settings, min_positions=400, refit_every=400)
     assert estimator.current_policy() == profile.to_policy(Rule.CALIBRATED)
@@ -144,3 +155,15 @@ def test_concurrent_adds_and_reads() -> None:
     assert estimator.status()["positions_seen"] == 600
     assert versions == sorted(versions)
     assert estimator.current_policy().version >= 1
+
+
+def test_a_banded_calibrated_table_is_kept_and_the_noise_refitted() -> None:
+    profile = sample_profile(Rule.CALIBRATED)  # two request-temperature bands
+    settings = CalibrationSettings(step_edges=(0, 4), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(profile, settings=settings, min_positions=400, refit_every=400)
+    for request in range(10):
+        estimator.add(_request(request))
+    policy = estimator.current_policy()
+    assert policy.version == 1
+    assert policy.calibrated == profile.to_policy().calibrated
+    assert policy.alpha_by_step != profile.parameters.alpha_by_step

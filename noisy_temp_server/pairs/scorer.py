@@ -368,19 +368,11 @@ class PairScorer:
         """`LiveScores` of one finished request: lean records plus the scoreboard's scores at
         T = 1 and at `served_temperatures` (the T* of generated step s at index s; may be
         shorter than the completion, whose later positions are then scored at T = 1 only)."""
-        grid = self.curve_temperatures.to(self.device)
         ids = list(sequence.token_ids)
         records, at_one, at_served = [], [], []
         for steps, clean, served in self.logit_chunks(sequence):
             records.append(
-                PositionRecords.from_logits(
-                    clean,
-                    served,
-                    step=steps,
-                    sequence_id=sequence.sequence_id,
-                    curve_temperatures=grid,
-                    with_oracle=False,
-                )
+                self.chunk_records(steps, clean, served, sequence.sequence_id, with_oracle=False)
             )
             first = sequence.prompt_length + int(steps[0])
             next_tokens = torch.tensor(ids[first : first + len(steps)], device=self.device)
@@ -403,21 +395,37 @@ class PairScorer:
             PositionScores.concat(at_served),
         )
 
+    def chunk_records(
+        self,
+        steps: Tensor,
+        clean: Tensor,
+        served: Tensor,
+        sequence_id: int,
+        *,
+        request_temperature: float = 1.0,
+        with_oracle: bool = True,
+    ) -> PositionRecords:
+        """`PositionRecords.from_logits` of one chunk of `logit_chunks`, on this scorer's KL
+        curve grid."""
+        return PositionRecords.from_logits(
+            clean,
+            served,
+            step=steps,
+            sequence_id=sequence_id,
+            curve_temperatures=self.curve_temperatures.to(clean.device),
+            request_temperature=request_temperature,
+            with_oracle=with_oracle,
+        )
+
     def score_sequence(
         self, sequence: ScoringSequence, request_temperatures: Sequence[float] = (1.0,)
     ) -> PositionRecords:
         """Records for the completion positions of one sequence (see the module docstring),
         each position once per request temperature (`PositionRecords.from_logits`), in the
         order of `request_temperatures`, chunk by chunk."""
-        grid = self.curve_temperatures.to(self.device)
         parts = [
-            PositionRecords.from_logits(
-                clean,
-                served,
-                step=steps,
-                sequence_id=sequence.sequence_id,
-                curve_temperatures=grid,
-                request_temperature=temperature,
+            self.chunk_records(
+                steps, clean, served, sequence.sequence_id, request_temperature=temperature
             )
             for steps, clean, served in self.logit_chunks(sequence)
             for temperature in request_temperatures

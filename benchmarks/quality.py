@@ -184,6 +184,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
+        "--profiles",
+        type=Path,
+        default=None,
+        help="also write each family's profile here, as <family>.profile.json",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -209,6 +215,9 @@ def main() -> int:
             for t in settings.request_temperatures
         ]
         seconds = time.monotonic() - family_started
+        if args.profiles is not None:
+            args.profiles.mkdir(parents=True, exist_ok=True)
+            result.profile.save(args.profiles / f"{name}.profile.json")
         section = _markdown(spec.label, seconds, result, rows)
         print(section, flush=True)
         sections.append(section)

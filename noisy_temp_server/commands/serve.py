@@ -1,12 +1,13 @@
 """`noisy-temp-server serve`: the OpenAI-compatible server in front of vLLM.
 
 With no arguments it serves the embedded default model (SmolLM2-135M-Instruct, converted once
-into the cache) perturbed by the default spec (gaussian weight noise, 0.02 of each weight
-matrix's std; written once to the cache), keeps the clean model for shadow scoring, runs on the
-CPU and listens on 127.0.0.1:8000. A runtime logit noise spec (`--perturbation`, or recorded in
-the manifest of `--served-model`) serves unchanged weights and adds the noise in the engine
-(`RuntimeLogitNoiseProcessor`) and in the shadow scorer. Every setting is a flag here and an
-`NTS_*` environment variable (see `noisy_temp_server.settings`).
+into the cache) with the default perturbation (runtime logit noise, sigma = 1), starts it from
+the calibration profile shipped for that pair (`DEFAULT_PAIR_PROFILE`), keeps the clean model for
+shadow scoring, runs on the CPU and listens on 127.0.0.1:8000. `--perturbation` serves another
+pair (started at T = 1 unless `--profile` is given). A runtime logit noise spec
+(`--perturbation`, or recorded in the manifest of `--served-model`) serves unchanged weights
+and adds the noise in the engine (`RuntimeLogitNoiseProcessor`) and in the shadow scorer. Every
+setting is a flag here and an `NTS_*` environment variable (see `noisy_temp_server.settings`).
 
 Startup order (see `server.engine`): environment first (before vLLM and prometheus_client are
 imported), then checkpoints, trace channel, engine, shadow scorer, HTTP server. Each phase is
@@ -259,6 +260,45 @@ def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdenti
     return ModelIdentity(name=recorded.name, weights_sha256=recorded.weights_sha256), served
 
 
+DEFAULT_PAIR_PROFILE = Path(__file__).resolve().parent.parent / "data" / "default-pair.profile.json"
+"""The profile of the default pair (the embedded model with `DEFAULT_PERTURBATION`), made by
+`benchmarks/quality.py --families logit-noise --profiles DIR` and shipped in the package."""
+
+
+def serves_default_pair(settings: Settings) -> bool:
+    """Whether `settings` name the default pair: no served or clean model given and the default
+    perturbation (compared as a parsed spec, so spelling does not matter)."""
+    from noisy_temp_server.pairs.perturb import parse_spec  # noqa: PLC0415
+    from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
+
+    return (
+        settings.served_model is None
+        and settings.clean_model is None
+        and parse_spec(settings.perturbation) == parse_spec(DEFAULT_PERTURBATION)
+    )
+
+
+def startup_profile(settings: Settings, pair: ServedPair) -> tuple[Profile | None, str]:
+    """(profile, where it came from) for the initial policy: `--profile` when given (a profile
+    that does not fit the pair raises ProfileError); else, for the default pair, the shipped
+    `DEFAULT_PAIR_PROFILE` (if it does not fit, e.g. a differently converted default model,
+    a warning and no profile); else none ("identity": T = 1 until the estimator learns)."""
+    from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
+
+    if settings.profile is not None:
+        return load_profile_for_pair(settings.profile, pair), f"profile {settings.profile}"
+    if not serves_default_pair(settings):
+        return None, "identity"
+    try:
+        profile = load_profile_for_pair(DEFAULT_PAIR_PROFILE, pair)
+    except ProfileError as error:
+        _LOGGER.warning(
+            "Starting at T = 1: the shipped default-pair profile does not fit (%s)", error
+        )
+        return None, "identity"
+    return profile, "the shipped profile of the default pair"
+
+
 def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
     """The profile at `path`, checked against `pair` (`pair_identities`); ProfileError naming
     the file and the mismatch otherwise. Without a clean model only the served model is
@@ -397,18 +437,19 @@ def _serve(
     started = time.perf_counter()
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
-    profile = None if settings.profile is None else load_profile_for_pair(settings.profile, pair)
+    profile, profile_source = startup_profile(settings, pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     estimator, shadow = _shadow(settings, pair, profile, metrics)
     policy_source: PolicySource = estimator or StaticPolicySource(
         TemperaturePolicy.identity() if profile is None else profile.to_policy(),
-        "identity" if profile is None else f"profile {settings.profile}",
+        profile_source,
     )
     initial = policy_source.current_policy()
     _LOGGER.info(
-        "Initial policy: version %d, rule %s (%s)",
+        "Initial policy: version %d, rule %s, from %s (%s)",
         initial.version,
         initial.rule.value,
+        profile_source,
         "online estimator" if estimator is not None else "no shadow scoring",
     )
     _policy_gauges(metrics)(initial)

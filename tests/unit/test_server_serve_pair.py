@@ -13,23 +13,28 @@ from profile_helpers import CLEAN, SERVED, sample_profile
 
 from noisy_temp_server.commands import serve
 from noisy_temp_server.commands.serve import (
+    DEFAULT_PAIR_PROFILE,
     ServedPair,
     ensure_perturbed_checkpoint,
     load_profile_for_pair,
     pair_scorer,
     resolve_pair,
+    serves_default_pair,
+    startup_profile,
 )
-from noisy_temp_server.estimation.profile import ModelIdentity, ProfileError
+from noisy_temp_server.estimation.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
 from noisy_temp_server.pairs.clean_backend import InProcessModel
 from noisy_temp_server.pairs.perturb import (
     QuantizationSpec,
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
+    parse_spec,
 )
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.server import engine as engine_module
-from noisy_temp_server.settings import Settings
+from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
+from noisy_temp_server.temperature.rules import Rule
 
 NOISE = RuntimeLogitNoiseSpec(sigma=1.0, seed=3)
 
@@ -203,3 +208,62 @@ def test_serve_refuses_a_mismatched_profile_with_an_error_line_and_exit_status_1
     assert "Refusing to serve: profile" in caplog.text
     assert "int4" in caplog.text
     assert cleaned == [True]
+
+
+DEFAULT_NOISE = RuntimeLogitNoiseSpec(sigma=1.0)
+
+
+def test_the_default_pair_is_runtime_logit_noise_spelled_any_way() -> None:
+    assert parse_spec(Settings().perturbation) == DEFAULT_NOISE
+    assert serves_default_pair(Settings())
+    assert serves_default_pair(
+        Settings(perturbation='{"sigma": 1.0, "kind": "runtime_logit_noise"}')
+    )
+    assert not serves_default_pair(
+        Settings(perturbation=WeightNoiseSpec(scale=0.02).model_dump_json())
+    )
+    assert not serves_default_pair(Settings(served_model=Path("/x")))
+    assert not serves_default_pair(Settings(clean_model=Path("/x")))
+
+
+def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clean_identity = ModelIdentity.of_checkpoint(tiny_model_dir)
+    fitting = _profile_for(
+        clean_identity, ModelIdentity.perturbed(clean_identity, DEFAULT_NOISE), tmp_path / "d.json"
+    )
+    pair = ServedPair(tiny_model_dir, tiny_model_dir, DEFAULT_NOISE)
+    monkeypatch.setattr(serve, "DEFAULT_PAIR_PROFILE", fitting)
+    profile, source = startup_profile(Settings(), pair)
+    assert profile is not None
+    assert source == "the shipped profile of the default pair"
+    # another pair: no shipped profile; an explicit one is loaded (or refused) as before
+    int4 = QuantizationSpec(format="int4", group_size=64)
+    assert startup_profile(Settings(perturbation=int4.model_dump_json()), pair) == (
+        None,
+        "identity",
+    )
+    assert startup_profile(Settings(profile=fitting), pair)[1] == f"profile {fitting}"
+    # a shipped profile that does not fit (another conversion of the default model): T = 1
+    other = ModelIdentity(name="other", weights_sha256="c" * 64)
+    monkeypatch.setattr(
+        serve,
+        "DEFAULT_PAIR_PROFILE",
+        _profile_for(other, ModelIdentity.perturbed(other, DEFAULT_NOISE), tmp_path / "o.json"),
+    )
+    with caplog.at_level(logging.WARNING):
+        assert startup_profile(Settings(), pair) == (None, "identity")
+    assert "shipped default-pair profile does not fit" in caplog.text
+
+
+def test_the_shipped_default_pair_profile_tunes_every_request_temperature() -> None:
+    profile = Profile.load(DEFAULT_PAIR_PROFILE)
+    assert profile.perturbation == parse_spec(DEFAULT_PERTURBATION)
+    assert profile.recommended_rule is not Rule.OFF
+    assert profile.test_quality.row(profile.recommended_rule.value).gain > 0
+    table = profile.to_policy(Rule.CALIBRATED).calibrated
+    assert len(table.temperatures) == len(profile.settings.request_temperatures) == 4

@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
-from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from noisy_temp_server.vllm_plugin.slot_tuning import (
+    TunedProcessor,
     build_slot_tuning,
     request_tuning,
-    validate_request,
 )
 
 if TYPE_CHECKING:
@@ -35,13 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["NoisyTemperatureV1"]
 
 
-class NoisyTemperatureV1(LogitsProcessor):
+class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
     """Divides each tuned row's logits (already divided by T_request) by its T*."""
-
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
-        validate_request(sampling_params)
 
     def __init__(
         self,
@@ -78,12 +72,6 @@ class NoisyTemperatureV1(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         """A positive temperature never changes the argmax."""
         return True
-
-    @property
-    def bad_rows(self) -> int:
-        """Rows sampled at T* = 1 because their logits or T* were bad (as reported so far)."""
-        reporter = self.tuning.reporter
-        return 0 if reporter is None else reporter.bad_rows
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Apply the batch changes, start the steps of requests that produced their first token

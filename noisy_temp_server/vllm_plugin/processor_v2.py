@@ -29,9 +29,9 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 
 from noisy_temp_server.vllm_plugin.slot_tuning import (
+    TunedProcessor,
     build_slot_tuning,
     request_tuning,
-    validate_request,
 )
 
 if TYPE_CHECKING:
@@ -40,13 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["NoisyTemperatureV2"]
 
 
-class NoisyTemperatureV2(LogitsProcessor):
+class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
     """Divides each tuned row's unscaled logits by its T*."""
-
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
-        validate_request(sampling_params)
 
     def __init__(
         self,
@@ -68,12 +63,6 @@ class NoisyTemperatureV2(LogitsProcessor):
             registry=registry,
         )
         self._tuned = np.zeros(capacity, dtype=bool)
-
-    @property
-    def bad_rows(self) -> int:
-        """Rows sampled at T* = 1 because their logits or T* were bad (as reported so far)."""
-        reporter = self.tuning.reporter
-        return 0 if reporter is None else reporter.bad_rows
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """Give slot ``req_idx`` to a new request; True when it is tuned."""

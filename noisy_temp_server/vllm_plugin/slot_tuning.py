@@ -74,7 +74,14 @@ from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["STEP_STRIDE", "SlotTuning", "build_slot_tuning", "request_tuning", "validate_request"]
+__all__ = [
+    "STEP_STRIDE",
+    "SlotTuning",
+    "TunedProcessor",
+    "build_slot_tuning",
+    "request_tuning",
+    "validate_request",
+]
 
 _LOGGER = logging.getLogger(__name__)
 _INSTANCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
@@ -496,6 +503,24 @@ def request_tuning(params: SamplingParams) -> RequestTuning | None:
 def validate_request(params: SamplingParams) -> None:
     """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
     parse_request_args(params.extra_args)
+
+
+class TunedProcessor:
+    """What the two runners' processors share around their `SlotTuning` (``tuning``)."""
+
+    tuning: SlotTuning
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
+        validate_request(sampling_params)
+
+    @property
+    def bad_rows(self) -> int:
+        """Rows of rules that read the served row sampled at T* = 1 because their statistics
+        were NaN (as reported so far)."""
+        reporter = self.tuning.reporter
+        return 0 if reporter is None else reporter.bad_rows
 
 
 def build_slot_tuning(

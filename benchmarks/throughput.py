@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DISTRIBUTION = "noisy-temp-server"
@@ -242,11 +244,24 @@ class Round:
     variant: str
     repeat: int
     seconds: float
+    cpu_seconds: float
     tokens: int
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+    def rates(self) -> dict[str, float]:
+        """Tokens per wall second and per CPU second of the serving processes."""
+        return {"wall": self.tokens / self.seconds, "cpu": self.tokens / self.cpu_seconds}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (all threads)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _rotated(items: list[Any], repeat: int) -> Iterator[Any]:
@@ -298,15 +313,18 @@ def _engine_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list
         ]
         for repeat in range(args.repeats + 1):
             for variant, engine, extra_args in _rotated(variants, repeat):
+                cpu_before = cpu_seconds(engine.process.pid)
                 seconds, tokens = engine.round(extra_args, seed=1000 * repeat)
+                cpu = cpu_seconds(engine.process.pid) - cpu_before
                 if tokens != args.batch * args.max_tokens:
                     raise RuntimeError(
                         f"{variant}: {tokens} tokens, not {args.batch * args.max_tokens}"
                     )
                 if repeat:
-                    rounds.append(Round("engine", variant, repeat, seconds, tokens))
+                    rounds.append(Round("engine", variant, repeat, seconds, cpu, tokens))
                     print(
-                        f"engine round {repeat} {variant:>12}: {tokens / seconds:7.1f} tokens/s",
+                        f"engine round {repeat} {variant:>12}: {tokens / seconds:7.1f} tokens/s, "
+                        f"{tokens / cpu:7.1f} tokens per CPU-s",
                         flush=True,
                     )
     return rounds
@@ -348,63 +366,80 @@ def _http_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[R
             server.wait_healthy(args.startup_timeout)
         for repeat in range(args.repeats + 1):
             for server in _rotated(servers, repeat):
+                cpu_before = cpu_seconds(server.process.pid)
                 started = time.perf_counter()
                 tokens = asyncio.run(_http_round(server, args, seed=1000 * repeat))
                 seconds = time.perf_counter() - started
+                cpu = cpu_seconds(server.process.pid) - cpu_before
                 if tokens != args.requests * args.max_tokens:
                     raise RuntimeError(
                         f"{server.name}: {tokens} tokens, not {args.requests * args.max_tokens}"
                     )
                 if repeat:
-                    rounds.append(Round("http", server.name, repeat, seconds, tokens))
+                    rounds.append(Round("http", server.name, repeat, seconds, cpu, tokens))
                     print(
-                        f"http round {repeat} {server.name:>12}: {tokens / seconds:7.1f} tokens/s",
+                        f"http round {repeat} {server.name:>12}: {tokens / seconds:7.1f} tokens/s, "
+                        f"{tokens / cpu:7.1f} tokens per CPU-s",
                         flush=True,
                     )
     return rounds
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def _summaries(
     rounds: list[Round], ratios: list[tuple[str, str]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    by_variant: dict[str, dict[int, float]] = {}
+    """Per variant and per ratio: median, min and max over the rounds, of tokens per wall second
+    and per CPU second (ratios: of the rounds of one repeat, which ran back to back)."""
+    by_variant: dict[str, dict[int, dict[str, float]]] = {}
     for r in rounds:
-        by_variant.setdefault(r.variant, {})[r.repeat] = r.tokens_per_s
+        by_variant.setdefault(r.variant, {})[r.repeat] = r.rates
     variants = [
         {
             "variant": name,
             "rounds": len(rates),
-            "tokens_per_s": statistics.median(rates.values()),
-            "min": min(rates.values()),
-            "max": max(rates.values()),
+            **{key: _spread([rate[key] for rate in rates.values()]) for key in ("wall", "cpu")},
         }
         for name, rates in by_variant.items()
     ]
     compared = []
     for variant, baseline in ratios:
-        paired = [by_variant[variant][k] / by_variant[baseline][k] for k in by_variant[variant]]
+        mine, theirs = by_variant[variant], by_variant[baseline]
         compared.append(
             {
                 "ratio": f"{variant} / {baseline}",
-                "median": statistics.median(paired),
-                "min": min(paired),
-                "max": max(paired),
+                **{
+                    key: _spread([mine[k][key] / theirs[k][key] for k in mine])
+                    for key in ("wall", "cpu")
+                },
             }
         )
     return variants, compared
 
 
+def _cell(spread: dict[str, float], digits: int) -> str:
+    return f"{spread['median']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
+
+
 def _tables(variants: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:
-    lines = ["| variant | rounds | tokens/s (median) | min | max |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| variant | rounds | tokens/s, median (min-max) | tokens per CPU-s, median (min-max) |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [
-        f"| {v['variant']} | {v['rounds']} | {v['tokens_per_s']:.1f} | {v['min']:.1f} | "
-        f"{v['max']:.1f} |"
+        f"| {v['variant']} | {v['rounds']} | {_cell(v['wall'], 1)} | {_cell(v['cpu'], 1)} |"
         for v in variants
     ]
-    lines += ["", "| ratio | median of paired rounds | min | max |", "|---|---:|---:|---:|"]
     lines += [
-        f"| {r['ratio']} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} |" for r in ratios
+        "",
+        "| ratio (paired rounds) | tokens/s, median (min-max) "
+        "| tokens per CPU-s, median (min-max) |",
+        "|---|---:|---:|",
     ]
+    lines += [f"| {r['ratio']} | {_cell(r['wall'], 3)} | {_cell(r['cpu'], 3)} |" for r in ratios]
     return "\n".join(lines)
 
 

@@ -155,9 +155,14 @@ class EngineProcess:
         return result["seconds"], result["tokens"]
 
     def stop(self) -> None:
+        """End of stdin: the worker returns and vLLM shuts its engine process down (a signal
+        would leave that process behind)."""
         if self.process.stdin is not None:
             self.process.stdin.close()
-        _stop(self.process)
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            _stop(self.process)
 
 
 # -- the HTTP servers ------------------------------------------------------------------------

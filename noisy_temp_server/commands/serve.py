@@ -39,6 +39,8 @@ from noisy_temp_server.settings import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from noisy_temp_server.estimation.profile import ModelIdentity, Profile
     from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
@@ -187,11 +189,15 @@ def resolve_pair(settings: Settings) -> ServedPair:
     return ServedPair(served, clean, spec)
 
 
-def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
+def pair_scorer(
+    settings: Settings, pair: ServedPair, served_dtype: torch.dtype | None = None
+) -> PairScorer:
     """The shadow scorer's `PairScorer` for `pair`, on `settings.shadow_device`, with the
-    pair's runtime noise. The clean side is `settings.clean_backend`: the pair's clean model
-    in process (in `settings.clean_dtype`; a pair whose two folders are the same, runtime
-    noise on clean weights, loads the model once), or the remote clean server."""
+    pair's runtime noise. The served model runs in `served_dtype` (the dtype the engine
+    serves it in, so the scorer measures the pair being served; default float32). The clean
+    side is `settings.clean_backend`: the pair's clean model in process (in
+    `settings.clean_dtype`; a pair whose two folders are the same, runtime noise on clean
+    weights, loads the model once when the two dtypes agree), or the remote clean server."""
     import torch  # noqa: PLC0415
 
     from noisy_temp_server.pairs.checkpoint import load_causal_lm  # noqa: PLC0415
@@ -199,11 +205,12 @@ def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
     from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
 
     device = settings.shadow_device
+    served_dtype = served_dtype or torch.float32
     if settings.clean_backend == "remote":
         if settings.clean_url is None:
             raise ValueError("clean_backend=remote needs clean_url")
         with _phase(f"Loading the served model for shadow scoring on {device}"):
-            served_model = load_causal_lm(pair.served, device=device)[0]
+            served_model = load_causal_lm(pair.served, device=device, dtype=served_dtype)[0]
         key = settings.clean_api_key
         remote = RemoteClean(
             settings.clean_url,
@@ -220,8 +227,8 @@ def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
         clean, _ = load_causal_lm(pair.clean, device=device, dtype=dtype)
         served_model = (
             clean
-            if pair.served.resolve() == pair.clean.resolve() and dtype == torch.float32
-            else load_causal_lm(pair.served, device=device)[0]
+            if pair.served.resolve() == pair.clean.resolve() and dtype == served_dtype
+            else load_causal_lm(pair.served, device=device, dtype=served_dtype)[0]
         )
     return PairScorer(clean, served_model, runtime_noise=pair.runtime_noise, device=device)
 
@@ -337,10 +344,25 @@ def _policy_gauges(metrics: ApiMetrics) -> Any:
     return publish
 
 
+def _engine_dtype(engine: Any) -> torch.dtype:
+    """The dtype vLLM resolved for the served model (`auto` is resolved when it starts)."""
+    import torch  # noqa: PLC0415
+
+    dtype = engine.model_config.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise RuntimeError(f"the engine has not resolved its dtype ({dtype!r})")
+    return dtype
+
+
 def _shadow(
-    settings: Settings, pair: ServedPair, profile: Profile | None, metrics: ApiMetrics
+    settings: Settings,
+    pair: ServedPair,
+    profile: Profile | None,
+    metrics: ApiMetrics,
+    served_dtype: torch.dtype,
 ) -> tuple[PolicySource | None, ShadowScorer | None]:
-    """The online estimator and its shadow scorer, or (None, None) when scoring is off."""
+    """The online estimator and its shadow scorer, or (None, None) when scoring is off; the
+    scorer's served model runs in `served_dtype`, the engine's."""
     if settings.shadow_fraction == 0.0:
         return None, None
     if pair.clean is None and settings.clean_backend == "in_process":
@@ -350,7 +372,7 @@ def _shadow(
     from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
 
     fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
-    scorer = pair_scorer(settings, pair)
+    scorer = pair_scorer(settings, pair, served_dtype)
     estimator = OnlineEstimator(
         profile,
         min_positions=settings.shadow_min_positions,
@@ -439,7 +461,12 @@ def _serve(
     model_name = settings.served_model_name or pair.served.name
     profile, profile_source = startup_profile(settings, pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
-    estimator, shadow = _shadow(settings, pair, profile, metrics)
+    tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
+    collector = stack.enter_context(TraceCollector(trace_endpoint))
+    with _phase("Starting the vLLM engine"):
+        engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
+    stack.callback(engine.shutdown)
+    estimator, shadow = _shadow(settings, pair, profile, metrics, _engine_dtype(engine))
     policy_source: PolicySource = estimator or StaticPolicySource(
         TemperaturePolicy.identity() if profile is None else profile.to_policy(),
         profile_source,
@@ -453,11 +480,6 @@ def _serve(
         "online estimator" if estimator is not None else "no shadow scoring",
     )
     _policy_gauges(metrics)(initial)
-    tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
-    collector = stack.enter_context(TraceCollector(trace_endpoint))
-    with _phase("Starting the vLLM engine"):
-        engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
-    stack.callback(engine.shutdown)
     if shadow is not None:
         shadow.start()
         stack.callback(shadow.close)

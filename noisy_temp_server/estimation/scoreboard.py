@@ -410,15 +410,21 @@ class LiveScoreboard:
                 self._epochs[label] = [epochs[-1], ScoreAccumulator(self.capacity)]
 
     def result(self) -> dict[str, dict[str, Any]]:
-        """By label: `ScoreboardResult.to_dict()`, or `{"positions": n, "error": why}` below
-        `MIN_SCOREBOARD_POSITIONS` finite positions."""
+        """By label: `ScoreboardResult.to_dict()` with JSON's null for a non-finite value (a
+        standard error is infinite while the window holds one request), or
+        `{"positions": n, "error": why}` below `MIN_SCOREBOARD_POSITIONS` finite positions."""
         results: dict[str, dict[str, Any]] = {}
         for label, epochs in self._epochs.items():
             window = ScoreAccumulator(self.capacity)
             for epoch in epochs:
                 window.merge(epoch)
             try:
-                results[label] = window.result().to_dict()
+                result = window.result().to_dict()
             except TooFewPositionsError as error:
                 results[label] = {"positions": window.seen, "error": str(error)}
+                continue
+            results[label] = {
+                name: None if isinstance(value, float) and not math.isfinite(value) else value
+                for name, value in result.items()
+            }
         return results

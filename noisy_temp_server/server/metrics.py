@@ -14,6 +14,7 @@ bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route tem
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -188,14 +189,18 @@ class ApiMetrics:
     def publish_scoreboard(self, results: Mapping[str, Mapping[str, Any]]) -> None:
         """Set the `nts_scoreboard_*` gauges from `LiveScoreboard.result()` (labels `T=1` and
         `T*` become `temperature="one"` / `"served"`; quantiles keep their level, e.g.
-        `"99.9"`). A label with too few positions sets only `positions`."""
+        `"99.9"`; a null value, i.e. unknown, is set as +Inf). A label with too few positions
+        sets only `positions`."""
         for label, result in results.items():
             temperature = _SCOREBOARD_TEMPERATURES[label]
             self.scoreboard["positions"].labels(temperature=temperature).set(result["positions"])
             if "error" in result:
                 continue
             for name, field in _SCOREBOARD_FIELDS.items():
-                self.scoreboard[name].labels(temperature=temperature).set(result[field])
+                value = result[field]
+                self.scoreboard[name].labels(temperature=temperature).set(
+                    math.inf if value is None else value
+                )
             quantiles = self.scoreboard["kld_quantile"]
             for level, value in result["kld_percentiles"].items():
                 quantiles.labels(temperature=temperature, quantile=level).set(value)

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from profile_helpers import CLEAN, SERVED, sample_profile
 
 from noisy_temp_server.commands import serve
@@ -267,3 +268,15 @@ def test_the_shipped_default_pair_profile_tunes_every_request_temperature() -> N
     assert profile.test_quality.row(profile.recommended_rule.value).gain > 0
     table = profile.to_policy(Rule.CALIBRATED).calibrated
     assert len(table.temperatures) == len(profile.settings.request_temperatures) == 4
+
+
+def test_the_scorer_serves_in_the_engine_dtype_and_scores_against_the_clean_dtype(
+    runtime_noise_dir: Path,
+) -> None:
+    pair = ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
+    scorer = pair_scorer(Settings(), pair, torch.bfloat16)
+    assert scorer.served_model.dtype == torch.bfloat16
+    assert isinstance(scorer.clean, InProcessModel)
+    assert scorer.clean.model.dtype == torch.float32
+    assert scorer.served_model is not scorer.clean.model  # one folder, two dtypes: two models
+    assert scorer.clean_status() == {"kind": "in_process", "device": "cpu", "dtype": "float32"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import threading
@@ -213,3 +215,19 @@ def test_the_scoring_thread_runs_with_its_own_budget() -> None:
         torch.set_num_threads(threads_before)
     assert probe.seen == [(1, min(19, process_nice + 5))]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == process_nice
+
+
+def test_the_status_stays_json_while_the_window_holds_a_single_request() -> None:
+    setup = Setup(FakeScorer())
+    setup.shadow.start()
+    try:
+        _offer(setup.shadow, [1], list(range(2, 152)), [1.1] * 150)  # one request, 150 positions
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    board = setup.shadow.status()["scoreboard"]
+    assert board["T=1"]["positions"] == 150
+    assert board["T=1"]["kld_stderr"] is None  # one cluster: no standard error
+    assert board["T=1"]["kld_mean"] > 0
+    json.dumps(setup.shadow.status(), allow_nan=False)
+    assert setup.value("nts_scoreboard_kld_stderr", temperature="one") == math.inf

@@ -87,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
             pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
             result = calibrate(pair, prompts, settings, device=args.device)
             result.profile.save(args.out)
+            if result.bias is not None:
+                from noisy_temp_server.estimation.bias_fit import save_bias_file  # noqa: PLC0415
+
+                save_bias_file(args.out.parent, result.bias.correction.bias)
             if args.records is not None:
                 from noisy_temp_server.pairs.scorer import PositionRecords  # noqa: PLC0415
 
@@ -102,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
                 "its test row is the figure to quote"
             )
             print(f"recommended rule: {rule} ({why}); profile: {args.out}")
+            if result.bias is not None:
+                print(result.bias.to_markdown())
         if args.report is not None:
             from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
 

@@ -11,18 +11,23 @@ of each sequence's positions when a set would exceed it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from noisy_temp_server.estimation.profile import QualityRow
+from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, QualityRow
 from noisy_temp_server.estimation.quality import quality_row
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
+    is_significant,
     split_by_sequence,
+    split_fit_validation_test,
 )
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 from noisy_temp_server.temperature.bias import (
@@ -39,10 +44,16 @@ from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = [
     "BIAS_ROW_NAME",
+    "BiasCalibration",
     "BiasQuality",
     "ScoredSet",
+    "bias_file_name",
     "bias_quality",
+    "bias_sha256",
+    "calibrate_bias",
     "fit_bias_on_rows",
+    "load_bias_file",
+    "save_bias_file",
     "score_with_rows",
 ]
 
@@ -59,24 +70,38 @@ class ScoredSet:
 
 
 def score_with_rows(
-    scorer: PairScorer, sequences: Sequence[ScoringSequence], *, max_rows: int | None = None
+    scorer: PairScorer,
+    sequences: Sequence[ScoringSequence],
+    *,
+    request_temperatures: Sequence[float] = (1.0,),
+    max_rows: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ScoredSet:
-    """Score `sequences` once: the records of every position, and `PairedRows` of at most
-    `max_rows` positions (each sequence keeps an evenly spaced share; None keeps all)."""
+    """Score `sequences` once: the records of every position (once per request temperature,
+    as `PairScorer.score_sequence` gives them), and `PairedRows` (against the clean model at
+    T = 1) of at most `max_rows` positions (each sequence keeps an evenly spaced share; None keeps all, 0 none).
+    `progress(done, total)` is called after every 8th sequence and the last."""
     total = sum(len(s.token_ids) - s.prompt_length for s in sequences)
-    keep_every = 1 if max_rows is None or total <= max_rows else math.ceil(total / max_rows)
+    if max_rows is None or total <= max_rows:
+        keep_every = 1
+    else:
+        keep_every = math.ceil(total / max_rows) if max_rows > 0 else total + 1
     records, rows = [], []
-    for sequence in sequences:
+    for done, sequence in enumerate(sequences, start=1):
+        if progress is not None and (done % 8 == 0 or done == len(sequences)):
+            progress(done, len(sequences))
         for steps, clean, served in scorer.logit_chunks(sequence):
-            records.append(
+            records += [
                 PositionRecords.from_logits(
                     clean,
                     served,
                     step=steps,
                     sequence_id=sequence.sequence_id,
                     curve_temperatures=scorer.curve_temperatures.to(clean.device),
+                    request_temperature=temperature,
                 )
-            )
+                for temperature in request_temperatures
+            ]
             kept = steps % keep_every == 0
             rows.append(PairedRows.from_logits(clean[kept], served[kept], sequence.sequence_id))
     if not rows:
@@ -178,3 +203,110 @@ def _oracle(rows: PairedRows) -> tuple[Tensor, Tensor]:
         temperatures.append(result.temperature.double().cpu())
         kls.append(result.kl.double().cpu())
     return torch.cat(temperatures), torch.cat(kls)
+
+
+@dataclass(frozen=True)
+class BiasCalibration:
+    """The bias as calibration fits it: on the fit prompts, its penalty chosen on the validation
+    prompts (`path`), measured on the validation prompts (where it is recommended or not) and
+    on the test prompts (the figure to quote)."""
+
+    path: BiasPath
+    validation: BiasQuality
+    test: BiasQuality
+
+    @property
+    def correction(self) -> LogitBias:
+        return self.path.chosen.correction
+
+    @property
+    def recommended(self) -> bool:
+        """Whether its validation gain over T = 1 is significant (gain - 2 s.e. > 0)."""
+        return is_significant(self.validation.row.gain, self.validation.row.gain_stderr)
+
+    def to_markdown(self) -> str:
+        """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), and
+        whether it is recommended."""
+        penalty = self.path.chosen.penalty
+        lines = [
+            f"Per-token bias + T: T = {self.correction.temperature:.3f}, penalty "
+            f"{penalty:.1e}{' (T only won on validation)' if not math.isfinite(penalty) else ''}"
+            f"; {'recommended' if self.recommended else 'not recommended'} (validation gain "
+            f"{'>' if self.recommended else '<='} 2 s.e.). It changes greedy output and logprobs.",
+            "",
+            "| split | positions | KL(T=1) | KL(bias + T) | gain ± s.e. | share removed "
+            "| KL(oracle T) | same top T=1 → bias |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, quality in (("validation", self.validation), ("test", self.test)):
+            row = quality.row
+            lines.append(
+                f"| {name} | {quality.positions} | {1e3 * quality.t_one.mean_kl:.3f} "
+                f"| {1e3 * row.mean_kl:.3f} | {1e3 * row.gain:+.3f} ± {1e3 * row.gain_stderr:.3f} "
+                f"| {100 * quality.share_removed:+.1f}% | {1e3 * quality.oracle.mean_kl:.3f} "
+                f"| {100 * quality.same_top_rate_t_one:.1f}% → {100 * quality.same_top_rate:.1f}% |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> BiasSummary:
+        """What the profile records (the vector itself goes to `save_bias_file`)."""
+        penalty = self.path.chosen.penalty
+        return BiasSummary(
+            sha256=bias_sha256(self.correction.bias),
+            vocab_size=int(self.correction.bias.numel()),
+            temperature=self.correction.temperature,
+            penalty=penalty if math.isfinite(penalty) else None,
+            recommended=self.recommended,
+            validation=self.validation.row,
+            test=self.test.row,
+            validation_same_top_rate=self.validation.same_top_rate,
+            test_same_top_rate=self.test.same_top_rate,
+        )
+
+
+def calibrate_bias(rows: PairedRows, settings: CalibrationSettings) -> BiasCalibration:
+    """Fit and measure the bias on calibration rows, split by prompt exactly as
+    `calibrate_records` splits the records (same fractions and seed). Raises
+    `InsufficientDataError` when a split is too small (see `bias_quality`)."""
+    fit, validation, test = split_fit_validation_test(
+        rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
+    )
+    validation_rows, test_rows = rows.select(validation), rows.select(test)
+    bounds = settings.bounds
+    path = fit_logit_bias(rows.select(fit), validation_rows, bounds=bounds)
+    minimum = settings.min_quality_positions
+    return BiasCalibration(
+        path=path,
+        validation=bias_quality(validation_rows, path.chosen.correction, minimum),
+        test=bias_quality(test_rows, path.chosen.correction, minimum),
+    )
+
+
+def bias_sha256(bias: Tensor) -> str:
+    """Content hash of a bias vector: sha256 of its float32 little-endian bytes."""
+    data = bias.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def bias_file_name(sha256: str) -> str:
+    """The file a bias vector is stored in, named by its content hash."""
+    return f"bias-{sha256[:16]}.safetensors"
+
+
+def save_bias_file(folder: Path, bias: Tensor) -> Path:
+    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path."""
+    path = Path(folder) / bias_file_name(bias_sha256(bias))
+    save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(path))
+    return path
+
+
+def load_bias_file(path: Path, sha256: str) -> Tensor:
+    """The bias vector of a file `save_bias_file` wrote; ValueError unless its content hash is
+    `sha256` (a file that was changed, or belongs to another profile)."""
+    try:
+        bias = load_file(str(path))["bias"]
+    except (OSError, KeyError, ValueError) as error:
+        raise ValueError(f"cannot read bias file {path}: {error}") from error
+    if bias_sha256(bias) != sha256:
+        raise ValueError(f"bias file {path} does not hold the bias with sha256 {sha256[:16]}...")
+    return bias

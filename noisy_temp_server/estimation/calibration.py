@@ -17,7 +17,11 @@ The pipeline (`calibrate`):
 6. the recommended rule (`recommend_rule`) is chosen on the validation table: the lowest-KL
    rule whose paired gain over T = 1 is significant (mean minus 2 cluster-robust standard
    errors > 0), else `off`: no rule is served on the strength of noise. The test table, on
-   prompts that took part in neither fitting nor choosing, reports it.
+   prompts that took part in neither fitting nor choosing, reports it;
+7. the per-token logit bias + T (`estimation.bias_fit.calibrate_bias`) is fitted on the full
+   rows of the fit split's positions (up to `bias_rows` positions in all), its penalty chosen
+   on the validation split, and measured on both; it is recommended only where its validation
+   gain over T = 1 is significant, and its test row is the figure to quote.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from noisy_temp_server.estimation.bias_fit import (
+    BiasCalibration,
+    ScoredSet,
+    calibrate_bias,
+    score_with_rows,
+)
 from noisy_temp_server.estimation.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.estimation.profile import CalibrationSettings, ModelIdentity, Profile
 from noisy_temp_server.estimation.prompts import Prompt, encode_prompt
@@ -38,6 +48,7 @@ from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturb import PerturbationSpec
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.temperature.bias import PairedRows
 
 __all__ = [
     "CalibrationResult",
@@ -53,12 +64,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CalibrationResult:
     """The profile, and the records of its three splits: rules were fitted on `fit`, the
-    recommended rule chosen on `validation`, and the reported quality measured on `test`."""
+    recommended rule chosen on `validation`, and the reported quality measured on `test`; the
+    bias fitted on the same splits, with its vector (None without rows)."""
 
     profile: Profile
     fit: PositionRecords
     validation: PositionRecords
     test: PositionRecords
+    bias: BiasCalibration | None = None
 
 
 def _log_progress(label: str) -> Callable[[int, int], None]:
@@ -97,9 +110,10 @@ def score_pair(
     settings: CalibrationSettings,
     *,
     device: str | torch.device = "cpu",
-) -> PositionRecords:
+) -> ScoredSet:
     """Generate with the served model and score the pair: records for every prompt, each
-    position once per request temperature of `settings`."""
+    position once per request temperature of `settings`, and the full rows of up to
+    `settings.bias_rows` positions for the bias fit."""
     sequences = sample_completions(
         pair,
         prompts,
@@ -110,13 +124,13 @@ def score_pair(
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
-    report = _log_progress("scoring")
-    parts = []
-    for done, sequence in enumerate(sequences, start=1):
-        parts.append(scorer.score_sequence(sequence, settings.request_temperatures))
-        if done % 8 == 0 or done == len(sequences):
-            report(done, len(sequences))
-    return PositionRecords.concat(parts)
+    return score_with_rows(
+        scorer,
+        sequences,
+        request_temperatures=settings.request_temperatures,
+        max_rows=settings.bias_rows,
+        progress=_log_progress("scoring"),
+    )
 
 
 def calibrate_records(
@@ -124,9 +138,12 @@ def calibrate_records(
     pair_identity: tuple[ModelIdentity, ModelIdentity],
     perturbation: PerturbationSpec | None,
     settings: CalibrationSettings,
+    rows: PairedRows | None = None,
 ) -> CalibrationResult:
     """Split `records` by prompt into fit / validation / test, fit every rule on the first,
-    choose the recommended rule on the second (`recommend_rule`), report on the third.
+    choose the recommended rule on the second (`recommend_rule`), report on the third. With
+    `rows` (of some of the same positions) the per-token bias is fitted and measured on the
+    same splits (`calibrate_bias`).
 
     Raises `InsufficientDataError` when a split is too small to fit or report on.
     """
@@ -143,6 +160,7 @@ def calibrate_records(
         quality_table(test.select(test.request_temperature == t), policies, minimum, split="test")
         for t in settings.request_temperatures
     )
+    bias = calibrate_bias(rows, settings) if rows is not None and len(rows) else None
     profile = Profile(
         clean=pair_identity[0],
         served=pair_identity[1],
@@ -154,8 +172,9 @@ def calibrate_records(
         validation_quality=validation_quality,
         test_quality=test_quality,
         test_quality_by_request_temperature=by_request_temperature,
+        bias=None if bias is None else bias.summary(),
     )
-    return CalibrationResult(profile=profile, fit=fit, validation=validation, test=test)
+    return CalibrationResult(profile=profile, fit=fit, validation=validation, test=test, bias=bias)
 
 
 def calibrate(
@@ -168,6 +187,7 @@ def calibrate(
     """The whole pipeline of the module docstring on one pair."""
     if len(prompts) != settings.prompts:
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
-    records = score_pair(pair, prompts, settings, device=device)
-    logger.info("scored %d positions in %d sequences", len(records), len(prompts))
-    return calibrate_records(records, (pair.clean, pair.served), pair.perturbation, settings)
+    scored = score_pair(pair, prompts, settings, device=device)
+    logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
+    identity = (pair.clean, pair.served)
+    return calibrate_records(scored.records, identity, pair.perturbation, settings, scored.rows)

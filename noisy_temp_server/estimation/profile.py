@@ -31,6 +31,7 @@ from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
+    "BiasSummary",
     "CalibrationSettings",
     "ModelIdentity",
     "Profile",
@@ -75,6 +76,9 @@ class CalibrationSettings(_Frozen):
     min_quality_positions: int = Field(default=100, ge=1)
     t_min: float = 0.25
     t_max: float = 4.0
+    bias_rows: int = Field(default=2048, ge=0)
+    """Positions whose full clean and served rows are kept to fit the per-token bias (8 bytes
+    per vocabulary entry each: 2048 rows of a 49k vocabulary take 800 MB); 0: no bias."""
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
@@ -257,6 +261,28 @@ class QualityTable(_Frozen):
         return "\n".join(lines) + "\n"
 
 
+class BiasSummary(_Frozen):
+    """The per-token logit bias + T fitted by calibration (`estimation.bias_fit`).
+
+    The vector (float32, `vocab_size`) is stored next to the profile in
+    `bias_file_name(sha256)`; `sha256` is its content hash. `penalty` is the chosen L2
+    penalty (None: the T-only fit won on validation, the bias is 0). `recommended` when its
+    validation gain over T = 1 is significant. Quality rows as in `QualityTable`, on the rows
+    kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top token, so
+    its same-top rates are its own.
+    """
+
+    sha256: str
+    vocab_size: int
+    temperature: float
+    penalty: float | None
+    recommended: bool
+    validation: QualityRow
+    test: QualityRow
+    validation_same_top_rate: float
+    test_same_top_rate: float
+
+
 class Profile(_Frozen):
     """Everything calibration learnt about one pair (see the module docstring).
 
@@ -279,6 +305,7 @@ class Profile(_Frozen):
     validation_quality: QualityTable
     test_quality: QualityTable
     test_quality_by_request_temperature: tuple[QualityTable, ...]
+    bias: BiasSummary | None = None
 
     def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
         """The policy for `rule` (default: `recommended_rule`) with the fitted parameters."""

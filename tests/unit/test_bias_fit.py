@@ -9,14 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from profile_helpers import CLEAN, SERVED
+from safetensors.torch import save_file
 
 from noisy_temp_server.estimation.bias_fit import (
     BIAS_ROW_NAME,
+    bias_file_name,
     bias_quality,
+    bias_sha256,
     fit_bias_on_rows,
+    load_bias_file,
+    save_bias_file,
     score_with_rows,
 )
-from noisy_temp_server.estimation.significance import InsufficientDataError
+from noisy_temp_server.estimation.calibration import calibrate_records
+from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
+from noisy_temp_server.estimation.significance import (
+    InsufficientDataError,
+    is_significant,
+    split_fit_validation_test,
+)
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
@@ -77,3 +89,44 @@ def test_too_few_held_out_rows_are_refused(scorer: PairScorer) -> None:
         bias_quality(scored.rows, LogitBias.identity(scored.rows.vocab_size))
     with pytest.raises(InsufficientDataError):
         fit_bias_on_rows(scored.rows)
+
+
+def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_path: Path) -> None:
+    scored = score_with_rows(scorer, _sequences(12), max_rows=300)
+    settings = CalibrationSettings(
+        prompts=12,
+        max_new_tokens=32,
+        request_temperatures=(1.0,),
+        min_cell_positions=10,
+        min_quality_positions=40,
+    )
+    result = calibrate_records(scored.records, (CLEAN, SERVED), None, settings, scored.rows)
+    assert result.bias is not None
+    summary = result.profile.bias
+    assert summary is not None
+    _, validation, test = split_fit_validation_test(
+        scored.rows.sequence_id, settings.validation_fraction, settings.test_fraction, 0
+    )
+    assert set(scored.rows.sequence_id[test].tolist()) == set(result.test.sequence_id.tolist())
+    assert result.bias.validation.positions == int(validation.sum())
+    assert summary.test == result.bias.test.row
+    assert summary.recommended == is_significant(
+        summary.validation.gain, summary.validation.gain_stderr
+    )
+    assert "changes greedy output" in result.bias.to_markdown()
+    profile_path = tmp_path / "profile.json"
+    result.profile.save(profile_path)
+    assert Profile.load(profile_path) == result.profile
+    written = save_bias_file(tmp_path, result.bias.correction.bias)
+    assert written.name == bias_file_name(summary.sha256)
+    torch.testing.assert_close(load_bias_file(written, summary.sha256), result.bias.correction.bias)
+
+
+def test_a_bias_file_that_does_not_match_its_hash_is_refused(tmp_path: Path) -> None:
+    bias = torch.randn(50)
+    written = save_bias_file(tmp_path, bias)
+    save_file({"bias": bias + 1e-3}, str(written))
+    with pytest.raises(ValueError, match="does not hold"):
+        load_bias_file(written, bias_sha256(bias))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_bias_file(tmp_path / "missing.safetensors", bias_sha256(bias))

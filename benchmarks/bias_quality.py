@@ -9,10 +9,11 @@ Per perturbation family: the served model writes a completion for each of the fi
 differently styled set `benchmarks/data/prompts_formal.jsonl` (domain B); the pair scorer keeps
 records and full rows of every position. A's prompts are split as calibration splits them
 (`CalibrationSettings`: half fit, a fifth validation, the rest test): the temperature rules are
-fitted on the fit prompts (`calibrate_records`), the bias on the fit prompts with its penalty
-chosen on the validation prompts; both are measured on A's test prompts (in-domain) and on all
-of B (cross-domain), beside T = 1 and the per-position oracle T. `--w8a8 DIR` adds a real
-compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
+fitted on the fit prompts and the bias as `calibrate_bias` fits it (penalty chosen on the
+validation prompts, then refitted on fit + validation), both by `calibrate_records`; both are
+measured on A's test prompts (in-domain) and on all of B (cross-domain), beside T = 1 and the
+per-position oracle T. `--w8a8 DIR` adds a real compressed-tensors checkpoint from
+`noisy-temp-server quantize --format w8a8 --out DIR`.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
@@ -27,13 +28,16 @@ from pathlib import Path
 
 import torch
 
-from noisy_temp_server.estimation.bias_fit import BiasQuality, bias_quality, score_with_rows
+from noisy_temp_server.estimation.bias_fit import (
+    BiasQuality,
+    bias_quality,
+    score_with_rows,
+)
 from noisy_temp_server.estimation.calibration import calibrate_records, sample_completions
 from noisy_temp_server.estimation.fitting import FITTED_RULES
 from noisy_temp_server.estimation.profile import CalibrationSettings, QualityRow, QualityTable
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_table
-from noisy_temp_server.estimation.significance import split_fit_validation_test
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.perturb import (
@@ -44,7 +48,6 @@ from noisy_temp_server.pairs.perturb import (
 )
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import fit_logit_bias
 
 FAMILIES: dict[str, PerturbationSpec] = {
     "int4": QuantizationSpec(format="int4", group_size=128),
@@ -114,22 +117,18 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         test_fraction=0.3,
         request_temperatures=(1.0,),
     )
-    result = calibrate_records(scored_a.records, (pair.clean, pair.served), None, settings)
+    fit_started = time.monotonic()
+    identity = (pair.clean, pair.served)
+    result = calibrate_records(scored_a.records, identity, None, settings, scored_a.rows)
+    fit_seconds = time.monotonic() - fit_started
+    calibration = result.bias
+    assert calibration is not None  # rows were given
     policies = [result.profile.parameters.to_policy(rule) for rule in FITTED_RULES]
     cross_rules = quality_table(scored_b.records, policies, split="test")
 
-    rows = scored_a.rows
-    fit, validation, test = split_fit_validation_test(
-        rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
-    )
-    fit_started = time.monotonic()
-    path = fit_logit_bias(rows.select(fit), rows.select(validation))
-    fit_seconds = time.monotonic() - fit_started
-    correction = path.chosen.correction
+    path, correction = calibration.path, calibration.correction
     in_text, in_doc = _table(
-        "in-domain (test prompts of the shipped set)",
-        result.profile.test_quality,
-        bias_quality(rows.select(test), correction),
+        "in-domain (test prompts of the shipped set)", result.profile.test_quality, calibration.test
     )
     cross_text, cross_doc = _table(
         "cross-domain (the formal prompt set)", cross_rules, bias_quality(scored_b.rows, correction)
@@ -137,11 +136,13 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     seconds = time.monotonic() - started
     penalties = ", ".join(f"{p:.0e}: {1e3 * kl:.2f}" for p, kl in path.validation_kl.items())
     section = (
-        f"## {name} ({pair.served.describe()})\n\nwall time {seconds:.0f} s (bias fit "
+        f"## {name} ({pair.served.describe()})\n\nwall time {seconds:.0f} s (fits "
         f"{fit_seconds:.0f} s); recommended temperature rule: "
-        f"{result.profile.recommended_rule.value}; bias: penalty {path.chosen.penalty:.0e}, "
+        f"{result.profile.recommended_rule.value}; bias recommended: {calibration.recommended}, "
+        f"penalty {path.chosen.penalty:.0e}, "
         f"T {correction.temperature:.3f}, max |b| {float(correction.bias.abs().max()):.2f}; "
-        f"validation KL (1e-3) by penalty (inf: T only): {penalties}\n\n{in_text}\n\n{cross_text}\n"
+        f"validation KL (1e-3) by penalty (inf: T only): {penalties}\n\n"
+        f"{in_text}\n\n{cross_text}\n"
     )
     document = {
         "family": name,
@@ -149,6 +150,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         "seconds": seconds,
         "bias_fit_seconds": fit_seconds,
         "recommended_rule": result.profile.recommended_rule.value,
+        "bias_recommended": calibration.recommended,
         "penalty": path.chosen.penalty,
         "bias_temperature": correction.temperature,
         "validation_kl_by_penalty": {str(p): kl for p, kl in path.validation_kl.items()},

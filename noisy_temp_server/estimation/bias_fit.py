@@ -26,12 +26,10 @@ from noisy_temp_server.estimation.quality import quality_row
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
     is_significant,
-    split_by_sequence,
     split_fit_validation_test,
 )
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 from noisy_temp_server.temperature.bias import (
-    DEFAULT_PENALTIES,
     BiasPath,
     LogitBias,
     PairedRows,
@@ -51,7 +49,6 @@ __all__ = [
     "bias_quality",
     "bias_sha256",
     "calibrate_bias",
-    "fit_bias_on_rows",
     "load_bias_file",
     "save_bias_file",
     "score_with_rows",
@@ -107,38 +104,6 @@ def score_with_rows(
     if not rows:
         raise InsufficientDataError("no sequences to score")
     return ScoredSet(PositionRecords.concat(records), PairedRows.concat(rows))
-
-
-def fit_bias_on_rows(
-    rows: PairedRows,
-    *,
-    validation_fraction: float = 0.5,
-    seed: int = 0,
-    penalties: Sequence[float] = DEFAULT_PENALTIES,
-    bounds: TemperatureBounds | None = None,
-) -> BiasPath:
-    """Split `rows` by sequence into train and validation (`validation_fraction` of the
-    sequences), choose the penalty on validation (`fit_logit_bias`), then refit on all of
-    `rows` at the chosen penalty, warm-started from the chosen fit.
-
-    Raises `InsufficientDataError` with fewer than two sequences.
-    """
-    train_mask, validation_mask = split_by_sequence(rows.sequence_id, validation_fraction, seed)
-    path = fit_logit_bias(
-        rows.select(train_mask),
-        rows.select(validation_mask),
-        penalties=penalties,
-        bounds=bounds,
-    )
-    chosen = path.chosen
-    refit = fit_bias_at_penalty(
-        rows,
-        chosen.penalty,
-        bounds=bounds,
-        start=chosen.correction,
-        fit_bias=math.isfinite(chosen.penalty),
-    )
-    return BiasPath(chosen=refit, validation_kl=path.validation_kl)
 
 
 @dataclass(frozen=True)
@@ -207,9 +172,9 @@ def _oracle(rows: PairedRows) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class BiasCalibration:
-    """The bias as calibration fits it: on the fit prompts, its penalty chosen on the validation
-    prompts (`path`), measured on the validation prompts (where it is recommended or not) and
-    on the test prompts (the figure to quote)."""
+    """The bias as calibration fits it (`calibrate_bias`): `path` holds the served fit (on the
+    fit and validation prompts, at the penalty chosen on validation); `validation` measures
+    the fit-prompts-only fit that chose it (the recommendation), `test` the served one."""
 
     path: BiasPath
     validation: BiasQuality
@@ -266,20 +231,37 @@ class BiasCalibration:
 
 def calibrate_bias(rows: PairedRows, settings: CalibrationSettings) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
-    `calibrate_records` splits the records (same fractions and seed). Raises
-    `InsufficientDataError` when a split is too small (see `bias_quality`)."""
+    `calibrate_records` splits the records (same fractions and seed): the penalty is chosen
+    on the validation prompts with fits on the fit prompts, and that fit's validation row
+    decides the recommendation; the bias served is then refitted at that penalty on the fit
+    and validation prompts together (more data, no further choice), and measured on the test
+    prompts. Raises `InsufficientDataError` when a split is too small (see `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
     )
-    validation_rows, test_rows = rows.select(validation), rows.select(test)
-    bounds = settings.bounds
-    path = fit_logit_bias(rows.select(fit), validation_rows, bounds=bounds)
+    validation_rows = rows.select(validation)
+    path = fit_logit_bias(rows.select(fit), validation_rows, bounds=settings.bounds)
     minimum = settings.min_quality_positions
+    validation_quality = bias_quality(validation_rows, path.chosen.correction, minimum)
+    served = _refit(rows.select(fit | validation), path, settings.bounds)
     return BiasCalibration(
-        path=path,
-        validation=bias_quality(validation_rows, path.chosen.correction, minimum),
-        test=bias_quality(test_rows, path.chosen.correction, minimum),
+        path=served,
+        validation=validation_quality,
+        test=bias_quality(rows.select(test), served.chosen.correction, minimum),
     )
+
+
+def _refit(rows: PairedRows, path: BiasPath, bounds: TemperatureBounds | None) -> BiasPath:
+    """`path` with its chosen fit refitted on `rows` at the chosen penalty (warm start)."""
+    chosen = path.chosen
+    refit = fit_bias_at_penalty(
+        rows,
+        chosen.penalty,
+        bounds=bounds,
+        start=chosen.correction,
+        fit_bias=math.isfinite(chosen.penalty),
+    )
+    return BiasPath(chosen=refit, validation_kl=path.validation_kl)
 
 
 def bias_sha256(bias: Tensor) -> str:

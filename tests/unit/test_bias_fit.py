@@ -17,7 +17,7 @@ from noisy_temp_server.estimation.bias_fit import (
     bias_file_name,
     bias_quality,
     bias_sha256,
-    fit_bias_on_rows,
+    calibrate_bias,
     load_bias_file,
     save_bias_file,
     score_with_rows,
@@ -32,7 +32,7 @@ from noisy_temp_server.estimation.significance import (
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.temperature.bias import LogitBias
+from noisy_temp_server.temperature.bias import LogitBias, evaluate_bias, fit_logit_bias
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,11 @@ def test_max_rows_keeps_an_even_share_of_every_sequence(scorer: PairScorer) -> N
 def test_the_held_out_quality_row_is_paired_with_t_one_and_the_oracle(scorer: PairScorer) -> None:
     scored = score_with_rows(scorer, _sequences(12))
     fit_mask = scored.rows.sequence_id < 8
-    path = fit_bias_on_rows(scored.rows.select(fit_mask), penalties=(1e-1, 1e-2, 1e-3))
+    path = fit_logit_bias(
+        scored.rows.select(fit_mask & (scored.rows.sequence_id % 2 == 0)),
+        scored.rows.select(fit_mask & (scored.rows.sequence_id % 2 == 1)),
+        penalties=(1e-1, 1e-2, 1e-3),
+    )
     quality = bias_quality(scored.rows.select(~fit_mask), path.chosen.correction)
     assert quality.row.name == BIAS_ROW_NAME
     assert quality.sequences == 4
@@ -88,7 +92,7 @@ def test_too_few_held_out_rows_are_refused(scorer: PairScorer) -> None:
     with pytest.raises(InsufficientDataError, match="at least 100"):
         bias_quality(scored.rows, LogitBias.identity(scored.rows.vocab_size))
     with pytest.raises(InsufficientDataError):
-        fit_bias_on_rows(scored.rows)
+        calibrate_bias(scored.rows, CalibrationSettings(prompts=2))
 
 
 def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_path: Path) -> None:
@@ -110,6 +114,15 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
     assert set(scored.rows.sequence_id[test].tolist()) == set(result.test.sequence_id.tolist())
     assert result.bias.validation.positions == int(validation.sum())
     assert summary.test == result.bias.test.row
+    served_on = torch.tensor([i not in set(result.test.sequence_id.tolist()) for i in range(12)])
+    assert result.bias.path.chosen.fit_kl == pytest.approx(
+        float(
+            evaluate_bias(
+                scored.rows.select(served_on[scored.rows.sequence_id]), result.bias.correction
+            ).kl.mean()
+        ),
+        rel=1e-4,
+    )  # the served bias is refitted on the fit and validation prompts
     assert summary.recommended == is_significant(
         summary.validation.gain, summary.validation.gain_stderr
     )

@@ -76,8 +76,9 @@ def score_with_rows(
 ) -> ScoredSet:
     """Score `sequences` once: the records of every position (once per request temperature,
     as `PairScorer.score_sequence` gives them), and `PairedRows` (against the clean model at
-    T = 1) of at most `max_rows` positions (each sequence keeps an evenly spaced share; None keeps all, 0 none).
-    `progress(done, total)` is called after every 8th sequence and the last."""
+    T = 1) of at most `max_rows` positions (each sequence keeps an evenly spaced share; None
+    keeps all, 0 none). `progress(done, total)` is called after every 8th sequence and the
+    last."""
     total = sum(len(s.token_ids) - s.prompt_length for s in sequences)
     if max_rows is None or total <= max_rows:
         keep_every = 1

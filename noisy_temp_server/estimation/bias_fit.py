@@ -90,13 +90,8 @@ def score_with_rows(
             progress(done, len(sequences))
         for steps, clean, served in scorer.logit_chunks(sequence):
             records += [
-                PositionRecords.from_logits(
-                    clean,
-                    served,
-                    step=steps,
-                    sequence_id=sequence.sequence_id,
-                    curve_temperatures=scorer.curve_temperatures.to(clean.device),
-                    request_temperature=temperature,
+                scorer.chunk_records(
+                    steps, clean, served, sequence.sequence_id, request_temperature=temperature
                 )
                 for temperature in request_temperatures
             ]

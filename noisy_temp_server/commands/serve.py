@@ -196,8 +196,10 @@ def pair_scorer(
     pair's runtime noise. The served model runs in `served_dtype` (the dtype the engine
     serves it in, so the scorer measures the pair being served; default float32). The clean
     side is `settings.clean_backend`: the pair's clean model in process (in
-    `settings.clean_dtype`; a pair whose two folders are the same, runtime noise on clean
-    weights, loads the model once when the two dtypes agree), or the remote clean server."""
+    `settings.clean_dtype`), or the remote clean server. A pair whose two folders are the same
+    (runtime noise on clean weights) loads the model once, in `settings.clean_dtype`: one
+    forward pass per scored request, the runtime noise standing for the served side's
+    difference (the engine's own rounding is left out of the measurement)."""
     import torch  # noqa: PLC0415
 
     from noisy_temp_server.pairs.checkpoint import load_causal_lm  # noqa: PLC0415
@@ -227,7 +229,7 @@ def pair_scorer(
         clean, _ = load_causal_lm(pair.clean, device=device, dtype=dtype)
         served_model = (
             clean
-            if pair.served.resolve() == pair.clean.resolve() and dtype == served_dtype
+            if pair.served.resolve() == pair.clean.resolve()
             else load_causal_lm(pair.served, device=device, dtype=served_dtype)[0]
         )
     return PairScorer(clean, served_model, runtime_noise=pair.runtime_noise, device=device)

@@ -271,12 +271,16 @@ def test_the_shipped_default_pair_profile_tunes_every_request_temperature() -> N
 
 
 def test_the_scorer_serves_in_the_engine_dtype_and_scores_against_the_clean_dtype(
-    runtime_noise_dir: Path,
+    tiny_model_dir: Path, runtime_noise_dir: Path, tmp_path: Path
 ) -> None:
-    pair = ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
-    scorer = pair_scorer(Settings(), pair, torch.bfloat16)
+    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.1), tmp_path)
+    scorer = pair_scorer(Settings(), ServedPair(served, tiny_model_dir, None), torch.bfloat16)
     assert scorer.served_model.dtype == torch.bfloat16
     assert isinstance(scorer.clean, InProcessModel)
     assert scorer.clean.model.dtype == torch.float32
-    assert scorer.served_model is not scorer.clean.model  # one folder, two dtypes: two models
     assert scorer.clean_status() == {"kind": "in_process", "device": "cpu", "dtype": "float32"}
+    # one folder (runtime noise on the clean weights): one model, one forward pass
+    shared = ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
+    one = pair_scorer(Settings(), shared, torch.bfloat16)
+    assert isinstance(one.clean, InProcessModel)
+    assert one.served_model is one.clean.model

@@ -1,8 +1,9 @@
 """The shadow scorer's own cost and the online estimate it feeds, on the default pair.
 
-Completions are sampled from the served model (the embedded SmolLM2-135M-Instruct perturbed by
-the default spec) on the shipped prompts, then scored teacher-forced against the clean model
-with ``--threads`` torch threads (default 1: the serving default ``shadow_threads``):
+Completions are sampled from the served model of the default pair (the embedded
+SmolLM2-135M-Instruct with ``serve``'s default perturbation, or ``--perturbation``) on the
+shipped prompts, then scored teacher-forced by the scorer ``serve`` builds for that pair, with
+``--threads`` torch threads (default 1: the serving default ``shadow_threads``):
 
 - speed: scored completion tokens per CPU-second (per core, from the process's CPU time, so a
   shared machine slows the wall clock but not the figure) of the offline records
@@ -34,16 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
-from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
+from noisy_temp_server.commands.serve import pair_scorer, resolve_pair
 from noisy_temp_server.estimation.fitting import noise_by_step
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.generation import generate_completions
-from noisy_temp_server.pairs.perturb import parse_spec
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
 from noisy_temp_server.settings import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -70,7 +69,10 @@ def _pooled_alpha(records: PositionRecords) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=48, help="completions sampled")
+    parser.add_argument(
+        "--perturbation", default=Settings().perturbation, help="the pair (default: serve's)"
+    )
+    parser.add_argument("--prompts", type=int, default=32, help="completions sampled")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="as NTS_SHADOW_THREADS")
     parser.add_argument("--speed-sequences", type=int, default=8)
@@ -84,20 +86,21 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    settings = Settings()
-    clean_dir = ensure_default_model(settings.cache_dir)
-    served_dir = ensure_perturbed_checkpoint(
-        clean_dir, parse_spec(settings.perturbation), settings.cache_dir
-    )
-    clean, tokenizer = load_causal_lm(clean_dir)
-    served, _ = load_causal_lm(served_dir)
+    settings = Settings(perturbation=args.perturbation)
+    pair = resolve_pair(settings)
+    scorer = pair_scorer(settings, pair)  # the scorer `serve` builds for this pair
+    tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     prompts = [encode_prompt(tokenizer, p) for p in load_prompts()][: args.prompts]
     started = time.perf_counter()
     sequences = generate_completions(
-        served, tokenizer, prompts, max_new_tokens=args.max_tokens, seed=0
+        scorer.served_model,
+        tokenizer,
+        prompts,
+        max_new_tokens=args.max_tokens,
+        seed=0,
+        runtime_noise=pair.runtime_noise,
     )
     print(f"sampled {len(sequences)} completions in {time.perf_counter() - started:.0f} s")
-    scorer = PairScorer(clean, served)
 
     speed_set = sequences[: args.speed_sequences]
     offline_rate, speed_tokens = _tokens_per_second(scorer.score_sequence, speed_set, args.repeats)

@@ -9,9 +9,10 @@ The served model samples completions for the prompts (default: the shipped set),
 scored, and the prompts are split three ways: every rule is fitted on the fit split, the
 recommended rule is chosen on the validation split (the lowest-KL rule whose gain over T = 1 is
 significant there, else `off`) and measured on the test split. The profile
-(`noisy_temp_server.estimation.profile`) is written to --out and both quality tables printed,
-each headed by its split. `--records` also saves the per-position records (safetensors);
-`--report DIR` writes the markdown + PNG report of the four reference experiments on the clean
+(`noisy_temp_server.estimation.profile`) is written to --out and the quality tables printed,
+each headed by its split and request temperatures: validation and test pooled over the request
+temperatures, then the test split at each. `--records` also saves the per-position records
+(safetensors); `--report DIR` writes the markdown + PNG report of the four reference experiments on the clean
 model (`noisy_temp_server.estimation.report`), and may be given alone. Progress goes to stderr.
 """
 
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
                 PositionRecords.concat(parts).save(args.records)
             print(result.profile.validation_quality.to_markdown())
             print(result.profile.test_quality.to_markdown())
+            for table in result.profile.test_quality_by_request_temperature:
+                print(table.to_markdown())
             rule = result.profile.recommended_rule.value
             why = (
                 "no rule's validation gain over T=1 exceeds 2 standard errors"

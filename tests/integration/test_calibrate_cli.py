@@ -52,6 +52,7 @@ def test_perturb_then_calibrate(
     assert _run(calibrate_command, argv) == 0
     printed = capsys.readouterr().out
     assert printed.index("Validation split at") < printed.index("Test split at")
+    assert "Test split at request temperature 0.5: " in printed
     assert "its test row is the figure to quote" in printed or "recommended rule: off" in printed
     clean, served = (ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, tmp_path / "a"))
     profile = Profile.load_for_pair(profile_path, clean, served)

@@ -12,8 +12,9 @@ significant there, else `off`) and measured on the test split. The profile
 (`noisy_temp_server.estimation.profile`) is written to --out and the quality tables printed,
 each headed by its split and request temperatures: validation and test pooled over the request
 temperatures, then the test split at each. `--records` also saves the per-position records
-(safetensors); `--report DIR` writes the markdown + PNG report of the four reference experiments on the clean
-model (`noisy_temp_server.estimation.report`), and may be given alone. Progress goes to stderr.
+(safetensors); `--report DIR` writes the markdown + PNG report of the four reference
+experiments on the clean model (`noisy_temp_server.estimation.report`), and may be given alone.
+Progress goes to stderr.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What the shadow scorer costs in serving throughput: its sampling fraction vs fraction 0.
 
-Two `noisy-temp-server serve` processes run side by side on the same default pair (the embedded
-SmolLM2-135M-Instruct, served perturbed by the default spec, the clean model kept for scoring),
-identical except for ``--shadow-fraction``: ``off`` (0) and ``shadow`` (``--fraction``, default
-the setting's default, 0.1). Rounds alternate between the two servers, so both see the same
+Two `noisy-temp-server serve` processes run side by side on the default pair (the embedded
+SmolLM2-135M-Instruct with `serve`'s default perturbation, the clean model kept for scoring;
+each server prepares it as `serve` does), identical except for ``--shadow-fraction``: ``off``
+(0) and ``shadow`` (``--fraction``, default the setting's default, 0.1). Rounds alternate between the two servers, so both see the same
 machine load. A round sends ``--requests`` completions through HTTP from ``--streams``
 concurrent clients (``max_tokens=--max-tokens``, EOS ignored, ``nts_tune=false`` so the two
 servers do the same engine work and only the scorer differs) and measures
@@ -52,9 +52,6 @@ from typing import Any
 
 import httpx
 
-from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.perturb import parse_spec
 from noisy_temp_server.settings import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -95,18 +92,14 @@ def _free_port() -> int:
 class Server:
     """One `serve` subprocess; its log goes to `log_path`."""
 
-    def __init__(
-        self, name: str, fraction: float, pair: tuple[Path, Path], args: argparse.Namespace
-    ) -> None:
+    def __init__(self, name: str, fraction: float, args: argparse.Namespace) -> None:
         self.name = name
         self.fraction = fraction
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.gettempdir()) / f"nts-shadow-cost-{name}-{self.port}.log"
-        served, clean = pair
         command = [
             sys.executable, "-m", "noisy_temp_server.cli", "serve",
-            "--served-model", str(served), "--clean-model", str(clean),
             "--served-model-name", MODEL_NAME, "--port", str(self.port),
             "--shadow-fraction", str(fraction),
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.streams),
@@ -148,11 +141,11 @@ class Server:
 
 
 @contextmanager
-def _servers(args: argparse.Namespace, pair: tuple[Path, Path]) -> Iterator[list[Server]]:
+def _servers(args: argparse.Namespace) -> Iterator[list[Server]]:
     with ExitStack() as stack:
         servers = []
         for name, fraction in (("off", 0.0), ("shadow", args.fraction)):
-            server = Server(name, fraction, pair, args)
+            server = Server(name, fraction, args)
             stack.callback(server.stop)
             servers.append(server)
         for server in servers:
@@ -249,10 +242,10 @@ def _scored(server: Server) -> tuple[int, int]:
 
 
 def _run(
-    args: argparse.Namespace, pair: tuple[Path, Path]
+    args: argparse.Namespace,
 ) -> tuple[dict[str, Any], list[Round], list[Summary]]:
     rounds: list[Round] = []
-    with _servers(args, pair) as servers:
+    with _servers(args) as servers:
         first_policy = asyncio.run(_first_policy(servers[1], args))
         print(
             f"first online policy after {first_policy['seconds']:.1f} s, "
@@ -344,11 +337,8 @@ def main() -> int:
     if not 0.0 < args.fraction <= 1.0:
         parser.error(f"--fraction must be in (0, 1], got {args.fraction}")
 
-    cache = Settings().cache_dir
-    clean = ensure_default_model(cache)
-    served = ensure_perturbed_checkpoint(clean, parse_spec(Settings().perturbation), cache)
     load_before = os.getloadavg()
-    first_policy, rounds, summaries = _run(args, (served, clean))
+    first_policy, rounds, summaries = _run(args)
     load = f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -363,8 +353,7 @@ def main() -> int:
         "load": load,
         "timestamp": stamp,
         "settings": vars(args),
-        "served_model": str(served),
-        "clean_model": str(clean),
+        "perturbation": Settings().perturbation,
         "first_policy": first_policy,
         "summaries": [asdict(s) for s in summaries],
         "rounds": [asdict(r) for r in rounds],

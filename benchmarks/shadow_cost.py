@@ -3,10 +3,11 @@
 Two `noisy-temp-server serve` processes run side by side on the default pair (the embedded
 SmolLM2-135M-Instruct with `serve`'s default perturbation, the clean model kept for scoring;
 each server prepares it as `serve` does), identical except for ``--shadow-fraction``: ``off``
-(0) and ``shadow`` (``--fraction``, default the setting's default, 0.1). Rounds alternate between the two servers, so both see the same
-machine load. A round sends ``--requests`` completions through HTTP from ``--streams``
-concurrent clients (``max_tokens=--max-tokens``, EOS ignored, ``nts_tune=false`` so the two
-servers do the same engine work and only the scorer differs) and measures
+(0) and ``shadow`` (``--fraction``, default the setting's default, 0.1). Rounds alternate
+between the two servers, so both see the same machine load. A round sends ``--requests``
+completions through HTTP from ``--streams`` concurrent clients (``max_tokens=--max-tokens``,
+EOS ignored, ``nts_tune=false`` so the two servers do the same engine work and only the scorer
+differs) and measures
 
 - serving throughput: generated tokens / round wall time (what clients see while the scorer
   competes with the engine for the CPU or GPU);

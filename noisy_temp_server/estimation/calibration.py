@@ -9,8 +9,9 @@ The pipeline (`calibrate`):
 3. prompts (not positions) are split three ways: fit, validation and test
    (`split_fit_validation_test`);
 4. every rule is fitted on the fit split (`estimation.fitting.fit_rules`); the calibrated
-   table starts from the best global T and departs from it only where the validation split
-   shows a significant gain;
+   table has one band per request temperature, each starting from its best constant where
+   that beats T = 1 on the validation split (else from 1), and departs from it only where the
+   validation split shows a significant gain;
 5. quality tables compare T = 1, every rule, calibrated and the oracle on the validation and
    on the test split (`estimation.quality.quality_table`), pooled over the request
    temperatures, and on the test split at each request temperature;

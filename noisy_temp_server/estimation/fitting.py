@@ -250,25 +250,22 @@ def fit_calibrated_table(
     entropy_buckets: int,
     bounds: TemperatureBounds,
     min_cell_positions: int,
-    root_parent: float | None = None,
 ) -> CalibratedTable:
     """The calibrated table: one T per (request-temperature band, step bucket, served-entropy
     bucket), each band fitted top-down on the positions measured at its request temperature.
 
     One band per distinct request temperature of `fit` (`validation` must have the same ones),
-    its edges the midpoints between them. In a band, the root is the best global T of `fit`
-    at that request temperature (at T_r = 1, the `fixed` rule's T): the band starts as that
-    constant. Every other node of the hierarchy (step bucket -> step bucket x entropy bucket)
-    starts from its parent's T; its own T is the best shared T of its `fit` positions, kept
-    only if the node has at least `min_cell_positions` positions in both sets and that T beats
-    the parent's on the node's `validation` positions significantly (paired gain minus 2
-    cluster-robust standard errors > 0); otherwise the node inherits the parent's T. So the
-    table departs from the constant only where a cell's own held-out evidence demands it, and
-    a cell with thin evidence takes the coarser estimate: the rule is never behind the
-    constant beyond statistical noise. (Whether either beats T = 1 is `recommend_rule`'s
-    question, on the validation split.) With `root_parent` (e.g. 1.0, where no recommendation
-    step follows, as in the online estimator) the band's root is gated like every other node,
-    against that parent T. Entropy edges are quantiles of `fit`'s served entropy.
+    its edges the midpoints between them. Every node of a band's hierarchy (band -> step bucket
+    -> step bucket x entropy bucket) starts from its parent's T, the band's own parent being
+    T = 1; its own T is the best shared T of its `fit` positions, kept only if the node has at
+    least `min_cell_positions` positions in both sets and that T beats the parent's on the
+    node's `validation` positions significantly (paired gain minus 2 cluster-robust standard
+    errors > 0); otherwise the node inherits the parent's T. So a band serves its best
+    constant (at T_r = 1, the `fixed` rule's T) only where that constant beats T = 1 on the
+    validation positions at the band's request temperature, and departs from it only where a
+    cell's own held-out evidence demands it; a cell with thin evidence takes the coarser
+    estimate. The rule is never behind T = 1, nor behind a band's gated constant, beyond
+    statistical noise. Entropy edges are quantiles of `fit`'s served entropy.
     """
     entropy_edges = _entropy_edges(fit.served_entropy, entropy_buckets)
     request_temperatures = request_temperatures_of(fit)
@@ -282,7 +279,6 @@ def fit_calibrated_table(
             entropy_edges=entropy_edges,
             bounds=bounds,
             min_cell_positions=min_cell_positions,
-            root_parent=root_parent,
         )
         for t in request_temperatures
     )
@@ -302,7 +298,6 @@ def _band_table(
     entropy_edges: Sequence[float],
     bounds: TemperatureBounds,
     min_cell_positions: int,
-    root_parent: float | None,
 ) -> tuple[tuple[float, ...], ...]:
     """One band of `fit_calibrated_table`: T [step buckets][entropy buckets]."""
     refine = functools.partial(
@@ -312,11 +307,7 @@ def _band_table(
     fit_entropy, validation_entropy = (
         _entropy_bucket(r.served_entropy, entropy_edges) for r in (fit, validation)
     )
-    root = (
-        best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
-        if root_parent is None
-        else refine(root_parent, fit, validation)
-    )
+    root = refine(1.0, fit, validation)
     table = []
     for s in range(len(step_edges)):
         step_fit, step_validation = fit_steps == s, validation_steps == s
@@ -392,10 +383,9 @@ def fit_rules(
     `TemperaturePolicy` (T = 1: fixed T 1, floor 1, schedule t_max 1 / beta 0, an all-ones
     table). The calibrated table is fitted on `records` and its departures from the global T
     checked on `validation` (`fit_calibrated_table`, one band per request temperature of the
-    records). Without `validation` (the online estimator), `records` is split by sequence for
-    that (`settings.validation_fraction` to check) and, since no recommendation step will
-    compare the rule with T = 1 afterwards, the table's root must itself beat T = 1 on the
-    check split (else the table stays at 1 wherever no cell beats it). Every other parameter
+    records; each band's constant must beat T = 1 there). Without `validation` (the online
+    estimator), `records` is split by sequence for that (`settings.validation_fraction` to
+    check). Every other parameter
     is fitted on the positions measured at request temperature 1. Positions whose KL is
     infinite at every T (the served row masks a token the clean row supports) carry no
     information about T and are left out, as in
@@ -410,13 +400,11 @@ def fit_rules(
         step_edges=step_edges, temperatures=(tuple((1.0,) for _ in step_edges),)
     )
     if Rule.CALIBRATED in rules:
-        root_parent = None
         if validation is None:
             table_fit, table_check = split_by_sequence(
                 records.sequence_id, settings.validation_fraction, settings.seed + 1
             )
             table_records, validation = records.select(table_fit), records.select(table_check)
-            root_parent = 1.0
         else:
             table_records, validation = records, finite_positions(validation)
         table = fit_calibrated_table(
@@ -426,7 +414,6 @@ def fit_rules(
             entropy_buckets=settings.entropy_buckets,
             bounds=bounds,
             min_cell_positions=settings.min_cell_positions,
-            root_parent=root_parent,
         )
     records = records.select(records.request_temperature == 1.0)
     if len(records) == 0:

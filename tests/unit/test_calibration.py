@@ -274,26 +274,45 @@ def test_calibrated_table_splits_by_step_bucket_when_the_optimum_differs() -> No
     assert bool(((table[1:] - 1.0).abs() < 0.04).all()), table
 
 
-def test_calibrated_table_stays_at_the_global_temperature_on_pure_noise() -> None:
-    fit, validation = _hierarchy_records(lambda step: torch.zeros(step.shape), 3, spread=0.3)
-    table = _fit_table(fit, validation)
-    global_t = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, BOUNDS)
-    assert bool((table == global_t).all()), table
-
-
-def test_without_a_validation_split_the_table_must_beat_t_one_to_leave_it() -> None:
-    # the online estimator's path: no recommendation step follows, so the root is gated too
-    fit, validation = _hierarchy_records(lambda step: torch.zeros(step.shape), 3, spread=0.3)
+def test_a_band_serves_t_one_unless_its_constant_beats_one_on_validation() -> None:
+    # T_r 1.2: pure noise around T* = 1, so the fit constant is off 1 by chance and must not
+    # be served; T_r 0.5: the optimum is e^0.3 everywhere, so the band keeps its constant.
+    parts = [
+        (_hierarchy_records(functools.partial(_constant, log_t), seed, spread), t_r)
+        for log_t, seed, spread, t_r in ((0.3, 4, 0.05, 0.5), (0.0, 3, 0.3, 1.2))
+    ]
+    fit, validation = (
+        PositionRecords.concat([_at_request_temperature(p[i], t_r) for p, t_r in parts])
+        for i in (0, 1)
+    )
+    noisy_fit = fit.select(fit.request_temperature == 1.2)
+    noisy_constant = best_curve_temperature(
+        noisy_fit.kl_curve, noisy_fit.curve_temperatures, BOUNDS
+    )
+    assert abs(noisy_constant - 1.0) > 0.01  # the fit alone would move this band off 1
+    clear_fit = fit.select(fit.request_temperature == 0.5)
+    clear_constant = best_curve_temperature(
+        clear_fit.kl_curve, clear_fit.curve_temperatures, BOUNDS
+    )
+    table = fit_calibrated_table(
+        fit,
+        validation,
+        step_edges=(0, 4, 12),
+        entropy_buckets=2,
+        bounds=BOUNDS,
+        min_cell_positions=40,
+    )
+    clear, noisy = table.temperatures
+    assert noisy == (((1.0, 1.0),) * 3), noisy
+    assert clear == (((clear_constant, clear_constant),) * 3), clear
+    # the online estimator's path (no validation split given): the same gate on its check split
     settings = CalibrationSettings(step_edges=(0, 4, 12), entropy_buckets=2, min_cell_positions=40)
-    records = PositionRecords.concat([fit, validation])
-    online, _ = fit_rules(records, settings, {Rule.CALIBRATED})
-    assert online.calibrated_temperatures == (((1.0, 1.0),) * 3,)
-    clear, _ = fit_rules(
-        PositionRecords.concat(_hierarchy_records(lambda step: torch.full(step.shape, 0.3), 4)),
+    online, _ = fit_rules(
+        PositionRecords.concat(parts[1][0]),  # the noisy band's records, at T_r = 1
         settings,
         {Rule.CALIBRATED},
     )
-    assert all(t > 1.25 for row in clear.calibrated_temperatures[0] for t in row)
+    assert online.calibrated_temperatures == (((1.0, 1.0),) * 3,)
 
 
 def test_calibrated_table_needs_evidence_in_every_node() -> None:
@@ -316,12 +335,11 @@ def test_calibrated_table_needs_evidence_in_every_node() -> None:
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=300
     ).temperatures
     assert thin[0][0] == thin[1][0] > 1.1
-    # too little evidence anywhere: the global T (the fixed rule's) everywhere
+    # too little evidence anywhere, even to leave T = 1: T = 1 everywhere
     (sparse,) = fit_calibrated_table(
         fit, check, step_edges=(0, 100), entropy_buckets=1, bounds=BOUNDS, min_cell_positions=500
     ).temperatures
-    global_t = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, BOUNDS)
-    assert sparse == ((global_t,), (global_t,))
+    assert sparse == ((1.0,), (1.0,))
 
 
 def _constant(value: float, step: torch.Tensor) -> torch.Tensor:

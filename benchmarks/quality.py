@@ -2,7 +2,7 @@
 family and request temperature.
 
     .venv/bin/python benchmarks/quality.py [--families int4 logit-noise ...] [--num-prompts 48]
-        [--max-new-tokens 32] [--threads N]
+        [--max-new-tokens 32] [--threads N] [--profiles DIR] [--records DIR]
 
 Families: noise-0.01, noise-0.02, noise-0.05 (gaussian weight noise), int4 (RTN, group 128),
 int8, fp8 (e4m3) and logit-noise (runtime logit noise sigma = 1); default: all. For each, runs
@@ -190,6 +190,13 @@ def main() -> int:
         help="also write each family's profile here, as <family>.profile.json",
     )
     parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="also save each family's fit/validation/test records here, as "
+        "<family>.<split>.safetensors (what benchmarks/context_features.py reads)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -218,6 +225,10 @@ def main() -> int:
         if args.profiles is not None:
             args.profiles.mkdir(parents=True, exist_ok=True)
             result.profile.save(args.profiles / f"{name}.profile.json")
+        if args.records is not None:
+            args.records.mkdir(parents=True, exist_ok=True)
+            for split in ("fit", "validation", "test"):
+                getattr(result, split).save(args.records / f"{name}.{split}.safetensors")
         section = _markdown(spec.label, seconds, result, rows)
         print(section, flush=True)
         sections.append(section)

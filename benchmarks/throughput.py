@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,8 +49,8 @@ from importlib.metadata import distribution, entry_points
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
+from serving import ServerProcess, completions_round, stop_process
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DISTRIBUTION = "noisy-temp-server"
@@ -162,62 +161,14 @@ class EngineProcess:
         try:
             self.process.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            _stop(self.process)
+            stop_process(self.process)
 
 
 # -- the HTTP servers ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _stop(process: subprocess.Popen[Any]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-class ServerProcess:
-    """An OpenAI-compatible server subprocess on a free port (log in ``log_path``)."""
-
-    def __init__(self, name: str, command: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.gettempdir()) / f"nts-throughput-{name}-{self.port}.log"
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(
-                [*command, "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not healthy in time; see {self.log_path}")
-            time.sleep(1.0)
-
-    def stop(self) -> None:
-        _stop(self.process)
-
-
-async def _http_round(server: ServerProcess, args: argparse.Namespace, seed: int) -> int:
-    """Send ``args.requests`` completions over ``args.streams`` concurrent clients; the number of
-    generated tokens."""
-    pending = list(range(args.requests))
+def _http_round(server: ServerProcess, args: argparse.Namespace, seed: int) -> int:
+    """One round of ``args.requests`` completions over ``args.streams`` clients; the tokens."""
     body = {
         "model": MODEL_NAME,
         "prompt": PROMPT,
@@ -225,19 +176,9 @@ async def _http_round(server: ServerProcess, args: argparse.Namespace, seed: int
         "temperature": 0.8,
         "ignore_eos": True,
     }
-
-    async def client(http: httpx.AsyncClient) -> int:
-        tokens = 0
-        while pending:
-            request = pending.pop()
-            response = await http.post("/v1/completions", json={**body, "seed": seed + request})
-            response.raise_for_status()
-            tokens += int(response.json()["usage"]["completion_tokens"])
-        return tokens
-
-    limits = httpx.Limits(max_connections=args.streams)
-    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
-        return sum(await asyncio.gather(*(client(http) for _ in range(args.streams))))
+    return asyncio.run(
+        completions_round(server.url, body, requests=args.requests, streams=args.streams, seed=seed)
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -373,7 +314,7 @@ def _http_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[R
             for server in _rotated(servers, repeat):
                 cpu_before = cpu_seconds(server.process.pid)
                 started = time.perf_counter()
-                tokens = asyncio.run(_http_round(server, args, seed=1000 * repeat))
+                tokens = _http_round(server, args, seed=1000 * repeat)
                 seconds = time.perf_counter() - started
                 cpu = cpu_seconds(server.process.pid) - cpu_before
                 if tokens != args.requests * args.max_tokens:

@@ -21,6 +21,7 @@ print(json.dumps([[c.__name__ for c in load()] for load in
 
 
 def _benchmark() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARK.parent))  # as when run as a script: its sibling modules
     spec = importlib.util.spec_from_file_location("throughput_benchmark", BENCHMARK)
     assert spec is not None
     assert spec.loader is not None

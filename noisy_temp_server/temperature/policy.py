@@ -553,9 +553,10 @@ def step_temperatures(
         fixed, t_min, t_max: the request's ``fixed`` T and bounds (None: the policy's).
 
     The values are :func:`policy_temperature` at the first step of each bucket (bounds
-    applied), so the two never disagree; ``schedule`` keeps its closed form (``scale`` =
-    its ``t_max``, ``beta`` its ``beta``). Step buckets: the policy's ``step_edges``, merged
-    with the calibrated table's for ``calibrated``.
+    applied), so the two never disagree; ``schedule`` with ``beta`` > 0 keeps its closed form
+    (``scale`` = its ``t_max``, ``beta`` its ``beta``: the caller applies the factor and the
+    bounds per step), with ``beta`` = 0 it is a constant table like the others. Step buckets:
+    the policy's ``step_edges``, merged with the calibrated table's for ``calibrated``.
     """
     if policy.reads_served_row:
         return None
@@ -564,7 +565,7 @@ def step_temperatures(
     edges = policy.step_edges
     if policy.rule is Rule.CALIBRATED:
         edges = tuple(sorted({*edges, *policy.calibrated.step_edges}))
-    if policy.rule is Rule.SCHEDULE:
+    if policy.rule is Rule.SCHEDULE and policy.schedule_beta > 0:
         scale = (policy.schedule_t_max,) * len(edges)
         return StepTemperatures(edges, scale, policy.schedule_beta, lower, upper)
     buckets = len(edges)

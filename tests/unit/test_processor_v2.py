@@ -267,6 +267,23 @@ def test_schedule_rows_follow_the_closed_form_next_to_table_rows() -> None:
         assert torch.equal(logits[2], expected[2])
 
 
+def test_schedule_without_decay_keeps_the_request_bounds_alone_in_the_batch() -> None:
+    """beta = 0: T* is the schedule's t_max clamped to the request's bounds, whoever else is in
+    the batch."""
+    constant = TemperaturePolicy(rule=Rule.SCHEDULE, schedule_t_max=2.0, schedule_beta=0.0)
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    processor.add_request(0, _params(nts_policy=constant.to_json(), nts_t_max=1.5))
+    processor.apply_staged_writes()
+    logits = torch.ones(1, VOCAB)
+    processor.apply(logits, _ctx([(0, 3)]))
+    torch.testing.assert_close(logits, torch.full_like(logits, 1 / 1.5))
+    processor.add_request(1, _params(nts_policy=SCHEDULE.to_json()))  # a decaying neighbour
+    processor.apply_staged_writes()
+    logits = torch.ones(2, VOCAB)
+    processor.apply(logits, _ctx([(0, 4), (1, 4)]))
+    torch.testing.assert_close(logits[0], torch.full((VOCAB,), 1 / 1.5))
+
+
 def test_step_only_rules_divide_bad_rows_like_any_other() -> None:
     """T* is finite and > 0 by construction: NaN stays NaN, ±inf stays ±inf, nothing new."""
     processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())

@@ -312,14 +312,16 @@ class SlotTuning:
     def _grow(self, columns: int) -> None:
         """More step buckets per slot: rebuild the tables. The accumulated state starts afresh
         after a kept report, as a new occupancy of every tuned slot (the trace collector merges
-        a request's occupancies)."""
+        a request's occupancies); the bad-row count carries over (it never goes backwards)."""
         if self.reporter is not None:
             self.reporter.stage_snapshot(self.state, self.layout, keep=True)
+        bad_rows = self.bad_rows
         pad = columns - self.layout.columns
         self._edges = np.pad(self._edges, ((0, 0), (0, pad)), constant_values=_PAD_EDGE)
         self._scale = np.pad(self._scale, ((0, 0), (0, pad)), constant_values=1.0)
         self._labels = np.pad(self._labels, ((0, 0), (0, pad)), constant_values=-1)
         self._build_tables(columns)
+        self.bad_rows.copy_(bad_rows)
         for slot, (trace_id, serial) in enumerate(self.occupants):
             if serial:
                 self._serial += 1

@@ -363,3 +363,28 @@ def test_policies_with_more_step_buckets_grow_the_tables_without_losing_counts(
         "nts_step_temperature_count", {"step_bucket": "8-9", "rule": "sqrt"}
     )
     assert count == 2
+
+
+def test_bad_rows_carry_over_when_the_tables_grow() -> None:
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    processor.tuning.reporter.interval_s = 3600.0  # no report unless flushed
+    processor.add_request(0, _params(nts_policy=FISHER.to_json()))
+    processor.apply_staged_writes()
+    processor.apply(torch.full((1, VOCAB), float("nan")), _ctx([(0, 0)]))
+    processor.tuning.reporter.flush()
+    assert processor.bad_rows == 1
+    edges = tuple(range(0, 40, 2))  # more step buckets than the tables start with
+    fine = TemperaturePolicy(
+        rule=Rule.SQRT,
+        step_edges=edges,
+        alpha_by_step=(0.1,) * len(edges),
+        sigma2_by_step=(0.0,) * len(edges),
+    )
+    processor.add_request(1, _params(nts_policy=fine.to_json()))
+    processor.apply_staged_writes()
+    processor.apply(torch.zeros(2, VOCAB), _ctx([(0, 1), (1, 0)]))
+    processor.tuning.reporter.flush()
+    assert processor.bad_rows == 1
+    processor.apply(torch.full((1, VOCAB), float("nan")), _ctx([(0, 2)]))
+    processor.tuning.reporter.flush()
+    assert processor.bad_rows == 2

@@ -16,7 +16,9 @@ bodies to both servers):
 - ``vllm-server``: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``),
   stock;
 - ``nts-server``: ``noisy-temp-server serve`` with shadow scoring off, every request tuned
-  (``--default-rule fixed --default-t 1.2``), on the same checkpoint and engine settings.
+  (``--default-rule fixed --default-t 1.2``), on the same checkpoint and engine settings,
+  logprobs mode included: both return tuned logprobs (vLLM's ``processed_logprobs``, our
+  default) unless ``--raw-logprobs`` gives both vLLM's default ``raw_logprobs``.
 
 Every engine runs in its own process, started once; the variants of a part take turns round by
 round (the order rotates), so all see the same machine load. The first round of each variant
@@ -288,12 +290,14 @@ def _http_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[R
     vllm_server = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", MODEL_NAME, "--enforce-eager", "--disable-uvicorn-access-log",
+        "--logprobs-mode", "processed_logprobs" if args.tuned_logprobs else "raw_logprobs",
         *shared,
     ]  # fmt: skip
     nts_server = [
         sys.executable, "-m", "noisy_temp_server.cli", "serve", "--served-model", str(model),
         "--served-model-name", MODEL_NAME, "--shadow-fraction", "0", "--default-rule", "fixed",
         "--default-t", "1.2", "--kv-cache-gib", str(args.kv_cache_gib), "--log-level", "warning",
+        "--tuned-logprobs", str(args.tuned_logprobs).lower(),
         *shared,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
@@ -405,6 +409,12 @@ def main() -> int:
         "--parts", nargs="+", choices=["engine", "http"], default=["engine", "http"]
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--raw-logprobs",
+        dest="tuned_logprobs",
+        action="store_false",
+        help="both servers in vLLM's default raw_logprobs mode (ours: --tuned-logprobs false)",
+    )
     args = parser.parse_args()
     if args.engine_worker:
         _engine_worker(json.loads(args.engine_worker))

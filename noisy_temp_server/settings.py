@@ -208,6 +208,13 @@ class Settings(BaseSettings):
         description="Skip graph capture / compilation (default: true on CPU, faster startup; "
         "false on CUDA, vLLM's CUDA graphs and compilation).",
     )
+    tuned_logprobs: bool = Field(
+        default=True,
+        description="Returned logprobs describe the tuned distribution, the one sampled from "
+        "(vLLM's processed_logprobs: a log-softmax over the vocabulary at every sampled step, "
+        "and no FlashInfer sampler on CUDA). false: the served model's raw logprobs, vLLM's "
+        "default and faster.",
+    )
     trace_timeout_s: PositiveFloat = Field(
         default=2.0,
         description="How long a response waits for the engine's last T* trace steps.",

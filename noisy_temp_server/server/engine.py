@@ -6,8 +6,9 @@ Order matters, because vLLM and prometheus_client read their environment when fi
    the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
    trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
-   `logprobs_mode="processed_logprobs"`; the temperature processor is loaded once, from its
-   entry point when the package is installed, else by its `<module>:<type>` name) and starts
+   `logprobs_mode="processed_logprobs"`, unless `tuned_logprobs` is off; the temperature
+   processor is loaded once, from its entry point when the package is installed, else by its
+   `<module>:<type>` name) and starts
    `AsyncLLM`. For runtime logit noise it also registers `RuntimeLogitNoiseProcessor` by name
    (it is no entry point) and sets its σ and seed in the environment the engine process
    inherits (`NTS_RUNTIME_NOISE_SIGMA`, `NTS_RUNTIME_NOISE_SEED`); vLLM runs it before the
@@ -36,7 +37,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from noisy_temp_server.settings import Settings, engine_settings
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
@@ -183,13 +184,18 @@ def build_engine_args(
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=resolved.enforce_eager,
         kv_cache_memory_bytes=kv_cache_bytes,
-        logprobs_mode="processed_logprobs",
+        logprobs_mode=logprobs_mode(settings),
         max_logprobs=20,
         logits_processors=processors or None,
         disable_log_stats=False,
         enable_log_requests=False,
         gpu_memory_utilization=utilization,
     )
+
+
+def logprobs_mode(settings: Settings) -> Literal["processed_logprobs", "raw_logprobs"]:
+    """vLLM's logprobs mode for ``settings.tuned_logprobs`` (see its description)."""
+    return "processed_logprobs" if settings.tuned_logprobs else "raw_logprobs"
 
 
 def start_engine(

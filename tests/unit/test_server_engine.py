@@ -48,6 +48,16 @@ def test_tensor_parallel_size_reaches_the_engine(tiny_model_dir: Path) -> None:
     assert args.tensor_parallel_size == 2
 
 
+@pytest.mark.parametrize(
+    ("tuned_logprobs", "mode"), [(True, "processed_logprobs"), (False, "raw_logprobs")]
+)
+def test_logprobs_describe_the_tuned_distribution_unless_turned_off(
+    tiny_model_dir: Path, tuned_logprobs: bool, mode: str
+) -> None:
+    settings = Settings(tuned_logprobs=tuned_logprobs)
+    assert engine.build_engine_args(settings, tiny_model_dir, "m").logprobs_mode == mode
+
+
 def test_installed_processor_is_left_to_vllm(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

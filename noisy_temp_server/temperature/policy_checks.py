@@ -11,6 +11,8 @@ from typing import TypeGuard
 from noisy_temp_server.temperature.rules import Rule
 
 __all__ = [
+    "MAX_STEP_EDGE",
+    "MAX_STEP_EDGES",
     "PolicyValidationError",
     "entropy_edges",
     "fail",
@@ -20,6 +22,13 @@ __all__ = [
     "sequence",
     "step_edges",
 ]
+
+MAX_STEP_EDGES = 64
+"""Most step buckets a step table may have (the processor's per-slot tables, the histogram's
+labels and the state copied to the host each step grow with it)."""
+MAX_STEP_EDGE = 2**31 - 2
+"""Largest step edge: the processor keys step ``e`` of slot ``s`` as ``s * 2**32 + e`` and pads
+unused buckets with ``2**32 - 1``, so every edge and step must stay below that."""
 
 
 class PolicyValidationError(ValueError):
@@ -59,10 +68,16 @@ def check_ascending(field: str, expected: str, edges: Sequence[float], original:
 
 
 def step_edges(field: str, value: object) -> tuple[int, ...]:
-    expected = "a non-empty list of strictly ascending integers starting at 0"
+    expected = (
+        f"a non-empty list of at most {MAX_STEP_EDGES} strictly ascending integers starting at 0,"
+        f" each <= {MAX_STEP_EDGE}"
+    )
+    items = sequence(field, value, expected)
+    if len(items) > MAX_STEP_EDGES:
+        raise fail(field, expected, value)
     edges = []
-    for item in sequence(field, value, expected):
-        if isinstance(item, bool) or not isinstance(item, int):
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item > MAX_STEP_EDGE:
             raise fail(field, expected, value)
         edges.append(item)
     check_ascending(field, expected, edges, value)

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 __all__ = [
+    "MAX_LABELS",
+    "OVERFLOW_STEP_BUCKET",
     "STEP_TEMPERATURE_BUCKETS",
     "StepTemperatureMetrics",
     "step_bucket_labels",
@@ -34,6 +36,12 @@ __all__ = [
 STEP_TEMPERATURE_BUCKETS: tuple[float, ...] = (
     0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0,
 )  # fmt: skip
+
+MAX_LABELS = 256
+"""Distinct (step bucket, rule) label pairs of ``nts_step_temperature`` a processor names;
+later pairs share the step bucket `OVERFLOW_STEP_BUCKET` of their rule (requests choose their
+own step edges, so the label set is otherwise unbounded)."""
+OVERFLOW_STEP_BUCKET = "other"
 
 
 def step_bucket_labels(edges: Sequence[int]) -> tuple[str, ...]:

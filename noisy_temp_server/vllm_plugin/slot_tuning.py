@@ -60,7 +60,12 @@ from noisy_temp_server.temperature.policy import (
 )
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
-from noisy_temp_server.vllm_plugin.metrics import step_bucket_labels, step_temperature_metrics
+from noisy_temp_server.vllm_plugin.metrics import (
+    MAX_LABELS,
+    OVERFLOW_STEP_BUCKET,
+    step_bucket_labels,
+    step_temperature_metrics,
+)
 from noisy_temp_server.vllm_plugin.reports import Occupancy, Reporter, StateLayout
 from noisy_temp_server.vllm_plugin.request_args import (
     RequestTuning,
@@ -225,7 +230,11 @@ class SlotTuning:
         return self._row_policies[policy_id]
 
     def _label(self, step_label: str, rule: Rule) -> int:
+        """The histogram label id of (step bucket, rule); past `MAX_LABELS` pairs, the rule's
+        shared overflow pair (at most `MAX_LABELS` + one per rule ids in all)."""
         key = (step_label, rule.value)
+        if key not in self._label_ids and len(self._label_ids) >= MAX_LABELS:
+            key = (OVERFLOW_STEP_BUCKET, rule.value)
         label = self._label_ids.get(key)
         if label is None:
             label = self._label_ids[key] = len(self._label_ids)
@@ -312,7 +321,11 @@ class SlotTuning:
     def _grow(self, columns: int) -> None:
         """More step buckets per slot: rebuild the tables. The accumulated state starts afresh
         after a kept report, as a new occupancy of every tuned slot (the trace collector merges
-        a request's occupancies); the bad-row count carries over (it never goes backwards)."""
+        a request's occupancies); the bad-row count carries over (it never goes backwards).
+        The tables never shrink: they stay as wide as the widest step table admitted so far, at
+        most 128 buckets (`MAX_STEP_EDGES` policy edges merged with as many calibrated ones),
+        i.e. a state of about 4 x 128 float64 per slot (1 MB at 256 slots) copied to the host
+        each step."""
         if self.reporter is not None:
             self.reporter.stage_snapshot(self.state, self.layout, keep=True)
         bad_rows = self.bad_rows

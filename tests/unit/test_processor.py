@@ -359,6 +359,7 @@ def test_is_argmax_invariant(registry: CollectorRegistry) -> None:
         ({"nts_t_min": 0.9, "nts_t_max": 0.8}, "greater than"),
         ({"nts_policy": "{"}, "not a valid temperature policy"),
         ({"nts_tmin": 0.5}, "Unknown"),
+        ({"nts_policy": '{"rule": "linear", "step_edges": [0, 1099511627776]}'}, "step_edges"),
     ],
 )
 def test_validate_params_rejects_bad_keys(keys: dict[str, Any], message: str) -> None:

@@ -31,6 +31,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import served_row_features
+from noisy_temp_server.vllm_plugin.metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
 from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
@@ -388,3 +389,34 @@ def test_bad_rows_carry_over_when_the_tables_grow() -> None:
     processor.apply(torch.full((1, VOCAB), float("nan")), _ctx([(0, 2)]))
     processor.tuning.reporter.flush()
     assert processor.bad_rows == 2
+
+
+def test_histogram_labels_are_capped_with_a_shared_overflow_label() -> None:
+    registry = CollectorRegistry()
+    processor = _processor(_Batch([1] * SLOTS), registry)
+    processor.tuning.reporter.interval_s = 3600.0  # no report unless flushed
+    for first in range(MAX_LABELS + 10):  # one new "<first>+" label per request
+        policy = TemperaturePolicy(
+            rule=Rule.FIXED,
+            step_edges=(0, first + 1),
+            alpha_by_step=(0.0, 0.0),
+            sigma2_by_step=(0.0, 0.0),
+            fixed_temperature=2.0,
+        )
+        processor.add_request(0, _params(nts_policy=policy.to_json()))
+        processor.apply_staged_writes()
+        processor.apply(torch.ones(1, VOCAB), _ctx([(0, first + 1)]))
+    processor.tuning.reporter.flush()
+    labels = {
+        sample.labels["step_bucket"]
+        for metric in registry.collect()
+        if metric.name == "nts_step_temperature"
+        for sample in metric.samples
+    }
+    assert len(labels) <= MAX_LABELS + 1
+    assert (
+        registry.get_sample_value(
+            "nts_step_temperature_count", {"step_bucket": OVERFLOW_STEP_BUCKET, "rule": "fixed"}
+        )
+        >= 10
+    )

@@ -363,7 +363,7 @@ def test_noise_free_parameters_give_exactly_one_under_every_rule(
         ('{"sigma2_by_step":"0.1"}', "'sigma2_by_step'"),
         (
             '{"step_edges":[0,8,4],"alpha_by_step":[0,0,0],"sigma2_by_step":[0,0,0]}',
-            "'step_edges' must be a non-empty list of strictly ascending integers",
+            "'step_edges' must be a non-empty list of at most 64 strictly ascending integers",
         ),
         ('{"step_edges":[1]}', "'step_edges'"),
         ('{"step_edges":[0.0]}', "'step_edges'"),
@@ -483,3 +483,25 @@ def test_admission_evaluation_gives_the_per_step_temperature(rule: Rule) -> None
 def test_admission_evaluation_leaves_rules_that_read_the_served_row_to_each_step() -> None:
     assert step_temperatures(full_policy(Rule.FISHER), 1.0) is None
     assert step_temperatures(full_policy(Rule.CALIBRATED), 1.0) is None  # entropy buckets
+
+
+@pytest.mark.parametrize(
+    "edges",
+    [(0, 2**31 - 1), (0, 2**40), tuple(range(65))],
+    ids=["edge past 2**31 - 2", "edge past the key stride", "65 edges"],
+)
+def test_step_edges_are_bounded(edges: tuple[int, ...]) -> None:
+    buckets = len(edges)
+    with pytest.raises(PolicyValidationError, match=r"'step_edges'.*at most 64"):
+        TemperaturePolicy(
+            step_edges=edges, alpha_by_step=(0.1,) * buckets, sigma2_by_step=(0.0,) * buckets
+        )
+    with pytest.raises(PolicyValidationError, match=r"'calibrated\.step_edges'"):
+        CalibratedTable(step_edges=edges, temperatures=(((1.0,),) * buckets,))
+    widest = (*range(63), 2**31 - 2)
+    assert (
+        TemperaturePolicy(
+            step_edges=widest, alpha_by_step=(0.1,) * 64, sigma2_by_step=(0.0,) * 64
+        ).step_edges
+        == widest
+    )

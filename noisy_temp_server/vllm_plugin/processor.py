@@ -22,8 +22,9 @@ Per step everything happens on the device (`slot_tuning.SlotTuning`): no deviceâ
 per-row Python work; a step-only rule costs a table lookup (the request's policy is evaluated
 once, at admission). Summaries, traces and the ``nts_step_temperature`` histogram reach the host
 through `reports.Reporter`'s background thread. Rules that read the served row (``fisher``, an
-entropy-dependent ``calibrated`` table) give a bad row (NaN/+inf logits, all masked) T* = 1 and
-count it (``bad_rows``); step-only rules divide it by their finite T* like any other row.
+entropy-dependent ``calibrated`` table) give a bad row (NaN/+inf logits, all masked) T* = 1;
+step-only rules divide it by their finite T* like any other row. Bad rows of every rule are
+counted (``bad_rows``).
 """
 
 from __future__ import annotations

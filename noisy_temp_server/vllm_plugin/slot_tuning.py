@@ -17,17 +17,19 @@ rules (off, fixed, sqrt, linear, schedule, a step-only calibrated table) is ther
     bucketize + gather (+ the schedule's factor and clamp) + one division + accounting
 
 with no check of the logits: T* is finite and > 0 by construction, and dividing a row by it
-never makes a finite logit non-finite nor changes which logits are NaN or ±inf, so a bad row
-reaches vLLM's sampler exactly as it would without the processor. Rules that read the served
-row (``fisher``, an entropy-dependent ``calibrated`` table) run `policy_temperature` once per
-live policy over the batch; a row whose statistics are NaN (NaN/+inf logits, all masked) gets
-T* = 1 and is counted in ``bad_rows``.
+never makes a finite logit non-finite nor changes which logits are NaN or ±inf, so a *bad row*
+(NaN or +inf logits, or all masked) reaches vLLM's sampler exactly as it would without the
+processor. Rules that read the served row (``fisher``, an entropy-dependent ``calibrated``
+table) run `policy_temperature` once per live policy over the batch; a bad row has NaN
+statistics there and gets T* = 1.
 
 Accounting is two device ops per step: the count and sum of T* per cell (``index_add_``) and
 their extrema (one ``scatter_reduce_`` over a packed ``[-T, T]``); rows the engine discards go
-to cell 0. `reports.Reporter` reads an asynchronous copy of that state and reduces it on the host
-into per-request summaries and the ``nts_step_temperature`` histogram. The per-step trace is
-copied only while some slot is traced.
+to cell 0. Bad rows of tuned requests, whatever the rule, are counted in ``bad_rows`` by one
+reduction over the logits (a row is bad when its max is not finite). `reports.Reporter` reads
+an asynchronous copy of that state and reduces it on the host into per-request summaries and
+the ``nts_step_temperature`` histogram. The per-step trace is copied only while some slot is
+traced.
 
 Admission (`stage`) only writes host-side staging lists; `flush_staged` copies them to the
 device in one go (V2: ``apply_staged_writes``; V1: the end of ``update_state``).
@@ -159,6 +161,7 @@ class SlotTuning:
         self.params = torch.tensor([(1.0, 0.0, 1.0, 1.0)] * n, device=self.device)
         self.policy_id = torch.full((n,), _NO_POLICY, dtype=torch.int64, device=self.device)
         self.traced = torch.zeros(n, dtype=torch.bool, device=self.device)
+        self.tuned = torch.zeros(n, dtype=torch.bool, device=self.device)
         self._signs = torch.tensor([-1.0, 1.0], dtype=torch.float64, device=self.device)
         self.last = (
             torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
@@ -302,6 +305,8 @@ class SlotTuning:
         self.params.index_copy_(0, index, self._upload(np.asarray(params, dtype=np.float32)))
         self.policy_id.index_copy_(0, index, self._upload(self.host_policy_id[slots]))
         self.traced.index_copy_(0, index, self._upload(self._host_traced[slots]))
+        tuned = np.asarray([latest[slot][0] is not None for slot in slots])
+        self.tuned.index_copy_(0, index, self._upload(tuned))
         if self.reporter is not None:
             self.reporter.set_occupancy(Occupancy(tuple(self.occupants), self._labels.copy()))
 
@@ -368,20 +373,22 @@ class SlotTuning:
         row. ``counted``: [R] bool (or 0/1 integers), rows whose sample the engine keeps (they
         enter the summaries and the histogram).
         ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``). Returns T*
-        per row ([R], 1 for untuned and bad rows). No host sync.
+        per row ([R]: 1 for untuned rows and for bad rows of rules that read the served row; a
+        bad row of a step-only rule keeps its T*). No host sync.
         """
         cells = torch.bucketize(
             torch.add(steps, slots, alpha=STEP_STRIDE), self.edge_keys, right=True
         )
         temperature = self.cell_scale.index_select(0, cells)
-        bad = None
+        # Bad rows (NaN, +inf, all -inf): read before the division, which may overflow.
+        peak = None if self.reporter is None else logits.amax(1)
         if self._n_scheduled or self._row_policies:
             request_temperature, beta, t_min, t_max = self.params.index_select(0, slots).unbind(1)
             if self._n_scheduled:
                 factor = beta.mul(steps).add_(1.0).rsqrt_()
                 temperature = torch.clamp(temperature * factor, t_min, t_max)
             if self._row_policies:
-                temperature, bad = self._read_rows(
+                temperature = self._read_rows(
                     logits,
                     slots,
                     steps,
@@ -391,14 +398,14 @@ class SlotTuning:
                     t_max=t_max,
                 )
         logits.div_(temperature.unsqueeze(1))
-        if self.reporter is not None:
+        if peak is not None:
             self._account(
                 cells,
                 slots,
                 steps,
                 temperature=temperature,
                 counted=counted,
-                bad=bad,
+                peak=peak,
                 remember=remember,
             )
         return temperature
@@ -413,12 +420,11 @@ class SlotTuning:
         request_temperature: torch.Tensor,
         t_min: torch.Tensor,
         t_max: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """T* of the rows whose policy reads the served row (one `policy_temperature` per live
-        such policy), and which of them are bad (NaN statistics: T* = 1)."""
+        such policy; a bad row has NaN statistics and gets T* = 1)."""
         policy_of_row = self.policy_id.index_select(0, slots)
         features: dict[Rule, ServedRowFeatures] = {}
-        bad = torch.zeros_like(policy_of_row, dtype=torch.bool)
         for entry in self._row_policies.values():
             served = self._features(entry.policy, logits, request_temperature, features)
             value = policy_temperature(
@@ -432,8 +438,7 @@ class SlotTuning:
             )
             mine = policy_of_row == entry.policy_id
             temperature = torch.where(mine, value, temperature)
-            bad |= mine & served.entropy.isnan()
-        return temperature, bad
+        return temperature
 
     def _features(
         self,
@@ -465,15 +470,16 @@ class SlotTuning:
         *,
         temperature: torch.Tensor,
         counted: torch.Tensor,
-        bad: torch.Tensor | None,
+        peak: torch.Tensor,
         remember: bool,
     ) -> None:
-        """Summaries and histogram cells, bad rows, the step's trace (when some slot is
-        traced), and the rows `commit_last` may count later."""
+        """Summaries and histogram cells, bad rows (``peak``: each row's max logit before the
+        division), the step's trace (when some slot is traced), and the rows `commit_last` may
+        count later."""
         assert self.reporter is not None
         self.accumulate(cells * counted, temperature)
-        if bad is not None:
-            self.bad_rows.add_(bad.sum())
+        bad = peak.isfinite().logical_not_().logical_and_(self.tuned.index_select(0, slots))
+        self.bad_rows.add_(bad.sum())
         if remember and self.last is not None:
             column = cells - 1 - slots * self.layout.columns
             last = torch.stack((column.double(), temperature.double(), counted.double()), dim=1)
@@ -532,8 +538,8 @@ class TunedProcessor:
 
     @property
     def bad_rows(self) -> int:
-        """Rows of rules that read the served row sampled at T* = 1 because their statistics
-        were NaN (as reported so far)."""
+        """Bad rows (NaN or +inf logits, or all masked) of tuned requests, as reported so far;
+        rules that read the served row sampled them at T* = 1, step-only rules at their T*."""
         reporter = self.tuning.reporter
         return 0 if reporter is None else reporter.bad_rows
 

@@ -286,7 +286,8 @@ def test_schedule_without_decay_keeps_the_request_bounds_alone_in_the_batch() ->
 
 
 def test_step_only_rules_divide_bad_rows_like_any_other() -> None:
-    """T* is finite and > 0 by construction: NaN stays NaN, ±inf stays ±inf, nothing new."""
+    """T* is finite and > 0 by construction: NaN stays NaN, ±inf stays ±inf, nothing new; the
+    bad rows are counted."""
     processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
     processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0))
     processor.apply_staged_writes()
@@ -295,7 +296,11 @@ def test_step_only_rules_divide_bad_rows_like_any_other() -> None:
     assert logits[0, 0].isnan()
     assert logits[0, 1:3].tolist() == [float("inf"), -float("inf")]
     assert torch.equal(logits[0, 3:], torch.full((VOCAB - 3,), 2.0))
-    assert processor.bad_rows == 0
+    masked = torch.full((1, VOCAB), -float("inf"))
+    processor.apply(masked, _ctx([(0, 1)]))
+    processor.apply(torch.ones(1, VOCAB), _ctx([(0, 2)]))  # a good row
+    processor.tuning.reporter.flush()
+    assert processor.bad_rows == 2  # counted, as under rules that read the row
 
 
 def _summary_parts(collector: TraceCollector, trace_id: str, steps: int) -> tuple[int, float]:

@@ -46,7 +46,6 @@ import bisect
 import logging
 import weakref
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -110,16 +109,32 @@ class _RowPolicy:
     slots: int = 0
 
 
-@lru_cache(maxsize=1024)
+_ADMITTED_SIZE = 1024
+_admitted_tables: dict[tuple[object, ...], StepTemperatures | None] = {}
+
+
 def _admitted(resolved: RequestTuning, request_temperature: float) -> StepTemperatures | None:
-    """`step_temperatures` of a request (cached: requests of one policy share the result)."""
-    return step_temperatures(
-        resolved.policy,
-        request_temperature,
-        fixed=resolved.fixed_t,
-        t_min=resolved.t_min,
-        t_max=resolved.t_max,
-    )
+    """`step_temperatures` of a request, cached on all it depends on: the policy, the request's
+    fixed T and bounds and, for ``calibrated``, the request-temperature band (found as
+    `policy_temperature` finds it, in float32). At most `_ADMITTED_SIZE` entries (then it
+    starts afresh)."""
+    policy = resolved.policy
+    band = 0
+    if policy.rule is Rule.CALIBRATED:
+        edges = np.asarray(policy.calibrated.request_temperature_edges, dtype=np.float32)
+        band = int(np.searchsorted(edges, np.float32(request_temperature), side="right"))
+    key = (policy, resolved.fixed_t, resolved.t_min, resolved.t_max, max(band - 1, 0))
+    if key not in _admitted_tables:
+        if len(_admitted_tables) >= _ADMITTED_SIZE:
+            _admitted_tables.clear()
+        _admitted_tables[key] = step_temperatures(
+            policy,
+            request_temperature,
+            fixed=resolved.fixed_t,
+            t_min=resolved.t_min,
+            t_max=resolved.t_max,
+        )
+    return _admitted_tables[key]
 
 
 class SlotTuning:

@@ -28,7 +28,12 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     build_custom_logits_processors_params_validator,
 )
 
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
+    TemperaturePolicy,
+    policy_temperature,
+    step_temperatures,
+)
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import served_row_features
 from noisy_temp_server.vllm_plugin.metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
@@ -425,3 +430,36 @@ def test_histogram_labels_are_capped_with_a_shared_overflow_label() -> None:
         )
         >= 10
     )
+
+
+def test_admission_evaluates_a_policy_once_per_bounds_and_band(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests differ in trace id and temperature; the step table depends only on the policy,
+    the fixed T and bounds and the calibrated table's request-temperature band."""
+    evaluated: list[float] = []
+
+    def counted(policy: TemperaturePolicy, request_temperature: float, **bounds: Any) -> Any:
+        evaluated.append(request_temperature)
+        return step_temperatures(policy, request_temperature, **bounds)
+
+    monkeypatch.setattr("noisy_temp_server.vllm_plugin.slot_tuning.step_temperatures", counted)
+    table = CalibratedTable(
+        step_edges=(0,), temperatures=(((1.25,),), ((0.75,),)), request_temperature_edges=(0, 0.9)
+    )
+    banded = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table, fixed_temperature=1.0625)
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    for slot, (temperature, trace_id) in enumerate(
+        [(0.7, "a"), (0.8, "b"), (1.0, "c"), (1.2, "d")]
+    ):
+        processor.add_request(
+            slot, _params(temperature, nts_policy=banded.to_json(), nts_trace_id=trace_id)
+        )
+    processor.apply_staged_writes()
+    assert evaluated == [0.7, 1.0]  # one evaluation per band
+    logits = torch.ones(4, VOCAB)
+    processor.apply(logits, _ctx([(slot, 0) for slot in range(4)]))
+    torch.testing.assert_close(logits[:, 0], torch.tensor([0.8, 0.8, 4 / 3, 4 / 3]))
+    processor.add_request(4, _params(0.7, nts_policy=banded.to_json(), nts_t_max=1.2))
+    processor.apply_staged_writes()
+    assert evaluated == [0.7, 1.0, 0.7]  # other bounds, another table

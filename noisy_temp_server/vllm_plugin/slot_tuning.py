@@ -493,7 +493,7 @@ class SlotTuning:
         count later."""
         assert self.reporter is not None
         self.accumulate(cells * counted, temperature)
-        bad = peak.isfinite().logical_not_().logical_and_(self.tuned.index_select(0, slots))
+        bad = torch.lt(peak.isfinite(), self.tuned.index_select(0, slots))  # tuned, not finite
         self.bad_rows.add_(bad.sum())
         if remember and self.last is not None:
             column = cells - 1 - slots * self.layout.columns

@@ -301,9 +301,14 @@ class SlotTuning:
             tables[slot] = self._slot_table(slot, resolved, temperature)
             table = tables[slot][0]
             params.append((temperature if resolved else 1.0, table.beta, table.t_min, table.t_max))
-        columns = max(len(table.step_edges) for table, _ in tables.values())
-        if columns > self.layout.columns:
-            self._grow(max(columns, 2 * self.layout.columns))
+        widths = (self._edges != _PAD_EDGE).sum(axis=1)
+        for slot, (table, _) in tables.items():
+            widths[slot] = len(table.step_edges)
+        needed, columns = int(widths.max()), self.layout.columns
+        if needed > columns:
+            self._resize(max(needed, 2 * columns))
+        elif columns > _INITIAL_COLUMNS and 4 * needed <= columns:
+            self._resize(max(_INITIAL_COLUMNS, 2 * needed))
         elif self._keep_before_flush and self.reporter is not None:
             self.reporter.stage_snapshot(self.state, self.layout, keep=True)
         self._keep_before_flush = False
@@ -338,21 +343,26 @@ class SlotTuning:
         self.accumulators.index_fill_(0, cells_index, 0.0)
         self.extrema.index_fill_(0, cells_index, -torch.inf)
 
-    def _grow(self, columns: int) -> None:
-        """More step buckets per slot: rebuild the tables. The accumulated state starts afresh
-        after a kept report, as a new occupancy of every tuned slot (the trace collector merges
-        a request's occupancies); the bad-row count carries over (it never goes backwards).
-        The tables never shrink: they stay as wide as the widest step table admitted so far, at
-        most 128 buckets (`MAX_STEP_EDGES` policy edges merged with as many calibrated ones),
-        i.e. a state of about 4 x 128 float64 per slot (1 MB at 256 slots) copied to the host
-        each step."""
+    def _resize(self, columns: int) -> None:
+        """Rebuild the tables with ``columns`` step buckets per slot: more when a wider policy
+        arrives (doubling), fewer once no slot needs a quarter of them (halving at least), so
+        the state copied to the host each step (4 float64 per bucket and slot; at most 128
+        buckets: `MAX_STEP_EDGES` policy edges merged with as many calibrated ones) follows
+        the widest table still in a slot. The accumulated state starts afresh after a kept
+        report, as a new occupancy of every tuned slot (the trace collector merges a request's
+        occupancies); the bad-row count carries over (it never goes backwards)."""
         if self.reporter is not None:
             self.reporter.stage_snapshot(self.state, self.layout, keep=True)
         bad_rows = self.bad_rows
         pad = columns - self.layout.columns
-        self._edges = np.pad(self._edges, ((0, 0), (0, pad)), constant_values=_PAD_EDGE)
-        self._scale = np.pad(self._scale, ((0, 0), (0, pad)), constant_values=1.0)
-        self._labels = np.pad(self._labels, ((0, 0), (0, pad)), constant_values=-1)
+        if pad > 0:
+            self._edges = np.pad(self._edges, ((0, 0), (0, pad)), constant_values=_PAD_EDGE)
+            self._scale = np.pad(self._scale, ((0, 0), (0, pad)), constant_values=1.0)
+            self._labels = np.pad(self._labels, ((0, 0), (0, pad)), constant_values=-1)
+        else:
+            self._edges = self._edges[:, :columns].copy()
+            self._scale = self._scale[:, :columns].copy()
+            self._labels = self._labels[:, :columns].copy()
         self._build_tables(columns)
         self.bad_rows.copy_(bad_rows)
         for slot, (trace_id, serial) in enumerate(self.occupants):

@@ -463,3 +463,33 @@ def test_admission_evaluates_a_policy_once_per_bounds_and_band(
     processor.add_request(4, _params(0.7, nts_policy=banded.to_json(), nts_t_max=1.2))
     processor.apply_staged_writes()
     assert evaluated == [0.7, 1.0, 0.7]  # other bounds, another table
+
+
+def test_tables_shrink_back_when_the_wide_slot_is_reused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    edges = tuple(range(64))
+    wide = TemperaturePolicy(
+        rule=Rule.SQRT, step_edges=edges, alpha_by_step=(0.2,) * 64, sigma2_by_step=(0.0,) * 64
+    )
+    endpoint = f"ipc://{tmp_path}/trace.sock"
+    with TraceCollector(endpoint) as collector:
+        monkeypatch.setenv(TRACE_ENDPOINT_ENV, endpoint)
+        processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+        processor.add_request(0, _params(nts_policy=LINEAR.to_json(), nts_trace_id="stays"))
+        processor.add_request(1, _params(nts_policy=wide.to_json()))
+        processor.apply_staged_writes()
+        assert processor.tuning.layout.columns == 64
+        processor.apply(torch.ones(2, VOCAB), _ctx([(0, 0), (1, 0)]))
+        processor.add_request(1, _params(nts_rule="fixed", nts_t=2.0))  # the wide one left
+        processor.apply_staged_writes()
+        assert processor.tuning.layout.columns == 8
+        logits = torch.ones(2, VOCAB)
+        processor.apply(logits, _ctx([(0, 5), (1, 0)]))
+        torch.testing.assert_close(
+            logits[:, 0], torch.cat([1 / _reference(LINEAR, [5]), torch.tensor([0.5])])
+        )
+        processor.tuning.reporter.flush()
+        steps, mean = _summary_parts(collector, "stays", 2)
+        assert steps == 2
+        assert mean == pytest.approx(_reference(LINEAR, [0, 5]).mean().item())

@@ -67,7 +67,10 @@ def stock_environment(directory: Path, base: dict[str, str] | None = None) -> di
     points: ``PYTHONPATH`` starts with ``directory``, where a metadata-only copy of the
     distribution (no ``entry_points.txt``) is written. ``importlib.metadata`` keeps the first
     distribution of a name found on ``sys.path``, so vLLM's processor loaders (both runners)
-    find none of ours; the package itself stays importable. Child processes inherit it."""
+    find none of ours; the package itself stays importable. ``PYTHONSAFEPATH`` keeps the
+    current directory off ``sys.path``: a checkout set up in place holds the build's
+    ``noisy_temp_server.egg-info``, entry point included. This script's folder follows
+    ``directory`` (its engine worker imports `serving`). Child processes inherit it all."""
     installed = distribution(DISTRIBUTION)
     name = installed.metadata["Name"]
     dist_info = directory / f"{name.replace('-', '_')}-{installed.version}.dist-info"
@@ -76,7 +79,9 @@ def stock_environment(directory: Path, base: dict[str, str] | None = None) -> di
         f"Metadata-Version: 2.1\nName: {name}\nVersion: {installed.version}\n"
     )
     env = dict(os.environ if base is None else base)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
+    search = (str(directory), str(Path(__file__).resolve().parent), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in search if p)
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 

@@ -201,7 +201,11 @@ class BudgetProbe(FakeScorer):
         return super().score_live(sequence, served_temperatures)
 
 
-def test_the_scoring_thread_runs_with_its_own_budget() -> None:
+def test_the_scoring_thread_runs_with_its_own_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An in-process vLLM CPU engine of an earlier test replaces torch.set_num_threads for the
+    # whole process with a no-op (vllm/v1/worker/cpu_worker.py); `serve` runs its engine in
+    # another process, so the API process keeps torch's own.
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     threads_before = torch.get_num_threads()
     process_nice = os.getpriority(os.PRIO_PROCESS, 0)
     probe = BudgetProbe()

@@ -38,11 +38,8 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -52,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import ServerProcess
 
 from noisy_temp_server.settings import Settings
 
@@ -84,46 +82,20 @@ class Summary:
     seconds_per_scored_token: float | None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """One `serve` subprocess; its log goes to `log_path`."""
+class Server(ServerProcess):
+    """One `serve` subprocess scoring ``fraction`` of its requests."""
 
     def __init__(self, name: str, fraction: float, args: argparse.Namespace) -> None:
-        self.name = name
-        self.fraction = fraction
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.gettempdir()) / f"nts-shadow-cost-{name}-{self.port}.log"
         command = [
             sys.executable, "-m", "noisy_temp_server.cli", "serve",
-            "--served-model-name", MODEL_NAME, "--port", str(self.port),
-            "--shadow-fraction", str(fraction),
+            "--served-model-name", MODEL_NAME, "--shadow-fraction", str(fraction),
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.streams),
             "--kv-cache-gib", str(args.kv_cache_gib), "--log-level", "warning",
         ]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each server its own fresh directory
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} server not healthy in time; see {self.log_path}")
-            time.sleep(1.0)
+        super().__init__(name, command, env)
+        self.fraction = fraction
 
     def status(self) -> dict[str, Any]:
         status: dict[str, Any] = httpx.get(f"{self.url}/v1/nts/status", timeout=10).json()
@@ -131,14 +103,6 @@ class Server:
 
     def shadow_status(self) -> dict[str, Any]:
         return dict(self.status()["shadow"])
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 @contextmanager

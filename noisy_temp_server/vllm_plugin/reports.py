@@ -51,7 +51,8 @@ class StateLayout:
     """Where each part lives in the flat float64 state of ``slots`` slots with ``columns`` step
     buckets each: cell ``1 + slot * columns + bucket`` (cell 0 takes rows that are not counted)
     of the accumulators ``[cells, 2]`` (count, sum of T*) and of the extrema ``[cells, 2]``
-    (-min, max of T*), then the number of bad rows ``[1]``."""
+    (-min, max of T*; a cell whose T* is constant holds its T* from admission on, so it counts
+    only where the cell's count is > 0), then the number of bad rows ``[1]``."""
 
     slots: int
     columns: int
@@ -88,8 +89,10 @@ class StateLayout:
         """``[slots, 4]`` (sum, count, min, max) of each slot's counted T* (min = +inf, max =
         -inf for a slot with none)."""
         accumulators, extrema, _ = self.split(state)
-        count, total = self.by_slot(accumulators).sum(axis=1).T
-        low, high = self.by_slot(extrema).max(axis=1).T
+        cells = self.by_slot(accumulators)
+        reached = np.where(cells[..., :1] > 0, self.by_slot(extrema), -np.inf)
+        count, total = cells.sum(axis=1).T
+        low, high = reached.max(axis=1).T
         return np.stack((total, count, -low, high), axis=1)
 
 

@@ -23,10 +23,14 @@ processor. Rules that read the served row (``fisher``, an entropy-dependent ``ca
 table) run `policy_temperature` once per live policy over the batch; a bad row has NaN
 statistics there and gets T* = 1.
 
-Accounting is two device ops per step: the count and sum of T* per cell (``index_add_``) and
-their extrema (one ``scatter_reduce_`` over a packed ``[-T, T]``); rows the engine discards go
-to cell 0. Bad rows of tuned requests, whatever the rule, are counted in ``bad_rows`` by one
-reduction over the logits (a row is bad when its max is not finite). `reports.Reporter` reads
+Accounting adds the count and sum of T* per cell (one ``index_add_``; rows the engine discards
+go to cell 0). A cell whose T* is constant (every step-only rule but ``schedule``) gets its
+extrema at admission and its (1, T*) row from the cell table, so a batch of such rows costs a
+gather and that ``index_add_``; while some slot's T* varies within a cell (``schedule``, rules
+that read the served row) the step also packs ``[1, T]`` and takes the extrema with one
+``scatter_reduce_`` over ``[-T, T]``. Bad rows of tuned requests, whatever the rule, are
+counted in ``bad_rows`` by one reduction over the logits (a row is bad when its max is not
+finite). `reports.Reporter` reads
 an asynchronous copy of that state and reduces it on the host into per-request summaries and
 the ``nts_step_temperature`` histogram. The per-step trace is copied only while some slot is
 traced.
@@ -181,7 +185,6 @@ class SlotTuning:
         self.last = (
             torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
         )
-        self._build_tables(_INITIAL_COLUMNS)
         self.host_policy_id = np.full(n, _NO_POLICY, dtype=np.int64)
         self.occupants: list[tuple[str | None, int]] = [(None, 0)] * n
         self._serial = 0
@@ -194,6 +197,7 @@ class SlotTuning:
         self._label_ids: dict[tuple[str, str], int] = {}
         self._staged: list[tuple[int, RequestTuning | None, float]] = []
         self._keep_before_flush = False
+        self._build_tables(_INITIAL_COLUMNS)
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,
@@ -203,8 +207,20 @@ class SlotTuning:
         self.edge_keys = torch.from_numpy(slot_base + self._edges).view(-1).to(self.device)
         self.cell_scale = torch.ones(self.layout.cells, device=self.device)
         self.cell_scale[1:] = torch.from_numpy(self._scale).view(-1)
+        self.cell_unit = _count_and_value(self.cell_scale)
         self.state = self.layout.initial(self.device)
         self.accumulators, self.extrema, self.bad_rows = self.layout.split(self.state)
+        self.extrema[1:] = self._upload(self._initial_extrema(np.arange(self.capacity + 1)))
+
+    def _initial_extrema(self, slots: np.ndarray) -> np.ndarray:
+        """``[len(slots) * columns, 2]`` extrema the slots' cells start from: (-T*, T*) of a
+        cell whose T* is constant (the step-only rules but ``schedule``; the step loop then
+        never touches them), -inf where T* varies within the cell."""
+        varying = self._host_scheduled[slots] | (self.host_policy_id[slots] != _NO_POLICY)
+        scale = self._scale[slots].astype(np.float64)
+        extrema = np.stack((-scale, scale), axis=-1)
+        extrema[varying] = -np.inf
+        return extrema.reshape(-1, 2)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -339,9 +355,11 @@ class SlotTuning:
         keys_index = self._upload((cells - 1).reshape(-1))
         self.edge_keys.index_copy_(0, keys_index, self._upload(keys.reshape(-1)))
         cells_index = self._upload(cells.reshape(-1))
-        self.cell_scale.index_copy_(0, cells_index, self._upload(self._scale[rows].reshape(-1)))
+        scale = self._upload(self._scale[rows].reshape(-1))
+        self.cell_scale.index_copy_(0, cells_index, scale)
+        self.cell_unit.index_copy_(0, cells_index, _count_and_value(scale))
         self.accumulators.index_fill_(0, cells_index, 0.0)
-        self.extrema.index_fill_(0, cells_index, -torch.inf)
+        self.extrema.index_copy_(0, cells_index, self._upload(self._initial_extrema(rows)))
 
     def _resize(self, columns: int) -> None:
         """Rebuild the tables with ``columns`` step buckets per slot: more when a wider policy
@@ -407,7 +425,8 @@ class SlotTuning:
         temperature = self.cell_scale.index_select(0, cells)
         # Bad rows (NaN, +inf, all -inf): read before the division, which may overflow.
         peak = None if self.reporter is None else logits.amax(1)
-        if self._n_scheduled or self._row_policies:
+        varying = bool(self._n_scheduled or self._row_policies)
+        if varying:
             request_temperature, beta, t_min, t_max = self.params.index_select(0, slots).unbind(1)
             if self._n_scheduled:
                 factor = beta.mul(steps).add_(1.0).rsqrt_()
@@ -431,6 +450,7 @@ class SlotTuning:
                 temperature=temperature,
                 counted=counted,
                 peak=peak,
+                varying=varying,
                 remember=remember,
             )
         return temperature
@@ -496,15 +516,20 @@ class SlotTuning:
         temperature: torch.Tensor,
         counted: torch.Tensor,
         peak: torch.Tensor,
+        varying: bool,
         remember: bool,
     ) -> None:
         """Summaries and histogram cells, bad rows (``peak``: each row's max logit before the
         division), the step's trace (when some slot is traced), and the rows `commit_last` may
-        count later."""
+        count later. Without ``varying`` rows (every T* is its cell's), the count and sum come
+        from the cell table in one op and the extrema are the ones preset at admission."""
         assert self.reporter is not None
-        self.accumulate(cells * counted, temperature)
-        bad = torch.lt(peak.isfinite(), self.tuned.index_select(0, slots))  # tuned, not finite
-        self.bad_rows.add_(bad.sum())
+        if varying:
+            self.accumulate(cells * counted, temperature)
+        else:
+            self.accumulators.index_add_(0, cells * counted, self.cell_unit.index_select(0, cells))
+        not_finite = peak.sub_(peak).isnan()  # inf - inf and NaN - NaN are NaN
+        self.bad_rows.add_(not_finite.logical_and_(self.tuned.index_select(0, slots)).sum())
         if remember and self.last is not None:
             column = cells - 1 - slots * self.layout.columns
             last = torch.stack((column.double(), temperature.double(), counted.double()), dim=1)
@@ -534,10 +559,15 @@ class SlotTuning:
         """Add one row per entry of ``cells`` (cell 0: not counted) with its T* to the count,
         sum and extrema of its cell. Two device ops."""
         value = temperature.to(torch.float64)
-        self.accumulators.index_add_(0, cells, torch.stack((torch.ones_like(value), value), 1))
+        self.accumulators.index_add_(0, cells, _count_and_value(value))
         self.extrema.scatter_reduce_(
             0, cells.unsqueeze(1).expand(-1, 2), value.unsqueeze(1) * self._signs, "amax"
         )
+
+
+def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
+    """``[N, 2]`` float64 rows (1, T*): what one row adds to a cell's (count, sum)."""
+    return torch.stack((torch.ones_like(temperature), temperature), 1).double()
 
 
 def request_tuning(params: SamplingParams) -> RequestTuning | None:

@@ -493,3 +493,35 @@ def test_tables_shrink_back_when_the_wide_slot_is_reused(
         steps, mean = _summary_parts(collector, "stays", 2)
         assert steps == 2
         assert mean == pytest.approx(_reference(LINEAR, [0, 5]).mean().item())
+
+
+def test_summary_extrema_cover_only_the_step_buckets_a_request_reached() -> None:
+    """Constant-T* cells hold their T* from admission; the summaries count them only once
+    reached, beside a schedule row (whose extrema the step loop accumulates), after the tables
+    grow and when the slot is reused."""
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    processor.add_request(0, _params(nts_policy=LINEAR.to_json()))
+    processor.apply_staged_writes()
+    first, later = _reference(LINEAR, [0, 3]).tolist()  # buckets [0, 3) and [3, ...)
+    processor.apply(torch.randn(1, VOCAB), _ctx([(0, 0)]))
+    assert processor.tuning.summaries()[0, 2:].tolist() == pytest.approx([first, first])
+    processor.add_request(1, _params(nts_policy=SCHEDULE.to_json()))
+    wide = TemperaturePolicy(
+        rule=Rule.SQRT,
+        step_edges=tuple(range(0, 40, 2)),
+        alpha_by_step=(0.1,) * 20,
+        sigma2_by_step=(0.0,) * 20,
+    )
+    processor.add_request(2, _params(nts_policy=wide.to_json()))  # the tables grow
+    processor.apply_staged_writes()
+    processor.apply(torch.randn(3, VOCAB), _ctx([(0, 1), (1, 0), (2, 0)]))
+    assert processor.tuning.summaries()[0, 2:].tolist() == pytest.approx([first, first])
+    processor.apply(torch.randn(3, VOCAB), _ctx([(0, 3), (1, 1), (2, 1)]))
+    assert processor.tuning.summaries()[0, 2:].tolist() == pytest.approx([later, first])
+    wide_t = _reference(wide, [0]).item()
+    assert processor.tuning.summaries()[2, 1:].tolist() == pytest.approx([2, wide_t, wide_t])
+    processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0))  # reused by a new request
+    processor.apply_staged_writes()
+    assert processor.tuning.summaries()[0, 1] == 0
+    processor.apply(torch.randn(1, VOCAB), _ctx([(0, 5)]))
+    assert processor.tuning.summaries()[0].tolist() == [2.0, 1.0, 2.0, 2.0]

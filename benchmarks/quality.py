@@ -19,7 +19,8 @@ clean model at T_r, softmax(z/T_r)):
 - the served (recommended) rule's closure next to the hindsight constant's;
 - "never behind the constant": the paired per-position difference KL(const) - KL(calibrated)
   on the test prompts, its mean ± cluster-robust standard error; the check passes when
-  mean + 2 s.e. >= 0.
+  mean + 2 s.e. >= 0;
+- "never worse than T = 1": the same for KL(T = 1) - KL(calibrated).
 
 Writes benchmarks/results/quality.md and quality.json. 48 prompts (about 19 fit, 14
 validation, 15 test) of 32 tokens take a few minutes per family with --threads 1 on 2 CPU
@@ -47,7 +48,7 @@ from noisy_temp_server.estimation.fitting import (
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_row
-from noisy_temp_server.estimation.significance import is_not_worse
+from noisy_temp_server.estimation.significance import cluster_stderr, is_not_worse
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import (
@@ -118,6 +119,11 @@ def _request_temperature_row(
     )
     assert versus.gain_over_fixed is not None
     assert versus.gain_over_fixed_stderr is not None
+    over_one = (test.kl_at_one - rule_kl["calibrated"]).double()
+    over_one_mean, over_one_stderr = (
+        float(over_one.mean()),
+        cluster_stderr(over_one, test.sequence_id),
+    )
     served = profile.recommended_rule.value
     return {
         "request_temperature": request_temperature,
@@ -134,6 +140,9 @@ def _request_temperature_row(
         "calibrated_minus_constant": versus.gain_over_fixed,
         "calibrated_minus_constant_stderr": versus.gain_over_fixed_stderr,
         "not_behind_constant": is_not_worse(versus.gain_over_fixed, versus.gain_over_fixed_stderr),
+        "calibrated_minus_t1": over_one_mean,
+        "calibrated_minus_t1_stderr": over_one_stderr,
+        "not_worse_than_t1": is_not_worse(over_one_mean, over_one_stderr),
     }
 
 
@@ -152,12 +161,14 @@ def _markdown(label: str, seconds: float, result: CalibrationResult, rows: list[
         "",
         "| T_r | KL T=1 | "
         + " | ".join(rules)
-        + " | const (T) | hindsight (T) | oracle KL | served | calibrated − const ± s.e. |",
-        "|---:|---:|" + "---:|" * len(rules) + "---:|---:|---:|---:|---:|",
+        + " | const (T) | hindsight (T) | oracle KL | served | calibrated − const ± s.e. "
+        "| calibrated − T=1 ± s.e. |",
+        "|---:|---:|" + "---:|" * len(rules) + "---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         closures = " | ".join(_percent(row["closure"][rule]) for rule in rules)
         check = "ok" if row["not_behind_constant"] else "BEHIND"
+        versus_one = "ok" if row["not_worse_than_t1"] else "WORSE"
         lines.append(
             f"| {row['request_temperature']:g} | {1e3 * row['kl_t1']:.2f} | {closures} "
             f"| {_percent(row['constant_closure'])} ({row['constant_t']:.3f}) "
@@ -165,7 +176,9 @@ def _markdown(label: str, seconds: float, result: CalibrationResult, rows: list[
             f"| {1e3 * row['kl_oracle']:.2f} "
             f"| {_percent(row['served_closure'])} vs {_percent(row['hindsight_closure'])} "
             f"| {1e3 * row['calibrated_minus_constant']:+.3f} ± "
-            f"{1e3 * row['calibrated_minus_constant_stderr']:.3f} {check} |"
+            f"{1e3 * row['calibrated_minus_constant_stderr']:.3f} {check} "
+            f"| {1e3 * row['calibrated_minus_t1']:+.3f} ± "
+            f"{1e3 * row['calibrated_minus_t1_stderr']:.3f} {versus_one} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -254,7 +267,8 @@ def main() -> int:
         "KL(oracle)) on the test prompts at each request temperature T_r; KL in 1e-3 nats. "
         "const: the best constant fitted on the fit prompts at T_r; hindsight: the best "
         "constant fitted on the test prompts. calibrated − const: paired per-position "
-        "KL(const) - KL(calibrated) ± cluster-robust s.e.; ok when mean + 2 s.e. >= 0.\n"
+        "KL(const) - KL(calibrated) ± cluster-robust s.e.; ok when mean + 2 s.e. >= 0 (and "
+        "the same for calibrated − T=1).\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(header + "\n" + "\n".join(sections), encoding="utf-8")

@@ -26,6 +26,7 @@ from noisy_temp_server.estimation.profile import (
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
     cluster_stderr,
+    is_not_worse,
     is_significant,
     split_by_sequence,
 )
@@ -213,6 +214,17 @@ def _entropy_bucket(entropy: Tensor, edges: Sequence[float]) -> Tensor:
     return bucket_index(entropy.float(), torch.tensor(edges, dtype=torch.float32))
 
 
+def _validation_gain(validation: PositionRecords, parent: float, candidate: float) -> Tensor:
+    """Per-position KL(parent) - KL(candidate) on `validation` -> float64 [N] (both constant)."""
+    at_parent, at_candidate = (
+        interpolate_kl(
+            validation.kl_curve, validation.curve_temperatures, torch.full((len(validation),), t)
+        ).double()
+        for t in (parent, candidate)
+    )
+    return at_parent - at_candidate
+
+
 def _refined_temperature(
     parent: float,
     fit: PositionRecords,
@@ -225,15 +237,46 @@ def _refined_temperature(
     if min(len(fit), len(validation)) < min_positions:
         return parent
     candidate = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
-    at_parent, at_candidate = (
-        interpolate_kl(
-            validation.kl_curve, validation.curve_temperatures, torch.full((len(validation),), t)
-        ).double()
-        for t in (parent, candidate)
-    )
-    gain = at_parent - at_candidate
+    gain = _validation_gain(validation, parent, candidate)
     significant = is_significant(float(gain.mean()), cluster_stderr(gain, validation.sequence_id))
     return candidate if significant else parent
+
+
+def _band_roots(
+    bands: Sequence[tuple[PositionRecords, PositionRecords]],
+    bounds: TemperatureBounds,
+    min_positions: int,
+) -> tuple[float, ...]:
+    """The root T of each band of `fit_calibrated_table`, from its (fit, validation) records.
+
+    A band's candidate is the best constant of its `fit` positions (none, so T = 1, when
+    either set has fewer than `min_positions` positions). The candidates are tested against
+    T = 1 jointly: the paired gain KL(1) - KL(candidate) on the validation positions of all
+    bands pooled, with standard errors clustered by prompt (one prompt's positions at every
+    request temperature form one cluster, as they share a completion). A band serves its
+    candidate when its own validation gain is significant, or when the joint gain is
+    significant and the band's own gain is not significantly negative (`is_not_worse`); else
+    it serves T = 1. Pooling lends the bands each other's strength: a constant that helps at
+    every request temperature by a little is served even when no band alone has the prompts
+    to show it, while a band whose constant its own prompts show to be harmful still gets 1.
+    """
+    roots = [1.0] * len(bands)
+    checks: dict[int, tuple[float, Tensor, Tensor]] = {}
+    for index, (fit, validation) in enumerate(bands):
+        if min(len(fit), len(validation)) >= min_positions:
+            candidate = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
+            gain = _validation_gain(validation, 1.0, candidate)
+            checks[index] = (candidate, gain, validation.sequence_id)
+    if not checks:
+        return tuple(roots)
+    pooled = torch.cat([gain for _, gain, _ in checks.values()])
+    pooled_ids = torch.cat([ids for _, _, ids in checks.values()])
+    joint = is_significant(float(pooled.mean()), cluster_stderr(pooled, pooled_ids))
+    for index, (candidate, gain, ids) in checks.items():
+        mean, stderr = float(gain.mean()), cluster_stderr(gain, ids)
+        if is_significant(mean, stderr) or (joint and is_not_worse(mean, stderr)):
+            roots[index] = candidate
+    return tuple(roots)
 
 
 def _band_edges(request_temperatures: Sequence[float]) -> tuple[float, ...]:
@@ -255,42 +298,52 @@ def fit_calibrated_table(
     bucket), each band fitted top-down on the positions measured at its request temperature.
 
     One band per distinct request temperature of `fit` (`validation` must have the same ones),
-    its edges the midpoints between them. Every node of a band's hierarchy (band -> step bucket
-    -> step bucket x entropy bucket) starts from its parent's T, the band's own parent being
-    T = 1; its own T is the best shared T of its `fit` positions, kept only if the node has at
-    least `min_cell_positions` positions in both sets and that T beats the parent's on the
-    node's `validation` positions significantly (paired gain minus 2 cluster-robust standard
-    errors > 0); otherwise the node inherits the parent's T. So a band serves its best
-    constant (at T_r = 1, the `fixed` rule's T) only where that constant beats T = 1 on the
-    validation positions at the band's request temperature, and departs from it only where a
-    cell's own held-out evidence demands it; a cell with thin evidence takes the coarser
-    estimate. The rule is never behind T = 1, nor behind a band's gated constant, beyond
+    its edges the midpoints between them. A band's root is its best constant (at T_r = 1, the
+    `fixed` rule's T) or T = 1, by the gate of `_band_roots`: the bands' constants are tested
+    against T = 1 jointly on the validation positions of all bands, and a band keeps its
+    constant when the joint gain (or its own) is significant and its own validation positions
+    do not show the constant significantly worse than T = 1. Below the root, every node of the
+    hierarchy (step bucket -> step bucket x entropy bucket) starts from its parent's T; its own
+    T is the best shared T of its `fit` positions, kept only if the node has at least
+    `min_cell_positions` positions in both sets and that T beats the parent's on the node's
+    `validation` positions significantly (paired gain minus 2 cluster-robust standard errors
+    > 0); otherwise the node inherits the parent's T, so a cell with thin evidence takes the
+    coarser estimate. The rule is never behind a band's constant, nor behind T = 1, beyond
     statistical noise. Entropy edges are quantiles of `fit`'s served entropy.
     """
     entropy_edges = _entropy_edges(fit.served_entropy, entropy_buckets)
     request_temperatures = request_temperatures_of(fit)
     if request_temperatures_of(validation) != request_temperatures:
         raise ValueError("fit and validation records must share their request temperatures")
-    bands = tuple(
-        _band_table(
+    bands = [
+        (
             fit.select(fit.request_temperature == t),
             validation.select(validation.request_temperature == t),
-            step_edges=step_edges,
-            entropy_edges=entropy_edges,
-            bounds=bounds,
-            min_cell_positions=min_cell_positions,
         )
         for t in request_temperatures
-    )
+    ]
+    roots = _band_roots(bands, bounds, min_cell_positions)
     return CalibratedTable(
         step_edges=tuple(step_edges),
         entropy_edges=entropy_edges,
-        temperatures=bands,
+        temperatures=tuple(
+            _band_table(
+                root,
+                band_fit,
+                band_validation,
+                step_edges=step_edges,
+                entropy_edges=entropy_edges,
+                bounds=bounds,
+                min_cell_positions=min_cell_positions,
+            )
+            for root, (band_fit, band_validation) in zip(roots, bands, strict=True)
+        ),
         request_temperature_edges=_band_edges(request_temperatures),
     )
 
 
 def _band_table(
+    root: float,
     fit: PositionRecords,
     validation: PositionRecords,
     *,
@@ -299,7 +352,8 @@ def _band_table(
     bounds: TemperatureBounds,
     min_cell_positions: int,
 ) -> tuple[tuple[float, ...], ...]:
-    """One band of `fit_calibrated_table`: T [step buckets][entropy buckets]."""
+    """One band of `fit_calibrated_table` below its `root` T: T [step buckets][entropy
+    buckets]."""
     refine = functools.partial(
         _refined_temperature, bounds=bounds, min_positions=min_cell_positions
     )
@@ -307,7 +361,6 @@ def _band_table(
     fit_entropy, validation_entropy = (
         _entropy_bucket(r.served_entropy, entropy_edges) for r in (fit, validation)
     )
-    root = refine(1.0, fit, validation)
     table = []
     for s in range(len(step_edges)):
         step_fit, step_validation = fit_steps == s, validation_steps == s
@@ -381,12 +434,12 @@ def fit_rules(
     fitted; `fixed` adds the best shared T, `fisher` the Var_q floor, `schedule` (t_max, beta)
     and `calibrated` the table. The parameters of rules not in `rules` are the neutral ones of
     `TemperaturePolicy` (T = 1: fixed T 1, floor 1, schedule t_max 1 / beta 0, an all-ones
-    table). The calibrated table is fitted on `records` and its departures from the global T
-    checked on `validation` (`fit_calibrated_table`, one band per request temperature of the
-    records; each band's constant must beat T = 1 there). Without `validation` (the online
-    estimator), `records` is split by sequence for that (`settings.validation_fraction` to
-    check). Every other parameter
-    is fitted on the positions measured at request temperature 1. Positions whose KL is
+    table). The calibrated table is fitted on `records` and its departures from T = 1 and from
+    each band's constant checked on `validation` (`fit_calibrated_table`, one band per request
+    temperature of the records, the bands' constants gated against T = 1 jointly). Without
+    `validation` (the online estimator), `records` is split by sequence for that
+    (`settings.validation_fraction` to check). Every other parameter is fitted on the
+    positions measured at request temperature 1. Positions whose KL is
     infinite at every T (the served row masks a token the clean row supports) carry no
     information about T and are left out, as in
     `noisy_temp_server.estimation.quality.quality_table`. Raises

@@ -274,43 +274,79 @@ def test_calibrated_table_splits_by_step_bucket_when_the_optimum_differs() -> No
     assert bool(((table[1:] - 1.0).abs() < 0.04).all()), table
 
 
-def test_a_band_serves_t_one_unless_its_constant_beats_one_on_validation() -> None:
-    # T_r 1.2: pure noise around T* = 1, so the fit constant is off 1 by chance and must not
-    # be served; T_r 0.5: the optimum is e^0.3 everywhere, so the band keeps its constant.
-    parts = [
-        (_hierarchy_records(functools.partial(_constant, log_t), seed, spread), t_r)
-        for log_t, seed, spread, t_r in ((0.3, 4, 0.05, 0.5), (0.0, 3, 0.3, 1.2))
-    ]
-    fit, validation = (
-        PositionRecords.concat([_at_request_temperature(p[i], t_r) for p, t_r in parts])
-        for i in (0, 1)
+def _band(
+    log_t: float, seed: int, spread: float, request_temperature: float
+) -> tuple[PositionRecords, PositionRecords]:
+    """(fit, validation) records of one band: `_hierarchy_records` with a constant optimum
+    e^log_t, measured at `request_temperature`. Every band has the same 40 sequence ids."""
+    fit, validation = _hierarchy_records(functools.partial(_constant, log_t), seed, spread)
+    return (
+        _at_request_temperature(fit, request_temperature),
+        _at_request_temperature(validation, request_temperature),
     )
-    noisy_fit = fit.select(fit.request_temperature == 1.2)
-    noisy_constant = best_curve_temperature(
-        noisy_fit.kl_curve, noisy_fit.curve_temperatures, BOUNDS
-    )
-    assert abs(noisy_constant - 1.0) > 0.01  # the fit alone would move this band off 1
-    clear_fit = fit.select(fit.request_temperature == 0.5)
-    clear_constant = best_curve_temperature(
-        clear_fit.kl_curve, clear_fit.curve_temperatures, BOUNDS
-    )
-    table = fit_calibrated_table(
+
+
+def _band_constant(band: tuple[PositionRecords, PositionRecords]) -> float:
+    fit = band[0]
+    return best_curve_temperature(fit.kl_curve, fit.curve_temperatures, BOUNDS)
+
+
+def _table_of_bands(
+    bands: list[tuple[PositionRecords, PositionRecords]],
+) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    fit, validation = (PositionRecords.concat([band[i] for band in bands]) for i in (0, 1))
+    return fit_calibrated_table(
         fit,
         validation,
         step_edges=(0, 4, 12),
         entropy_buckets=2,
         bounds=BOUNDS,
         min_cell_positions=40,
-    )
-    clear, noisy = table.temperatures
-    assert noisy == (((1.0, 1.0),) * 3), noisy
-    assert clear == (((clear_constant, clear_constant),) * 3), clear
+    ).temperatures
+
+
+def _alone_beats_one(band: tuple[PositionRecords, PositionRecords]) -> bool:
+    """Whether the band's constant beats T = 1 significantly on its own validation prompts."""
+    return fitting._refined_temperature(1.0, *band, BOUNDS, 40) != 1.0
+
+
+def test_bands_too_thin_to_show_their_gain_alone_adopt_their_constants_together() -> None:
+    # every band's optimum is e^0.06 with a per-prompt spread of 0.1: no band's 20 validation
+    # prompts show its constant beats 1, all four bands' prompts together do
+    bands = [
+        _band(0.06, seed, 0.1, t_r) for seed, t_r in ((17, 0.5), (37, 0.7), (57, 1.0), (77, 1.2))
+    ]
+    assert not any(_alone_beats_one(band) for band in bands)
+    constants = [_band_constant(band) for band in bands]
+    assert all(c > 1.01 for c in constants), constants
+    assert _table_of_bands(bands) == tuple(((c, c),) * 3 for c in constants)
+
+
+def test_a_band_whose_constant_its_own_prompts_show_harmful_serves_one() -> None:
+    # T_r 0.5 and 0.7: optimum e^0.3 on fit and validation prompts alike; T_r 1.2: optimum
+    # e^0.15 on the fit prompts but 1 on the validation prompts, so its fitted constant is
+    # significantly worse than 1 there, while the three bands' gain pooled is significant
+    clear = [_band(0.3, seed, 0.05, t_r) for seed, t_r in ((0, 0.5), (20, 0.7))]
+    harmful = (_band(0.15, 40, 0.05, 1.2)[0], _band(0.0, 60, 0.05, 1.2)[1])
+    assert _band_constant(harmful) > 1.1
+    low, middle, high = _table_of_bands([*clear, harmful])
+    assert [low, middle] == [((c, c),) * 3 for c in map(_band_constant, clear)]
+    assert high == ((1.0, 1.0),) * 3
+
+
+def test_every_band_serves_one_when_no_constant_beats_one() -> None:
+    # the optimum is 1 at every T_r with a per-prompt spread of 0.3, so the fit constants are
+    # off 1 by chance only, and neither any band nor the bands jointly show a gain
+    bands = [_band(0.0, seed, 0.3, t_r) for seed, t_r in ((2, 0.5), (22, 0.7), (42, 1.0))]
+    assert max(abs(_band_constant(band) - 1.0) for band in bands) > 0.1
+    assert _table_of_bands(bands) == (((1.0, 1.0),) * 3,) * 3
     # the online estimator's path (no validation split given): the same gate on its check split
     settings = CalibrationSettings(step_edges=(0, 4, 12), entropy_buckets=2, min_cell_positions=40)
+    noisy_fit, noisy_validation = _hierarchy_records(
+        functools.partial(_constant, 0.0), 3, spread=0.3
+    )
     online, _ = fit_rules(
-        PositionRecords.concat(parts[1][0]),  # the noisy band's records, at T_r = 1
-        settings,
-        {Rule.CALIBRATED},
+        PositionRecords.concat([noisy_fit, noisy_validation]), settings, {Rule.CALIBRATED}
     )
     assert online.calibrated_temperatures == (((1.0, 1.0),) * 3,)
 

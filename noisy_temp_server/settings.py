@@ -173,6 +173,32 @@ class Settings(BaseSettings):
         "memory); at least shadow_min_positions.",
     )
 
+    # --- capture of the served logits in the engine (for the shadow scorer) ---
+    capture_rows_per_step: int = Field(
+        default=8,
+        ge=1,
+        description="Most served-logit rows the engine captures per step for shadow-sampled "
+        "requests (float32, 4 bytes per vocabulary entry each); beyond, dropped and counted.",
+    )
+    capture_positions: int = Field(
+        default=128,
+        ge=1,
+        description="Generation steps of a shadow-sampled request whose served logits are "
+        "captured (steps 0 .. capture_positions - 1); later steps are not scored.",
+    )
+    capture_queue_rows: int = Field(
+        default=64,
+        ge=1,
+        description="Captured rows waiting for the engine's reporter thread; beyond, dropped "
+        "and counted (the step loop never waits).",
+    )
+    capture_buffer_mib: int = Field(
+        default=512,
+        ge=1,
+        description="Captured rows the API process holds for the shadow scorer (MiB); beyond, "
+        "the oldest request's rows are dropped.",
+    )
+
     # --- engine ---
     max_model_len: int = Field(default=2048, ge=16, description="Context length (tokens).")
     kv_cache_gib: int | None = Field(

@@ -48,7 +48,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         """vLLM's V1 constructor; ValueError when ``NTS_POLICY_FILE`` is set but invalid."""
         capacity = vllm_config.scheduler_config.max_num_seqs
         self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
-        self.duplicate, self.tuning = build_slot_tuning(
+        self.duplicate, self.tuning, self.capture = build_slot_tuning(
             self,
             vllm_config,
             capacity,
@@ -68,6 +68,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         self._waiting: dict[int, tuple[list[int], int]] = {}  # slot -> (outputs, len at entry)
         self._step_writes: dict[int, tuple[int, int]] = {}  # slot -> (step, advancing)
         self._n_tuned_rows = 0
+        self._batch_rows = np.arange(capacity)
 
     def is_argmax_invariant(self) -> bool:
         """A positive temperature never changes the argmax."""
@@ -76,6 +77,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Apply the batch changes, start the steps of requests that produced their first token
         and copy what changed to the device."""
+        self.capture.update(batch_update)
         changed = batch_update is not None and self._update_rows(batch_update)
         started = [slot for slot, (outputs, entry) in self._waiting.items() if len(outputs) > entry]
         if started:
@@ -138,7 +140,8 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] float32, divided in place on the tuned rows and returned. Untuned
-        rows are bitwise unchanged. No host sync."""
+        rows are bitwise unchanged. Captured rows (`capture`) are taken first. No host sync."""
+        self.capture.capture(logits, self._batch_rows[: logits.shape[0]])
         if not self._n_tuned_rows:
             return logits
         slots = self._row_slot_device[: logits.shape[0]]

@@ -54,7 +54,7 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
         self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
         self._req_states = req_states
         capacity = req_states.max_num_reqs
-        self.duplicate, self.tuning = build_slot_tuning(
+        self.duplicate, self.tuning, self.capture = build_slot_tuning(
             self,
             vllm_config,
             capacity,
@@ -65,18 +65,22 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
         self._tuned = np.zeros(capacity, dtype=bool)
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
-        """Give slot ``req_idx`` to a new request; True when it is tuned."""
+        """Give slot ``req_idx`` to a new request; True when it is tuned or captured."""
         resolved = None if self.duplicate else request_tuning(sampling_params)
         self.tuning.stage(req_idx, resolved, sampling_params.temperature)
         self._tuned[req_idx] = resolved is not None
-        return resolved is not None
+        captured = self.capture.add_request(req_idx, sampling_params)
+        return resolved is not None or captured
 
     def apply_staged_writes(self) -> None:
         """Copy this step's admissions to the device."""
         self.tuning.flush_staged()
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        """logits: [rows, V] float32 unscaled, divided in place on tuned rows. No host sync."""
+        """logits: [rows, V] float32 unscaled, divided in place on tuned rows. Captured rows
+        (`capture`) are taken first, their steps from host state. No host sync."""
+        if self.capture.active:
+            self.capture.capture(logits, ctx.idx_mapping_np, self._host_steps(ctx))
         if not self._tuned[ctx.idx_mapping_np].any():
             return logits
         slots = ctx.expanded_idx_mapping
@@ -86,3 +90,12 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
         steps = (sampled_position - prompt_len).clamp_(min=0)
         self.tuning.tune(logits, slots, steps, sampled_position >= prefill_len)
         return logits
+
+    def _host_steps(self, ctx: LogitsContext) -> np.ndarray:
+        """The generation step of each request's row, from host state (exact without
+        speculative decoding, the only case `capture` takes rows in): its sampled position is
+        its sequence length; -1 for a row of an unfinished prefill (vLLM discards it)."""
+        slots = ctx.idx_mapping_np
+        sampled_position = ctx.seq_lens_upper_bound_np.astype(np.int64)
+        steps = sampled_position - self._req_states.prompt_len.np[slots]
+        return np.where(sampled_position >= self._req_states.prefill_len.np[slots], steps, -1)

@@ -6,6 +6,10 @@ asynchronous device→host copy of that state and, only while some slot is trace
 the step's ``[slot, step, T*, traced]`` rows. A `Reporter` background thread waits for those
 copies (a CUDA event on GPU; nothing to wait for on CPU), then:
 
+- sends the served-logit rows `capture.LogitCapture` staged (shadow-sampled requests), first,
+  so that a request's rows arrive before the summary that covers their steps; at most
+  ``capture_queue_rows`` rows wait, beyond which a step's rows are dropped, counted
+  (``capture_dropped_rows``) and announced as dropped;
 - sends the step traces of traced slots (``nts_trace`` or the server's shadow sample) on the
   trace channel;
 - sends the cumulative summary (sum, count, min, max of T*, reduced over the slot's cells) of
@@ -30,14 +34,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from noisy_temp_server.vllm_plugin.metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
 from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
+
+if TYPE_CHECKING:
+    from noisy_temp_server.vllm_plugin.capture import CapturedStep
 
 __all__ = ["Occupancy", "Reporter", "StateLayout"]
 
@@ -107,13 +114,19 @@ class Occupancy:
 
 
 class _HostCopy:
-    """A device tensor's asynchronous copy into (pinned) host memory and its completion."""
+    """A device tensor's asynchronous copy into (pinned) host memory and its completion.
+    ``own``: ``source`` is a fresh tensor nobody else writes, so on the CPU it is used as is."""
 
-    def __init__(self, source: torch.Tensor, target: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, source: torch.Tensor, target: torch.Tensor | None = None, *, own: bool = False
+    ) -> None:
         on_device = source.device.type == "cuda"
-        if target is None or target.shape != source.shape:
+        if own and source.device.type == "cpu":
+            target = source
+        elif target is None or target.shape != source.shape:
             target = torch.empty(source.shape, dtype=source.dtype, pin_memory=on_device)
-        target.copy_(source, non_blocking=on_device)
+        if target is not source:
+            target.copy_(source, non_blocking=on_device)
         self.host = target
         self._event: torch.cuda.Event | None = None
         if on_device:
@@ -146,8 +159,13 @@ class Reporter:
         *,
         slots: int,
         interval_s: float = 0.02,
+        capture_queue_rows: int = 64,
     ) -> None:
         self.sender = sender
+        self.capture_queue_rows = capture_queue_rows
+        self.capture_dropped_rows = 0
+        self._captures: deque[tuple[_HostCopy, CapturedStep]] = deque()
+        self._capture_rows = 0
         self.metrics = metrics
         self.interval_s = interval_s
         self.bad_rows = 0
@@ -192,6 +210,22 @@ class Reporter:
             self._traces.append((_HostCopy(rows), self._occupancy))
         self._start()
 
+    def stage_capture(self, step: CapturedStep) -> None:
+        """Copy one step's captured rows to the host asynchronously, unless ``capture_queue_rows``
+        rows already wait: then they are dropped (counted, and announced as dropped)."""
+        count = len(step.steps)
+        with self._lock:
+            if self._capture_rows + count > self.capture_queue_rows:
+                self.capture_dropped_rows += count
+                lost = list(zip(step.trace_ids, step.steps, strict=True))
+                step = replace(
+                    step, trace_ids=[], steps=[], rows=step.rows[:0], dropped=step.dropped + lost
+                )
+                count = 0
+            self._captures.append((_HostCopy(step.rows, own=True), step))
+            self._capture_rows += count
+        self._start()
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="nts-reporter", daemon=True)
@@ -209,10 +243,19 @@ class Reporter:
     def flush(self) -> None:
         """Deliver everything staged so far (waits for the pending copies)."""
         with self._lock:
+            captures = list(self._captures)
+            self._captures.clear()
             traces = list(self._traces)
             self._traces.clear()
             snapshots = list(self._snapshots)
             self._snapshots.clear()
+        for copy, step in captures:
+            rows = copy.wait()
+            with self._lock:
+                self._capture_rows -= len(step.steps)
+            if self.sender is not None:
+                records = list(zip(step.trace_ids, step.steps, strict=True))
+                self.sender.send_rows(records, rows, step.dropped)
         for copy, occupancy in traces:
             self._send_trace(copy.wait(), occupancy)
         for snapshot in snapshots:

@@ -21,6 +21,7 @@ Two objects describe a request's tuning, one per stage of its path:
 | ``nts_trace`` | bool | return the per-step T trace |
 | ``nts_policy`` | str | the policy snapshot as compact JSON (set by the server) |
 | ``nts_trace_id`` | str | key of the request on the trace channel (set by the server) |
+| ``nts_capture`` | bool | capture the served logits for the shadow scorer (set by the server) |
 | ``nts_runtime_noise_sigma`` | float | runtime logit noise σ (`RuntimeLogitNoiseProcessor`) |
 
 Values may arrive as JSON types or as strings (vLLM's ``vllm_xargs`` carries strings, ints and
@@ -69,6 +70,7 @@ KEY_T_MAX = "nts_t_max"
 KEY_TRACE = "nts_trace"
 KEY_POLICY = "nts_policy"
 KEY_TRACE_ID = "nts_trace_id"
+KEY_CAPTURE = "nts_capture"
 KEY_RUNTIME_NOISE_SIGMA = "nts_runtime_noise_sigma"
 
 REQUEST_KEYS: frozenset[str] = frozenset(
@@ -81,6 +83,7 @@ REQUEST_KEYS: frozenset[str] = frozenset(
         KEY_TRACE,
         KEY_POLICY,
         KEY_TRACE_ID,
+        KEY_CAPTURE,
         KEY_RUNTIME_NOISE_SIGMA,
     }
 )
@@ -99,7 +102,8 @@ class TuningKeys:
 
     ``rule``/``fixed_t``/``t_min``/``t_max`` are the request's overrides of its policy (None:
     the policy's own). ``policy_json`` is the snapshot the server pinned at admission (None: the
-    engine's default, see `default_policy_json`).
+    engine's default, see `default_policy_json`). ``capture``: the engine captures the request's
+    served logits under ``trace_id`` (`vllm_plugin.capture`), tuned or not.
     """
 
     tune: bool = True
@@ -110,6 +114,7 @@ class TuningKeys:
     trace: bool = False
     policy_json: str | None = None
     trace_id: str | None = None
+    capture: bool = False
 
     def to_extra_args(self) -> dict[str, Any]:
         """The flat keys for ``SamplingParams.extra_args`` (only the ones that differ from the
@@ -128,6 +133,8 @@ class TuningKeys:
             keys[KEY_POLICY] = self.policy_json
         if self.trace_id is not None:
             keys[KEY_TRACE_ID] = self.trace_id
+        if self.capture:
+            keys[KEY_CAPTURE] = True
         return keys
 
 
@@ -196,6 +203,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
     get = extra_args.get
     tune = _as_bool(KEY_TUNE, get(KEY_TUNE)) if get(KEY_TUNE) is not None else True
     trace = _as_bool(KEY_TRACE, get(KEY_TRACE)) if get(KEY_TRACE) is not None else False
+    capture = _as_bool(KEY_CAPTURE, get(KEY_CAPTURE)) if get(KEY_CAPTURE) is not None else False
     rule = _as_rule(get(KEY_RULE)) if get(KEY_RULE) is not None else None
     fixed_t = _as_float(KEY_T, get(KEY_T)) if get(KEY_T) is not None else None
     t_min = _as_float(KEY_T_MIN, get(KEY_T_MIN)) if get(KEY_T_MIN) is not None else None
@@ -230,6 +238,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
         trace=trace,
         policy_json=policy_json,
         trace_id=trace_id,
+        capture=capture,
     )
 
 

@@ -65,6 +65,7 @@ from noisy_temp_server.temperature.policy import (
 )
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
+from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
 from noisy_temp_server.vllm_plugin.metrics import (
     MAX_LABELS,
     OVERFLOW_STEP_BUCKET,
@@ -585,6 +586,7 @@ class TunedProcessor:
     """What the two runners' processors share around their `SlotTuning` (``tuning``)."""
 
     tuning: SlotTuning
+    capture: LogitCapture
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -608,10 +610,11 @@ def build_slot_tuning(
     logits_scaled: bool,
     registry: CollectorRegistry | None,
     keep_last: bool = False,
-) -> tuple[bool, SlotTuning]:
-    """(duplicate, tuning) for a processor ``owner`` of ``vllm_config``: checks the default
-    policy (ValueError at startup when ``NTS_POLICY_FILE`` is invalid), marks a second instance
-    for the same config as a duplicate, and reports only on the first tensor-parallel rank."""
+) -> tuple[bool, SlotTuning, LogitCapture]:
+    """(duplicate, tuning, capture) for a processor ``owner`` of ``vllm_config``: checks the
+    default policy (ValueError at startup when ``NTS_POLICY_FILE`` is invalid), marks a second
+    instance for the same config as a duplicate, and reports (and captures, `capture`) only on
+    the first tensor-parallel rank."""
     default_policy_json()
     duplicate = _INSTANCES.setdefault(id(vllm_config), owner) is not owner
     if duplicate:
@@ -622,9 +625,13 @@ def build_slot_tuning(
         )
     device = torch.device(device)
     reporter = None
+    bounds = CaptureBounds.from_settings()
     if not duplicate and reports_on_this_rank(vllm_config):
         reporter = Reporter(
-            TraceSender.from_env(), step_temperature_metrics(registry), slots=capacity + 1
+            TraceSender.from_env(),
+            step_temperature_metrics(registry),
+            slots=capacity + 1,
+            capture_queue_rows=bounds.queue_rows,
         )
     tuning = SlotTuning(
         capacity,
@@ -634,4 +641,5 @@ def build_slot_tuning(
         pin_memory=device.type == "cuda",
         keep_last=keep_last,
     )
-    return duplicate, tuning
+    capture = LogitCapture(capacity, reporter, bounds, logits_scaled=logits_scaled)
+    return duplicate, tuning, capture

@@ -19,6 +19,14 @@ own temperature):
   (every tuned request with a trace id), one per *part* (an occupancy of an engine slot; a
   preempted request has several). A later summary of the same part replaces the earlier one.
 
+and one two-part kind, the served-logit rows of shadow-sampled requests (`capture`):
+
+- ``{"c": [[trace_id, step], ...], "d": [[trace_id, step], ...], "v": V}`` then the rows as
+  raw float32 ``[len(c), V]`` (native byte order: both ends run on the same host); ``d`` lists
+  the steps whose rows the engine dropped (bounds, full queue), so nobody waits for them.
+  The collector keeps them per trace id (`TraceCollector.take_rows`), apart from the T*
+  reports: their reader is the shadow scorer, which may come long after the response.
+
 `TraceCollector.wait_for` is a coroutine: the reader thread resolves asyncio futures, so a
 waiting request ties up no thread.
 
@@ -28,7 +36,8 @@ message that cannot be queued (peer absent or slow) is dropped and counted
 `TraceCollector.wait_for` has returned it or the server calls `TraceCollector.forget` (a choice
 cancelled, or finished without a wait), and records that arrive for a forgotten id during a
 grace period afterwards (the engine's last reports lag the response) are dropped instead of
-opening a new entry; ids nobody waits for or forgets expire after a TTL.
+opening a new entry; ids nobody waits for or forgets expire after a TTL. Captured rows are held
+up to ``max_row_bytes`` in all (then the oldest request's rows go first) and for ``rows_ttl_s``.
 """
 
 from __future__ import annotations
@@ -44,10 +53,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 
 __all__ = [
     "TRACE_ENDPOINT_ENV",
+    "CapturedRows",
     "TraceCollector",
     "TraceReport",
     "TraceSender",
@@ -96,11 +107,27 @@ class TraceSender:
         """Send ``(trace_id, part, sum, count, min, max)`` cumulative summaries. Never blocks."""
         return self._send({"s": [list(record) for record in records]})
 
-    def _send(self, message: dict[str, list[list[object]]]) -> bool:
+    def send_rows(
+        self,
+        records: Sequence[tuple[str, int]],
+        rows: np.ndarray,
+        dropped: Sequence[tuple[str, int]] = (),
+    ) -> bool:
+        """Send captured ``(trace_id, step)`` rows (``rows`` float32 ``[len(records), V]``) and
+        the ``(trace_id, step)`` of dropped ones. Never blocks; False when dropped."""
+        header: dict[str, object] = {"c": [list(r) for r in records]}
+        header |= {"d": [list(d) for d in dropped], "v": int(rows.shape[-1])}
+        body = np.ascontiguousarray(rows, dtype=np.float32)
+        return self._send(header, body)
+
+    def _send(self, message: dict[str, object], body: np.ndarray | None = None) -> bool:
         """Queue one message; False (counted, the first one logged) when it cannot be queued."""
         payload = json.dumps(message, separators=(",", ":")).encode()
         try:
-            self._socket.send(payload, flags=zmq.NOBLOCK)
+            if body is None:
+                self._socket.send(payload, flags=zmq.NOBLOCK)
+            else:
+                self._socket.send_multipart([payload, body.data], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.dropped_messages += 1
             if not self._warned_drop:
@@ -131,6 +158,34 @@ class TraceReport:
     t_min: float | None = None
     t_max: float | None = None
     trace: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class CapturedRows:
+    """The served-logit rows that arrived for one request: ``steps`` int64 ``[n]`` ascending
+    (generation steps), ``rows`` float32 ``[n, V]`` (the row of ``steps[i]`` at ``i``)."""
+
+    steps: np.ndarray
+    rows: np.ndarray
+
+
+@dataclass
+class _HeldRows:
+    rows: dict[int, np.ndarray | None] = field(default_factory=dict)  # None: dropped
+    nbytes: int = 0
+    last_update: float = field(default_factory=time.monotonic)
+
+    def accounted(self, n_steps: int) -> bool:
+        return all(step in self.rows for step in range(n_steps))
+
+    def result(self) -> CapturedRows:
+        kept = sorted((step, row) for step, row in self.rows.items() if row is not None)
+        if not kept:
+            return CapturedRows(np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
+        return CapturedRows(
+            np.asarray([step for step, _ in kept], dtype=np.int64),
+            np.stack([row for _, row in kept]),
+        )
 
 
 @dataclass
@@ -180,12 +235,16 @@ class TraceCollector:
         ttl_s: float = 600.0,
         max_ids: int = 100_000,
         forgotten_grace_s: float = _FORGOTTEN_GRACE_S,
+        rows_ttl_s: float = 120.0,
+        max_row_bytes: int = 512 << 20,
     ) -> None:
         """``endpoint``: the address to bind (``ipc://...``; ``tcp://127.0.0.1:*`` picks a free
         port, see `endpoint` after `start`). ``ttl_s``: an id that has not received a record for
         this long is forgotten. ``max_ids``: beyond this many pending ids the oldest are
         forgotten first. ``forgotten_grace_s``: for this long after an id is forgotten, records
-        for it are dropped (late reports of a finished or cancelled request).
+        for it are dropped (late reports of a finished or cancelled request). ``rows_ttl_s``,
+        ``max_row_bytes``: how long and how many bytes of captured rows are held for
+        `take_rows` (the oldest request's rows go first).
         """
         if ttl_s <= 0 or max_ids <= 0:
             raise ValueError("TraceCollector needs ttl_s > 0 and max_ids > 0.")
@@ -202,6 +261,12 @@ class TraceCollector:
         self._thread: threading.Thread | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self.malformed_messages = 0
+        self._held: dict[str, _HeldRows] = {}
+        self._held_bytes = 0
+        self._rows_ttl_s = rows_ttl_s
+        self._max_row_bytes = max_row_bytes
+        self._rows_arrived = threading.Condition(self._lock)
+        self.evicted_rows = 0
 
     def start(self) -> TraceCollector:
         """Bind the socket and start the reader thread. Returns self."""
@@ -268,6 +333,38 @@ class TraceCollector:
         if waiter is not None:
             _wake(waiter)
 
+    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> CapturedRows | None:
+        """The captured rows of ``trace_id``, once steps ``0 .. n_steps - 1`` all arrived or
+        were announced dropped, or after ``timeout`` seconds with what arrived by then (None:
+        nothing). Blocks the calling thread (the shadow scorer's); the rows are no longer held
+        afterwards."""
+        deadline = time.monotonic() + timeout
+        with self._rows_arrived:
+            while not self._stop.is_set():
+                held = self._held.get(trace_id)
+                left = deadline - time.monotonic()
+                if (held is not None and held.accounted(n_steps)) or left <= 0:
+                    break
+                self._rows_arrived.wait(min(left, _RECEIVE_POLL_MS / 1000))
+            held = self._pop_rows(trace_id)
+        return None if held is None else held.result()
+
+    def drop_rows(self, trace_id: str) -> None:
+        """Stop holding the captured rows of ``trace_id`` (nobody will take them)."""
+        with self._lock:
+            self._pop_rows(trace_id)
+
+    def held_row_bytes(self) -> int:
+        """Bytes of captured rows held (for tests and diagnostics)."""
+        with self._lock:
+            return self._held_bytes
+
+    def _pop_rows(self, trace_id: str) -> _HeldRows | None:
+        held = self._held.pop(trace_id, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes
+        return held
+
     def pending_ids(self) -> int:
         """How many trace ids are held (for tests and diagnostics)."""
         with self._lock:
@@ -291,10 +388,13 @@ class TraceCollector:
                 if poller.poll(_RECEIVE_POLL_MS):
                     while True:
                         try:
-                            message = self._socket.recv(flags=zmq.NOBLOCK)
+                            parts = self._socket.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._ingest(message)
+                        if len(parts) == 1:
+                            self._ingest(parts[0])
+                        else:
+                            self._ingest_rows(parts)
                 now = time.monotonic()
                 if now >= next_expiry:
                     self._expire(now)
@@ -336,6 +436,41 @@ class TraceCollector:
         for waiter in woken:
             _wake(waiter)
 
+    def _ingest_rows(self, parts: list[bytes]) -> None:
+        try:
+            header = json.loads(parts[0])
+            captured = [(str(tid), int(step)) for tid, step in header["c"]]
+            dropped = [(str(tid), int(step)) for tid, step in header["d"]]
+            width = int(header["v"]) if captured else 0
+            rows = np.frombuffer(parts[1], dtype=np.float32).reshape(len(captured), width)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+            self.malformed_messages += 1
+            return
+        arrived: list[tuple[tuple[str, int], np.ndarray | None]] = [
+            *zip(captured, rows, strict=True),
+            *((record, None) for record in dropped),
+        ]
+        now = time.monotonic()
+        with self._rows_arrived:
+            for (trace_id, step), row in arrived:
+                held = self._held.get(trace_id)
+                if held is None:
+                    held = self._held[trace_id] = _HeldRows()
+                previous = held.rows.get(step)
+                if row is None and previous is not None:
+                    continue  # a row that arrived stays (V1 re-captures a chunked prefill's step)
+                change = (0 if row is None else row.nbytes) - (
+                    0 if previous is None else previous.nbytes
+                )
+                held.rows[step] = row
+                held.nbytes += change
+                held.last_update = now
+                self._held_bytes += change
+            while self._held_bytes > self._max_row_bytes:
+                oldest = self._pop_rows(next(iter(self._held)))
+                self.evicted_rows += 0 if oldest is None else len(oldest.rows)
+            self._rows_arrived.notify_all()
+
     def _entry(self, trace_id: str, now: float) -> _PendingTrace:
         pending = self._pending.get(trace_id)
         if pending is None:
@@ -354,6 +489,9 @@ class TraceCollector:
             stale = [tid for tid, p in self._pending.items() if now - p.last_update > self._ttl_s]
             for trace_id in stale:
                 del self._pending[trace_id]
+            old_rows = [t for t, h in self._held.items() if now - h.last_update > self._rows_ttl_s]
+            for trace_id in old_rows:
+                self._pop_rows(trace_id)
             excess = len(self._pending) - self._max_ids
             if excess > 0:
                 oldest = sorted(self._pending, key=lambda tid: self._pending[tid].last_update)

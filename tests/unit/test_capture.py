@@ -1,0 +1,292 @@
+"""The capture of served logits in the engine (`vllm_plugin.capture`), under both runners'
+interfaces, and its way to the API process (`TraceCollector.take_rows`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
+
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
+from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
+from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
+from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
+from noisy_temp_server.vllm_plugin.trace_channel import (
+    TRACE_ENDPOINT_ENV,
+    CapturedRows,
+    TraceCollector,
+    TraceSender,
+)
+
+VOCAB = 17
+SLOTS = 6
+FIXED = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=2.0)
+V1_RESCALE_BOUND = 2.0**-23
+"""|fl(fl(z/T)·T) - z| <= 2·2⁻²⁴·|z|: two float32 roundings (capture's module docstring)."""
+
+
+@pytest.fixture
+def collector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TraceCollector]:
+    monkeypatch.delenv(POLICY_FILE_ENV, raising=False)
+    for name in ("NTS_CAPTURE_ROWS_PER_STEP", "NTS_CAPTURE_POSITIONS", "NTS_CAPTURE_QUEUE_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    with TraceCollector(f"ipc://{tmp_path}/trace.sock") as running:
+        monkeypatch.setenv(TRACE_ENDPOINT_ENV, running.endpoint)
+        yield running
+
+
+def _captured(trace_id: str, temperature: float = 1.0, **keys: Any) -> SamplingParams:
+    extra = {"nts_capture": True, "nts_trace_id": trace_id, **keys}
+    return SamplingParams(temperature=temperature, extra_args=extra)
+
+
+def _v1(**bounds: int) -> NoisyTemperatureV1:
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS))
+    processor = NoisyTemperatureLogitsProcessor(config, torch.device("cpu"), False)
+    assert isinstance(processor, NoisyTemperatureV1)
+    processor.capture.bounds = dataclasses.replace(processor.capture.bounds, **bounds)
+    return processor
+
+
+def _add_v1(processor: NoisyTemperatureV1, rows: list[tuple[SamplingParams, list[int]]]) -> None:
+    added = [(row, params, None, outputs) for row, (params, outputs) in enumerate(rows)]
+    processor.update_state(BatchUpdate(len(rows), [], added, []))
+
+
+def _take(collector: TraceCollector, trace_id: str, n_steps: int) -> CapturedRows:
+    rows = collector.take_rows(trace_id, n_steps, timeout=5.0)
+    assert rows is not None
+    return rows
+
+
+def test_v1_captures_unscaled_rows_of_marked_requests_tuned_or_not(
+    collector: TraceCollector,
+) -> None:
+    processor = _v1()
+    t_request = [0.7, 1.3, 0.9]
+    outputs: list[list[int]] = [[], [], []]
+    _add_v1(
+        processor,
+        [
+            (_captured("a", t_request[0]), outputs[0]),  # captured, untuned (rule off)
+            (_captured("b", t_request[1], nts_policy=FIXED.to_json()), outputs[1]),  # and tuned
+            (SamplingParams(temperature=t_request[2]), outputs[2]),  # neither
+        ],
+    )
+    served = torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(0)) * 8
+    for step in range(2):
+        logits = served[step] / torch.tensor(t_request).unsqueeze(1)  # what V1 hands over
+        untouched = logits[2].clone()
+        processor.apply(logits)
+        assert torch.equal(logits[2], untouched)
+        torch.testing.assert_close(logits[1], served[step, 1] / t_request[1] / 2.0)  # T* applied
+        for row in outputs[:2]:
+            row.append(0)  # the engine appends the sampled token
+    processor.capture.reporter.flush()  # type: ignore[union-attr]
+    for column, trace_id in enumerate("ab"):
+        rows = _take(collector, trace_id, 2)
+        assert rows.steps.tolist() == [0, 1]
+        error = (torch.from_numpy(rows.rows) - served[:, column]).abs()
+        assert (error <= V1_RESCALE_BOUND * served[:, column].abs()).all()
+    assert collector.take_rows("c", 1, timeout=0.2) is None
+
+
+def test_v1_rescaling_error_bound() -> None:
+    """The float error of multiplying V1's z/T back by T stays within two float32 roundings."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 4096, generator=generator) * 20
+    for temperature in (0.01, 0.3, 0.7, 1.0, 1.1, 1.7, 3.0):
+        back = (logits / temperature) * temperature
+        error = (back - logits).abs()
+        assert (error <= V1_RESCALE_BOUND * logits.abs()).all(), temperature
+        assert error.max() > 0 or temperature == 1.0  # the bound is not vacuous
+
+
+def test_no_captured_request_means_no_capture_work(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    processor = _v1()
+    calls: list[Any] = []
+    monkeypatch.setattr(processor.capture, "_capture", lambda *args: calls.append(args))
+    _add_v1(processor, [(SamplingParams(temperature=1.0, extra_args={"nts_trace_id": "x"}), [])])
+    processor.apply(torch.randn(1, VOCAB))
+    assert processor.capture.active == 0
+    assert calls == []
+    greedy = SamplingParams(temperature=0.0, extra_args={"nts_capture": True, "nts_trace_id": "g"})
+    _add_v1(processor, [(greedy, [])])
+    assert processor.capture.active == 0  # greedy requests are never captured
+
+
+def test_v1_capture_follows_batch_moves(collector: TraceCollector) -> None:
+    processor = _v1()
+    outputs: list[int] = []
+    _add_v1(processor, [(SamplingParams(), []), (_captured("m"), outputs)])
+    processor.update_state(BatchUpdate(2, [], [], [(0, 1, MoveDirectionality.SWAP)]))
+    logits = torch.randn(2, VOCAB)
+    processor.apply(logits.clone())
+    processor.capture.reporter.flush()  # type: ignore[union-attr]
+    torch.testing.assert_close(torch.from_numpy(_take(collector, "m", 1).rows[0]), logits[0])
+
+
+def test_rows_per_step_bound_rotates_and_announces_drops(collector: TraceCollector) -> None:
+    processor = _v1(rows_per_step=2)
+    outputs: list[list[int]] = [[], [], []]
+    _add_v1(processor, [(_captured(f"r{i}"), outputs[i]) for i in range(3)])
+    for _ in range(3):
+        processor.apply(torch.randn(3, VOCAB))
+        for row in outputs:
+            row.append(0)
+    processor.capture.reporter.flush()  # type: ignore[union-attr]
+    assert processor.capture.dropped_rows == 3  # one row per step over the bound
+    taken = [_take(collector, f"r{i}", 3) for i in range(3)]
+    assert sum(len(rows.steps) for rows in taken) == 6
+    assert all(len(rows.steps) == 2 for rows in taken)  # rotation: each request loses one step
+
+
+def test_positions_bound_stops_at_the_last_step(collector: TraceCollector) -> None:
+    processor = _v1(positions=2)
+    outputs: list[int] = []
+    _add_v1(processor, [(_captured("p"), outputs)])
+    for _ in range(4):
+        processor.apply(torch.randn(1, VOCAB))
+        outputs.append(0)
+    processor.capture.reporter.flush()  # type: ignore[union-attr]
+    assert _take(collector, "p", 2).steps.tolist() == [0, 1]
+    assert collector.held_row_bytes() == 0  # nothing beyond the bound was sent
+
+
+def test_full_queue_drops_counts_and_never_blocks(collector: TraceCollector) -> None:
+    processor = _v1()
+    reporter = processor.capture.reporter
+    assert reporter is not None
+    reporter.capture_queue_rows = 2
+    reporter._start = lambda: None  # type: ignore[method-assign]  (no reader: the queue fills)
+    outputs: list[int] = []
+    _add_v1(processor, [(_captured("q"), outputs)])
+    for _ in range(5):
+        processor.apply(torch.randn(1, VOCAB))
+        outputs.append(0)
+    assert reporter.capture_dropped_rows == 3
+    reporter.flush()
+    rows = _take(collector, "q", 5)  # returns at once: the dropped steps were announced
+    assert rows.steps.tolist() == [0, 1]
+
+
+def test_a_capture_fault_never_reaches_serving(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    processor = _v1()
+    _add_v1(processor, [(_captured("f", nts_policy=FIXED.to_json()), [])])
+
+    def broken(step: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(processor.capture.reporter, "stage_capture", broken)
+    logits = torch.ones(1, VOCAB)
+    processor.apply(logits)
+    torch.testing.assert_close(logits, torch.full((1, VOCAB), 0.5))  # T* still applied
+
+
+# -- Model Runner V2 ---------------------------------------------------------------------
+
+
+def _uva(values: list[int]) -> UvaBackedTensor:
+    tensor = UvaBackedTensor(len(values), dtype=torch.int32)
+    tensor.np[:] = values
+    tensor.copy_to_uva()
+    return tensor
+
+
+def _v2(monkeypatch: pytest.MonkeyPatch, prompt: list[int], prefill: list[int]) -> Any:
+    if not torch.cuda.is_available():
+        monkeypatch.setattr("vllm.v1.worker.gpu.buffer_utils.is_uva_available", lambda: False)
+    state = LogitsProcRequestState(
+        device=torch.device("cpu"),
+        max_num_reqs=SLOTS,
+        vocab_size=VOCAB,
+        all_token_ids=None,  # type: ignore[arg-type]
+        prompt_len=_uva(prompt),
+        prefill_len=_uva(prefill),
+        total_len=None,  # type: ignore[arg-type]
+    )
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS))
+    processor = NoisyTemperatureLogitsProcessor(config, state)
+    assert isinstance(processor, NoisyTemperatureV2)
+    return processor
+
+
+def _ctx(slots: list[int], seq_lens: list[int], rows: int | None = None) -> LogitsContext:
+    expanded = slots if rows is None else [slots[0]] * rows
+    return LogitsContext(
+        expanded_idx_mapping=torch.tensor(expanded, dtype=torch.int32),
+        idx_mapping=torch.tensor(slots, dtype=torch.int32),
+        idx_mapping_np=np.asarray(slots, dtype=np.int32),
+        expanded_local_pos=torch.zeros(len(expanded), dtype=torch.int32),
+        input_ids=torch.zeros(len(expanded), dtype=torch.int32),
+        pos=torch.tensor([s - 1 for s in seq_lens][: len(expanded)], dtype=torch.int64),
+        seq_lens_upper_bound_np=np.asarray(seq_lens, dtype=np.int32),
+    )
+
+
+def test_v2_captures_exact_rows_at_host_steps(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    processor = _v2(monkeypatch, prompt=[5] * SLOTS, prefill=[5, 5, 9, 5, 5, 5])
+    assert processor.add_request(3, _captured("v", 0.6))  # needs processing: captured
+    assert processor.add_request(2, _captured("w", 0.6))  # resumed: prefill 9, prompt 5
+    assert not processor.add_request(1, SamplingParams(temperature=0.6))
+    processor.apply_staged_writes()
+    logits = torch.randn(3, VOCAB)
+    expected = logits.clone()
+    # slot 3 samples position 7 (step 2); slot 2 is mid-prefill (8 < 9): discarded, not captured
+    processor.apply(logits, _ctx([1, 3, 2], [6, 7, 8]))
+    assert torch.equal(logits, expected)  # nothing tuned: untouched
+    processor.capture.reporter.flush()
+    rows = _take(collector, "v", 3)
+    assert rows.steps.tolist() == [2]
+    assert torch.equal(torch.from_numpy(rows.rows[0]), expected[1])  # exact under V2
+    assert collector.take_rows("w", 1, timeout=0.2) is None
+
+
+def test_v2_speculative_rows_are_not_captured(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    processor = _v2(monkeypatch, prompt=[5] * SLOTS, prefill=[5] * SLOTS)
+    processor.add_request(0, _captured("s"))
+    processor.apply_staged_writes()
+    processor.apply(torch.randn(3, VOCAB), _ctx([0], [8], rows=3))
+    assert processor.capture.dropped_rows == 1
+
+
+# -- the API side ------------------------------------------------------------------------
+
+
+def test_take_rows_waits_for_announced_steps_and_bounds_memory(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/rows.sock"
+    row_bytes = VOCAB * 4
+    with TraceCollector(endpoint, max_row_bytes=3 * row_bytes) as collector:
+        sender = TraceSender(endpoint)
+        rows = np.arange(2 * VOCAB, dtype=np.float32).reshape(2, VOCAB)
+        sender.send_rows([("a", 0), ("a", 2)], rows, dropped=[("a", 1)])
+        taken = _take(collector, "a", 3)
+        assert taken.steps.tolist() == [0, 2]
+        np.testing.assert_array_equal(taken.rows, rows)
+        sender.send_rows([("old", 0), ("old", 1)], rows)
+        sender.send_rows([("new", 0), ("new", 1)], rows)  # over the bound: "old" goes
+        assert _take(collector, "new", 2).steps.tolist() == [0, 1]
+        assert collector.take_rows("old", 2, timeout=0.1) is None
+        assert collector.evicted_rows == 2
+        assert collector.held_row_bytes() == 0
+        sender.close()

@@ -96,6 +96,13 @@ class Settings(BaseSettings):
         description="Profile file to start the policy from. Unset: T = 1 until the shadow "
         "scorer has enough evidence.",
     )
+    bias_dir: Path | None = Field(
+        default=None,
+        description="Folder of the per-token logit bias files (bias-<sha256>.safetensors) a "
+        "policy may name; the engine loads each once. Unset: the profile's folder (where "
+        "`calibrate` writes them), or none without a profile (a policy naming a bias is then "
+        "refused with HTTP 400).",
+    )
 
     # --- temperature defaults (per-request nts_* keys override them) ---
     default_rule: RuleName | None = Field(

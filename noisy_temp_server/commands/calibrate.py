@@ -11,10 +11,13 @@ recommended rule is chosen on the validation split (the lowest-KL rule whose gai
 significant there, else `off`) and measured on the test split. The profile
 (`noisy_temp_server.estimation.profile`) is written to --out and the quality tables printed,
 each headed by its split and request temperatures: validation and test pooled over the request
-temperatures, then the test split at each. `--records` also saves the per-position records
-(safetensors); `--report DIR` writes the markdown + PNG report of the four reference
-experiments on the clean model (`noisy_temp_server.estimation.report`), and may be given alone.
-Progress goes to stderr.
+temperatures, then the test split at each. The per-token bias + T is fitted too (its table is
+printed); its vector is written beside the profile (`bias-<sha256>.safetensors`), and so is the
+recommended policy (`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias with
+its T when the bias is recommended, else the recommended rule. `--records` also saves the
+per-position records (safetensors); `--report DIR` writes the markdown + PNG report of the four
+reference experiments on the clean model (`noisy_temp_server.estimation.report`), and may be
+given alone. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -90,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
             result = calibrate(pair, prompts, settings, device=args.device)
             result.profile.save(args.out)
             if result.bias is not None:
-                from noisy_temp_server.estimation.bias_fit import save_bias_file  # noqa: PLC0415
+                from noisy_temp_server.temperature.bias import save_bias_file  # noqa: PLC0415
 
                 save_bias_file(args.out.parent, result.bias.correction.bias)
+            policy_path = args.out.with_name(f"{args.out.stem}.policy.json")
+            policy_path.write_text(result.profile.to_policy().to_json() + "\n", encoding="utf-8")
             if args.records is not None:
                 from noisy_temp_server.pairs.scorer import PositionRecords  # noqa: PLC0415
 
@@ -112,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"recommended rule: {rule} ({why}); profile: {args.out}")
             if result.bias is not None:
                 print(result.bias.to_markdown())
+            print(f"recommended policy (NTS_POLICY_FILE): {policy_path}")
         if args.report is not None:
             from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
 

@@ -11,14 +11,11 @@ of each sequence's positions when a set would exceed it.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, QualityRow
@@ -33,9 +30,13 @@ from noisy_temp_server.temperature.bias import (
     BiasPath,
     LogitBias,
     PairedRows,
+    bias_file_name,
+    bias_sha256,
     evaluate_bias,
     fit_bias_at_penalty,
     fit_logit_bias,
+    load_bias_file,
+    save_bias_file,
 )
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -182,8 +183,10 @@ class BiasCalibration:
 
     @property
     def recommended(self) -> bool:
-        """Whether its validation gain over T = 1 is significant (gain - 2 s.e. > 0)."""
-        return is_significant(self.validation.row.gain, self.validation.row.gain_stderr)
+        """Whether a bias won on validation (not the T-only fit) and its validation gain over
+        T = 1 is significant (gain - 2 s.e. > 0)."""
+        row = self.validation.row
+        return math.isfinite(self.path.chosen.penalty) and is_significant(row.gain, row.gain_stderr)
 
     def to_markdown(self) -> str:
         """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), and
@@ -258,33 +261,3 @@ def _refit(rows: PairedRows, path: BiasPath, bounds: TemperatureBounds | None) -
         fit_bias=math.isfinite(chosen.penalty),
     )
     return BiasPath(chosen=refit, validation_kl=path.validation_kl)
-
-
-def bias_sha256(bias: Tensor) -> str:
-    """Content hash of a bias vector: sha256 of its float32 little-endian bytes."""
-    data = bias.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
-    return hashlib.sha256(data).hexdigest()
-
-
-def bias_file_name(sha256: str) -> str:
-    """The file a bias vector is stored in, named by its content hash."""
-    return f"bias-{sha256[:16]}.safetensors"
-
-
-def save_bias_file(folder: Path, bias: Tensor) -> Path:
-    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path."""
-    path = Path(folder) / bias_file_name(bias_sha256(bias))
-    save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(path))
-    return path
-
-
-def load_bias_file(path: Path, sha256: str) -> Tensor:
-    """The bias vector of a file `save_bias_file` wrote; ValueError unless its content hash is
-    `sha256` (a file that was changed, or belongs to another profile)."""
-    try:
-        bias = load_file(str(path))["bias"]
-    except (OSError, KeyError, ValueError) as error:
-        raise ValueError(f"cannot read bias file {path}: {error}") from error
-    if bias_sha256(bias) != sha256:
-        raise ValueError(f"bias file {path} does not hold the bias with sha256 {sha256[:16]}...")
-    return bias

@@ -14,7 +14,9 @@ measured at request temperature 1 and cannot refit the other bands. The rule ser
 stays the one it started with, except that a profile recommending `off` starts on `calibrated`
 with the profile's table: that table is significance-gated (all ones where nothing beat T = 1),
 so it serves T = 1 until the live evidence says otherwise instead of pinning the server at
-T = 1 for good.
+T = 1 for good. A profile (or policy) that serves the per-token bias keeps the bias and its T
+as calibrated (the records cannot refit a T that was fitted jointly with the bias); only
+alpha / sigma2 are refitted then.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -82,7 +84,10 @@ class OnlineEstimator:
             raise ValueError(
                 "need min_positions >= 1, refit_every >= 1 and window_positions >= min_positions"
             )
-        if isinstance(initial, Profile):
+        if isinstance(initial, Profile) and initial.to_policy().bias is not None:
+            policy = initial.to_policy()  # the bias with its T, kept as calibrated
+            settings = settings or initial.settings
+        elif isinstance(initial, Profile):
             recommended = initial.recommended_rule
             policy = initial.to_policy(Rule.CALIBRATED if recommended is Rule.OFF else recommended)
             settings = settings or initial.settings
@@ -95,6 +100,9 @@ class OnlineEstimator:
         )
         self._policy = policy
         self._fitted_rules = frozenset({policy.rule}) & _PARAMETERS_OF_RULE.keys()
+        if policy.bias is not None:
+            # its T was fitted jointly with the bias; a T-only refit would not be
+            self._fitted_rules = frozenset()
         if len(policy.calibrated.request_temperature_edges) > 1:
             # shadow records are measured at request temperature 1: keep the profile's bands
             self._fitted_rules -= {Rule.CALIBRATED}
@@ -159,7 +167,9 @@ class OnlineEstimator:
                     if rule not in self._fitted_rules
                     for name in names
                 }
-                self._policy = dataclasses.replace(fitted, bounds=previous.bounds, **kept)
+                self._policy = dataclasses.replace(
+                    fitted, bounds=previous.bounds, bias=previous.bias, **kept
+                )
                 self._noise = tuple(noise)
                 self._last_refit = self._clock()
                 self._last_error = None

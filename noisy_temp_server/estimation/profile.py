@@ -17,6 +17,7 @@ names the file and what is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -266,8 +267,9 @@ class BiasSummary(_Frozen):
 
     The vector (float32, `vocab_size`) is stored next to the profile in
     `bias_file_name(sha256)`; `sha256` is its content hash. `penalty` is the chosen L2
-    penalty (None: the T-only fit won on validation, the bias is 0). `recommended` when its
-    validation gain over T = 1 is significant. Quality rows as in `QualityTable`, on the rows
+    penalty (None: the T-only fit won on validation, the bias is 0). `recommended` when it is
+    a bias (a penalty) and its validation gain over T = 1 is significant; then
+    `Profile.to_policy()` serves it. Quality rows as in `QualityTable`, on the rows
     kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top token, so
     its same-top rates are its own.
     """
@@ -308,7 +310,14 @@ class Profile(_Frozen):
     bias: BiasSummary | None = None
 
     def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
-        """The policy for `rule` (default: `recommended_rule`) with the fitted parameters."""
+        """The policy for `rule` with the fitted parameters. By default the recommendation:
+        the per-token bias with the T fitted jointly with it (rule `fixed`) when the bias is
+        recommended (the combination calibration measured), else `recommended_rule`."""
+        if rule is None and self.bias is not None and self.bias.recommended:
+            policy = self.parameters.to_policy(Rule.FIXED, version)
+            return dataclasses.replace(
+                policy, fixed_temperature=self.bias.temperature, bias=self.bias.sha256
+            )
         return self.parameters.to_policy(self.recommended_rule if rule is None else rule, version)
 
     def save(self, path: Path) -> None:

@@ -4,7 +4,8 @@ Order matters, because vLLM and prometheus_client read their environment when fi
 
 1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) settles
    the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
-   trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
+   trace channel's address as `NTS_TRACE_ENDPOINT` and the folder of the per-token bias files
+   as `NTS_BIAS_DIR` (`Settings.bias_dir`, else the profile's folder) for the engine process;
 2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
    `logprobs_mode="processed_logprobs"`, unless `tuned_logprobs` is off; the temperature
    processor is loaded once, from its entry point when the package is installed, else by its
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from noisy_temp_server.settings import Settings, engine_settings
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 if TYPE_CHECKING:
@@ -118,6 +120,9 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     cpu_kv_cache_gib = engine_settings(settings, on_cpu=True).kv_cache_gib
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
+    bias_dir = settings.bias_dir or (settings.profile.parent if settings.profile else None)
+    if bias_dir is not None:  # also makes the V1 processor non-argmax-invariant
+        os.environ[BIAS_DIR_ENV] = str(bias_dir)
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
 
 

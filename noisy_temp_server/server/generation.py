@@ -52,6 +52,7 @@ from noisy_temp_server.vllm_plugin.request_args import (
     RequestTuning,
     TuningKeys,
     parse_request_args,
+    resolve_bias,
     resolve_request,
 )
 from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
@@ -117,7 +118,8 @@ class PreparedRequest:
     """A validated request, ready for the engine.
 
     `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
-    processor will apply to it (None when it is not tuned: no trace records will come).
+    processor will apply to it (None when it is not tuned: no trace records will come);
+    `bias`: the sha256 of the per-token bias it gets (None: none).
     """
 
     request_id: str
@@ -127,6 +129,7 @@ class PreparedRequest:
     tuning: RequestTuning | None
     choices: list[Choice]
     params: list[SamplingParams]
+    bias: str | None = None
 
 
 def clean_logprob(value: float) -> float:
@@ -172,11 +175,12 @@ def prepare_request(
     try:
         keys = _pinned_keys(policy, request.nts_request_args(), state.settings)
         tuning = resolve_request(keys, engine_temperature)
+        bias = resolve_bias(keys)
     except ValueError as error:
         raise OpenAIError(str(error), status_code=400) from None
     for choice, choice_params in zip(choices, params, strict=True):
         add_extra_args(choice_params, _choice_keys(state, keys, tuning, choice).to_extra_args())
-    return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params)
+    return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params, bias)
 
 
 def _choice_keys(
@@ -302,6 +306,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
         steps=n_steps,
         with_trace=prepared.keys.trace,
         report=report,
+        bias=prepared.bias,
     )
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
@@ -323,7 +328,7 @@ def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:
     """The request-level `nts` summary over the choices summarized so far."""
     summaries = [c.summary for c in prepared.choices if c.summary is not None]
-    return combine_summaries(prepared.policy, prepared.tuning, summaries)
+    return combine_summaries(prepared.policy, prepared.tuning, summaries, prepared.bias)
 
 
 def usage(prepared: PreparedRequest) -> Usage:

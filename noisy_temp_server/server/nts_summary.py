@@ -44,11 +44,13 @@ def choice_summary(
     steps: int,
     with_trace: bool,
     report: TraceReport | None = None,
+    bias: str | None = None,
 ) -> NtsSummary:
     """The `nts` object of one choice of `steps` generated tokens under the pinned `policy`,
     whose per-step T* are `trace` (possibly incomplete or empty). The T statistics come from
     the engine's `report` when it has some, else from `trace` (None if nothing arrived); the
-    trace itself is included when `with_trace`."""
+    trace itself is included when `with_trace`; `bias`: the sha256 of the per-token bias the
+    choice was served with (None: none)."""
     values = [_float32_digits(t) for t in trace]
     if report is not None and report.t_mean is not None:
         stats = (report.t_mean, report.t_min, report.t_max)
@@ -66,6 +68,7 @@ def choice_summary(
         t_max=t_max,
         steps=steps,
         trace=values if with_trace else None,
+        bias=bias,
     )
 
 
@@ -75,7 +78,10 @@ def _float32_digits(value: float) -> float:
 
 
 def combine_summaries(
-    policy: TemperaturePolicy, tuning: RequestTuning | None, summaries: Sequence[NtsSummary]
+    policy: TemperaturePolicy,
+    tuning: RequestTuning | None,
+    summaries: Sequence[NtsSummary],
+    bias: str | None = None,
 ) -> NtsSummary:
     """The request-level `nts` object over all choices: step-weighted means of α and T*, the
     extreme T*; it carries the per-step trace (when asked) only for a single choice, otherwise
@@ -95,4 +101,5 @@ def combine_summaries(
         t_max=max(highs, default=None),
         steps=steps,
         trace=summaries[0].trace if len(summaries) == 1 else None,
+        bias=bias,
     )

@@ -371,7 +371,9 @@ class NtsSummary(_Response):
     temperature is the request's own temperature times T*). Greedy and tuning-off requests
     report T* = 1. `trace` (per step) only when the request asked with `nts_trace`. The T
     statistics are null when the engine's trace did not arrive (then `steps` still counts the
-    generated tokens).
+    generated tokens). `bias`: the sha256 of the per-token logit bias added to the served
+    logits before the temperature (null: none); unlike a temperature it changes greedy output
+    and the returned logprobs (greedy requests get it too, unless `nts_bias` is false).
     """
 
     rule: str
@@ -382,6 +384,7 @@ class NtsSummary(_Response):
     t_max: float | None
     steps: int
     trace: list[float] | None = None
+    bias: str | None = None
 
 
 class Usage(_Response):

@@ -26,11 +26,14 @@ probabilities and three scalars, all on the rows' device; the heavy loops run ov
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -43,9 +46,13 @@ __all__ = [
     "BiasPath",
     "LogitBias",
     "PairedRows",
+    "bias_file_name",
+    "bias_sha256",
     "evaluate_bias",
     "fit_bias_at_penalty",
     "fit_logit_bias",
+    "load_bias_file",
+    "save_bias_file",
 ]
 
 DEFAULT_PENALTIES: tuple[float, ...] = tuple(10.0 ** (-k / 2) for k in range(2, 15))
@@ -349,3 +356,36 @@ def fit_logit_bias(
             if worse >= patience:
                 break
     return BiasPath(chosen=best, validation_kl=scores)
+
+
+def bias_sha256(bias: Tensor) -> str:
+    """Content hash of a bias vector: sha256 of its float32 little-endian bytes."""
+    data = bias.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def bias_file_name(sha256: str) -> str:
+    """The file a bias vector is stored in, named by its content hash."""
+    return f"bias-{sha256[:16]}.safetensors"
+
+
+def save_bias_file(folder: Path, bias: Tensor) -> Path:
+    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path."""
+    path = Path(folder) / bias_file_name(bias_sha256(bias))
+    save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(path))
+    return path
+
+
+def load_bias_file(path: Path, sha256: str) -> Tensor:
+    """The bias vector of a file `save_bias_file` wrote (float32 [V], finite); ValueError
+    unless it is one whose content hash is `sha256` (a file that was changed, or belongs to
+    another profile)."""
+    try:
+        bias = load_file(str(path))["bias"]
+    except (OSError, KeyError, ValueError) as error:
+        raise ValueError(f"cannot read bias file {path}: {error}") from error
+    if bias.dim() != 1 or bias.dtype != torch.float32 or not bool(bias.isfinite().all()):
+        raise ValueError(f"bias file {path} does not hold a finite float32 vector")
+    if bias_sha256(bias) != sha256:
+        raise ValueError(f"bias file {path} does not hold the bias with sha256 {sha256[:16]}...")
+    return bias

@@ -117,6 +117,7 @@ _JSON_KEYS = (
     "schedule_t_max",
     "schedule_beta",
     "calibrated",
+    "bias",
 )
 _CALIBRATED_KEYS = ("step_edges", "entropy_edges", "temperatures", "request_temperature_edges")
 
@@ -137,6 +138,11 @@ class TemperaturePolicy:
         fisher_var_floor: lower bound on Var_q in the ``fisher`` rule (> 0).
         schedule_t_max, schedule_beta: T(step) = t_max / sqrt(1 + beta * step) (``schedule``).
         calibrated: the table of the ``calibrated`` rule.
+        bias: the sha256 (64 lowercase hex digits) of a per-token logit bias b added to the
+            served logits before the temperature, softmax((z~ + b) / T) (`temperature.bias`),
+            on top of any rule; None: no bias. Only the hash travels with the policy; the
+            vector (float32, one entry per vocabulary token) is a file the engine loads once
+            (`temperature.bias.bias_file_name`).
 
     Sequences are normalised to tuples and numbers to float/int, so equal policies compare
     (and hash) equal and round-trip exactly through JSON.
@@ -153,6 +159,7 @@ class TemperaturePolicy:
     schedule_t_max: float = 1.0
     schedule_beta: float = 0.0
     calibrated: CalibratedTable = dataclasses.field(default_factory=CalibratedTable)
+    bias: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
@@ -180,6 +187,7 @@ class TemperaturePolicy:
             ),
             "schedule_t_max": checks.number("schedule_t_max", self.schedule_t_max, positive=True),
             "schedule_beta": checks.number("schedule_beta", self.schedule_beta),
+            "bias": None if self.bias is None else checks.sha256("bias", self.bias),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -284,6 +292,7 @@ class TemperaturePolicy:
             schedule_t_max=data.get("schedule_t_max", defaults.schedule_t_max),
             schedule_beta=data.get("schedule_beta", defaults.schedule_beta),
             calibrated=calibrated,
+            bias=data.get("bias", defaults.bias),
         )
 
 
@@ -326,6 +335,7 @@ def _encode(policy: TemperaturePolicy) -> dict[str, Any]:
             "temperatures": [[list(row) for row in band] for band in table.temperatures],
             "request_temperature_edges": list(table.request_temperature_edges),
         },
+        "bias": policy.bias,
     }
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "per_bucket",
     "rule",
     "sequence",
+    "sha256",
     "step_edges",
 ]
 
@@ -115,3 +116,10 @@ def per_bucket(field: str, value: object, buckets: int, *, positive: bool) -> tu
         return tuple(number(field, x, positive=positive) for x in items)
     except PolicyValidationError:
         raise fail(field, expected, value) from None
+
+
+def sha256(field: str, value: object) -> str:
+    """A sha256 content hash: 64 lowercase hex digits."""
+    if not isinstance(value, str) or len(value) != 64 or value.strip("0123456789abcdef"):
+        raise fail(field, "a sha256 hash (64 lowercase hex digits)", value)
+    return value

@@ -11,6 +11,17 @@ request is admitted and advances by one per ``apply`` once the request has produ
 and discarded at that same step). The host looks at the live output lists only of requests that
 have not produced their first token yet; when one has, the row of that token is counted
 (`SlotTuning.commit_last`) and its step starts advancing.
+
+Where V1 runs the processor depends on `is_argmax_invariant`, fixed at construction: an
+argmax-invariant processor runs only for sampled rows, after penalties, the request temperature
+and min-p (logits z̃/T_req); the others run for every row, greedy ones included, before
+penalties and the request temperature (logits z̃). A per-token bias changes greedy output, so
+when a bias is possible (the engine has a bias directory, `logit_bias.bias_directory`) the
+processor is not argmax-invariant: it sees z̃ as under Model Runner V2, adds b and divides by
+T*, and the sampler's division by T_req gives softmax((z̃ + b)/(T_req·T*)), min-p included.
+Frequency and presence penalties then act on (z̃ + b)/T* (on z̃ + b under V2, where they run
+first). Without a bias directory it stays argmax-invariant, as vLLM prefers: greedy-only
+batches skip it.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from noisy_temp_server.vllm_plugin.logit_bias import bias_directory
 from noisy_temp_server.vllm_plugin.slot_tuning import (
     TunedProcessor,
     build_slot_tuning,
@@ -35,7 +47,8 @@ __all__ = ["NoisyTemperatureV1"]
 
 
 class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
-    """Divides each tuned row's logits (already divided by T_request) by its T*."""
+    """Divides each tuned row's logits by its T* (already divided by T_request unless a bias
+    is possible; then the per-token bias is added first, see the module docstring)."""
 
     def __init__(
         self,
@@ -48,14 +61,17 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         """vLLM's V1 constructor; ValueError when ``NTS_POLICY_FILE`` is set but invalid."""
         capacity = vllm_config.scheduler_config.max_num_seqs
         self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
+        self._argmax_invariant = bias_directory() is None
+        vocab_size = None if self._argmax_invariant else vllm_config.model_config.get_vocab_size()
         self.duplicate, self.tuning, self.capture = build_slot_tuning(
             self,
             vllm_config,
             capacity,
             device,
-            logits_scaled=True,
+            logits_scaled=self._argmax_invariant,
             registry=registry,
             keep_last=True,
+            vocab_size=vocab_size,
         )
         self.device = self.tuning.device
         self._pin = is_pin_memory
@@ -71,8 +87,9 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         self._batch_rows = np.arange(capacity)
 
     def is_argmax_invariant(self) -> bool:
-        """A positive temperature never changes the argmax."""
-        return True
+        """A positive temperature never changes the argmax; a per-token bias does (False when
+        the engine has a bias directory)."""
+        return self._argmax_invariant
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Apply the batch changes, start the steps of requests that produced their first token
@@ -96,13 +113,14 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
             self._free_row(row)
         for row, params, _prompt_ids, outputs in batch_update.added:
             self._free_row(row)
-            resolved = None if self.duplicate else request_tuning(params)
-            if resolved is None:
+            resolved, bias = (None, None) if self.duplicate else request_tuning(params)
+            if resolved is None and bias is None:
                 continue
             slot = self._free.pop()
-            self.tuning.stage(slot, resolved, params.temperature)
+            self.tuning.stage(slot, resolved, params.temperature, bias)
             self._row_slot[row] = slot
-            self._waiting[slot] = (outputs, len(outputs))
+            if resolved is not None:  # a bias-only slot (greedy) stays at step 0, uncounted
+                self._waiting[slot] = (outputs, len(outputs))
             self._step_writes[slot] = (len(outputs), 0)
         for a, b, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
@@ -139,8 +157,9 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         return tensor.to(self.device, non_blocking=True)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [B, V] float32, divided in place on the tuned rows and returned. Untuned
-        rows are bitwise unchanged. Captured rows (`capture`) are taken first. No host sync."""
+        """logits: [B, V] float32, biased and divided in place on the tuned rows and returned.
+        Other rows are bitwise unchanged. Captured rows (`capture`) are taken first. No host
+        sync."""
         self.capture.capture(logits, self._batch_rows[: logits.shape[0]])
         if not self._n_tuned_rows:
             return logits

@@ -61,24 +61,25 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             req_states.device,
             logits_scaled=False,
             registry=registry,
+            vocab_size=req_states.vocab_size,
         )
         self._tuned = np.zeros(capacity, dtype=bool)
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
-        """Give slot ``req_idx`` to a new request; True when it is tuned or captured."""
-        resolved = None if self.duplicate else request_tuning(sampling_params)
-        self.tuning.stage(req_idx, resolved, sampling_params.temperature)
-        self._tuned[req_idx] = resolved is not None
+        """Give slot ``req_idx`` to a new request; True when it is tuned, biased or captured."""
+        resolved, bias = (None, None) if self.duplicate else request_tuning(sampling_params)
+        self.tuning.stage(req_idx, resolved, sampling_params.temperature, bias)
+        self._tuned[req_idx] = resolved is not None or bias is not None
         captured = self.capture.add_request(req_idx, sampling_params)
-        return resolved is not None or captured
+        return bool(self._tuned[req_idx]) or captured
 
     def apply_staged_writes(self) -> None:
         """Copy this step's admissions to the device."""
         self.tuning.flush_staged()
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        """logits: [rows, V] float32 unscaled, divided in place on tuned rows. Captured rows
-        (`capture`) are taken first, their steps from host state. No host sync."""
+        """logits: [rows, V] float32 unscaled, biased and divided in place on tuned rows.
+        Captured rows (`capture`) are taken first, their steps from host state. No host sync."""
         if self.capture.active:
             self.capture.capture(logits, ctx.idx_mapping_np, self._host_steps(ctx))
         if not self._tuned[ctx.idx_mapping_np].any():

@@ -19,6 +19,7 @@ Two objects describe a request's tuning, one per stage of its path:
 | ``nts_t`` | float | the constant T of the ``fixed`` rule (finite, > 0) |
 | ``nts_t_min``, ``nts_t_max`` | float | bounds on T*, ``0 < t_min <= 1 <= t_max`` |
 | ``nts_trace`` | bool | return the per-step T trace |
+| ``nts_bias`` | bool | the policy's per-token logit bias on/off for this request (default on) |
 | ``nts_policy`` | str | the policy snapshot as compact JSON (set by the server) |
 | ``nts_trace_id`` | str | key of the request on the trace channel (set by the server) |
 | ``nts_capture`` | bool | capture the served logits for the shadow scorer (set by the server) |
@@ -57,6 +58,7 @@ __all__ = [
     "parse_policy_json",
     "parse_request_args",
     "parse_runtime_noise_sigma",
+    "resolve_bias",
     "resolve_request",
 ]
 
@@ -68,6 +70,7 @@ KEY_T = "nts_t"
 KEY_T_MIN = "nts_t_min"
 KEY_T_MAX = "nts_t_max"
 KEY_TRACE = "nts_trace"
+KEY_BIAS = "nts_bias"
 KEY_POLICY = "nts_policy"
 KEY_TRACE_ID = "nts_trace_id"
 KEY_CAPTURE = "nts_capture"
@@ -81,6 +84,7 @@ REQUEST_KEYS: frozenset[str] = frozenset(
         KEY_T_MIN,
         KEY_T_MAX,
         KEY_TRACE,
+        KEY_BIAS,
         KEY_POLICY,
         KEY_TRACE_ID,
         KEY_CAPTURE,
@@ -112,6 +116,7 @@ class TuningKeys:
     t_min: float | None = None
     t_max: float | None = None
     trace: bool = False
+    bias: bool = True
     policy_json: str | None = None
     trace_id: str | None = None
     capture: bool = False
@@ -129,6 +134,8 @@ class TuningKeys:
                 keys[key] = value
         if self.trace:
             keys[KEY_TRACE] = True
+        if not self.bias:
+            keys[KEY_BIAS] = False
         if self.policy_json is not None:
             keys[KEY_POLICY] = self.policy_json
         if self.trace_id is not None:
@@ -204,6 +211,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
     tune = _as_bool(KEY_TUNE, get(KEY_TUNE)) if get(KEY_TUNE) is not None else True
     trace = _as_bool(KEY_TRACE, get(KEY_TRACE)) if get(KEY_TRACE) is not None else False
     capture = _as_bool(KEY_CAPTURE, get(KEY_CAPTURE)) if get(KEY_CAPTURE) is not None else False
+    bias = _as_bool(KEY_BIAS, get(KEY_BIAS)) if get(KEY_BIAS) is not None else True
     rule = _as_rule(get(KEY_RULE)) if get(KEY_RULE) is not None else None
     fixed_t = _as_float(KEY_T, get(KEY_T)) if get(KEY_T) is not None else None
     t_min = _as_float(KEY_T_MIN, get(KEY_T_MIN)) if get(KEY_T_MIN) is not None else None
@@ -236,6 +244,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
         t_min=t_min,
         t_max=t_max,
         trace=trace,
+        bias=bias,
         policy_json=policy_json,
         trace_id=trace_id,
         capture=capture,
@@ -328,6 +337,18 @@ def resolve_request(keys: TuningKeys, request_temperature: float) -> RequestTuni
         trace_id=keys.trace_id,
         trace=keys.trace,
     )
+
+
+def resolve_bias(keys: TuningKeys) -> str | None:
+    """The sha256 of the per-token logit bias the request gets (its policy's, whatever the rule
+    and the request temperature: greedy requests get it too), or None: no bias in the policy,
+    ``nts_bias`` off, or ``nts_tune`` off (no correction at all).
+
+    Raises ValueError when the default policy (``NTS_POLICY_FILE``) is needed and invalid.
+    """
+    if not keys.tune or not keys.bias:
+        return None
+    return parse_policy_json(keys.policy_json or default_policy_json()).bias
 
 
 def default_policy_json() -> str:

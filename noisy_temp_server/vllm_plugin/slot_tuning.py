@@ -66,6 +66,7 @@ from noisy_temp_server.temperature.policy import (
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
 from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
+from noisy_temp_server.vllm_plugin.logit_bias import SlotBias, check_bias
 from noisy_temp_server.vllm_plugin.metrics import (
     MAX_LABELS,
     OVERFLOW_STEP_BUCKET,
@@ -77,6 +78,7 @@ from noisy_temp_server.vllm_plugin.request_args import (
     RequestTuning,
     default_policy_json,
     parse_request_args,
+    resolve_bias,
     resolve_request,
 )
 from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
@@ -150,7 +152,8 @@ class SlotTuning:
     report (tensor parallelism: only the first rank does), else where traces and summaries go.
     ``keep_last``: remember the last row of slots that `tune` is told to (``remember``) so
     `commit_last` can count it later (the V1 runner learns only a step late which row was a
-    request's first token).
+    request's first token). ``vocab_size``: the logits' width, for the per-token bias
+    (`logit_bias.SlotBias`; None: every bias is refused).
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class SlotTuning:
         reporter: Reporter | None,
         pin_memory: bool = False,
         keep_last: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"slot capacity must be positive, got {capacity}")
@@ -199,6 +203,7 @@ class SlotTuning:
         self._staged: list[tuple[int, RequestTuning | None, float]] = []
         self._keep_before_flush = False
         self._build_tables(_INITIAL_COLUMNS)
+        self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory)
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,
@@ -225,10 +230,18 @@ class SlotTuning:
 
     # -- admission -------------------------------------------------------------------------
 
-    def stage(self, slot: int, resolved: RequestTuning | None, request_temperature: float) -> None:
-        """Give ``slot`` to a new occupant (``resolved``; None: untuned) from the next
-        `flush_staged` on; the previous occupant's state is dropped (after one last report)."""
+    def stage(
+        self,
+        slot: int,
+        resolved: RequestTuning | None,
+        request_temperature: float,
+        bias: str | None = None,
+    ) -> None:
+        """Give ``slot`` to a new occupant (``resolved``; None: untuned; ``bias``: the sha256 of
+        its per-token bias) from the next `flush_staged` on; the previous occupant's state is
+        dropped (after one last report)."""
         self._release(slot)
+        self.bias.stage(slot, bias)
         if resolved is not None:
             self._serial += 1
             self.occupants[slot] = (resolved.trace_id, self._serial)
@@ -307,6 +320,7 @@ class SlotTuning:
 
     def flush_staged(self) -> None:
         """Write the staged admissions to the device: one host→device copy per table."""
+        self.bias.flush()
         if not self._staged:
             return
         latest = {slot: (resolved, temperature) for slot, resolved, temperature in self._staged}
@@ -411,7 +425,8 @@ class SlotTuning:
         *,
         remember: bool = False,
     ) -> torch.Tensor:
-        """Divide each row of ``logits`` ([R, V] float32, in place) by its T* and account it.
+        """Add each row's per-token bias (if its slot has one), divide the row by its T*
+        (``logits``: [R, V] float32, in place) and account it.
 
         ``slots``/``steps``: [R] integer slot (int32 or int64) and int64 generation step of each
         row. ``counted``: [R] bool (or 0/1 integers), rows whose sample the engine keeps (they
@@ -420,6 +435,7 @@ class SlotTuning:
         per row ([R]: 1 for untuned rows and for bad rows of rules that read the served row; a
         bad row of a step-only rule keeps its T*). No host sync.
         """
+        self.bias.add(logits, slots)
         cells = torch.bucketize(
             torch.add(steps, slots, alpha=STEP_STRIDE), self.edge_keys, right=True
         )
@@ -571,15 +587,18 @@ def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
     return torch.stack((torch.ones_like(temperature), temperature), 1).double()
 
 
-def request_tuning(params: SamplingParams) -> RequestTuning | None:
-    """What the processor applies to a request (None: untouched). The one place the processors
-    read the request keys."""
-    return resolve_request(parse_request_args(params.extra_args), params.temperature)
+def request_tuning(params: SamplingParams) -> tuple[RequestTuning | None, str | None]:
+    """What the processor applies to a request: its temperature tuning (None: untuned) and the
+    sha256 of its per-token bias (None: none). The one place the processors read the request
+    keys."""
+    keys = parse_request_args(params.extra_args)
+    return resolve_request(keys, params.temperature), resolve_bias(keys)
 
 
 def validate_request(params: SamplingParams) -> None:
-    """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
-    parse_request_args(params.extra_args)
+    """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid or
+    name a per-token bias this engine cannot load."""
+    check_bias(resolve_bias(parse_request_args(params.extra_args)))
 
 
 class TunedProcessor:
@@ -610,11 +629,12 @@ def build_slot_tuning(
     logits_scaled: bool,
     registry: CollectorRegistry | None,
     keep_last: bool = False,
+    vocab_size: int | None = None,
 ) -> tuple[bool, SlotTuning, LogitCapture]:
     """(duplicate, tuning, capture) for a processor ``owner`` of ``vllm_config``: checks the
     default policy (ValueError at startup when ``NTS_POLICY_FILE`` is invalid), marks a second
     instance for the same config as a duplicate, and reports (and captures, `capture`) only on
-    the first tensor-parallel rank."""
+    the first tensor-parallel rank. ``vocab_size``: the logits' width, for the per-token bias."""
     default_policy_json()
     duplicate = _INSTANCES.setdefault(id(vllm_config), owner) is not owner
     if duplicate:
@@ -640,6 +660,7 @@ def build_slot_tuning(
         reporter=reporter,
         pin_memory=device.type == "cuda",
         keep_last=keep_last,
+        vocab_size=vocab_size,
     )
     capture = LogitCapture(capacity, reporter, bounds, logits_scaled=logits_scaled)
     return duplicate, tuning, capture

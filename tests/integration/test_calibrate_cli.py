@@ -11,6 +11,8 @@ import pytest
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
 from noisy_temp_server.estimation.profile import ModelIdentity, Profile, ProfileError
+from noisy_temp_server.temperature.bias import bias_file_name
+from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 
 def _run(module: object, argv: list[str]) -> int:
@@ -58,6 +60,11 @@ def test_perturb_then_calibrate(
     profile = Profile.load_for_pair(profile_path, clean, served)
     assert profile.perturbation is not None
     assert profile.perturbation.kind == "quantization"
+    written = TemperaturePolicy.from_json((tmp_path / "profile.policy.json").read_text())
+    assert written == profile.to_policy()
+    assert profile.bias is not None
+    assert (tmp_path / bias_file_name(profile.bias.sha256)).is_file()
+    assert f"recommended policy (NTS_POLICY_FILE): {tmp_path / 'profile.policy.json'}" in printed
     assert (tmp_path / "report" / "report.md").is_file()
     assert len(list((tmp_path / "report").glob("*.png"))) == 4
     with pytest.raises(ProfileError, match="served model"):

@@ -33,6 +33,7 @@ from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import LogitBias, evaluate_bias, fit_logit_bias
+from noisy_temp_server.temperature.rules import Rule
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +124,23 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
         ),
         rel=1e-4,
     )  # the served bias is refitted on the fit and validation prompts
-    assert summary.recommended == is_significant(
-        summary.validation.gain, summary.validation.gain_stderr
+    assert summary.recommended == (
+        summary.penalty is not None
+        and is_significant(summary.validation.gain, summary.validation.gain_stderr)
     )
+    for recommended in (True, False):
+        bias = summary.model_copy(update={"recommended": recommended})
+        profile = result.profile.model_copy(update={"bias": bias})
+        assert profile.to_policy(Rule.SQRT) == result.profile.parameters.to_policy(Rule.SQRT)
+        policy = profile.to_policy()
+        if recommended:  # the combination measured: the bias with its own T
+            assert (policy.rule, policy.fixed_temperature, policy.bias) == (
+                Rule.FIXED,
+                summary.temperature,
+                summary.sha256,
+            )
+        else:
+            assert policy == profile.to_policy(profile.recommended_rule)
     assert "changes greedy output" in result.bias.to_markdown()
     profile_path = tmp_path / "profile.json"
     result.profile.save(profile_path)

@@ -11,7 +11,7 @@ from spy_helpers import record_calls
 
 from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
-from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
+from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
@@ -155,6 +155,32 @@ def test_concurrent_adds_and_reads() -> None:
     assert estimator.status()["positions_seen"] == 600
     assert versions == sorted(versions)
     assert estimator.current_policy().version >= 1
+
+
+def test_a_served_bias_and_its_temperature_are_kept() -> None:
+    profile = sample_profile(Rule.CALIBRATED)
+    row = profile.validation_quality.rows[0]
+    bias = BiasSummary(
+        sha256="ab" * 32,
+        vocab_size=200,
+        temperature=1.1,
+        penalty=1e-3,
+        recommended=True,
+        validation=row,
+        test=row,
+        validation_same_top_rate=0.9,
+        test_same_top_rate=0.9,
+    )
+    served = profile.model_copy(update={"bias": bias})
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(served, settings=settings, min_positions=400, refit_every=400)
+    assert estimator.current_policy() == served.to_policy()
+    for request in range(10):
+        estimator.add(_request(request))
+    policy = estimator.current_policy()
+    assert (policy.version, policy.rule, policy.bias) == (1, Rule.FIXED, bias.sha256)
+    assert policy.fixed_temperature == 1.1  # fitted with the bias: no T-only refit
+    assert policy.alpha_by_step != profile.parameters.alpha_by_step
 
 
 def test_a_banded_calibrated_table_is_kept_and_the_noise_refitted() -> None:

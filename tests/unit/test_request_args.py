@@ -15,6 +15,7 @@ from noisy_temp_server.vllm_plugin.request_args import (
     default_policy_json,
     parse_policy_json,
     parse_request_args,
+    resolve_bias,
     resolve_request,
 )
 
@@ -161,3 +162,17 @@ def test_bad_policy_file_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 def test_policy_is_parsed_once_per_text() -> None:
     text = SQRT.to_json()
     assert parse_policy_json(text) is parse_policy_json(text)
+
+
+def test_the_bias_comes_from_the_policy_unless_the_request_turns_it_off() -> None:
+    sha = "ab" * 32
+    policy = TemperaturePolicy(rule=Rule.OFF, bias=sha).to_json()
+    assert resolve_bias(parse_request_args({"nts_policy": policy})) == sha  # rule off, still on
+    assert resolve_bias(parse_request_args({"nts_policy": policy, "nts_bias": "no"})) is None
+    assert resolve_bias(parse_request_args({"nts_policy": policy, "nts_tune": False})) is None
+    assert resolve_bias(parse_request_args({"nts_policy": SQRT.to_json()})) is None
+    keys = parse_request_args({"nts_bias": False})
+    assert keys.bias is False
+    assert parse_request_args(keys.to_extra_args()) == keys
+    with pytest.raises(ValueError, match="nts_bias must be a boolean"):
+        parse_request_args({"nts_bias": 2})

@@ -16,6 +16,7 @@ from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
 from noisy_temp_server.server import engine
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.runtime_noise import (
     RUNTIME_NOISE_SEED_ENV,
@@ -105,8 +106,9 @@ def test_start_engine_sets_the_runtime_noise_environment_before_the_engine_start
 def clean_process_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """What `prepare_environment` sets is restored after the test; prometheus_client looks
     not yet imported (its module object is put back afterwards)."""
-    for name in ("VLLM_CPU_KVCACHE_SPACE", TRACE_ENDPOINT_ENV):
+    for name in ("VLLM_CPU_KVCACHE_SPACE", TRACE_ENDPOINT_ENV, BIAS_DIR_ENV):
         monkeypatch.setenv(name, "")
+    monkeypatch.delenv(BIAS_DIR_ENV)  # unset, and restored after the test
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
     monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)
     return monkeypatch
@@ -150,3 +152,19 @@ def test_a_given_metrics_directory_that_does_not_exist_is_created(
     environment.cleanup()
     assert environment.prometheus_dir == given
     assert given.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"profile": "/profiles/int4.json"}, "/profiles"),
+        ({"profile": "/profiles/int4.json", "bias_dir": "/biases"}, "/biases"),
+        ({}, ""),
+    ],
+)
+def test_the_engine_finds_bias_files_in_the_bias_dir_or_beside_the_profile(
+    clean_process_environment: pytest.MonkeyPatch, settings: dict[str, str], expected: str
+) -> None:
+    environment = engine.prepare_environment(Settings(**settings))  # type: ignore[arg-type]
+    environment.cleanup()
+    assert os.environ.get(BIAS_DIR_ENV, "") == expected

@@ -45,6 +45,14 @@ def test_a_tuned_choice_reports_its_rule_alpha_and_t_statistics() -> None:
     )
 
 
+def test_the_bias_a_request_was_served_with_is_reported() -> None:
+    sha = "ab" * 32
+    greedy = choice_summary(TWO_BUCKETS, None, [], steps=2, with_trace=False, bias=sha)
+    assert (greedy.rule, greedy.bias) == ("off", sha)
+    assert combine_summaries(TWO_BUCKETS, None, [greedy], sha).bias == sha
+    assert choice_summary(TWO_BUCKETS, TUNED, [1.0], steps=1, with_trace=False).bias is None
+
+
 def test_an_untuned_choice_reports_off_and_no_alpha() -> None:
     summary = choice_summary(TWO_BUCKETS, None, [1.0, 1.0], steps=2, with_trace=False)
     assert (summary.rule, summary.policy_version, summary.alpha) == ("off", 4, None)

@@ -232,6 +232,18 @@ def test_full_policy_round_trips_and_stays_small() -> None:
     assert restored.to_json() == text
 
 
+def test_a_bias_travels_as_its_hash_only() -> None:
+    sha = "0123456789abcdef" * 4
+    policy = dataclasses.replace(full_policy(Rule.FIXED), bias=sha)
+    assert TemperaturePolicy.from_json(policy.to_json()) == policy
+    assert f'"bias":"{sha}"' in policy.to_json()
+    assert policy.with_overrides(rule=Rule.SQRT).bias == sha
+    assert '"bias"' not in full_policy(Rule.FIXED).to_json()
+    for bad in ("ABCDEF" * 10 + "ABCD", "0" * 63, 12):
+        with pytest.raises(PolicyValidationError, match="'bias'"):
+            TemperaturePolicy(bias=bad)  # type: ignore[arg-type]
+
+
 def test_sequences_and_integers_are_normalised() -> None:
     policy = TemperaturePolicy(
         rule="linear",  # type: ignore[arg-type]

@@ -1,0 +1,181 @@
+"""The per-token logit bias inside the processor: where the vectors come from and how a step
+adds them.
+
+A policy names its bias by content hash (`TemperaturePolicy.bias`); the vector is the file
+``bias_file_name(sha256)`` (`temperature.bias.save_bias_file`) in the engine's *bias directory*:
+``$NTS_BIAS_DIR``, else the folder of ``$NTS_POLICY_FILE`` when that policy names a bias
+(`calibrate` writes the two side by side). Without either no bias is possible, and a request
+whose policy names one is refused (`check_bias`, run by the processors' ``validate_params``:
+HTTP 400). ``noisy-temp-server serve`` sets ``NTS_BIAS_DIR`` for its engine
+(`Settings.bias_dir`, by default the profile's folder).
+
+`SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 is the
+no-bias row, each live bias (one per policy version that has one) is loaded once, on the first
+admission that names it, into a row of its own, reused once no slot holds it. A slot's row index
+is set at admission; a step adds ``table[row[slot]]`` to each logits row (a gather and an add
+over the batch's logits), and only while some slot holds a bias (a host-side count). Row 0 is
+``-0.0`` everywhere, and ``x + (-0.0) == x`` bit for bit for every float (``-0.0``, ±inf and NaN
+included), so rows without a bias are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from noisy_temp_server.temperature.bias import bias_file_name, load_bias_file
+from noisy_temp_server.vllm_plugin.request_args import (
+    KEY_BIAS,
+    KEY_POLICY,
+    POLICY_FILE_ENV,
+    default_policy_json,
+    parse_policy_json,
+)
+
+__all__ = ["BIAS_DIR_ENV", "SlotBias", "bias_directory", "check_bias", "load_bias"]
+
+_LOGGER = logging.getLogger(__name__)
+
+BIAS_DIR_ENV = "NTS_BIAS_DIR"
+_LOADED_SIZE = 8
+
+
+def bias_directory() -> Path | None:
+    """Where the engine finds bias files: ``$NTS_BIAS_DIR``, else the folder of
+    ``$NTS_POLICY_FILE`` when that policy names a bias, else None (no bias possible). Raises
+    ValueError when the policy file is needed and invalid."""
+    directory = os.environ.get(BIAS_DIR_ENV, "").strip()
+    if directory:
+        return Path(directory)
+    policy_file = os.environ.get(POLICY_FILE_ENV, "").strip()
+    if policy_file and parse_policy_json(default_policy_json()).bias is not None:
+        return Path(policy_file).parent
+    return None
+
+
+@lru_cache(maxsize=_LOADED_SIZE)
+def _load(directory: Path, sha256: str) -> torch.Tensor:
+    return load_bias_file(directory / bias_file_name(sha256), sha256)
+
+
+def load_bias(sha256: str) -> torch.Tensor:
+    """The bias vector (float32 [V] on the CPU) with content hash ``sha256`` from the bias
+    directory; read once per (directory, hash) while recently used. ValueError (a 400 at
+    admission) when there is no bias directory, no such file, or the file does not hold it."""
+    directory = bias_directory()
+    if directory is None:
+        raise ValueError(
+            f"the policy ({KEY_POLICY}) names the per-token bias {sha256[:16]}..., but this "
+            f"engine has no bias directory ({BIAS_DIR_ENV}); send {KEY_BIAS}=false or a policy "
+            "without a bias."
+        )
+    try:
+        return _load(directory, sha256)
+    except ValueError as error:
+        raise ValueError(
+            f"the per-token bias {sha256[:16]}... of the policy is not available to this "
+            f"engine: {error}"
+        ) from None
+
+
+def check_bias(sha256: str | None) -> None:
+    """ValueError unless the bias ``sha256`` (None: no bias) can be loaded (see `load_bias`)."""
+    if sha256 is not None:
+        load_bias(sha256)
+
+
+class SlotBias:
+    """The biases of ``slots`` slots over a vocabulary of ``vocab_size`` tokens on ``device``
+    (see the module docstring). ``vocab_size`` None: the engine's vocabulary is unknown, and
+    every bias is refused at admission.
+
+    `stage` / `flush` follow `SlotTuning`'s admission (host staging, one copy per wave); `add`
+    is the per-step hook. ``biased_slots`` counts the slots holding a bias (host side).
+    """
+
+    def __init__(
+        self, slots: int, vocab_size: int | None, device: torch.device, *, pin_memory: bool
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._pin = pin_memory
+        self.table = torch.full((1, vocab_size or 0), -0.0, device=device)
+        self._row_of: dict[str, int] = {}
+        self._users = [0]  # slots holding each row (row 0: unused)
+        self._host_row = np.zeros(slots, dtype=np.int64)
+        self.slot_row = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.biased_slots = 0
+        self._staged: dict[int, int] = {}
+        self._refused: set[str] = set()
+
+    def stage(self, slot: int, sha256: str | None) -> bool:
+        """Give ``slot`` the bias ``sha256`` (None: none) from the next `flush` on; True when it
+        has one. A vector whose length is not the engine's vocabulary is refused (an error is
+        logged once per hash and the slot gets none): `check_bias` in ``validate_params``
+        cannot see the engine's vocabulary."""
+        old = int(self._host_row[slot])
+        if old:
+            self._users[old] -= 1
+            self.biased_slots -= 1
+        row = 0 if sha256 is None else self._row(sha256)
+        if row:
+            self._users[row] += 1
+            self.biased_slots += 1
+        self._host_row[slot] = row
+        self._staged[slot] = row
+        return bool(row)
+
+    def _row(self, sha256: str) -> int:
+        row = self._row_of.get(sha256)
+        if row is not None:
+            return row
+        try:
+            vector = load_bias(sha256)
+        except ValueError as error:  # gone since validate_params: serve without it
+            return self._refuse(sha256, str(error))
+        if vector.numel() != self.vocab_size:
+            return self._refuse(
+                sha256,
+                f"the per-token bias {sha256[:16]}... has {vector.numel()} entries, the "
+                f"engine's vocabulary {self.vocab_size}; it was fitted for another model",
+            )
+        row = next((r for r in range(1, len(self._users)) if not self._users[r]), None)
+        if row is None:
+            row = len(self._users)
+            self._users.append(0)
+            self.table = torch.cat((self.table, self.table.new_empty(1, self.table.shape[1])))
+        for stale in [sha for sha, held in self._row_of.items() if held == row]:
+            del self._row_of[stale]
+        self._row_of[sha256] = row
+        self.table[row] = vector.to(self.device)
+        return row
+
+    def _refuse(self, sha256: str, why: str) -> int:
+        if sha256 not in self._refused:
+            self._refused.add(sha256)
+            _LOGGER.error("%s; requests naming it are served without a bias.", why)
+        return 0
+
+    def flush(self) -> None:
+        """Copy the staged slots' rows to the device (one copy)."""
+        if not self._staged:
+            return
+        slots = torch.tensor(list(self._staged), dtype=torch.int64)
+        rows = torch.tensor(list(self._staged.values()), dtype=torch.int64)
+        if self._pin:
+            slots, rows = slots.pin_memory(), rows.pin_memory()
+        self.slot_row.index_copy_(
+            0, slots.to(self.device, non_blocking=True), rows.to(self.device, non_blocking=True)
+        )
+        self._staged.clear()
+
+    def add(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        """Add each row's bias to ``logits`` ([R, V] float32, in place; ``slots``: [R] slot of
+        each row), while some slot holds one. No host sync."""
+        if self.biased_slots:
+            logits.add_(self.table.index_select(0, self.slot_row.index_select(0, slots)))

@@ -8,13 +8,15 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-__all__ = ["free_port", "log_tail", "stop", "wait_until"]
+__all__ = ["free_port", "log_tail", "running_server", "start_server", "stop", "wait_until"]
 
 
 def free_port() -> int:
@@ -53,3 +55,44 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=30)
+
+
+def start_server(
+    what: str,
+    command: list[str],
+    *,
+    port: int,
+    log: Path,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `command`, a server on 127.0.0.1:`port` writing its output to `log`; return the
+    process and its URL once `GET /health` answers 200. The process is killed when it does not
+    get there (the test fails with the log's tail)."""
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            what,
+            timeout_s,
+            lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
+            process,
+            log,
+        )
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process, url
+
+
+@contextmanager
+def running_server(what: str, command: list[str], **options: Any) -> Iterator[str]:
+    """`start_server` (same arguments) for the length of a ``with`` block: yields the URL, then
+    stops the server."""
+    process, url = start_server(what, command, **options)
+    try:
+        yield url
+    finally:
+        stop(process)

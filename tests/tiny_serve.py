@@ -10,8 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-from server_helpers import free_port, wait_until
+from server_helpers import free_port, start_server
 
 __all__ = ["API_KEY", "MODEL", "TinyServer", "start_tiny_server"]
 
@@ -62,17 +61,7 @@ def start_tiny_server(tiny_model_dir: Path, workdir: Path, *extra: str) -> TinyS
         *extra,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-
-    try:
-        wait_until("serve", STARTUP_TIMEOUT_S, healthy, process, log_path)
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise
+    process, url = start_server(
+        "serve", command, port=port, log=log_path, timeout_s=STARTUP_TIMEOUT_S, env=env
+    )
     return TinyServer(process, url, log_path)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from server_helpers import free_port, stop, wait_until
+from server_helpers import free_port, running_server, stop, wait_until
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.vllm]
 
@@ -55,26 +55,16 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    log = work / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "noisy_temp_server.cli", "serve"],
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            "server /health",
-            SERVER_START_TIMEOUT_S,
-            lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
-            process,
-            log,
-        )
+    command = [sys.executable, "-m", "noisy_temp_server.cli", "serve"]
+    with running_server(
+        "server /health",
+        command,
+        port=port,
+        log=work / "server.log",
+        timeout_s=SERVER_START_TIMEOUT_S,
+        env=env,
+    ) as url:
         yield url
-    finally:
-        stop(process)
 
 
 def send_traffic(url: str) -> None:

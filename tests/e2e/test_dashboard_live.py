@@ -8,7 +8,6 @@ benchmarks/results/dashboard.png for a person to look at.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from browser_helpers import Browser, chromium_executable
-from server_helpers import free_port, stop, wait_until
+from server_helpers import free_port, running_server
 
 pytestmark = pytest.mark.vllm
 
@@ -54,21 +53,10 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         "--shadow-fraction", "1.0",
         "--shadow-min-positions", "32",
     ]  # fmt: skip
-    log = work / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            "server /health",
-            STARTUP_TIMEOUT_S,
-            lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
-            process,
-            log,
-        )
+    with running_server(
+        "server /health", command, port=port, log=work / "server.log", timeout_s=STARTUP_TIMEOUT_S
+    ) as url:
         yield url
-    finally:
-        stop(process)
 
 
 def shadow_status(url: str) -> dict[str, Any]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,20 +20,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import free_port
+from server_helpers import stop
+from tiny_serve import API_KEY, MODEL, start_tiny_server
 
 pytestmark = pytest.mark.vllm
-
-API_KEY = "e2e-key"
-MODEL = "tiny-noisy"
-STARTUP_TIMEOUT_S = 420.0
-_SERVE = (
-    "import argparse, sys\n"
-    "from noisy_temp_server.commands import serve\n"
-    "parser = argparse.ArgumentParser()\n"
-    "serve.add_arguments(parser)\n"
-    "sys.exit(serve.run(parser.parse_args(sys.argv[1:])))\n"
-)
 
 
 def _descendants(pid: int) -> set[int]:
@@ -60,56 +48,16 @@ def _alive(pids: set[int]) -> set[int]:
 
 @pytest.fixture(scope="module")
 def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import WeightNoiseSpec  # noqa: PLC0415
-
-    cache = tmp_path_factory.mktemp("serve-cache")
-    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.3), cache)
-    port = free_port()
-    log_path = cache / "server.log"
-    command = [
-        sys.executable, "-c", _SERVE,
-        "--served-model", str(served),
-        "--clean-model", str(tiny_model_dir),
-        "--served-model-name", MODEL,
-        "--cache-dir", str(cache),
-        "--port", str(port),
-        "--api-key", API_KEY,
-        "--max-model-len", "256",
-        "--max-num-seqs", "8",
-        "--kv-cache-gib", "1",
-        "--shadow-fraction", "1.0",
-        "--shadow-min-positions", "32",
-        "--log-level", "info",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    """The tiny server, every request shadow-scored; its engine processes must not outlive it."""
+    workdir = tmp_path_factory.mktemp("serve-cache")
+    server = start_tiny_server(
+        tiny_model_dir, workdir, "--shadow-fraction", "1.0", "--shadow-min-positions", "32"
+    )
+    engine_processes = _descendants(server.process.pid)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(
-                    f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy in time:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1.0)
-        engine_processes = _descendants(process.pid)
-        yield url
+        yield server.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(server.process)
     deadline = time.monotonic() + 30
     while _alive(engine_processes) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from server_helpers import free_port, stop, wait_until
+from server_helpers import free_port, running_server, stop, wait_until
 
 from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
@@ -47,20 +47,10 @@ def clean_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = tmp_path_factory.mktemp("clean-vllm") / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            "clean vLLM server",
-            START_TIMEOUT_S,
-            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-            process,
-            log,
-        )
+    with running_server(
+        "clean vLLM server", command, port=port, log=log, timeout_s=START_TIMEOUT_S, env=env
+    ) as url:
         yield url
-    finally:
-        stop(process)
 
 
 def _sequences() -> list[ScoringSequence]:

@@ -9,7 +9,6 @@ logprobs show T*.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import free_port, stop, wait_until
+from server_helpers import free_port, running_server
 
 pytestmark = pytest.mark.vllm
 
@@ -53,20 +52,10 @@ def stock_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         "processed_logprobs",
     ]
     log = tmp_path_factory.mktemp("stock-vllm") / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(
-            "stock vLLM server",
-            START_TIMEOUT_S,
-            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-            process,
-            log,
-        )
+    with running_server(
+        "stock vLLM server", command, port=port, log=log, timeout_s=START_TIMEOUT_S, env=env
+    ) as url:
         yield url
-    finally:
-        stop(process)
 
 
 def _first_token_top2_gap(url: str, xargs: dict[str, Any]) -> float:

@@ -2,14 +2,17 @@
 
 Completions are sampled from the served model of the default pair (the embedded
 SmolLM2-135M-Instruct with ``serve``'s default perturbation, or ``--perturbation``) on the
-shipped prompts, then scored teacher-forced by the scorer ``serve`` builds for that pair, with
-``--threads`` torch threads (default 1: the serving default ``shadow_threads``):
+shipped prompts, then scored teacher-forced, with ``--threads`` torch threads (default 1: the
+serving default ``shadow_threads``):
 
 - speed: scored completion tokens per CPU-second (per core, from the process's CPU time, so a
   shared machine slows the wall clock but not the figure) of the offline records
-  (`PairScorer.score_sequence`: per-position oracle and KL curve, what `calibrate` keeps) and
-  of the online path (`PairScorer.score_live`: what the online estimator and the live
-  scoreboard need), each the median of ``--repeats`` passes over the same sequences;
+  (`PairScorer.score_sequence`: clean and served passes, per-position oracle and KL curve, what
+  `calibrate` keeps) and of the online path as ``serve`` runs it (the scorer `pair_scorer`
+  builds, clean model only, `PairScorer.score_live` fed the served rows the engine captures:
+  here the served model's rows with the pair's runtime noise, computed beforehand, since in
+  serving the engine computes them anyway), each the median of ``--repeats`` passes over the
+  same sequences;
 - accuracy: alpha of the online estimator (`OnlineEstimator`, fed request by request until
   its first published policy, after at most ``--online-positions`` positions) against the
   offline alpha of the same pair (`noise_by_step` on the records of every sampled position),
@@ -42,7 +45,8 @@ from noisy_temp_server.estimation.fitting import noise_by_step
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
 from noisy_temp_server.pairs.generation import generate_completions
-from noisy_temp_server.pairs.scorer import PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.loading import load_pair
+from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence, ServedRows
 from noisy_temp_server.settings import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -60,6 +64,13 @@ def _tokens_per_second(
             score(sequence)
         times.append(time.process_time() - started)
     return tokens / statistics.median(times), tokens
+
+
+def _captured(scorer: PairScorer, sequence: ScoringSequence, positions: int) -> ServedRows:
+    """What the engine captures of `sequence`: the served rows (runtime noise included) of its
+    first `positions` steps."""
+    rows = torch.cat([served for _, _, served in scorer.logit_chunks(sequence)])[:positions]
+    return ServedRows(torch.arange(rows.shape[0]), rows)
 
 
 def _pooled_alpha(records: PositionRecords) -> float:
@@ -88,12 +99,15 @@ def main() -> int:
 
     settings = Settings(perturbation=args.perturbation)
     pair = resolve_pair(settings)
-    scorer = pair_scorer(settings, pair)  # the scorer `serve` builds for this pair
+    live_scorer = pair_scorer(settings, pair)  # the scorer `serve` builds: clean model only
+    assert pair.clean is not None
+    loaded = load_pair(pair.clean, served_path=pair.served)
+    scorer = PairScorer(loaded.clean_model, loaded.served_model, runtime_noise=pair.runtime_noise)
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     prompts = [encode_prompt(tokenizer, p) for p in load_prompts()][: args.prompts]
     started = time.perf_counter()
     sequences = generate_completions(
-        scorer.served_model,
+        loaded.served_model,
         tokenizer,
         prompts,
         max_new_tokens=args.max_tokens,
@@ -109,10 +123,15 @@ def main() -> int:
             json.dumps({"offline_records_tokens_per_cpu_s": offline_rate, "tokens": speed_tokens})
         )
         return 0
-    live_rate, _ = _tokens_per_second(
-        lambda s: scorer.score_live(s, [1.0] * len(s.token_ids)), speed_set, args.repeats
+    positions = settings.capture_positions
+    captured = {s.sequence_id: _captured(scorer, s, positions) for s in sequences}
+    live_set = [s for s in speed_set if len(s.token_ids) - s.prompt_length <= positions]
+    live_rate, live_tokens = _tokens_per_second(
+        lambda s: live_scorer.score_live(s, [1.0] * positions, captured[s.sequence_id]),
+        live_set,
+        args.repeats,
     )
-    per_core = {"offline_records": offline_rate, "online_live": live_rate}
+    per_core = {"offline_records": offline_rate, "online_live_captured": live_rate}
 
     records = scorer.score(sequences)
     estimator = OnlineEstimator(
@@ -122,7 +141,7 @@ def main() -> int:
     for sequence in sequences:
         if estimator.current_policy().version > 0 or fed >= args.online_positions:
             break
-        live = scorer.score_live(sequence, [])
+        live = live_scorer.score_live(sequence, [], captured[sequence.sequence_id])
         estimator.add(live.records)
         fed += len(live.records)
     policy = estimator.current_policy()
@@ -139,16 +158,24 @@ def main() -> int:
         for n in offline_noise
         if n.positions
     ]
-    online_records = records.select(torch.arange(len(records)) < fed)
+    online_records = PositionRecords.concat(
+        [
+            records.select(records.sequence_id == s.sequence_id).select(
+                torch.arange(len(captured[s.sequence_id].steps))
+            )
+            for s in sequences
+        ]
+    ).select(torch.arange(fed))
     document = {
         "command": " ".join(["benchmarks/online_scoring.py", *sys.argv[1:]]),
         "machine": f"{platform.platform()} ({os.cpu_count()} CPUs)",
         "load_average": os.getloadavg()[0],
         "timestamp": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"),
         "threads": args.threads,
-        "speed_tokens": speed_tokens,
+        "speed_tokens": {"offline": speed_tokens, "online": live_tokens},
+        "capture_positions": positions,
         "scored_tokens_per_s_per_core": per_core,
-        "speedup": per_core["online_live"] / per_core["offline_records"],
+        "speedup": per_core["online_live_captured"] / per_core["offline_records"],
         "positions_total": len(records),
         "online_positions_at_first_policy": fed,
         "online_policy_version": policy.version,

@@ -24,7 +24,8 @@ reported.
 
 Reported: medians over ``--repeats`` rounds per server (after one warm-up round each), the
 shadow/off throughput ratios, and the scorer's own cost from ``/v1/nts/status``
-(``seconds_per_scored_token``: clean + served teacher-forced passes per completion token), as
+(``seconds_per_scored_token``: the clean model's teacher-forced pass and the scoring, per
+scored completion token; the served rows come from the engine's capture), as
 a table on stdout and as JSON + markdown under ``benchmarks/results/``. Sampling is random, so
 the number of scored requests per round varies; it is reported.
 

@@ -39,8 +39,6 @@ from noisy_temp_server.settings import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from noisy_temp_server.estimation.profile import ModelIdentity, Profile
     from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
@@ -48,6 +46,7 @@ if TYPE_CHECKING:
     from noisy_temp_server.server.policy_source import PolicySource
     from noisy_temp_server.server.shadow import ShadowScorer
     from noisy_temp_server.temperature.policy import TemperaturePolicy
+    from noisy_temp_server.vllm_plugin.trace_channel import TraceCollector
 
 __all__ = [
     "HELP",
@@ -189,50 +188,38 @@ def resolve_pair(settings: Settings) -> ServedPair:
     return ServedPair(served, clean, spec)
 
 
-def pair_scorer(
-    settings: Settings, pair: ServedPair, served_dtype: torch.dtype | None = None
-) -> PairScorer:
-    """The shadow scorer's `PairScorer` for `pair`, on `settings.shadow_device`, with the
-    pair's runtime noise. The served model runs in `served_dtype` (the dtype the engine
-    serves it in, so the scorer measures the pair being served; default float32). The clean
-    side is `settings.clean_backend`: the pair's clean model in process (in
-    `settings.clean_dtype`), or the remote clean server. A pair whose two folders are the same
-    (runtime noise on clean weights) loads the model once, in `settings.clean_dtype`: one
-    forward pass per scored request, the runtime noise standing for the served side's
-    difference (the engine's own rounding is left out of the measurement)."""
+def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
+    """The shadow scorer's `PairScorer` for `pair`: the clean side only (the served rows come
+    from the engine, `vllm_plugin.capture`, so no copy of the served model is loaded here), from
+    `settings.clean_backend`: the pair's clean model in process (on `settings.shadow_device`, in
+    `settings.clean_dtype`), or the remote clean server."""
     import torch  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
 
     from noisy_temp_server.pairs.checkpoint import load_causal_lm  # noqa: PLC0415
     from noisy_temp_server.pairs.clean_backend import RemoteClean  # noqa: PLC0415
     from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
 
     device = settings.shadow_device
-    served_dtype = served_dtype or torch.float32
     if settings.clean_backend == "remote":
         if settings.clean_url is None:
             raise ValueError("clean_backend=remote needs clean_url")
-        with _phase(f"Loading the served model for shadow scoring on {device}"):
-            served_model = load_causal_lm(pair.served, device=device, dtype=served_dtype)[0]
+        config = AutoConfig.from_pretrained(pair.served, local_files_only=True)
         key = settings.clean_api_key
         remote = RemoteClean(
             settings.clean_url,
             settings.clean_remote_model,
-            vocab_size=int(served_model.get_output_embeddings().weight.shape[0]),
+            vocab_size=int(config.vocab_size),
             api_key=key.get_secret_value() if key is not None else None,
             timeout_s=settings.clean_timeout_s,
         )
-        return PairScorer(remote, served_model, runtime_noise=pair.runtime_noise, device=device)
+        return PairScorer(remote, device=device)
     if pair.clean is None:
         raise ValueError("shadow scoring needs a clean model; pass --clean-model")
     dtype = getattr(torch, settings.clean_dtype)
-    with _phase(f"Loading the clean and served models for shadow scoring on {device}"):
+    with _phase(f"Loading the clean model for shadow scoring on {device}"):
         clean, _ = load_causal_lm(pair.clean, device=device, dtype=dtype)
-        served_model = (
-            clean
-            if pair.served.resolve() == pair.clean.resolve()
-            else load_causal_lm(pair.served, device=device, dtype=served_dtype)[0]
-        )
-    return PairScorer(clean, served_model, runtime_noise=pair.runtime_noise, device=device)
+    return PairScorer(clean, device=device)
 
 
 def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdentity]:
@@ -346,25 +333,15 @@ def _policy_gauges(metrics: ApiMetrics) -> Any:
     return publish
 
 
-def _engine_dtype(engine: Any) -> torch.dtype:
-    """The dtype vLLM resolved for the served model (`auto` is resolved when it starts)."""
-    import torch  # noqa: PLC0415
-
-    dtype = engine.model_config.dtype
-    if not isinstance(dtype, torch.dtype):
-        raise RuntimeError(f"the engine has not resolved its dtype ({dtype!r})")
-    return dtype
-
-
 def _shadow(
     settings: Settings,
     pair: ServedPair,
     profile: Profile | None,
     metrics: ApiMetrics,
-    served_dtype: torch.dtype,
+    rows: TraceCollector,
 ) -> tuple[PolicySource | None, ShadowScorer | None]:
     """The online estimator and its shadow scorer, or (None, None) when scoring is off; the
-    scorer's served model runs in `served_dtype`, the engine's."""
+    scorer takes the engine's captured served rows from `rows`."""
     if settings.shadow_fraction == 0.0:
         return None, None
     if pair.clean is None and settings.clean_backend == "in_process":
@@ -374,7 +351,7 @@ def _shadow(
     from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
 
     fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
-    scorer = pair_scorer(settings, pair, served_dtype)
+    scorer = pair_scorer(settings, pair)
     estimator = OnlineEstimator(
         profile,
         min_positions=settings.shadow_min_positions,
@@ -387,6 +364,9 @@ def _shadow(
         metrics,
         fraction=settings.shadow_fraction,
         queue_size=settings.shadow_queue_size,
+        rows=rows,
+        positions=settings.capture_positions,
+        rows_timeout_s=settings.trace_timeout_s,
         version_of=lambda policy: policy.version,
         on_policy=_policy_gauges(metrics),
         threads=settings.shadow_threads,
@@ -464,11 +444,13 @@ def _serve(
     profile, profile_source = startup_profile(settings, pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
-    collector = stack.enter_context(TraceCollector(trace_endpoint))
+    collector = stack.enter_context(
+        TraceCollector(trace_endpoint, max_row_bytes=settings.capture_buffer_mib << 20)
+    )
     with _phase("Starting the vLLM engine"):
         engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
     stack.callback(engine.shutdown)
-    estimator, shadow = _shadow(settings, pair, profile, metrics, _engine_dtype(engine))
+    estimator, shadow = _shadow(settings, pair, profile, metrics, collector)
     policy_source: PolicySource = estimator or StaticPolicySource(
         TemperaturePolicy.identity() if profile is None else profile.to_policy(),
         profile_source,

@@ -6,6 +6,10 @@ completion) are then turned into logits and statistics a chunk of positions at a
 memory is `chunk_positions x vocab` per model however long the sequence is. The served logits
 get the runtime noise of the pair, if any (`add_runtime_logit_noise`, the serving noise model).
 
+Online (`PairScorer.score_live`) the served side is not run here: the engine captured the rows
+it sampled from (`vllm_plugin.capture`, `ServedRows`), noise and rounding included, and only the
+clean side is computed, teacher-forced over the same tokens.
+
 `PositionRecords` is the columnar result: every statistic a rule needs to be fitted or
 evaluated later, including a compact KL curve over `KL_CURVE_TEMPERATURES` (read off at any T by
 `interpolate_kl`), so no logits are kept.
@@ -39,6 +43,7 @@ __all__ = [
     "PairScorer",
     "PositionRecords",
     "ScoringSequence",
+    "ServedRows",
     "interpolate_kl",
 ]
 
@@ -60,6 +65,22 @@ class ScoringSequence:
                 f"sequence {self.sequence_id}: need 1 <= prompt_length < length, got "
                 f"prompt_length {self.prompt_length} for {len(self.token_ids)} tokens "
                 "(a completion needs at least one token)"
+            )
+
+
+@dataclass(frozen=True)
+class ServedRows:
+    """Served rows of some completion positions, as the engine sampled from them (before any
+    temperature): ``steps`` int64 ``[n]`` ascending generation steps, ``rows`` float32
+    ``[n, V]``, the row of ``steps[i]`` at ``i``."""
+
+    steps: Tensor
+    rows: Tensor
+
+    def __post_init__(self) -> None:
+        if self.rows.ndim != 2 or self.rows.shape[0] != self.steps.shape[0]:
+            raise ValueError(
+                f"served rows {tuple(self.rows.shape)} do not match {self.steps.shape[0]} steps"
             )
 
 
@@ -298,18 +319,20 @@ def _device_generator(seed: int, label: str, device: torch.device) -> torch.Gene
 
 class PairScorer:
     """Scores token sequences with a clean side (a transformers model, used in process, or any
-    `CleanBackend`, e.g. a remote clean server) and a served causal LM (transformers).
+    `CleanBackend`, e.g. a remote clean server) and a served side: a causal LM (transformers)
+    offline, the engine's captured rows online (`score_live`; ``served_model`` may be None).
 
     Both must share the tokenizer/vocabulary; the models must have no final-logit soft-capping
     (the logits are `output_embeddings(last_hidden_state)`). They are used as given (dtype, on
     `device`); they are not modified. `runtime_noise` adds the serving-time logit noise to the
-    served rows, from a generator seeded by (spec seed, sequence id), so scoring is reproducible.
+    served model's rows, from a generator seeded by (spec seed, sequence id), so scoring is
+    reproducible (captured rows have the engine's own noise already).
     """
 
     def __init__(
         self,
         clean: PreTrainedModel | CleanBackend,
-        served_model: PreTrainedModel,
+        served_model: PreTrainedModel | None = None,
         *,
         runtime_noise: RuntimeLogitNoiseSpec | None = None,
         device: str | torch.device = "cpu",
@@ -321,13 +344,12 @@ class PairScorer:
         self.clean: CleanBackend = (
             InProcessModel(clean) if isinstance(clean, torch.nn.Module) else clean
         )
-        self.served = InProcessModel(served_model, role="served")
-        if self.clean.vocab_size not in (None, self.served.vocab_size):
+        self.served = None if served_model is None else InProcessModel(served_model, "served")
+        if self.served is not None and self.clean.vocab_size not in (None, self.served.vocab_size):
             raise ValueError(
                 f"clean and served vocabularies differ ({self.clean.vocab_size} vs "
                 f"{self.served.vocab_size}); a pair must share its tokenizer"
             )
-        self.served_model = served_model
         self.runtime_noise = runtime_noise
         self.device = torch.device(device)
         self.chunk_positions = chunk_positions
@@ -339,7 +361,9 @@ class PairScorer:
         positions of `sequence`, `chunk_positions` at a time, on `device`: the clean backend's
         (logits or log-probabilities, see `pairs.clean_backend`) and the served model's logits
         with the pair's runtime noise (as sampled from, before any temperature). The row at
-        step s predicts token `token_ids[prompt_length + s]`."""
+        step s predicts token `token_ids[prompt_length + s]`. Needs the served model."""
+        if self.served is None:
+            raise ValueError("this scorer has no served model (online it reads captured rows)")
         generator = None
         if self.runtime_noise is not None and self.runtime_noise.sigma > 0:
             generator = _device_generator(
@@ -363,37 +387,71 @@ class PairScorer:
         return self.clean.status()
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+        self,
+        sequence: ScoringSequence,
+        served_temperatures: Sequence[float],
+        served: ServedRows,
     ) -> LiveScores:
-        """`LiveScores` of one finished request: lean records plus the scoreboard's scores at
-        T = 1 and at `served_temperatures` (the T* of generated step s at index s; may be
-        shorter than the completion, whose later positions are then scored at T = 1 only)."""
+        """`LiveScores` of the positions of one finished request that have a captured served
+        row (`served`; the clean side runs teacher-forced over the completion up to the last
+        of them): lean records plus the scoreboard's scores at T = 1 and at
+        `served_temperatures` (the T* of generated step s at index s; positions past its end
+        are scored at T = 1 only)."""
         ids = list(sequence.token_ids)
+        steps_wanted = served.steps.to(torch.int64)
+        if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:
+            raise ValueError(f"sequence {sequence.sequence_id}: captured steps beyond it")
+        end = sequence.prompt_length + int(steps_wanted[-1]) + 1
+        scored = ScoringSequence(ids[:end], sequence.prompt_length, sequence.sequence_id)
         records, at_one, at_served = [], [], []
-        for steps, clean, served in self.logit_chunks(sequence):
-            records.append(
-                self.chunk_records(steps, clean, served, sequence.sequence_id, with_oracle=False)
-            )
-            first = sequence.prompt_length + int(steps[0])
-            next_tokens = torch.tensor(ids[first : first + len(steps)], device=self.device)
-            known = torch.tensor(served_temperatures[int(steps[0]) : int(steps[-1]) + 1])
-            t_star = torch.ones(len(steps), device=self.device)
-            t_star[: len(known)] = known.to(self.device)
-            one, starred = scores_at_temperatures(
-                clean,
-                served,
-                next_tokens,
-                [1.0, t_star],
-                sequence_id=sequence.sequence_id,
-                step=steps,
-            )
-            at_one.append(one)
-            at_served.append(starred.select(slice(0, len(known))))
+        first = 0
+        for clean_rows in self.clean.completion_rows(scored, self.chunk_positions):
+            stop = first + clean_rows.shape[0]
+            inside = (steps_wanted >= first) & (steps_wanted < stop)
+            steps = steps_wanted[inside]
+            if len(steps):
+                clean = clean_rows[steps - first].to(self.device)
+                rows = served.rows[inside].to(self.device, torch.float32)
+                one, starred, record = self._live_chunk(
+                    sequence, steps, clean, rows, served_temperatures
+                )
+                records.append(record)
+                at_one.append(one)
+                at_served.append(starred)
+            first = stop
         return LiveScores(
             PositionRecords.concat(records),
             PositionScores.concat(at_one),
             PositionScores.concat(at_served),
         )
+
+    def _live_chunk(
+        self,
+        sequence: ScoringSequence,
+        steps: Tensor,
+        clean: Tensor,
+        served: Tensor,
+        served_temperatures: Sequence[float],
+    ) -> tuple[PositionScores, PositionScores, PositionRecords]:
+        """One chunk of `score_live`: scores at T = 1, at the known T* (the rows whose step has
+        one), and the lean records."""
+        record = self.chunk_records(steps, clean, served, sequence.sequence_id, with_oracle=False)
+        positions = (sequence.prompt_length + steps).tolist()
+        next_tokens = torch.tensor([sequence.token_ids[p] for p in positions], device=self.device)
+        known = steps < len(served_temperatures)
+        t_star = torch.ones(len(steps), device=self.device)
+        if known.any():
+            values = torch.tensor([served_temperatures[s] for s in steps[known].tolist()])
+            t_star[known.to(self.device)] = values.to(self.device)
+        one, starred = scores_at_temperatures(
+            clean,
+            served,
+            next_tokens,
+            [1.0, t_star],
+            sequence_id=sequence.sequence_id,
+            step=steps,
+        )
+        return one, starred.select(known), record
 
     def chunk_records(
         self,

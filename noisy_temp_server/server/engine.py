@@ -123,6 +123,8 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     bias_dir = settings.bias_dir or (settings.profile.parent if settings.profile else None)
     if bias_dir is not None:  # also makes the V1 processor non-argmax-invariant
         os.environ[BIAS_DIR_ENV] = str(bias_dir)
+    for name in ("capture_rows_per_step", "capture_positions", "capture_queue_rows"):
+        os.environ[f"NTS_{name.upper()}"] = str(getattr(settings, name))  # for the engine
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
 
 

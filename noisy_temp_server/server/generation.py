@@ -47,6 +47,7 @@ from noisy_temp_server.server.protocol import (
     Usage,
     add_extra_args,
 )
+from noisy_temp_server.vllm_plugin.capture import capturable
 from noisy_temp_server.vllm_plugin.request_args import (
     GREEDY_TEMPERATURE,
     RequestTuning,
@@ -179,20 +180,21 @@ def prepare_request(
     except ValueError as error:
         raise OpenAIError(str(error), status_code=400) from None
     for choice, choice_params in zip(choices, params, strict=True):
-        add_extra_args(choice_params, _choice_keys(state, keys, tuning, choice).to_extra_args())
+        choice.shadow_sampled = (
+            state.shadow is not None and capturable(choice_params) and state.shadow.admit()
+        )
+        add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
     return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params, bias)
 
 
-def _choice_keys(
-    state: ServerState, keys: TuningKeys, tuning: RequestTuning | None, choice: Choice
-) -> TuningKeys:
-    """The engine keys of one choice: its trace id when tuned, and the per-step trace also when
-    the shadow scorer samples it (drawn here, once per admitted choice)."""
-    choice.shadow_sampled = state.shadow is not None and state.shadow.admit()
-    if tuning is None:
+def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice) -> TuningKeys:
+    """The engine keys of one choice: its trace id when tuned or sampled by the shadow scorer,
+    the per-step trace and the capture of its served logits also when sampled."""
+    sampled = choice.shadow_sampled
+    if tuning is None and not sampled:
         return dataclasses.replace(keys, trace_id=None)
-    traced = keys.trace or choice.shadow_sampled
-    return dataclasses.replace(keys, trace_id=choice.trace_id, trace=traced)
+    traced = keys.trace or sampled
+    return dataclasses.replace(keys, trace_id=choice.trace_id, trace=traced, capture=sampled)
 
 
 def _check_model(state: ServerState, requested: str | None) -> None:
@@ -311,18 +313,22 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
     if state.shadow is not None and choice.shadow_sampled:
-        state.shadow.submit(prepared.prompt_ids, choice.token_ids, trace)
+        state.shadow.submit(prepared.prompt_ids, choice.token_ids, trace, choice.trace_id)
     return summary
 
 
 def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
-    """Tell the trace channel to drop what it holds for the tuned choices that end without a
-    summary (cancelled or failed): nobody will wait for their T*, so it must not keep them."""
-    if prepared.tuning is None or state.trace_source is None:
+    """Tell the trace channel to drop what it holds for the choices that end without a summary
+    (cancelled or failed): nobody will wait for their T* or take their captured rows, so it
+    must not keep them."""
+    if state.trace_source is None:
         return
     for choice in prepared.choices:
         if choice.summary is None:
-            state.trace_source.forget(choice.trace_id)
+            if prepared.tuning is not None:
+                state.trace_source.forget(choice.trace_id)
+            if choice.shadow_sampled:
+                state.trace_source.drop_rows(choice.trace_id)
 
 
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:

@@ -1,12 +1,16 @@
 """The shadow scorer: online estimation from a sample of live traffic, off the serving path.
 
-The HTTP layer calls `ShadowScorer.admit` for every choice it admits: a fraction of them are
-sampled, and a sampled choice runs with its per-step T* trace (the engine sends traces only for
-requests that ask) and goes to `ShadowScorer.submit` when it finishes, which puts it on a bounded
-queue without ever blocking (a full queue drops the item and counts it). One daemon thread
-takes items off the queue, scores prompt + completion teacher-forced with the clean and the
-served model (`pairs.scorer.PairScorer.score_live`: only what the live metrics and the online
-estimator need, no per-position oracle), feeds the per-position records to the online
+The HTTP layer calls `ShadowScorer.admit` for every choice it admits whose served rows the
+engine can capture (`vllm_plugin.capture.capturable`): a fraction of them are sampled, and a
+sampled choice runs with its per-step T* trace and with the capture of its served logits
+(``nts_capture``: the engine sends the rows it sampled from, before any temperature, for the
+first `positions` steps) and goes to `ShadowScorer.submit` when it finishes, which puts it on a
+bounded queue without ever blocking (a full queue drops the item and counts it). One daemon
+thread takes items off the queue, takes the item's captured rows (`rows`, the trace channel's
+`TraceCollector.take_rows`; an item whose rows never came is dropped, reason
+``not_captured``), runs only the clean model teacher-forced over the same tokens and scores the
+pair (`pairs.scorer.PairScorer.score_live`: only what the live metrics and the online estimator
+need, no per-position oracle), feeds the per-position records to the online
 estimator and the per-position scores (T = 1 and the T* the engine applied) to the live
 scoreboard (`estimation.scoreboard.LiveScoreboard`, published on the status endpoint and as
 `nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates
@@ -42,10 +46,15 @@ from typing import Any, Protocol
 import torch
 
 from noisy_temp_server.estimation.scoreboard import LiveScoreboard
-from noisy_temp_server.pairs.scorer import LiveScores, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.scorer import (
+    LiveScores,
+    PositionRecords,
+    ScoringSequence,
+    ServedRows,
+)
 from noisy_temp_server.server.metrics import ApiMetrics
 
-__all__ = ["PolicyEstimator", "SequenceScorer", "ShadowScorer"]
+__all__ = ["CapturedRowsSource", "PolicyEstimator", "SequenceScorer", "ShadowScorer"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,10 +63,18 @@ class SequenceScorer(Protocol):
     """What the shadow loop needs of `PairScorer`."""
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
+
+
+class CapturedRowsSource(Protocol):
+    """Where the engine's captured rows of a request are (`TraceCollector`)."""
+
+    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> Any: ...
+
+    def drop_rows(self, trace_id: str) -> None: ...
 
 
 class PolicyEstimator(Protocol):
@@ -76,6 +93,7 @@ class _Item:
     completion_ids: tuple[int, ...]
     served_temperatures: tuple[float, ...]
     sequence_id: int
+    trace_id: str
 
 
 class ShadowScorer:
@@ -84,7 +102,10 @@ class ShadowScorer:
     `on_policy(policy)` is called from the scorer thread whenever the estimator's policy
     version changes (e.g. to update gauges). `threads`: torch's intra-op threads for the
     process (None: leave them); `nice`: how many nice steps the scoring thread runs below the
-    process (0: same priority). Thread-safe `admit` and `submit`; `start` once, `close` once.
+    process (0: same priority). `rows`: the captured served rows (`CapturedRowsSource`);
+    `positions`: the steps the engine captures per request (``capture_positions``);
+    `rows_timeout_s`: how long the scoring thread waits for rows still under way.
+    Thread-safe `admit` and `submit`; `start` once, `close` once.
     """
 
     def __init__(
@@ -97,6 +118,9 @@ class ShadowScorer:
         queue_size: int,
         version_of: Callable[[Any], int],
         on_policy: Callable[[Any], None],
+        rows: CapturedRowsSource,
+        positions: int,
+        rows_timeout_s: float = 2.0,
         rng: random.Random | None = None,
         scoreboard: LiveScoreboard | None = None,
         threads: int | None = None,
@@ -107,6 +131,9 @@ class ShadowScorer:
         if queue_size < 1:
             raise ValueError(f"shadow queue size must be >= 1, got {queue_size}")
         self._scorer = scorer
+        self._rows = rows
+        self._positions = positions
+        self._rows_timeout_s = rows_timeout_s
         self._estimator = estimator
         self._metrics = metrics
         self._fraction = fraction
@@ -122,7 +149,7 @@ class ShadowScorer:
         self._thread: threading.Thread | None = None
         self._next_sequence_id = 0
         self._counts = {"offered": 0, "sampled": 0, "scored": 0, "dropped_queue_full": 0}
-        self._counts |= {"dropped_error": 0, "tokens": 0}
+        self._counts |= {"dropped_error": 0, "dropped_not_captured": 0, "tokens": 0}
         self._seconds = 0.0
         self._scoring_since: float | None = None
         self._last_version = version_of(estimator.current_policy())
@@ -143,24 +170,33 @@ class ShadowScorer:
         prompt_ids: Sequence[int],
         completion_ids: Sequence[int],
         served_temperatures: Sequence[float],
+        trace_id: str,
     ) -> bool:
         """Queue a finished choice that `admit` sampled; never blocks. Returns whether it was
-        queued (False for an empty completion, or when the queue is full: dropped, counted).
+        queued (False for an empty completion, or when the queue is full: dropped, counted;
+        either way its captured rows are let go).
 
         `served_temperatures`: the T* of each generated step (may be shorter than the
-        completion, or empty, when the trace is incomplete).
+        completion, or empty, when the trace is incomplete); `trace_id`: the choice's key on
+        the trace channel, under which the engine captured its served rows.
         """
         if not completion_ids:
+            self._rows.drop_rows(trace_id)
             return False
         with self._lock:
             sequence_id = self._next_sequence_id
             self._next_sequence_id += 1
         item = _Item(
-            tuple(prompt_ids), tuple(completion_ids), tuple(served_temperatures), sequence_id
+            tuple(prompt_ids),
+            tuple(completion_ids),
+            tuple(served_temperatures),
+            sequence_id,
+            trace_id,
         )
         try:
             self._queue.put_nowait(item)
         except queue.Full:
+            self._rows.drop_rows(trace_id)
             with self._lock:
                 self._counts["dropped_queue_full"] += 1
             self._metrics.shadow_requests_dropped.labels(reason="queue_full").inc()
@@ -261,12 +297,20 @@ class ShadowScorer:
 
     def _score(self, item: _Item) -> None:
         started = time.perf_counter()
+        expected = min(len(item.completion_ids), self._positions)
+        captured = self._rows.take_rows(item.trace_id, expected, self._rows_timeout_s)
+        if captured is None or not len(captured.steps):
+            with self._lock:
+                self._counts["dropped_not_captured"] += 1
+            self._metrics.shadow_requests_dropped.labels(reason="not_captured").inc()
+            return
         sequence = ScoringSequence(
             token_ids=[*item.prompt_ids, *item.completion_ids],
             prompt_length=len(item.prompt_ids),
             sequence_id=item.sequence_id,
         )
-        live = self._scorer.score_live(sequence, item.served_temperatures)
+        served = ServedRows(torch.from_numpy(captured.steps), torch.from_numpy(captured.rows))
+        live = self._scorer.score_live(sequence, item.served_temperatures, served)
         elapsed = time.perf_counter() - started
         self._estimator.add(live.records)
         self._scoreboard.update(live.at_one, live.at_served)

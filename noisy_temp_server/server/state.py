@@ -52,6 +52,8 @@ class TraceSource(Protocol):
 
     def forget(self, trace_id: str) -> None: ...
 
+    def drop_rows(self, trace_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class ServerState:

@@ -55,7 +55,7 @@ from noisy_temp_server.vllm_plugin.request_args import GREEDY_TEMPERATURE, parse
 if TYPE_CHECKING:
     from noisy_temp_server.vllm_plugin.reports import Reporter
 
-__all__ = ["CaptureBounds", "CapturedStep", "LogitCapture", "capture_trace_id"]
+__all__ = ["CaptureBounds", "CapturedStep", "LogitCapture", "capturable", "capture_trace_id"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -93,6 +93,23 @@ class CapturedStep:
     steps: list[int]
     rows: torch.Tensor
     dropped: list[tuple[str, int]]
+
+
+def capturable(params: SamplingParams) -> bool:
+    """Whether the rows vLLM samples a request from are the served model's own, so that the
+    shadow scorer may sample it: not greedy (see `capture_trace_id`), and no penalties, logit
+    bias, minimum length, bad words or allowed-token list (vLLM applies them before our
+    processor: the rows would measure them, not the model)."""
+    return (
+        params.temperature >= GREEDY_TEMPERATURE
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and not params.min_tokens
+        and not params.bad_words
+        and params.allowed_token_ids is None
+    )
 
 
 def capture_trace_id(params: SamplingParams) -> str | None:

@@ -24,9 +24,14 @@ from server_helpers import free_port, running_server, stop, wait_until
 
 from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.clean_backend import RemoteClean
+from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec, apply_perturbation
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.scorer import (
+    PairScorer,
+    PositionRecords,
+    ScoringSequence,
+    ServedRows,
+)
 from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 
 pytestmark = pytest.mark.vllm
@@ -71,8 +76,10 @@ def test_remote_clean_gives_the_in_process_statistics(
     try:
         for sequence in _sequences():
             trace = [1.2] * 10
-            local = PairScorer(clean, served, chunk_positions=16).score_live(sequence, trace)
-            far = PairScorer(remote, served, chunk_positions=16).score_live(sequence, trace)
+            rows = torch.cat(list(InProcessModel(served).completion_rows(sequence, 64)))
+            captured = ServedRows(torch.arange(rows.shape[0]), rows)
+            local = PairScorer(clean, chunk_positions=16).score_live(sequence, trace, captured)
+            far = PairScorer(remote, chunk_positions=16).score_live(sequence, trace, captured)
             for name in PositionRecords._row_fields():
                 if name in ("oracle_t", "oracle_kl"):
                     continue

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
@@ -24,13 +25,18 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from noisy_temp_server.estimation.scoreboard import scores_at_temperatures
-from noisy_temp_server.pairs.scorer import LiveScores, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.scorer import (
+    LiveScores,
+    PositionRecords,
+    ScoringSequence,
+    ServedRows,
+)
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
+from noisy_temp_server.vllm_plugin.trace_channel import CapturedRows, TraceReport
 
 VOCAB = 1000
 MAX_MODEL_LEN = 64
@@ -114,12 +120,24 @@ class FakeTokenizer:
 
 
 class FakeTraces:
-    """The trace channel: every tuned step ran at `temperature`."""
+    """The trace channel: every tuned step ran at `temperature`; every captured request has
+    rows of `vocab` columns for all the steps asked for."""
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, temperature: float, vocab: int = 16) -> None:
         self.temperature = temperature
+        self.vocab = vocab
         self.waited: list[tuple[str, int]] = []
         self.forgotten: list[str] = []
+        self.taken: list[tuple[str, int]] = []
+        self.dropped: list[str] = []
+
+    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> CapturedRows:
+        self.taken.append((trace_id, n_steps))
+        rows = np.zeros((n_steps, self.vocab), dtype=np.float32)
+        return CapturedRows(np.arange(n_steps, dtype=np.int64), rows)
+
+    def drop_rows(self, trace_id: str) -> None:
+        self.dropped.append(trace_id)
 
     async def wait_for(
         self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
@@ -221,7 +239,7 @@ class FakeScorer:
         self.sequences: list[ScoringSequence] = []
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
     ) -> LiveScores:
         if self.gate is not None:
             self.gate.wait(5)

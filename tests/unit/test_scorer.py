@@ -12,6 +12,7 @@ from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.clean_backend import InProcessModel
 from noisy_temp_server.pairs.perturb import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
@@ -22,6 +23,7 @@ from noisy_temp_server.pairs.scorer import (
     PairScorer,
     PositionRecords,
     ScoringSequence,
+    ServedRows,
     interpolate_kl,
 )
 from noisy_temp_server.temperature.oracle import kl_curve
@@ -158,13 +160,45 @@ def test_sequence_without_completion_is_rejected() -> None:
         ScoringSequence([1, 2, 3], 3, 0)
 
 
+def _captured(served: PreTrainedModel, sequence: ScoringSequence) -> ServedRows:
+    """What the engine captures of `sequence`: the served model's row of every generated step."""
+    rows = torch.cat(list(InProcessModel(served).completion_rows(sequence, 64)))
+    return ServedRows(torch.arange(rows.shape[0]), rows)
+
+
+def test_live_scores_of_some_captured_steps_are_those_steps_of_the_full_scores(
+    pair: tuple[PreTrainedModel, PreTrainedModel],
+) -> None:
+    """Steps the engine dropped or did not capture (past its positions bound) are left out;
+    the others score as if every step had come (the clean pass runs up to the last one)."""
+    clean, served = pair
+    sequence = _sequences()[0]  # 21 completion positions
+    captured = _captured(served, sequence)
+    kept = torch.tensor([0, 1, 2, 4, 5, 9, 10, 11])  # 3, 6-8 dropped; 12+ beyond the bound
+    subset = ServedRows(captured.steps[kept], captured.rows[kept])
+    trace = [1.2] * 10
+    scorer = PairScorer(clean, chunk_positions=4)
+    some = scorer.score_live(sequence, trace, subset)
+    every = scorer.score_live(sequence, trace, captured)
+    assert some.records.step.tolist() == kept.tolist()
+    for name in PositionRecords._row_fields():
+        actual, expected = getattr(some.records, name), getattr(every.records, name)[kept]
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+    assert some.at_served.step.tolist() == [0, 1, 2, 4, 5, 9]  # T* known for steps < 10
+    torch.testing.assert_close(some.at_one.kld, every.at_one.kld[kept])
+    with pytest.raises(ValueError, match="beyond"):
+        scorer.score_live(sequence, trace, ServedRows(torch.tensor([21]), captured.rows[:1]))
+
+
 def test_live_scores_match_the_reference_without_the_oracle(
     pair: tuple[PreTrainedModel, PreTrainedModel],
 ) -> None:
     clean, served = pair
     sequence = _sequences()[0]  # 21 completion positions
     trace = [1.0 + 0.05 * s for s in range(15)]  # the engine's T* of the first 15 steps
-    live = PairScorer(clean, served, chunk_positions=4).score_live(sequence, trace)
+    live = PairScorer(clean, chunk_positions=4).score_live(
+        sequence, trace, _captured(served, sequence)
+    )
     full = PairScorer(clean, served, chunk_positions=4).score_sequence(sequence)
     for name in PositionRecords._row_fields():
         actual, expected = getattr(live.records, name), getattr(full, name)

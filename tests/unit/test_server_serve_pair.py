@@ -93,24 +93,22 @@ def test_served_folder_without_manifest_has_no_spec(tiny_model_dir: Path, tmp_pa
     assert resolve_pair(Settings(served_model=plain)) == ServedPair(plain, None, None)
 
 
-def test_shadow_scorer_gets_the_runtime_noise_and_loads_a_shared_folder_once(
-    runtime_noise_dir: Path,
+def test_the_shadow_scorer_holds_the_clean_model_only(
+    tiny_model_dir: Path, runtime_noise_dir: Path, tmp_path: Path
 ) -> None:
-    scorer = pair_scorer(Settings(), ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE))
-    assert scorer.runtime_noise == NOISE
-    assert isinstance(scorer.clean, InProcessModel)
-    assert scorer.served_model is scorer.clean.model
-
-
-def test_shadow_scorer_of_a_weight_perturbation_has_two_models_and_no_noise(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    spec = WeightNoiseSpec(scale=0.1)
-    served = ensure_perturbed_checkpoint(tiny_model_dir, spec, tmp_path)
-    scorer = pair_scorer(Settings(), ServedPair(served, tiny_model_dir, spec))
-    assert scorer.runtime_noise is None
-    assert isinstance(scorer.clean, InProcessModel)
-    assert scorer.served_model is not scorer.clean.model
+    """The served side comes from the engine's captured rows (noise included): no served model
+    and no noise of its own in the API process, for either kind of pair."""
+    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.1), tmp_path)
+    for pair in (
+        ServedPair(served, tiny_model_dir, WeightNoiseSpec(scale=0.1)),
+        ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE),
+    ):
+        scorer = pair_scorer(Settings(clean_dtype="bfloat16"), pair)
+        assert scorer.served is None
+        assert scorer.runtime_noise is None
+        assert isinstance(scorer.clean, InProcessModel)
+        assert scorer.clean.model.dtype == torch.bfloat16
+        assert scorer.clean_status() == {"kind": "in_process", "device": "cpu", "dtype": "bfloat16"}
 
 
 def _profile_for(clean: ModelIdentity, served: ModelIdentity, path: Path) -> Path:
@@ -268,19 +266,3 @@ def test_the_shipped_default_pair_profile_tunes_every_request_temperature() -> N
     assert profile.test_quality.row(profile.recommended_rule.value).gain > 0
     table = profile.to_policy(Rule.CALIBRATED).calibrated
     assert len(table.temperatures) == len(profile.settings.request_temperatures) == 4
-
-
-def test_the_scorer_serves_in_the_engine_dtype_and_scores_against_the_clean_dtype(
-    tiny_model_dir: Path, runtime_noise_dir: Path, tmp_path: Path
-) -> None:
-    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.1), tmp_path)
-    scorer = pair_scorer(Settings(), ServedPair(served, tiny_model_dir, None), torch.bfloat16)
-    assert scorer.served_model.dtype == torch.bfloat16
-    assert isinstance(scorer.clean, InProcessModel)
-    assert scorer.clean.model.dtype == torch.float32
-    assert scorer.clean_status() == {"kind": "in_process", "device": "cpu", "dtype": "float32"}
-    # one folder (runtime noise on the clean weights): one model, one forward pass
-    shared = ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
-    one = pair_scorer(Settings(), shared, torch.bfloat16)
-    assert isinstance(one.clean, InProcessModel)
-    assert one.served_model is one.clean.model

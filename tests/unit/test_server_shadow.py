@@ -15,9 +15,10 @@ from prometheus_client import CollectorRegistry
 from server_fakes import (
     FakeEstimator,
     FakeScorer,
+    FakeTraces,
 )
 
-from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence
+from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import ShadowScorer
 
@@ -43,6 +44,8 @@ class Setup:
             ApiMetrics(self.registry),
             fraction=fraction,
             queue_size=queue_size,
+            rows=FakeTraces(1.0),
+            positions=128,
             version_of=int,
             on_policy=self.published.append,
             rng=random.Random(0),
@@ -58,7 +61,7 @@ def _offer(
     shadow: ShadowScorer, prompt: list[int], completion: list[int], temperatures: list[float]
 ) -> bool:
     """Admit a choice and, when sampled, submit it finished: whether it was queued."""
-    return shadow.admit() and shadow.submit(prompt, completion, temperatures)
+    return shadow.admit() and shadow.submit(prompt, completion, temperatures, "trace")
 
 
 def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
@@ -144,7 +147,7 @@ def test_scoring_errors_are_counted_and_the_loop_survives() -> None:
 def test_sampling_is_drawn_at_admission_and_empty_completions_are_not_queued() -> None:
     setup = Setup(FakeScorer())
     assert setup.shadow.admit()
-    assert not setup.shadow.submit([1, 2], [], [])
+    assert not setup.shadow.submit([1, 2], [], [], "trace")
     status = setup.shadow.status()
     assert (status["offered"], status["sampled"], status["queue_depth"]) == (1, 1, 0)
 
@@ -194,11 +197,11 @@ class BudgetProbe(FakeScorer):
         self.seen: list[tuple[int, int]] = []
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))
-        return super().score_live(sequence, served_temperatures)
+        return super().score_live(sequence, served_temperatures, served)
 
 
 def test_the_scoring_thread_runs_with_its_own_budget(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,9 +26,14 @@ from server_fakes import (
 )
 from server_helpers import free_port
 
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.clean_backend import RemoteClean
-from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.scorer import (
+    LiveScores,
+    PairScorer,
+    PositionRecords,
+    ScoringSequence,
+    ServedRows,
+)
 from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
@@ -50,11 +55,11 @@ class HungScorer(FakeScorer):
         self.release = threading.Event()
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float]
+        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)
-        return super().score_live(sequence, served_temperatures)
+        return super().score_live(sequence, served_temperatures, served)
 
 
 class FailingEstimator(FakeEstimator):
@@ -72,6 +77,7 @@ class Served:
     ) -> None:
         self.registry = CollectorRegistry()
         self.engine = FakeEngine()
+        self.traces = FakeTraces(1.25)
         metrics = ApiMetrics(self.registry)
         self.shadow = ShadowScorer(
             scorer,
@@ -79,6 +85,8 @@ class Served:
             metrics,
             fraction=fraction,
             queue_size=queue_size,
+            rows=self.traces,
+            positions=128,
             version_of=int,
             on_policy=lambda _: None,
             rng=random.Random(0),
@@ -92,7 +100,7 @@ class Served:
             policy_source=StaticPolicySource(POLICY, "test"),
             metrics=metrics,
             metrics_registry=self.registry,
-            trace_source=FakeTraces(1.25),
+            trace_source=self.traces,
             shadow=self.shadow,
         )
         self.client = TestClient(app)
@@ -181,10 +189,10 @@ def test_a_full_queue_drops_without_blocking_the_submit() -> None:
     scorer = HungScorer()
     served = Served(scorer, FakeEstimator(every=4), queue_size=1)
     try:
-        assert served.shadow.submit([1, 2], [3], [1.0])  # taken by the (hung) scorer
+        assert served.shadow.submit([1, 2], [3], [1.0], "t")  # taken by the (hung) scorer
         assert scorer.entered.wait(10)
-        assert served.shadow.submit([1, 2], [3], [1.0])  # fills the queue
-        assert [served.shadow.submit([1, 2], [3], [1.0]) for _ in range(5)] == [False] * 5
+        assert served.shadow.submit([1, 2], [3], [1.0], "t")  # fills the queue
+        assert [served.shadow.submit([1, 2], [3], [1.0], "t") for _ in range(5)] == [False] * 5
         assert served.dropped("queue_full") == 5
         assert served.status()["dropped_queue_full"] == 5
     finally:
@@ -202,6 +210,8 @@ def test_a_sampled_tuned_request_runs_traced_and_its_full_trace_is_scored() -> N
         served.shadow.close()
     assert response.json()["nts"]["trace"] is None  # the client did not ask for it
     assert [keys.get("nts_trace") for keys in served.engine_keys()] == [True]
+    assert [keys.get("nts_capture") for keys in served.engine_keys()] == [True]
+    assert served.traces.taken == [(served.engine_keys()[0]["nts_trace_id"], 5)]
     assert served.value("nts_shadow_kl_nats_count", temperature="one") == 5
     assert served.value("nts_shadow_kl_nats_count", temperature="served") == 5
     status = served.status()
@@ -223,6 +233,52 @@ def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:
     assert (status["offered"], status["sampled"], status["scored"]) == (2, 0, 0)
 
 
+def test_an_untuned_sampled_request_is_captured_under_its_trace_id() -> None:
+    served = Served(FakeScorer(), FakeEstimator(every=100), queue_size=8, fraction=1.0)
+    try:
+        body = {**BODY, "nts_rule": "off"}
+        assert served.client.post("/v1/completions", json=body).status_code == 200
+        assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    (keys,) = served.engine_keys()
+    assert keys["nts_capture"] is True
+    assert keys["nts_trace_id"]
+    assert served.status()["scored"] == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"temperature": 0.0}, {"presence_penalty": 0.5}, {"logit_bias": {"3": 2.0}}],
+    ids=["greedy", "penalty", "logit bias"],
+)
+def test_requests_whose_rows_are_not_the_models_are_never_sampled(extra: dict[str, Any]) -> None:
+    served = Served(FakeScorer(), FakeEstimator(every=100), queue_size=8, fraction=1.0)
+    try:
+        assert served.client.post("/v1/completions", json={**BODY, **extra}).status_code == 200
+    finally:
+        served.shadow.close()
+    assert "nts_capture" not in served.engine_keys()[0]
+    assert served.status()["offered"] == 0
+
+
+class NoRows(FakeTraces):
+    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> None:  # type: ignore[override]
+        return None
+
+
+def test_an_item_whose_rows_never_came_is_dropped_and_serving_is_untouched() -> None:
+    served = Served(FakeScorer(), FakeEstimator(every=4), queue_size=64)
+    served.shadow._rows = NoRows(1.25)
+    try:
+        served.serve_all()
+        assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    assert served.status()["dropped_not_captured"] == REQUESTS
+    assert served.dropped("not_captured") == REQUESTS
+
+
 @pytest.fixture
 def silent_port() -> Iterator[int]:
     """A listening socket that accepts connections and never answers (an overloaded server)."""
@@ -237,9 +293,8 @@ def test_a_failing_remote_clean_server_drops_items_and_says_so(
     fault: str, tiny_model_dir: Path, silent_port: int
 ) -> None:
     port = free_port() if fault == "refused" else silent_port
-    served_model, _ = load_causal_lm(tiny_model_dir)
     remote = RemoteClean(f"http://127.0.0.1:{port}", "clean", TINY_VOCAB_SIZE, timeout_s=0.3)
-    scorer = PairScorer(remote, served_model)
+    scorer = PairScorer(remote)
     served = Served(scorer, FakeEstimator(every=4), queue_size=64)  # type: ignore[arg-type]
     try:
         served.serve_all()

@@ -26,6 +26,7 @@ batches skip it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,7 +49,14 @@ __all__ = ["NoisyTemperatureV1"]
 
 class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
     """Divides each tuned row's logits by its T* (already divided by T_request unless a bias
-    is possible; then the per-token bias is added first, see the module docstring)."""
+    is possible; then the per-token bias is added first, see the module docstring).
+
+    ``first``: ``logits -> logits``, work that must come before ours when we run among the
+    non-argmax-invariant processors (the runtime noise: vLLM runs entry-point processors, ours,
+    before class-path ones, so the noise processor hands it over, see
+    `runtime_noise.RuntimeNoiseV1`); `apply` runs it before the capture and T*."""
+
+    first: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -160,6 +168,8 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         """logits: [B, V] float32, biased and divided in place on the tuned rows and returned.
         Other rows are bitwise unchanged. Captured rows (`capture`) are taken first. No host
         sync."""
+        if self.first is not None:
+            logits = self.first(logits)
         self.capture.capture(logits, self._batch_rows[: logits.shape[0]])
         if not self._n_tuned_rows:
             return logits

@@ -16,6 +16,7 @@ counted in the summaries and the histogram (they cannot be told apart in ``apply
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +42,14 @@ __all__ = ["NoisyTemperatureV2"]
 
 
 class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
-    """Divides each tuned row's unscaled logits by its T*."""
+    """Divides each tuned row's unscaled logits by its T*.
+
+    ``first``: ``(logits, ctx) -> logits``, work that must come before ours (the runtime noise:
+    vLLM runs entry-point processors, ours, before class-path ones, so the noise processor
+    hands it over, see `runtime_noise.RuntimeNoiseV2`); `apply` runs it before the capture and
+    T*."""
+
+    first: Callable[[torch.Tensor, LogitsContext], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -80,6 +88,8 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: [rows, V] float32 unscaled, biased and divided in place on tuned rows.
         Captured rows (`capture`) are taken first, their steps from host state. No host sync."""
+        if self.first is not None:
+            logits = self.first(logits, ctx)
         if self.capture.active:
             self.capture.capture(logits, ctx.idx_mapping_np, self._host_steps(ctx))
         if not self._tuned[ctx.idx_mapping_np].any():

@@ -18,7 +18,13 @@ This class is *not* an entry point: the server registers it by name
 is configured, so a stock vLLM server in the same environment is never silently noised.
 Serves both model runners (`runners.RunnerDispatch`): under V1 it runs before penalties and the
 request temperature; under Model Runner V2 custom processors run after penalties and before the
-request temperature, so the noise lands after penalties there.
+request temperature, so the noise lands after penalties there. Model Runner V2 runs entry-point
+processors before class-path ones, i.e. the T* processor before this one (so does the V1 runner
+among non-argmax-invariant processors, where the T* processor is when a bias directory is
+configured): then this processor hands its noise to the engine's T* processor
+(``NoisyTemperatureV2.first``, ``NoisyTemperatureV1.first``), which runs it first, and its own
+call from vLLM does nothing. Under both runners the T* processor (and its capture of the served
+logits) therefore sees the noisy rows, and T* divides the noise too.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Logi
 
 from noisy_temp_server.pairs.perturb import add_runtime_logit_noise
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
+from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
+from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
 from noisy_temp_server.vllm_plugin.request_args import parse_runtime_noise_sigma
 from noisy_temp_server.vllm_plugin.runners import RunnerDispatch
+from noisy_temp_server.vllm_plugin.slot_tuning import tuning_processor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +101,13 @@ class RuntimeNoiseV1(LogitsProcessor):
         # Rows whose σ differs from the default (a request override).
         self._rows = BatchRows(capacity)
         _, self._sigma = self._rows.array(torch.float32)
+        # The T* processor runs before this one when it is not argmax-invariant (a bias
+        # directory): then it runs the noise first.
+        tuner = tuning_processor(vllm_config)
+        self.handed_over = False
+        if isinstance(tuner, NoisyTemperatureV1) and not tuner.is_argmax_invariant():
+            self.handed_over = tuner.first is None
+            tuner.first = tuner.first or self.noise
 
     def is_argmax_invariant(self) -> bool:
         """Noise reorders tokens, so greedy sampling sees it."""
@@ -109,6 +125,11 @@ class RuntimeNoiseV1(LogitsProcessor):
         self._rows.update(batch_update, self._admit)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, V] float32, returned as they are when the T* processor runs the noise
+        (``handed_over``), else `noise`."""
+        return logits if self.handed_over else self.noise(logits)
+
+    def noise(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] float32. Returns the noised logits (a new tensor when every row shares
         the default σ, else ``logits`` modified in place)."""
         batch = logits.shape[0]
@@ -138,6 +159,11 @@ class RuntimeNoiseV2(V2LogitsProcessor):
             (req_states.max_num_reqs,), self.default_sigma, device=req_states.device
         )
         self._staged: dict[int, float] = {}
+        tuner = tuning_processor(vllm_config)
+        self.handed_over = False
+        if isinstance(tuner, NoisyTemperatureV2):
+            self.handed_over = tuner.first is None
+            tuner.first = tuner.first or self.noise
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """Set the slot's σ (the request's override or the default); True when σ > 0."""
@@ -156,6 +182,11 @@ class RuntimeNoiseV2(V2LogitsProcessor):
             self._staged.clear()
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """logits: [rows, V] float32, returned as they are when the T* processor runs the noise
+        (``handed_over``), else `noise`."""
+        return logits if self.handed_over else self.noise(logits, ctx)
+
+    def noise(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: [rows, V] float32; each row gets noise of its slot's σ, in place."""
         sigma = self._sigma[ctx.expanded_idx_mapping.long()].unsqueeze(1)
         noise = torch.randn(

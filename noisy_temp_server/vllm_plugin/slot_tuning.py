@@ -93,6 +93,7 @@ __all__ = [
     "TunedProcessor",
     "build_slot_tuning",
     "request_tuning",
+    "tuning_processor",
     "validate_request",
 ]
 
@@ -585,6 +586,11 @@ class SlotTuning:
 def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
     """``[N, 2]`` float64 rows (1, T*): what one row adds to a cell's (count, sum)."""
     return torch.stack((torch.ones_like(temperature), temperature), 1).double()
+
+
+def tuning_processor(vllm_config: VllmConfig) -> object | None:
+    """The (first) T* processor built for ``vllm_config`` in this process, if any."""
+    return _INSTANCES.get(id(vllm_config))
 
 
 def request_tuning(params: SamplingParams) -> tuple[RequestTuning | None, str | None]:

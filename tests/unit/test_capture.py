@@ -19,10 +19,16 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProc
 
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
 from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
+from noisy_temp_server.vllm_plugin.runtime_noise import (
+    RuntimeLogitNoiseProcessor,
+    RuntimeNoiseV1,
+    RuntimeNoiseV2,
+)
 from noisy_temp_server.vllm_plugin.trace_channel import (
     TRACE_ENDPOINT_ENV,
     CapturedRows,
@@ -290,3 +296,57 @@ def test_take_rows_waits_for_announced_steps_and_bounds_memory(tmp_path: Path) -
         assert collector.evicted_rows == 2
         assert collector.held_row_bytes() == 0
         sender.close()
+
+
+def test_v2_runs_the_runtime_noise_before_the_capture_and_t_star(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's V2 loader builds (and runs) entry points first: the T* processor, then the
+    runtime-noise processor named by class path. The noise must still come first."""
+    monkeypatch.setenv("NTS_RUNTIME_NOISE_SIGMA", "2.0")
+    tuner = _v2(monkeypatch, prompt=[5] * SLOTS, prefill=[5] * SLOTS)
+    noise = RuntimeLogitNoiseProcessor(tuner._vllm_config, tuner._req_states)
+    assert isinstance(noise, RuntimeNoiseV2)
+    assert noise.handed_over
+    params = _captured("n", nts_policy=FIXED.to_json())
+    for processor in (tuner, noise):
+        assert processor.add_request(0, params)
+        processor.apply_staged_writes()
+    clean = torch.zeros(1, 4096)
+    logits = clean.clone()
+    for processor in (tuner, noise):  # vLLM's order
+        logits = processor.apply(logits, _ctx([0], [7]))
+    tuner.capture.reporter.flush()
+    captured = torch.from_numpy(_take(collector, "n", 3).rows[0])
+    assert float(captured.std()) == pytest.approx(2.0, rel=0.1)  # the capture saw the noise
+    torch.testing.assert_close(logits[0], captured / 2.0)  # and T* divided it, noise included
+
+
+def test_v1_with_a_bias_directory_runs_the_runtime_noise_before_the_capture_and_t_star(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With a bias directory the V1 T* processor is not argmax-invariant: it runs among the
+    processors before the temperature, entry points (it) before class paths (the noise)."""
+    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("NTS_RUNTIME_NOISE_SIGMA", "2.0")
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
+        model_config=SimpleNamespace(get_vocab_size=lambda: 4096),
+    )
+    tuner = NoisyTemperatureLogitsProcessor(config, torch.device("cpu"), False)
+    noise = RuntimeLogitNoiseProcessor(config, torch.device("cpu"), False)
+    assert isinstance(tuner, NoisyTemperatureV1)
+    assert isinstance(noise, RuntimeNoiseV1)
+    assert not tuner.is_argmax_invariant()
+    assert noise.handed_over
+    params = _captured("b", 0.5, nts_policy=FIXED.to_json())
+    update = BatchUpdate(1, [], [(0, params, None, [])], [])
+    for processor in (tuner, noise):
+        processor.update_state(update)
+    logits = torch.zeros(1, 4096)  # unscaled: these processors run before the temperature
+    for processor in (tuner, noise):  # vLLM's order
+        logits = processor.apply(logits)
+    tuner.capture.reporter.flush()  # type: ignore[union-attr]
+    captured = torch.from_numpy(_take(collector, "b", 1).rows[0])
+    assert float(captured.std()) == pytest.approx(2.0, rel=0.1)
+    torch.testing.assert_close(logits[0], captured / 2.0)

@@ -12,7 +12,10 @@ Reported per configuration: the median wall time of one ``apply()`` and of the b
 overhead at a small vocabulary is the host work per step that a GPU would otherwise wait for
 (target: ≤ 0.1 ms at batch 256 for step-only rules). Rules: ``sqrt`` (a table lookup, as off,
 fixed, linear and a step-only calibrated table), ``schedule`` (the lookup plus its closed-form
-factor) and ``fisher`` (reads the served row: one softmax pass). Each configuration is measured
+factor), ``fisher`` (reads the served row: one softmax pass) and ``sqrt+bias`` (``sqrt`` with a
+per-token logit bias in every row's policy: the processor adds it before the division, a gather
+of the rows' bias and an add; its bare arithmetic also counts one add of a [V] vector, so its
+overhead is apply - divide - add). Each configuration is measured
 ``--rounds`` times, the rounds spread over the run; the table shows the least disturbed round (on
 a shared machine, the cost without interference) and the median over the rounds. Saved as JSON
 + markdown under ``benchmarks/results/``.
@@ -23,13 +26,15 @@ a shared machine, the cost without interference) and the median over the rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,8 +45,10 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
+from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
@@ -62,6 +69,8 @@ POLICIES = {
         sigma2_by_step=(0.3, 0.2, 0.1, 0.05, 0.02),
     ),
 }
+BIASED = "sqrt+bias"
+"""The ``sqrt`` policy with a per-token bias (made per vocabulary size by `_biased`)."""
 
 
 class _Counter:
@@ -71,19 +80,41 @@ class _Counter:
         self.gpu = values
 
 
-def _params(rule: str, row: int) -> SamplingParams:
-    keys = {"nts_policy": POLICIES[rule].to_json(), "nts_trace_id": f"bench-{row}"}
+def _params(policy: TemperaturePolicy, row: int) -> SamplingParams:
+    keys = {"nts_policy": policy.to_json(), "nts_trace_id": f"bench-{row}"}
     return SamplingParams(temperature=0.8, extra_args=keys)
+
+
+@contextlib.contextmanager
+def _policy(rule: str, vocab: int) -> Iterator[TemperaturePolicy]:
+    """The policy of ``rule``; for `BIASED`, ``sqrt`` with a random bias of ``vocab`` entries
+    saved in a temporary bias directory (``NTS_BIAS_DIR`` while the processor is built)."""
+    if rule != BIASED:
+        yield POLICIES[rule]
+        return
+    bias = torch.randn(vocab)
+    with tempfile.TemporaryDirectory() as folder:
+        save_bias_file(Path(folder), bias)
+        os.environ[BIAS_DIR_ENV] = folder
+        try:
+            yield dataclasses.replace(POLICIES["sqrt"], bias=bias_sha256(bias))
+        finally:
+            del os.environ[BIAS_DIR_ENV]
 
 
 Step = Callable[[torch.Tensor], Any]
 
 
-def _v1_step(rule: str, batch: int, device: torch.device) -> tuple[Any, Step]:
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=batch))
+def _v1_step(
+    policy: TemperaturePolicy, batch: int, vocab: int, device: torch.device
+) -> tuple[Any, Step]:
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=batch),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
+    )
     processor = NoisyTemperatureLogitsProcessor(config, device, device.type == "cuda")
     outputs = [[0] for _ in range(batch)]  # decoding: every row has produced a token
-    added = [(row, _params(rule, row), None, outputs[row]) for row in range(batch)]
+    added = [(row, _params(policy, row), None, outputs[row]) for row in range(batch)]
     processor.update_state(BatchUpdate(batch_size=batch, removed=[], added=added, moved=[]))
     for row_outputs in outputs:
         row_outputs.append(0)
@@ -95,12 +126,14 @@ def _v1_step(rule: str, batch: int, device: torch.device) -> tuple[Any, Step]:
     return processor, step
 
 
-def _v2_step(rule: str, batch: int, device: torch.device) -> tuple[Any, Step]:
+def _v2_step(
+    policy: TemperaturePolicy, batch: int, vocab: int, device: torch.device
+) -> tuple[Any, Step]:
     prompt = torch.full((batch,), 16, dtype=torch.int32, device=device)
     state = LogitsProcRequestState(
         device=device,
         max_num_reqs=batch,
-        vocab_size=0,
+        vocab_size=vocab,
         all_token_ids=None,  # type: ignore[arg-type]  (not read by the processor)
         prompt_len=_Counter(prompt),  # type: ignore[arg-type]
         prefill_len=_Counter(prompt),  # type: ignore[arg-type]
@@ -108,7 +141,7 @@ def _v2_step(rule: str, batch: int, device: torch.device) -> tuple[Any, Step]:
     )
     processor = NoisyTemperatureLogitsProcessor(SimpleNamespace(), state)
     for slot in range(batch):
-        processor.add_request(slot, _params(rule, slot))
+        processor.add_request(slot, _params(policy, slot))
     processor.apply_staged_writes()
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     positions = torch.full((batch,), 16, dtype=torch.int64, device=device)
@@ -144,13 +177,18 @@ def measure(
     runner: str, rule: str, batch: int, vocab: int, *, steps: int, device: torch.device
 ) -> dict[str, Any]:
     build = _v1_step if runner == "v1" else _v2_step
-    processor, step = build(rule, batch, device)
+    with _policy(rule, vocab) as policy:
+        processor, step = build(policy, batch, vocab, device)
     logits = torch.randn(batch, vocab, device=device)
     ones = torch.ones(batch, 1, device=device)
     for _ in range(3):
         step(logits)
     apply_ms = _median_ms(lambda: step(logits), steps, device)
     divide_ms = _median_ms(lambda: logits.div_(ones), steps, device)
+    add_ms = 0.0
+    if rule == BIASED:
+        vector = torch.zeros(vocab, device=device)
+        add_ms = _median_ms(lambda: logits.add_(vector), steps, device)
     processor.tuning.reporter.close()  # its thread would compete with the next measurement
     return {
         "runner": runner,
@@ -159,7 +197,8 @@ def measure(
         "vocab": vocab,
         "apply_ms": round(apply_ms, 4),
         "divide_ms": round(divide_ms, 4),
-        "overhead_ms": round(apply_ms - divide_ms, 4),
+        "add_ms": round(add_ms, 4),
+        "overhead_ms": round(apply_ms - divide_ms - add_ms, 4),
     }
 
 
@@ -176,7 +215,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[1024, 128_000])
-    parser.add_argument("--rules", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    parser.add_argument(
+        "--rules", nargs="+", choices=[*POLICIES, BIASED], default=[*POLICIES, BIASED]
+    )
     parser.add_argument("--steps", type=int, default=200, help="timed steps (vocab 1024)")
     parser.add_argument(
         "--rounds", type=int, default=3, help="measurements per configuration, spread in time"
@@ -221,15 +262,16 @@ def main() -> None:
         "",
         f"device {meta['device']}, torch {meta['torch']}, {meta['threads']} torch thread(s), "
         f"load average {meta['load_average_1min']:.1f} when done. "
-        "apply: median ms per step of `apply()`; divide: the bare division; overhead: apply - "
-        f"divide, in the least disturbed of {args.rounds} rounds (median over the rounds).",
+        "apply: median ms per step of `apply()`; divide: the bare division; add: the bare add "
+        "of one [V] bias vector (bias rules); overhead: apply - divide - add, in the least "
+        f"disturbed of {args.rounds} rounds (median over the rounds).",
         "",
-        "| runner | rule | batch | vocab | apply ms | divide ms | overhead ms (median) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| runner | rule | batch | vocab | apply ms | divide ms | add ms | overhead ms (median) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['runner']} | {r['rule']} | {r['batch']} | {r['vocab']} | {r['apply_ms']} | "
-        f"{r['divide_ms']} | {r['overhead_ms']} ({r['overhead_ms_median']}) |"
+        f"{r['divide_ms']} | {r['add_ms']} | {r['overhead_ms']} ({r['overhead_ms_median']}) |"
         for r in rows
     ]
     (RESULTS / "processor_bench.md").write_text("\n".join(lines) + "\n")

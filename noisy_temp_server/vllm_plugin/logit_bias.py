@@ -9,13 +9,15 @@ whose policy names one is refused (`check_bias`, run by the processors' ``valida
 HTTP 400). ``noisy-temp-server serve`` sets ``NTS_BIAS_DIR`` for its engine
 (`Settings.bias_dir`, by default the profile's folder).
 
-`SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 is the
-no-bias row, each live bias (one per policy version that has one) is loaded once, on the first
+`SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 stands
+for "no bias", each live bias (one per policy version that has one) is loaded once, on the first
 admission that names it, into a row of its own, reused once no slot holds it. A slot's row index
-is set at admission; a step adds ``table[row[slot]]`` to each logits row (a gather and an add
-over the batch's logits), and only while some slot holds a bias (a host-side count). Row 0 is
-``-0.0`` everywhere, and ``x + (-0.0) == x`` bit for bit for every float (``-0.0``, ±inf and NaN
-included), so rows without a bias are unchanged.
+is set at admission. Only while some slot holds a bias (a host-side count), a step adds, for each
+live row ``k`` (the host knows them; usually one), ``[row[slot] == k] * table[k]`` to the logits
+(one fused ``addcmul_`` pass, broadcast: no ``[R, V]`` gather, which costs several passes on a
+CPU). Rows without a bias get ``x + 0 * b``: every value is unchanged (±inf and NaN included)
+and bit for bit too, except that a ``-0.0`` logit may come out as ``+0.0``, which no softmax,
+argmax or logprob can tell apart.
 """
 
 from __future__ import annotations
@@ -104,13 +106,14 @@ class SlotBias:
         self.vocab_size = vocab_size
         self.device = device
         self._pin = pin_memory
-        self.table = torch.full((1, vocab_size or 0), -0.0, device=device)
+        self.table = torch.zeros(1, vocab_size or 0, device=device)
         self._row_of: dict[str, int] = {}
         self._users = [0]  # slots holding each row (row 0: unused)
         self._host_row = np.zeros(slots, dtype=np.int64)
         self.slot_row = torch.zeros(slots, dtype=torch.int64, device=device)
         self.biased_slots = 0
         self._staged: dict[int, int] = {}
+        self._live: list[int] = []  # rows some slot holds, as of the last flush
         self._refused: set[str] = set()
 
     def stage(self, slot: int, sha256: str | None) -> bool:
@@ -165,6 +168,7 @@ class SlotBias:
         """Copy the staged slots' rows to the device (one copy)."""
         if not self._staged:
             return
+        self._live = [row for row, users in enumerate(self._users) if row and users]
         slots = torch.tensor(list(self._staged), dtype=torch.int64)
         rows = torch.tensor(list(self._staged.values()), dtype=torch.int64)
         if self._pin:
@@ -176,6 +180,10 @@ class SlotBias:
 
     def add(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         """Add each row's bias to ``logits`` ([R, V] float32, in place; ``slots``: [R] slot of
-        each row), while some slot holds one. No host sync."""
-        if self.biased_slots:
-            logits.add_(self.table.index_select(0, self.slot_row.index_select(0, slots)))
+        each row), while some slot holds one: one pass over the logits per live bias. No host
+        sync."""
+        if not self.biased_slots:
+            return
+        rows = self.slot_row.index_select(0, slots)
+        for row in self._live:
+            logits.addcmul_(rows.eq(row).unsqueeze(1).to(logits.dtype), self.table[row])

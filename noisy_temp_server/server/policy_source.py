@@ -39,11 +39,13 @@ class StaticPolicySource:
 
 
 def describe_policy(policy: TemperaturePolicy) -> dict[str, Any]:
-    """Version, rule and α/σ² by step bucket label (for `/v1/nts/status` and the gauges)."""
+    """Version, rule, α/σ² by step bucket label and the per-token bias's sha256 (None: none),
+    for `/v1/nts/status` and the gauges."""
     labels = step_bucket_labels(policy.step_edges)
     return {
         "policy_version": policy.version,
         "rule": policy.rule.value,
         "alpha_by_step_bucket": dict(zip(labels, policy.alpha_by_step, strict=True)),
         "sigma2_by_step_bucket": dict(zip(labels, policy.sigma2_by_step, strict=True)),
+        "bias": policy.bias,
     }

@@ -11,10 +11,11 @@ HTTP 400). ``noisy-temp-server serve`` sets ``NTS_BIAS_DIR`` for its engine
 
 `SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 stands
 for "no bias", each live bias (one per policy version that has one) is loaded once, on the first
-admission that names it, into a row of its own, reused once no slot holds it. A slot's row index
-is set at admission. Only while some slot holds a bias (a host-side count), a step adds, for each
-live row ``k`` (the host knows them; usually one), ``[row[slot] == k] * table[k]`` to the logits
-(one fused ``addcmul_`` pass, broadcast: no ``[R, V]`` gather, which costs several passes on a
+admission that names it, into a row of its own, reused once no slot holds it. Each admission
+wave writes ``weight[slot, k]`` = 1 where the slot holds live row ``k`` (the host knows the live
+rows; usually one), else 0. Only while some slot holds a bias (a host-side count), a step gathers
+the rows' weights and adds ``weight[:, k] * table[k]`` to the logits for each live row (one
+broadcast ``addcmul_`` pass per live row; no ``[R, V]`` gather, which costs several passes on a
 CPU). Rows without a bias get ``x + 0 * b``: every value is unchanged (±inf and NaN included)
 and bit for bit too, except that a ``-0.0`` logit may come out as ``+0.0``, which no softmax,
 argmax or logprob can tell apart.
@@ -110,10 +111,11 @@ class SlotBias:
         self._row_of: dict[str, int] = {}
         self._users = [0]  # slots holding each row (row 0: unused)
         self._host_row = np.zeros(slots, dtype=np.int64)
-        self.slot_row = torch.zeros(slots, dtype=torch.int64, device=device)
         self.biased_slots = 0
-        self._staged: dict[int, int] = {}
-        self._live: list[int] = []  # rows some slot holds, as of the last flush
+        self._changed = False
+        # As of the last flush: [slots, live rows] 0/1 weights and the live rows' vectors.
+        self.weight = torch.zeros(slots, 0, device=device)
+        self._vectors: list[torch.Tensor] = []
         self._refused: set[str] = set()
 
     def stage(self, slot: int, sha256: str | None) -> bool:
@@ -130,7 +132,7 @@ class SlotBias:
             self._users[row] += 1
             self.biased_slots += 1
         self._host_row[slot] = row
-        self._staged[slot] = row
+        self._changed = True
         return bool(row)
 
     def _row(self, sha256: str) -> int:
@@ -165,18 +167,18 @@ class SlotBias:
         return 0
 
     def flush(self) -> None:
-        """Copy the staged slots' rows to the device (one copy)."""
-        if not self._staged:
+        """Write the slots' weights of the live rows to the device (one copy), after admissions
+        changed them."""
+        if not self._changed:
             return
-        self._live = [row for row, users in enumerate(self._users) if row and users]
-        slots = torch.tensor(list(self._staged), dtype=torch.int64)
-        rows = torch.tensor(list(self._staged.values()), dtype=torch.int64)
+        self._changed = False
+        live = [row for row, users in enumerate(self._users) if row and users]
+        weight = torch.from_numpy(self._host_row[:, None] == np.asarray(live, dtype=np.int64))
+        weight = weight.float()
         if self._pin:
-            slots, rows = slots.pin_memory(), rows.pin_memory()
-        self.slot_row.index_copy_(
-            0, slots.to(self.device, non_blocking=True), rows.to(self.device, non_blocking=True)
-        )
-        self._staged.clear()
+            weight = weight.pin_memory()
+        self.weight = weight.to(self.device, non_blocking=True)
+        self._vectors = [self.table[row] for row in live]
 
     def add(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         """Add each row's bias to ``logits`` ([R, V] float32, in place; ``slots``: [R] slot of
@@ -184,6 +186,6 @@ class SlotBias:
         sync."""
         if not self.biased_slots:
             return
-        rows = self.slot_row.index_select(0, slots)
-        for row in self._live:
-            logits.addcmul_(rows.eq(row).unsqueeze(1).to(logits.dtype), self.table[row])
+        weight = self.weight.index_select(0, slots)
+        for column, vector in enumerate(self._vectors):
+            logits.addcmul_(weight[:, column : column + 1], vector)

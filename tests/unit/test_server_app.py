@@ -448,6 +448,7 @@ def test_models_health_and_status(server: Harness) -> None:
     assert status["policy_version"] == 7
     assert status["policy"]["rule"] == "sqrt"
     assert status["alpha_by_step_bucket"] == {"0+": 0.5625}
+    assert status["bias"] is None
     assert status["estimator"] == {"enabled": False, "origin": "test"}
     assert status["shadow"] == {"enabled": False}
     server.engine.dead = True

@@ -52,7 +52,15 @@ __all__ = [
     "add_extra_args",
 ]
 
-NTS_CLIENT_KEYS = ("nts_tune", "nts_rule", "nts_t", "nts_t_min", "nts_t_max", "nts_trace")
+NTS_CLIENT_KEYS = (
+    "nts_tune",
+    "nts_rule",
+    "nts_t",
+    "nts_t_min",
+    "nts_t_max",
+    "nts_trace",
+    "nts_bias",
+)
 """The flat keys a client may set (the server sets `nts_policy` and `nts_trace_id`)."""
 
 _SERVER_KEYS = ("nts_policy", "nts_trace_id")
@@ -105,6 +113,7 @@ class _SamplingFields(_Request):
         nts_t_min: float | None
         nts_t_max: float | None
         nts_trace: bool | None
+        nts_bias: bool | None
         vllm_xargs: dict[str, XargValue] | None
 
     def requested_max_tokens(self) -> int | None:
@@ -246,6 +255,7 @@ class CompletionRequest(_SamplingFields):
     nts_t_min: float | None = None
     nts_t_max: float | None = None
     nts_trace: bool | None = None
+    nts_bias: bool | None = None
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -338,6 +348,7 @@ class ChatCompletionRequest(_SamplingFields):
     nts_t_min: float | None = None
     nts_t_max: float | None = None
     nts_trace: bool | None = None
+    nts_bias: bool | None = None
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:

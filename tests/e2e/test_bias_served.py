@@ -1,0 +1,85 @@
+"""End to end: `serve --profile` with a profile that recommends the per-token bias. The bias
+file beside the profile reaches the engine (its bias directory), greedy requests are served
+with it, `nts.bias` says so, `nts_bias: false` turns it off, and /v1/nts/status names it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from profile_helpers import sample_profile
+from server_helpers import stop
+from tiny_serve import MODEL, TinyServer, start_tiny_server
+
+from noisy_temp_server.estimation.profile import BiasSummary
+from noisy_temp_server.pairs.identity import ModelIdentity
+from noisy_temp_server.pairs.perturb import WeightNoiseSpec
+from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+
+pytestmark = pytest.mark.vllm
+
+LIFTED = 7  # the token the bias lifts far above every other
+
+
+def _bias_profile(tiny_model_dir: Path, folder: Path) -> tuple[Path, str]:
+    """A profile of tiny_serve's pair recommending a bias that lifts `LIFTED`, with its file."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    bias = torch.zeros(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+    bias[LIFTED] = 1e3
+    folder.mkdir()
+    save_bias_file(folder, bias)
+    profile = sample_profile()
+    row = profile.validation_quality.rows[0]
+    clean = ModelIdentity.of_checkpoint(tiny_model_dir)
+    summary = BiasSummary(
+        sha256=bias_sha256(bias),
+        vocab_size=bias.numel(),
+        temperature=1.0,
+        penalty=1e-3,
+        recommended=True,
+        validation=row,
+        test=row,
+        validation_same_top_rate=0.9,
+        test_same_top_rate=0.9,
+    )
+    served = ModelIdentity.perturbed(clean, WeightNoiseSpec(scale=0.3))  # tiny_serve's pair
+    path = folder / "pair.profile.json"
+    profile.model_copy(update={"clean": clean, "served": served, "bias": summary}).save(path)
+    return path, summary.sha256
+
+
+def _greedy(server: TinyServer, **keys: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": "the cat sat on", "max_tokens": 5, "temperature": 0}
+    reply = httpx.post(
+        f"{server.url}/v1/completions",
+        json={**body, "logprobs": 1, "ignore_eos": True, **keys},
+        headers=server.headers,
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def test_a_recommended_bias_is_served_to_greedy_requests(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    profile, sha = _bias_profile(tiny_model_dir, tmp_path / "profile")
+    server = start_tiny_server(
+        tiny_model_dir, tmp_path, "--profile", str(profile), "--shadow-fraction", "0"
+    )
+    try:
+        status = httpx.get(f"{server.url}/v1/nts/status", headers=server.headers).json()
+        assert status["bias"] == sha
+        biased, plain = _greedy(server), _greedy(server, nts_bias=False)
+        assert biased["nts"]["bias"] == sha
+        assert plain["nts"]["bias"] is None
+        top = [max(step.values()) for step in biased["choices"][0]["logprobs"]["top_logprobs"]]
+        assert len(top) == 5
+        assert min(top) > -1e-3  # the lifted token, at probability ~1
+        assert biased["choices"][0]["text"] != plain["choices"][0]["text"]
+    finally:
+        stop(server.process)

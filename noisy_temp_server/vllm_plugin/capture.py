@@ -13,10 +13,11 @@ before any temperature:
   |fl(fl(z̃/T)·T) − z̃| ≤ 2·2⁻²⁴·|z̃| per entry (``tests/unit/test_capture.py`` holds it), far
   below what any statistic of the scorer resolves.
 
-Both runners run vLLM's non-argmax-invariant processors first (penalties, logit bias, and our
-`runtime_noise` processor under V1), so a row includes them; the server samples only requests
-without penalties or logit bias, and the runtime noise is exactly the served side's difference
-of the runtime-noise pair (see docs/architecture.md, "Capture", for V2's processor order).
+Both runners apply penalties, logit bias and the like before, so a row includes them; the
+server samples only requests without them (`capturable`). Our runtime-noise processor always
+runs before the capture (it hands its noise to the T* processor where vLLM's order would put it
+after, see `runtime_noise`): its noise is exactly the served side's difference of the
+runtime-noise pair.
 
 Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``):
 

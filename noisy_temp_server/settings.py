@@ -173,6 +173,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Scored positions the estimator needs before it publishes its first policy.",
     )
+    shadow_bias_rows: int = Field(
+        default=32,
+        ge=1,
+        description="Positions per scored request whose full clean and served rows refine a "
+        "served per-token bias online (evenly spaced; 8 bytes per vocabulary entry each, "
+        "while the request is scored). Used only when the policy serves a bias.",
+    )
     shadow_window_positions: int = Field(
         default=50_000,
         ge=1,

@@ -349,6 +349,7 @@ def _shadow(
     from noisy_temp_server.estimation.heap import fix_mmap_threshold  # noqa: PLC0415
     from noisy_temp_server.estimation.online import OnlineEstimator  # noqa: PLC0415
     from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
+    from noisy_temp_server.vllm_plugin.logit_bias import bias_directory  # noqa: PLC0415
 
     fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
     scorer = pair_scorer(settings, pair)
@@ -357,6 +358,7 @@ def _shadow(
         min_positions=settings.shadow_min_positions,
         refit_every=settings.shadow_min_positions,
         window_positions=settings.shadow_window_positions,
+        bias_dir=bias_directory(),
     )
     shadow = ShadowScorer(
         scorer,
@@ -371,6 +373,7 @@ def _shadow(
         on_policy=_policy_gauges(metrics),
         threads=settings.shadow_threads,
         nice=settings.shadow_nice,
+        bias_rows=settings.shadow_bias_rows if estimator.refines_bias else 0,
     )
     return estimator, shadow
 

@@ -14,9 +14,15 @@ measured at request temperature 1 and cannot refit the other bands. The rule ser
 stays the one it started with, except that a profile recommending `off` starts on `calibrated`
 with the profile's table: that table is significance-gated (all ones where nothing beat T = 1),
 so it serves T = 1 until the live evidence says otherwise instead of pinning the server at
-T = 1 for good. A profile (or policy) that serves the per-token bias keeps the bias and its T
-as calibrated (the records cannot refit a T that was fitted jointly with the bias); only
-alpha / sigma2 are refitted then.
+T = 1 for good. A profile (or policy) that serves the per-token bias keeps its T as calibrated
+(the records cannot refit a T that was fitted jointly with the bias); alpha / sigma2 are
+refitted as always. Given the bias directory (`bias_dir`) and a profile that serves a bias, the
+bias and its T are refined online from the shadow scorer's paired rows (`add(records, rows)`;
+`estimation.online_bias.OnlineBias`: a streaming fit with the profile's penalty, a held-out
+reservoir) and, at a refit, published in the new policy version when they beat the published
+ones on the held-out rows by more than two standard errors: the vector is written once to
+the bias directory (`bias-<sha256>.safetensors`, one small file per published version), and
+the policy names it by hash.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -31,13 +37,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from noisy_temp_server.estimation.fitting import fit_rules
+from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile, StepBucketNoise
 from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.temperature.bias import (
+    LogitBias,
+    PairedRows,
+    bias_file_name,
+    bias_sha256,
+    load_bias_file,
+    save_bias_file,
+)
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -68,6 +84,8 @@ class OnlineEstimator:
         settings: fit settings (step buckets, entropy buckets, evidence per cell); default: the
             profile's, else `CalibrationSettings()` with the initial policy's bounds.
         clock: returns the wall time in seconds (injectable for tests).
+        bias_dir: the bias directory; with a profile that serves a bias, the bias is refined
+            online (see the module docstring). ValueError when its file is not there.
     """
 
     def __init__(
@@ -79,6 +97,7 @@ class OnlineEstimator:
         window_positions: int = 50_000,
         settings: CalibrationSettings | None = None,
         clock: Callable[[], float] = time.time,
+        bias_dir: Path | None = None,
     ) -> None:
         if min_positions < 1 or refit_every < 1 or window_positions < min_positions:
             raise ValueError(
@@ -121,9 +140,27 @@ class OnlineEstimator:
         self._last_error: str | None = None
         self._lock = threading.Lock()
         self._refit_lock = threading.Lock()
+        self._bias_dir = bias_dir
+        self._bias: OnlineBias | None = None
+        penalty = initial.bias.penalty if isinstance(initial, Profile) and initial.bias else None
+        if bias_dir is not None and policy.bias is not None and penalty is not None:
+            vector = load_bias_file(bias_dir / bias_file_name(policy.bias), policy.bias)
+            self._bias = OnlineBias(
+                LogitBias(bias=vector, temperature=policy.fixed_temperature),
+                penalty,
+                bounds=policy.bounds,
+            )
 
-    def add(self, records: PositionRecords) -> None:
-        """Add one finished request's records; refits (in this thread) when it is due."""
+    @property
+    def refines_bias(self) -> bool:
+        """Whether `add` wants the paired rows (the bias is refined online)."""
+        return self._bias is not None
+
+    def add(self, records: PositionRecords, rows: PairedRows | None = None) -> None:
+        """Add one finished request's records (and, when `refines_bias`, paired rows of some
+        of its positions); refits (in this thread) when it is due."""
+        if self._bias is not None and rows is not None:
+            self._bias.add(rows)
         if len(records) == 0:
             return
         with self._lock:
@@ -158,6 +195,7 @@ class OnlineEstimator:
                     self._last_error = f"refit on {len(window)} positions failed: {error}"
                 logger.warning("%s", self._last_error)
                 return False
+            bias_update = self._bias_update()
             with self._lock:
                 previous = self._policy
                 fitted = parameters.to_policy(previous.rule, previous.version + 1)
@@ -167,9 +205,8 @@ class OnlineEstimator:
                     if rule not in self._fitted_rules
                     for name in names
                 }
-                self._policy = dataclasses.replace(
-                    fitted, bounds=previous.bounds, bias=previous.bias, **kept
-                )
+                kept = {"bias": previous.bias, **kept, **bias_update}
+                self._policy = dataclasses.replace(fitted, bounds=previous.bounds, **kept)
                 self._noise = tuple(noise)
                 self._last_refit = self._clock()
                 self._last_error = None
@@ -177,6 +214,18 @@ class OnlineEstimator:
             return True
         finally:
             self._refit_lock.release()
+
+    def _bias_update(self) -> dict[str, Any]:
+        """The policy fields of the online bias for the next version when it is significantly
+        better on the held-out rows (its vector written to the bias directory first), else
+        none."""
+        candidate = None if self._bias is None else self._bias.candidate()
+        if candidate is None or self._bias is None or self._bias_dir is None:
+            return {}
+        save_bias_file(self._bias_dir, candidate.bias)
+        self._bias.published = candidate
+        logger.info("the online bias beats the published one on held-out rows: publishing it")
+        return {"bias": bias_sha256(candidate.bias), "fixed_temperature": candidate.temperature}
 
     def current_policy(self) -> TemperaturePolicy:
         """The latest published policy (an immutable snapshot)."""
@@ -198,6 +247,7 @@ class OnlineEstimator:
                 "last_refit_time": self._last_refit,
                 "healthy": self._last_error is None,
                 "last_error": self._last_error,
+                "bias": None if self._bias is None else self._bias.status(),
                 "mean_window_kl_at_one": (
                     float(torch.cat([r.kl_at_one for r in self._window]).double().mean())
                     if self._window

@@ -18,6 +18,7 @@ evaluated later, including a compact KL curve over `KL_CURVE_TEMPERATURES` (read
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,6 +31,7 @@ from torch import Tensor
 from noisy_temp_server.estimation.scoreboard import PositionScores, scores_at_temperatures
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
+from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.oracle import kl_curve, oracle_temperature
 from noisy_temp_server.temperature.stats import pair_statistics, served_row_features
 
@@ -239,12 +241,15 @@ class LiveScores:
 
     records: the online estimator's records, without the oracle (`oracle_t`, `oracle_kl` NaN);
     at_one: the scoreboard's per-position scores of the served model at T = 1, every position;
-    at_served: the same at the T* the engine applied, for the positions whose T* is known.
+    at_served: the same at the T* the engine applied, for the positions whose T* is known;
+    rows: paired rows of an evenly spaced share of the positions, for the online bias (None
+    unless asked for).
     """
 
     records: PositionRecords
     at_one: PositionScores
     at_served: PositionScores
+    rows: PairedRows | None = None
 
 
 class KLCurveInterpolant:
@@ -391,19 +396,22 @@ class PairScorer:
         sequence: ScoringSequence,
         served_temperatures: Sequence[float],
         served: ServedRows,
+        max_rows: int = 0,
     ) -> LiveScores:
         """`LiveScores` of the positions of one finished request that have a captured served
         row (`served`; the clean side runs teacher-forced over the completion up to the last
         of them): lean records plus the scoreboard's scores at T = 1 and at
         `served_temperatures` (the T* of generated step s at index s; positions past its end
-        are scored at T = 1 only)."""
+        are scored at T = 1 only), and the paired rows of at most `max_rows` evenly spaced of
+        them, for the online bias (0: none)."""
         ids = list(sequence.token_ids)
         steps_wanted = served.steps.to(torch.int64)
         if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:
             raise ValueError(f"sequence {sequence.sequence_id}: captured steps beyond it")
         end = sequence.prompt_length + int(steps_wanted[-1]) + 1
         scored = ScoringSequence(ids[:end], sequence.prompt_length, sequence.sequence_id)
-        records, at_one, at_served = [], [], []
+        records, at_one, at_served, paired = [], [], [], []
+        keep_every = math.ceil(len(steps_wanted) / max(max_rows, 1))
         first = 0
         for clean_rows in self.clean.completion_rows(scored, self.chunk_positions):
             stop = first + clean_rows.shape[0]
@@ -416,6 +424,11 @@ class PairScorer:
                     sequence, steps, clean, rows, served_temperatures
                 )
                 records.append(record)
+                if max_rows:
+                    kept = steps % keep_every == 0
+                    paired.append(
+                        PairedRows.from_logits(clean[kept], rows[kept], sequence.sequence_id)
+                    )
                 at_one.append(one)
                 at_served.append(starred)
             first = stop
@@ -423,6 +436,7 @@ class PairScorer:
             PositionRecords.concat(records),
             PositionScores.concat(at_one),
             PositionScores.concat(at_served),
+            PairedRows.concat(paired) if paired else None,
         )
 
     def _live_chunk(

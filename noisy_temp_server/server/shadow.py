@@ -53,6 +53,7 @@ from noisy_temp_server.pairs.scorer import (
     ServedRows,
 )
 from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.temperature.bias import PairedRows
 
 __all__ = ["CapturedRowsSource", "PolicyEstimator", "SequenceScorer", "ShadowScorer"]
 
@@ -63,7 +64,11 @@ class SequenceScorer(Protocol):
     """What the shadow loop needs of `PairScorer`."""
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
+        self,
+        sequence: ScoringSequence,
+        served_temperatures: Sequence[float],
+        served: ServedRows,
+        max_rows: int = 0,
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
@@ -80,7 +85,7 @@ class CapturedRowsSource(Protocol):
 class PolicyEstimator(Protocol):
     """What the shadow loop needs of `estimation.online.OnlineEstimator`."""
 
-    def add(self, records: PositionRecords) -> Any: ...
+    def add(self, records: PositionRecords, rows: PairedRows | None = None) -> Any: ...
 
     def current_policy(self) -> Any: ...
 
@@ -104,7 +109,9 @@ class ShadowScorer:
     process (None: leave them); `nice`: how many nice steps the scoring thread runs below the
     process (0: same priority). `rows`: the captured served rows (`CapturedRowsSource`);
     `positions`: the steps the engine captures per request (``capture_positions``);
-    `rows_timeout_s`: how long the scoring thread waits for rows still under way.
+    `rows_timeout_s`: how long the scoring thread waits for rows still under way;
+    `bias_rows`: paired rows per scored request passed to the estimator for the online bias
+    (0: none).
     Thread-safe `admit` and `submit`; `start` once, `close` once.
     """
 
@@ -125,6 +132,7 @@ class ShadowScorer:
         scoreboard: LiveScoreboard | None = None,
         threads: int | None = None,
         nice: int = 0,
+        bias_rows: int = 0,
     ) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"shadow fraction must be in [0, 1], got {fraction}")
@@ -145,6 +153,7 @@ class ShadowScorer:
         self._scoreboard_result: dict[str, Any] | None = None
         self._threads = threads
         self._nice = nice
+        self._bias_rows = bias_rows
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._next_sequence_id = 0
@@ -310,9 +319,9 @@ class ShadowScorer:
             sequence_id=item.sequence_id,
         )
         served = ServedRows(torch.from_numpy(captured.steps), torch.from_numpy(captured.rows))
-        live = self._scorer.score_live(sequence, item.served_temperatures, served)
+        live = self._scorer.score_live(sequence, item.served_temperatures, served, self._bias_rows)
         elapsed = time.perf_counter() - started
-        self._estimator.add(live.records)
+        self._estimator.add(live.records, live.rows)
         self._scoreboard.update(live.at_one, live.at_served)
         scoreboard = self._scoreboard.result()
         with self._lock:

@@ -46,6 +46,7 @@ __all__ = [
     "BiasPath",
     "LogitBias",
     "PairedRows",
+    "StreamingBias",
     "bias_file_name",
     "bias_sha256",
     "evaluate_bias",
@@ -356,6 +357,57 @@ def fit_logit_bias(
             if worse >= patience:
                 break
     return BiasPath(chosen=best, validation_kl=scores)
+
+
+class StreamingBias:
+    """Refines (T, b) from a stream of row batches with O(V) state: per batch, one diagonally
+    preconditioned gradient step on the same penalised objective as `fit_bias_at_penalty`,
+
+        x <- x - step * dF/dx / h,    x = (u, c) = (1/T, b/T),
+
+    where h is a running mean of the Hessian's diagonal at p (Var_p(s) for u, mean p + penalty
+    for c; `_diagonal_curvature`), each batch weighted by its rows. Only `x` and `h` are kept
+    (2 (V + 1) float64), never the rows; T stays in `bounds`.
+    """
+
+    def __init__(
+        self,
+        start: LogitBias,
+        penalty: float,
+        *,
+        bounds: TemperatureBounds | None = None,
+        step: float = 0.5,
+    ) -> None:
+        if not penalty > 0 or not 0 < step <= 1:
+            raise ValueError(f"need penalty > 0 and 0 < step <= 1, got {penalty}, {step}")
+        self.penalty = penalty
+        self.bounds = bounds or TemperatureBounds()
+        self.step = step
+        u = 1.0 / start.temperature
+        bias = start.bias.detach().to(torch.float64)
+        self._x = torch.cat([torch.tensor([u], dtype=torch.float64, device=bias.device), bias * u])
+        self._curvature = torch.zeros_like(self._x)
+        self.rows_seen = 0
+
+    @torch.no_grad()
+    def update(self, rows: PairedRows) -> None:
+        """One step on `rows` (at least one row, on the start's device)."""
+        if not len(rows):
+            raise ValueError("cannot update on zero rows")
+        self.rows_seen += len(rows)
+        weight = len(rows) / self.rows_seen
+        curvature = _diagonal_curvature(rows, self.penalty)
+        self._curvature.mul_(1 - weight).add_(curvature, alpha=weight)
+        _, grad_u, grad_c = _objective(rows, self._x[0], self._x[1:], self.penalty)
+        self._x.sub_(torch.cat([grad_u.reshape(1), grad_c]) / self._curvature * self.step)
+        self._x[0].clamp_(1.0 / self.bounds.t_max, 1.0 / self.bounds.t_min)
+
+    @property
+    def correction(self) -> LogitBias:
+        """The current (T, b), b centred (softmax ignores a constant)."""
+        u = float(self._x[0])
+        bias = (self._x[1:] / u).to(torch.float32)
+        return LogitBias(bias=bias - bias.mean(), temperature=1.0 / u)
 
 
 def bias_sha256(bias: Tensor) -> str:

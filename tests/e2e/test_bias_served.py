@@ -1,9 +1,11 @@
 """End to end: `serve --profile` with a profile that recommends the per-token bias. The bias
 file beside the profile reaches the engine (its bias directory), greedy requests are served
-with it, `nts.bias` says so, `nts_bias: false` turns it off, and /v1/nts/status names it."""
+with it, `nts.bias` says so, `nts_bias: false` turns it off, /v1/nts/status names it, and the
+shadow scorer feeds paired rows of sampled requests to the online bias."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,7 @@ def _bias_profile(tiny_model_dir: Path, folder: Path) -> tuple[Path, str]:
     return path, summary.sha256
 
 
-def _greedy(server: TinyServer, **keys: Any) -> dict[str, Any]:
+def _complete(server: TinyServer, **keys: Any) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": "the cat sat on", "max_tokens": 5, "temperature": 0}
     reply = httpx.post(
         f"{server.url}/v1/completions",
@@ -69,17 +71,25 @@ def test_a_recommended_bias_is_served_to_greedy_requests(
 ) -> None:
     profile, sha = _bias_profile(tiny_model_dir, tmp_path / "profile")
     server = start_tiny_server(
-        tiny_model_dir, tmp_path, "--profile", str(profile), "--shadow-fraction", "0"
+        tiny_model_dir, tmp_path, "--profile", str(profile), "--shadow-fraction", "1"
     )
     try:
         status = httpx.get(f"{server.url}/v1/nts/status", headers=server.headers).json()
         assert status["bias"] == sha
-        biased, plain = _greedy(server), _greedy(server, nts_bias=False)
+        biased, plain = _complete(server), _complete(server, nts_bias=False)
         assert biased["nts"]["bias"] == sha
         assert plain["nts"]["bias"] is None
         top = [max(step.values()) for step in biased["choices"][0]["logprobs"]["top_logprobs"]]
         assert len(top) == 5
         assert min(top) > -1e-3  # the lifted token, at probability ~1
         assert biased["choices"][0]["text"] != plain["choices"][0]["text"]
+        _complete(server, temperature=1.0)  # sampled: shadow-scored, its rows refine the bias
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{server.url}/v1/nts/status", headers=server.headers).json()
+            if status["estimator"]["bias"]["requests"]:
+                break
+            time.sleep(1)
+        assert status["estimator"]["bias"]["requests"] == 1
     finally:
         stop(server.process)

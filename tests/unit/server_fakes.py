@@ -9,6 +9,7 @@ test built on it runs in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import AsyncGenerator, Iterator, Sequence
@@ -35,6 +36,7 @@ from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.vllm_plugin.trace_channel import CapturedRows, TraceReport
 
@@ -239,14 +241,22 @@ class FakeScorer:
         self.sequences: list[ScoringSequence] = []
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
+        self,
+        sequence: ScoringSequence,
+        served_temperatures: Sequence[float],
+        served: ServedRows,
+        max_rows: int = 0,
     ) -> LiveScores:
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:
             raise RuntimeError("scoring failed")
         self.sequences.append(sequence)
-        return live_scores_of(sequence, served_temperatures)
+        live = live_scores_of(sequence, served_temperatures)
+        if not max_rows:
+            return live
+        clean = torch.randn(max_rows, 16)
+        return dataclasses.replace(live, rows=PairedRows.from_logits(clean, clean, 0))
 
     def clean_status(self) -> dict[str, Any]:
         return {"kind": "fake"}
@@ -259,8 +269,10 @@ class FakeEstimator:
         self.every = every
         self.positions = 0
         self.version = 0
+        self.rows: list[PairedRows | None] = []
 
-    def add(self, records: PositionRecords) -> None:
+    def add(self, records: PositionRecords, rows: PairedRows | None = None) -> None:
+        self.rows.append(rows)
         self.positions += len(records)
         self.version = self.positions // self.every
 

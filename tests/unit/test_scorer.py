@@ -26,6 +26,7 @@ from noisy_temp_server.pairs.scorer import (
     ServedRows,
     interpolate_kl,
 )
+from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.oracle import kl_curve
 
 
@@ -188,6 +189,15 @@ def test_live_scores_of_some_captured_steps_are_those_steps_of_the_full_scores(
     torch.testing.assert_close(some.at_one.kld, every.at_one.kld[kept])
     with pytest.raises(ValueError, match="beyond"):
         scorer.score_live(sequence, trace, ServedRows(torch.tensor([21]), captured.rows[:1]))
+    assert every.rows is None  # paired rows only when asked for (the online bias)
+    paired = scorer.score_live(sequence, trace, captured, max_rows=5).rows
+    assert paired is not None
+    assert paired.sequence_id.tolist() == [sequence.sequence_id] * 5  # steps 0, 5, 10, 15, 20
+    reference = PairScorer(clean, served, chunk_positions=64)
+    (_, clean_rows, served_rows), *_ = reference.logit_chunks(sequence)
+    steps = torch.tensor([0, 5, 10, 15, 20])
+    expected = PairedRows.from_logits(clean_rows[steps], served_rows[steps], 0)
+    torch.testing.assert_close(paired.clean_prob, expected.clean_prob, rtol=1e-4, atol=1e-6)
 
 
 def test_live_scores_match_the_reference_without_the_oracle(

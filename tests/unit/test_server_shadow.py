@@ -33,6 +33,7 @@ class Setup:
         every: int = 4,
         threads: int | None = None,
         nice: int = 0,
+        bias_rows: int = 0,
     ) -> None:
         self.registry = CollectorRegistry()
         self.published: list[int] = []
@@ -51,6 +52,7 @@ class Setup:
             rng=random.Random(0),
             threads=threads,
             nice=nice,
+            bias_rows=bias_rows,
         )
 
     def value(self, name: str, **labels: str) -> float:
@@ -87,6 +89,19 @@ def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
     seconds = setup.value("nts_shadow_score_seconds_sum")
     assert status["score_seconds_total"] == pytest.approx(seconds)
     assert status["seconds_per_scored_token"] == pytest.approx(seconds / 9)
+
+
+@pytest.mark.parametrize("bias_rows", [0, 2])
+def test_paired_rows_reach_the_estimator_only_for_the_online_bias(bias_rows: int) -> None:
+    setup = Setup(FakeScorer(), bias_rows=bias_rows)
+    setup.shadow.start()
+    try:
+        assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    (rows,) = setup.estimator.rows
+    assert (0 if rows is None else len(rows)) == bias_rows
 
 
 def test_partial_trace_scores_kl_at_served_t_only_where_known() -> None:
@@ -197,7 +212,11 @@ class BudgetProbe(FakeScorer):
         self.seen: list[tuple[int, int]] = []
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
+        self,
+        sequence: ScoringSequence,
+        served_temperatures: Sequence[float],
+        served: ServedRows,
+        max_rows: int = 0,
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))

@@ -55,7 +55,11 @@ class HungScorer(FakeScorer):
         self.release = threading.Event()
 
     def score_live(
-        self, sequence: ScoringSequence, served_temperatures: Sequence[float], served: ServedRows
+        self,
+        sequence: ScoringSequence,
+        served_temperatures: Sequence[float],
+        served: ServedRows,
+        max_rows: int = 0,
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)
@@ -63,7 +67,7 @@ class HungScorer(FakeScorer):
 
 
 class FailingEstimator(FakeEstimator):
-    def add(self, records: PositionRecords) -> None:
+    def add(self, records: PositionRecords, rows: object = None) -> None:
         raise ValueError("estimator broke")
 
 

@@ -1,0 +1,94 @@
+"""The served per-token bias, refined online from shadow-scored rows, published only when it
+is significantly better on rows it never trained on.
+
+`OnlineBias` receives the paired rows of each shadow-scored request (a bounded, evenly spaced
+share of its positions). Every `holdout_every`-th request goes to a held-out reservoir (the most
+recent `holdout_rows` rows, whole requests); the others update a `StreamingBias` (O(V) state,
+the same objective and penalty as calibration's fit). `candidate` compares the streaming fit
+with the published correction on the reservoir, position by position: it is offered for
+publication only when its paired KL gain exceeds two standard errors clustered by request
+(`significance.is_significant`) on at least `min_holdout_requests` requests, and removes at
+least `min_relative_gain` of the published correction's held-out KL and 1e-6 nats (a new
+version is a new vector to move; numerical noise must not publish one). Memory: the
+streaming state plus the reservoir, both bounded; nothing grows with the traffic.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows, StreamingBias, evaluate_bias
+from noisy_temp_server.temperature.rules import TemperatureBounds
+
+__all__ = ["OnlineBias"]
+
+_MIN_GAIN = 1e-6  # nats per position: below, a held-out gain is numerical noise
+
+
+class OnlineBias:
+    """See the module docstring. ``published``: the correction served now (the start of the
+    streaming fit); ``penalty``: the L2 penalty it was fitted with."""
+
+    def __init__(
+        self,
+        published: LogitBias,
+        penalty: float,
+        *,
+        bounds: TemperatureBounds | None = None,
+        holdout_every: int = 4,
+        holdout_rows: int = 256,
+        min_holdout_requests: int = 8,
+        min_relative_gain: float = 1e-3,
+    ) -> None:
+        if holdout_every < 2 or holdout_rows < 1 or min_holdout_requests < 2:
+            raise ValueError(
+                "need holdout_every >= 2, holdout_rows >= 1 and min_holdout_requests >= 2"
+            )
+        self.published = published
+        self.fit = StreamingBias(published, penalty, bounds=bounds)
+        self._holdout_every = holdout_every
+        self._holdout_rows = holdout_rows
+        self._min_requests = min_holdout_requests
+        self._min_relative_gain = min_relative_gain
+        self._holdout: deque[PairedRows] = deque()
+        self._held_rows = 0
+        self.requests = 0
+
+    def add(self, rows: PairedRows) -> None:
+        """One request's rows: to the reservoir (every `holdout_every`-th request) or a step of
+        the streaming fit."""
+        if not len(rows):
+            return
+        self.requests += 1
+        if self.requests % self._holdout_every:
+            self.fit.update(rows)
+            return
+        self._holdout.append(rows)
+        self._held_rows += len(rows)
+        while self._held_rows - len(self._holdout[0]) >= self._holdout_rows:
+            self._held_rows -= len(self._holdout.popleft())
+
+    def candidate(self) -> LogitBias | None:
+        """The streaming fit, when its held-out gain over the published correction is
+        significant; else None."""
+        if len(self._holdout) < self._min_requests or not self.fit.rows_seen:
+            return None
+        rows = PairedRows.concat(list(self._holdout))
+        proposed = self.fit.correction
+        published_kl = evaluate_bias(rows, self.published).kl
+        gain = published_kl - evaluate_bias(rows, proposed).kl
+        mean_gain = float(gain.mean())
+        if mean_gain < max(self._min_relative_gain * float(published_kl.mean()), _MIN_GAIN):
+            return None
+        stderr = cluster_stderr(gain, rows.sequence_id.cpu())
+        return proposed if is_significant(mean_gain, stderr) else None
+
+    def status(self) -> dict[str, int]:
+        """Requests seen, rows the fit stepped on, held-out requests and rows."""
+        return {
+            "requests": self.requests,
+            "rows_fitted": self.fit.rows_seen,
+            "holdout_requests": len(self._holdout),
+            "holdout_rows": self._held_rows,
+        }

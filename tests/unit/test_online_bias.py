@@ -1,0 +1,141 @@
+"""The per-token bias refined online: the streaming fit, its held-out gate, and its publication
+by the online estimator in versioned policies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from profile_helpers import sample_profile
+
+from noisy_temp_server.estimation.online import OnlineEstimator
+from noisy_temp_server.estimation.online_bias import OnlineBias
+from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
+from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.temperature.bias import (
+    LogitBias,
+    PairedRows,
+    StreamingBias,
+    bias_file_name,
+    bias_sha256,
+    evaluate_bias,
+    fit_bias_at_penalty,
+    load_bias_file,
+    save_bias_file,
+)
+from noisy_temp_server.temperature.rules import Rule
+
+VOCAB = 200
+SHIFT = torch.randn(VOCAB, generator=torch.Generator().manual_seed(99)) * 1.5
+PENALTY = 1e-3
+
+
+def _logits(request: int, rows: int = 24, noise: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clean logits and served ones pushed by the same per-token `SHIFT` every time (what a
+    bias can learn) plus fresh noise (what it cannot)."""
+    generator = torch.Generator().manual_seed(request)
+    clean = torch.randn(rows, VOCAB, generator=generator) * 2.5
+    return clean, clean + SHIFT + noise * torch.randn(rows, VOCAB, generator=generator)
+
+
+def _rows(request: int) -> PairedRows:
+    return PairedRows.from_logits(*_logits(request), request)
+
+
+def _mean_kl(rows: PairedRows, correction: LogitBias) -> float:
+    return float(evaluate_bias(rows, correction).kl.mean())
+
+
+def test_the_streaming_fit_approaches_the_batch_fit_with_o_v_state() -> None:
+    held_out = PairedRows.concat([_rows(1000 + i) for i in range(4)])
+    identity = LogitBias.identity(VOCAB)
+    stream = StreamingBias(identity, PENALTY)
+    for request in range(60):
+        stream.update(_rows(request))
+    batch = fit_bias_at_penalty(PairedRows.concat([_rows(r) for r in range(60)]), PENALTY)
+    start, online = _mean_kl(held_out, identity), _mean_kl(held_out, stream.correction)
+    best = _mean_kl(held_out, batch.correction)
+    assert online < 0.2 * start  # most of the systematic drift removed
+    assert online - best < 0.1 * (start - best)
+    assert stream.rows_seen == 60 * 24
+    assert stream._x.shape == stream._curvature.shape == (VOCAB + 1,)
+
+
+def test_the_streaming_temperature_stays_in_its_bounds() -> None:
+    start = LogitBias(bias=torch.zeros(VOCAB), temperature=3.9)
+    stream = StreamingBias(start, PENALTY)
+    for request in range(5):
+        clean, served = _logits(request)
+        stream.update(PairedRows.from_logits(clean, served * 20, request))  # wants T >> 4
+    assert stream.correction.temperature == pytest.approx(stream.bounds.t_max)
+
+
+def test_a_candidate_needs_significance_on_held_out_requests() -> None:
+    online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2, holdout_rows=240)
+    for request in range(6):  # 3 held out: fewer than min_holdout_requests
+        online.add(_rows(request))
+    assert online.candidate() is None
+    for request in range(6, 40):
+        online.add(_rows(request))
+    status = online.status()
+    assert status["holdout_rows"] <= 240 + 24  # bounded: whole requests, the most recent
+    assert status["holdout_requests"] == status["holdout_rows"] // 24
+    assert status["rows_fitted"] == 20 * 24
+    candidate = online.candidate()
+    assert candidate is not None
+    online.published = candidate
+    assert online.candidate() is None  # no better than itself
+
+
+def test_no_candidate_when_there_is_nothing_to_learn() -> None:
+    online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2)
+    for request in range(40):
+        clean, _ = _logits(request)
+        online.add(PairedRows.from_logits(clean, clean, request))  # served == clean
+    assert online.candidate() is None
+
+
+def _biased_profile(folder: Path) -> tuple[Profile, str]:
+    vector = torch.zeros(VOCAB)
+    save_bias_file(folder, vector)
+    profile = sample_profile(Rule.CALIBRATED)
+    row = profile.validation_quality.rows[0]
+    summary = BiasSummary(
+        sha256=bias_sha256(vector),
+        vocab_size=VOCAB,
+        temperature=1.0,
+        penalty=PENALTY,
+        recommended=True,
+        validation=row,
+        test=row,
+        validation_same_top_rate=0.9,
+        test_same_top_rate=0.9,
+    )
+    return profile.model_copy(update={"bias": summary}), summary.sha256
+
+
+def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) -> None:
+    profile, first_sha = _biased_profile(tmp_path)
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(
+        profile, settings=settings, min_positions=480, refit_every=480, bias_dir=tmp_path
+    )
+    assert estimator.refines_bias
+    assert not OnlineEstimator(profile, settings=settings).refines_bias  # no bias directory
+    for request in range(60):
+        clean, served = _logits(request)
+        records = PositionRecords.from_logits(
+            clean, served, step=torch.arange(len(clean)), sequence_id=request
+        )
+        estimator.add(records, PairedRows.from_logits(clean, served, request))
+    policy = estimator.current_policy()
+    assert policy.version >= 1
+    assert policy.rule is Rule.FIXED
+    assert policy.bias not in (None, first_sha)
+    assert policy.bias is not None
+    served_bias = load_bias_file(tmp_path / bias_file_name(policy.bias), policy.bias)
+    held_out = PairedRows.concat([_rows(1000 + i) for i in range(4)])
+    published = LogitBias(bias=served_bias, temperature=policy.fixed_temperature)
+    assert _mean_kl(held_out, published) < 0.5 * _mean_kl(held_out, LogitBias.identity(VOCAB))
+    assert estimator.status()["bias"]["requests"] == 60

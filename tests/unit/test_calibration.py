@@ -681,7 +681,11 @@ def test_calibration_end_to_end_on_the_tiny_model(calibrated: _Calibrated, tmp_p
     assert len(table.temperatures) == 4
     one, cal = test.row("T=1"), test.row("calibrated")
     assert cal.mean_kl <= one.mean_kl + 2 * one.stderr
-    assert profile.to_policy().rule == profile.recommended_rule
+    served = profile.to_policy()  # a recommended per-token bias is served with its own T
+    if profile.bias is not None and profile.bias.recommended:
+        assert (served.rule, served.bias) == (Rule.FIXED, profile.bias.sha256)
+    else:
+        assert served.rule == profile.recommended_rule
     assert profile.recommended_rule == recommend_rule(validation)
     assert profile.to_policy("linear").alpha_by_step == profile.parameters.alpha_by_step
     profile.save(tmp_path / "profile.json")

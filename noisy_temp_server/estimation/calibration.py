@@ -10,8 +10,9 @@ The pipeline (`calibrate`):
    (`split_fit_validation_test`);
 4. every rule is fitted on the fit split (`estimation.fitting.fit_rules`); the calibrated
    table has one band per request temperature, each starting from its best constant where
-   that beats T = 1 on the validation split (else from 1), and departs from it only where the
-   validation split shows a significant gain;
+   the bands' constants jointly beat T = 1 on the validation split and the band's own
+   validation positions do not show its constant worse than 1 (else from 1), and departs from
+   it only where the validation split shows a significant gain;
 5. quality tables compare T = 1, every rule, calibrated and the oracle on the validation and
    on the test split (`estimation.quality.quality_table`), pooled over the request
    temperatures, and on the test split at each request temperature;

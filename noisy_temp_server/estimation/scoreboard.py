@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
-from noisy_temp_server.temperature.stats import KLTerms, stable_log_softmax
+from noisy_temp_server.temperature.stats import PairTerms
 
 __all__ = [
     "MIN_SCOREBOARD_POSITIONS",
@@ -99,31 +99,31 @@ class PositionScores:
 
 
 def scores_at_temperatures(
-    clean: Tensor,
-    served: Tensor,
+    pair: PairTerms,
     next_tokens: Tensor,
     temperatures: Sequence[float | Tensor],
     *,
     sequence_id: int | Tensor,
     step: Tensor,
 ) -> list[PositionScores]:
-    """Scores of `[B, V]` clean and served logits at each of `temperatures` (each a float or
-    `[B]`, > 0), sharing the clean-side work: one log-softmax of the clean rows, then one
+    """Scores of a `[B, V]` clean/served pair (its `PairTerms`: the clean log-softmax and the KL
+    terms, computed once) at each of `temperatures` (each a float or `[B]`, > 0): one
     log-sum-exp of the served rows per temperature.
 
     next_tokens: int [B], the token that followed each position (the one scored for
     perplexity); step: int [B]; sequence_id: an int or int [B].
     """
+    clean, served, terms = pair.clean, pair.served, pair.kl
     batch = clean.shape[0]
     if next_tokens.shape != (batch,) or step.shape != (batch,):
         raise ValueError(f"next_tokens and step must have shape [{batch}]")
-    terms = KLTerms.from_logits(clean, served)
     shifted = terms.served_shifted  # s = served - max(served) <= 0
-    log_p = stable_log_softmax(clean)
     top = clean.argmax(dim=-1, keepdim=True)
     tokens = next_tokens.to(clean.device, torch.int64)[:, None]
     same_top = (top[:, 0] == served.argmax(dim=-1)).cpu()
-    p_top, log_p_token = log_p.gather(1, top)[:, 0].exp(), log_p.gather(1, tokens)[:, 0]
+    log_normaliser_clean = pair.clean_log_normaliser
+    p_top = (clean.gather(1, top)[:, 0] - log_normaliser_clean).exp()
+    log_p_token = clean.gather(1, tokens)[:, 0] - log_normaliser_clean
     ids = torch.as_tensor(sequence_id, dtype=torch.int64).expand(batch).clone()
     steps = step.detach().to("cpu", torch.int64)
 
@@ -163,7 +163,11 @@ def position_scores(
     """Scores of `[B, V]` clean and served logits at one `temperature` (a float or `[B]`, > 0);
     see `scores_at_temperatures`."""
     (scores,) = scores_at_temperatures(
-        clean, served, next_tokens, [temperature], sequence_id=sequence_id, step=step
+        PairTerms.from_logits(clean, served),
+        next_tokens,
+        [temperature],
+        sequence_id=sequence_id,
+        step=step,
     )
     return scores
 
@@ -355,7 +359,11 @@ class PairScoreboard:
         """Score one chunk of `[B, V]` logits (served as sampled from, before temperature)."""
         t_star = policy_temperature(self.policy, step.to(served.device), served)
         scores = scores_at_temperatures(
-            clean, served, next_tokens, [1.0, t_star], sequence_id=sequence_id, step=step
+            PairTerms.from_logits(clean, served),
+            next_tokens,
+            [1.0, t_star],
+            sequence_id=sequence_id,
+            step=step,
         )
         for label, chunk in zip(self.LABELS, scores, strict=True):
             self.accumulators[label].update(chunk)

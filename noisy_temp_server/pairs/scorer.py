@@ -32,8 +32,8 @@ from noisy_temp_server.estimation.scoreboard import PositionScores, scores_at_te
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
 from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.oracle import kl_curve, oracle_temperature
-from noisy_temp_server.temperature.stats import pair_statistics, served_row_features
+from noisy_temp_server.temperature.oracle import kl_curve_of_terms, oracle_temperature
+from noisy_temp_server.temperature.stats import PairTerms
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -138,19 +138,42 @@ class PositionRecords:
         `with_oracle=False` skips the per-row oracle (about a third of the cost), whose columns
         `oracle_t` and `oracle_kl` are then NaN: no fit reads them, only offline evaluation.
         """
+        return cls.from_terms(
+            PairTerms.from_logits(clean, served),
+            step=step,
+            sequence_id=sequence_id,
+            curve_temperatures=curve_temperatures,
+            with_oracle=with_oracle,
+            request_temperature=request_temperature,
+        )
+
+    @classmethod
+    def from_terms(
+        cls,
+        pair: PairTerms,
+        *,
+        step: Tensor,
+        sequence_id: int | Tensor,
+        curve_temperatures: Tensor = KL_CURVE_TEMPERATURES,
+        with_oracle: bool = True,
+        request_temperature: float = 1.0,
+    ) -> PositionRecords:
+        """`from_logits` of a pair whose `PairTerms` are already computed (the live scorer
+        shares them with the scoreboard)."""
         if not request_temperature > 0:
             raise ValueError(f"request_temperature must be > 0, got {request_temperature!r}")
-        count = clean.shape[0]
-        grid = curve_temperatures.to(clean.device)
-        stats = pair_statistics(clean, served)
-        features = served_row_features(served, validate=False)
-        at_request = stats
+        count = pair.clean.shape[0]
+        grid = curve_temperatures.to(pair.clean.device)
+        stats = pair.statistics()
+        features = pair.served_features
+        at_request = pair
         if request_temperature != 1.0:
-            clean, served = clean / request_temperature, served / request_temperature
-            at_request = pair_statistics(clean, served)
-        curve = kl_curve(clean, served, grid)  # [B, G]
+            at_request = PairTerms.from_logits(
+                pair.clean / request_temperature, pair.served / request_temperature
+            )
+        curve = kl_curve_of_terms(at_request.kl, grid)  # [B, G]
         if with_oracle:
-            oracle = oracle_temperature(clean, served)
+            oracle = oracle_temperature(at_request.clean, at_request.served)
             oracle_t, oracle_kl = oracle.temperature, oracle.kl
         else:
             oracle_t = oracle_kl = torch.full_like(stats.tau2, torch.nan)
@@ -166,7 +189,7 @@ class PositionRecords:
             sigma2=cpu(stats.sigma2),
             alpha=cpu(stats.alpha),
             var_p_clean=cpu(stats.var_p_clean),
-            kl_at_one=cpu(at_request.kl_at_one),
+            kl_at_one=cpu(at_request.kl_at_one()),
             oracle_t=cpu(oracle_t),
             oracle_kl=cpu(oracle_kl),
             same_top=stats.same_top.cpu(),
@@ -449,7 +472,14 @@ class PairScorer:
     ) -> tuple[PositionScores, PositionScores, PositionRecords]:
         """One chunk of `score_live`: scores at T = 1, at the known T* (the rows whose step has
         one), and the lean records."""
-        record = self.chunk_records(steps, clean, served, sequence.sequence_id, with_oracle=False)
+        pair = PairTerms.from_logits(clean, served)  # shared by the records and the scores
+        record = PositionRecords.from_terms(
+            pair,
+            step=steps,
+            sequence_id=sequence.sequence_id,
+            curve_temperatures=self.curve_temperatures.to(clean.device),
+            with_oracle=False,
+        )
         positions = (sequence.prompt_length + steps).tolist()
         next_tokens = torch.tensor([sequence.token_ids[p] for p in positions], device=self.device)
         known = steps < len(served_temperatures)
@@ -458,8 +488,7 @@ class PairScorer:
             values = torch.tensor([served_temperatures[s] for s in steps[known].tolist()])
             t_star[known.to(self.device)] = values.to(self.device)
         one, starred = scores_at_temperatures(
-            clean,
-            served,
+            pair,
             next_tokens,
             [1.0, t_star],
             sequence_id=sequence.sequence_id,

@@ -27,6 +27,7 @@ __all__ = [
     "KLTerms",
     "NonFiniteLogitsError",
     "PairStatistics",
+    "PairTerms",
     "ServedRowFeatures",
     "check_logits",
     "compute_dtype",
@@ -284,29 +285,77 @@ class PairStatistics:
     same_top: Tensor
 
 
+@dataclass(frozen=True)
+class PairTerms:
+    """The softmax work of a validated ``[B, V]`` clean/served pair, done once and shared by every
+    per-position statistic of it: the pair statistics (:meth:`statistics`), the KL curve
+    (:func:`noisy_temp_server.temperature.oracle.kl_curve_of_terms`) and the scoreboard's scores
+    (:func:`noisy_temp_server.estimation.scoreboard.scores_at_temperatures`). Build it with
+    :meth:`from_logits`: one softmax pass over each row (an exp per element, two weighted sums).
+
+    Attributes:
+        clean, served: ``[B, V]`` the logits in the compute dtype.
+        kl: the :class:`KLTerms` of the pair (``KL(p || softmax(u * served))`` at any ``u``).
+        clean_log_normaliser: ``[B]`` ``logsumexp(clean)``, so ``log p_i = clean_i - it``.
+        var_p_clean: ``[B]`` Var_p(clean), the softmax-weighted variance of the clean logits.
+        served_features: what the served row alone shows (:class:`ServedRowFeatures`).
+    """
+
+    clean: Tensor
+    served: Tensor
+    kl: KLTerms
+    clean_log_normaliser: Tensor
+    var_p_clean: Tensor
+    served_features: ServedRowFeatures
+
+    @classmethod
+    def from_logits(cls, clean: Tensor, served: Tensor) -> PairTerms:
+        """Validate a ``[B, V]`` pair (as :func:`pair_statistics`) and compute its terms.
+
+        Raises :class:`NonFiniteLogitsError` for NaN/+inf/all-masked rows, ``ValueError`` for
+        mismatched shapes or devices.
+        """
+        _check_pair(clean, served)
+        dtype = compute_dtype(clean.dtype)
+        z, z_served = clean.to(dtype), served.to(dtype)
+        weights, total, neg_entropy, var_p = _softmax_moments(z)
+        log_normaliser = total.log() + z.amax(dim=-1)
+        kl = KLTerms._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, z_served)
+        _, served_total, served_neg_entropy, var_q = _softmax_moments(z_served)
+        features = ServedRowFeatures(
+            entropy=-served_neg_entropy, var_q=var_q, top_prob=served_total.reciprocal()
+        )
+        return cls(z, z_served, kl, log_normaliser, var_p, features)
+
+    def kl_at_one(self) -> Tensor:
+        """``[B]`` KL(p || softmax(served)), from the served row's normaliser (no further pass);
+        +inf where the served row masks a token p supports."""
+        top_prob = self.served_features.top_prob  # 1 / sum(exp(served - max))
+        kl = self.kl.neg_entropy_clean - self.kl.served_mean_under_clean - top_prob.log()
+        return kl.clamp(min=0.0)
+
+    def statistics(self) -> PairStatistics:
+        """The pair's :class:`PairStatistics`."""
+        z, z_served = self.clean, self.served
+        clean_finite = torch.isfinite(z)
+        tau2 = _uniform_variance(z, clean_finite)
+        sigma2 = _uniform_variance(z_served - z, clean_finite & torch.isfinite(z_served))
+        return PairStatistics(
+            tau2=tau2,
+            sigma2=sigma2,
+            alpha=torch.where(sigma2 == 0, 0.0, sigma2 / tau2),
+            var_p_clean=self.var_p_clean,
+            entropy_clean=-self.kl.neg_entropy_clean,
+            kl_at_one=self.kl_at_one(),
+            same_top=z.argmax(dim=-1) == z_served.argmax(dim=-1),
+        )
+
+
 def pair_statistics(clean: Tensor, served: Tensor) -> PairStatistics:
-    """Per-row :class:`PairStatistics` of ``[B, V]`` clean and served logits.
+    """Per-row :class:`PairStatistics` of ``[B, V]`` clean and served logits
+    (``PairTerms.from_logits(clean, served).statistics()``).
 
     Raises :class:`NonFiniteLogitsError` for NaN/+inf/all-masked rows, ``ValueError`` for
     mismatched shapes or devices.
     """
-    _check_pair(clean, served)
-    dtype = compute_dtype(clean.dtype)
-    z, z_served = clean.to(dtype), served.to(dtype)
-    clean_finite = torch.isfinite(z)
-    tau2 = _uniform_variance(z, clean_finite)
-    sigma2 = _uniform_variance(z_served - z, clean_finite & torch.isfinite(z_served))
-    alpha = torch.where(sigma2 == 0, 0.0, sigma2 / tau2)
-
-    weights, total, neg_entropy, var_p = _softmax_moments(z)
-    terms = KLTerms._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, z_served)
-    kl_at_one = terms.kl(torch.ones_like(tau2))
-    return PairStatistics(
-        tau2=tau2,
-        sigma2=sigma2,
-        alpha=alpha,
-        var_p_clean=var_p,
-        entropy_clean=-neg_entropy,
-        kl_at_one=kl_at_one,
-        same_top=z.argmax(dim=-1) == z_served.argmax(dim=-1),
-    )
+    return PairTerms.from_logits(clean, served).statistics()

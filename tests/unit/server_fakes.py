@@ -38,6 +38,7 @@ from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.stats import PairTerms
 from noisy_temp_server.vllm_plugin.trace_channel import CapturedRows, TraceReport
 
 VOCAB = 1000
@@ -221,8 +222,7 @@ def live_scores_of(sequence: ScoringSequence, served_temperatures: Sequence[floa
     t_star = torch.ones(count)
     t_star[:traced] = torch.tensor(served_temperatures[:traced])
     one, starred = scores_at_temperatures(
-        clean,
-        served,
+        PairTerms.from_logits(clean, served),
         torch.tensor(list(sequence.token_ids[sequence.prompt_length :])) % 16,
         [1.0, t_star],
         sequence_id=sequence.sequence_id,

@@ -24,6 +24,7 @@ from noisy_temp_server.estimation.scoreboard import (
 )
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.stats import PairTerms
 
 VOCAB = 50
 
@@ -220,7 +221,7 @@ def test_scores_at_several_temperatures_equal_one_temperature_at_a_time() -> Non
     tokens, steps = corpus.tokens, corpus.step
     t_row = torch.linspace(0.5, 2.0, 12)
     together = scores_at_temperatures(
-        clean, served, tokens, [1.0, t_row], sequence_id=3, step=steps
+        PairTerms.from_logits(clean, served), tokens, [1.0, t_row], sequence_id=3, step=steps
     )
     for temperature, scores in zip([1.0, t_row], together, strict=True):
         alone = position_scores(clean, served, tokens, temperature, sequence_id=3, step=steps)

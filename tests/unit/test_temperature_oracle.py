@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kl_reference import kl_to_clean
 
+from noisy_temp_server.pairs.scorer import KL_CURVE_TEMPERATURES
 from noisy_temp_server.temperature.oracle import (
     kl_curve,
     minimise_convex,
@@ -154,3 +155,24 @@ def test_kl_curve_matches_kl_to_clean() -> None:
 def test_kl_curve_rejects_bad_grids(grid: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="temperatures"):
         kl_curve(torch.zeros(1, 3), torch.zeros(1, 3), grid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_curve_on_the_records_grid_matches_the_exact_kl(dtype: torch.dtype) -> None:
+    """On the records' grid (whose temperatures pair up by factors of 2, computed by squares and
+    square roots of one exp per chain) the curve is the float64 exact KL within float32 rounding:
+    1e-5 relative, 2e-6 absolute; with logits wide enough that exp underflows at T = 1/4."""
+    generator = torch.Generator().manual_seed(5)
+    clean = torch.randn(11, 4000, generator=generator, dtype=torch.float64) * 12
+    served = clean + torch.randn(11, 4000, generator=generator, dtype=torch.float64) * 2
+    clean[:, 0] = served[:, 0] = -INF
+    curves = kl_curve(clean.to(dtype), served.to(dtype), KL_CURVE_TEMPERATURES)
+    assert curves.dtype == dtype
+    assert curves.shape == (11, len(KL_CURVE_TEMPERATURES))
+    for column, temperature in enumerate(KL_CURVE_TEMPERATURES.tolist()):
+        torch.testing.assert_close(
+            curves[:, column].double(),
+            kl_to_clean(clean, served, temperature),
+            rtol=1e-5,
+            atol=2e-6,
+        )

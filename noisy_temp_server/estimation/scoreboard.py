@@ -108,7 +108,8 @@ def scores_at_temperatures(
 ) -> list[PositionScores]:
     """Scores of a `[B, V]` clean/served pair (its `PairTerms`: the clean log-softmax and the KL
     terms, computed once) at each of `temperatures` (each a float or `[B]`, > 0): one
-    log-sum-exp of the served rows per temperature.
+    log-sum-exp of the served rows per temperature other than the float 1.0, which the terms
+    already hold.
 
     next_tokens: int [B], the token that followed each position (the one scored for
     perplexity); step: int [B]; sequence_id: an int or int [B].
@@ -134,7 +135,10 @@ def scores_at_temperatures(
     for temperature in temperatures:
         t = torch.as_tensor(temperature, dtype=shifted.dtype, device=shifted.device)
         u = t.expand(batch).reciprocal()
-        log_normaliser = torch.logsumexp(shifted * u[:, None], dim=-1)  # [B]
+        if isinstance(temperature, float) and temperature == 1.0:
+            log_normaliser = pair.served_shifted_log_normaliser()  # known from the terms
+        else:
+            log_normaliser = torch.logsumexp(shifted * u[:, None], dim=-1)  # [B]
         kld = terms.neg_entropy_clean - u * terms.served_mean_under_clean + log_normaliser
         log_q_top = u * shifted.gather(1, top)[:, 0] - log_normaliser
         log_q_token = u * shifted.gather(1, tokens)[:, 0] - log_normaliser

@@ -144,13 +144,21 @@ def _softmax_moments(
     return weights, total, neg_entropy, variance
 
 
-def _uniform_variance(values: Tensor, counted: Tensor) -> Tensor:
-    """Population variance of ``values`` over the ``counted`` entries of each row (NaN if none)."""
+def _uniform_variance(values: Tensor, counted: Tensor | None) -> Tensor:
+    """Population variance of ``values`` over the ``counted`` entries of each row (NaN if none);
+    ``counted=None`` counts every entry (no masks to build)."""
+    if counted is None:
+        return (values - values.mean(dim=-1, keepdim=True)).square_().mean(dim=-1)
     count = counted.sum(dim=-1).to(values.dtype)
     filled = torch.where(counted, values, 0.0)
     mean = filled.sum(dim=-1) / count
     deviation = torch.where(counted, values - mean.unsqueeze(-1), 0.0)
     return deviation.square().sum(dim=-1) / count
+
+
+def _has_masked(logits: Tensor) -> bool:
+    """Whether validated logits (no NaN, no +inf) mask any token (-inf): one min reduction."""
+    return logits.numel() > 0 and bool(torch.isneginf(logits.amin()))
 
 
 @dataclass(frozen=True)
@@ -221,6 +229,8 @@ class KLTerms:
     def _from_clean_prob(cls, prob: Tensor, neg_entropy: Tensor, served: Tensor) -> KLTerms:
         served = served.to(prob.dtype)
         shifted = served - served.amax(dim=-1, keepdim=True)
+        if not _has_masked(shifted):
+            return cls(neg_entropy, _row_dot(prob, shifted), shifted, shifted)
         filled = torch.nan_to_num(shifted, neginf=0.0)
         supported = prob > 0
         support_masked = (supported & torch.isneginf(shifted)).any(dim=-1)
@@ -327,19 +337,30 @@ class PairTerms:
         )
         return cls(z, z_served, kl, log_normaliser, var_p, features)
 
+    def served_shifted_log_normaliser(self) -> Tensor:
+        """``[B]`` ``logsumexp(s)`` of the max-shifted served row ``s`` (>= 0), from the served
+        row's top probability (no further pass over the row)."""
+        return -self.served_features.top_prob.log()  # top_prob = 1 / sum(exp(s))
+
     def kl_at_one(self) -> Tensor:
-        """``[B]`` KL(p || softmax(served)), from the served row's normaliser (no further pass);
-        +inf where the served row masks a token p supports."""
-        top_prob = self.served_features.top_prob  # 1 / sum(exp(served - max))
-        kl = self.kl.neg_entropy_clean - self.kl.served_mean_under_clean - top_prob.log()
+        """``[B]`` KL(p || softmax(served)) (no further pass over the rows); +inf where the
+        served row masks a token p supports."""
+        kl = (
+            self.kl.neg_entropy_clean
+            - self.kl.served_mean_under_clean
+            + self.served_shifted_log_normaliser()
+        )
         return kl.clamp(min=0.0)
 
     def statistics(self) -> PairStatistics:
         """The pair's :class:`PairStatistics`."""
         z, z_served = self.clean, self.served
-        clean_finite = torch.isfinite(z)
-        tau2 = _uniform_variance(z, clean_finite)
-        sigma2 = _uniform_variance(z_served - z, clean_finite & torch.isfinite(z_served))
+        if _has_masked(z) or _has_masked(z_served):
+            clean_finite = torch.isfinite(z)
+            tau2 = _uniform_variance(z, clean_finite)
+            sigma2 = _uniform_variance(z_served - z, clean_finite & torch.isfinite(z_served))
+        else:
+            tau2, sigma2 = _uniform_variance(z, None), _uniform_variance(z_served - z, None)
         return PairStatistics(
             tau2=tau2,
             sigma2=sigma2,

@@ -9,9 +9,11 @@ requests arrive, and a fresh process (Docker's restart policy, a Kubernetes live
 supervisor, with their back-off) gives a clean state for less code and fewer ways to fail.
 
 `EngineWatchedServer` is uvicorn's server plus a watchdog task: every `interval_s` it asks the
-engine `check_health()`; on the first failure it logs the cause and asks uvicorn to shut down
-(`should_exit`: stop accepting, let the requests in flight finish, which they do at once since
-they fail with the engine), and forces the exit after `grace_s` more if connections linger.
+engine `check_health()`; on the first failure it logs the cause, keeps serving for `drain_s`
+(every request, `/health` included, answers 503, so probes and load balancers see the server
+unhealthy rather than a refused connection), then asks uvicorn to shut down (`should_exit`:
+stop accepting, let the requests in flight finish, which they do at once since they fail with
+the engine), and forces the exit after `grace_s` more if connections linger.
 `engine_failure` then tells the caller (`serve`) to exit non-zero. The watchdog also catches a
 death that no request noticed (an idle server), and one noticed only inside a stream, whose
 error went to the client in-band after its 200.
@@ -35,8 +37,8 @@ _LOGGER = logging.getLogger(__name__)
 class EngineWatchedServer(uvicorn.Server):
     """uvicorn's `Server` that shuts down when `engine.check_health()` fails.
 
-    Bounded exit: at most `interval_s` to notice, then `grace_s` for connections to close,
-    then the app's lifespan shutdown.
+    Bounded exit: at most `interval_s` to notice, `drain_s` answering 503, then `grace_s` for
+    connections to close, then the app's lifespan shutdown.
     """
 
     def __init__(
@@ -45,11 +47,13 @@ class EngineWatchedServer(uvicorn.Server):
         engine: GenerationEngine,
         *,
         interval_s: float = 1.0,
+        drain_s: float = 3.0,
         grace_s: float = 10.0,
     ) -> None:
         super().__init__(config)
         self._engine = engine
         self._interval_s = interval_s
+        self._drain_s = drain_s
         self._grace_s = grace_s
         self.engine_failure: BaseException | None = None
         """Why the engine failed (the server then shut down), or None."""
@@ -72,12 +76,14 @@ class EngineWatchedServer(uvicorn.Server):
         else:
             return
         _LOGGER.error(
-            "The engine failed (%s: %s); shutting down so that a supervisor restarts the "
-            "server (forced in %.0f s if connections linger)",
+            "The engine failed (%s: %s); answering 503 for %.0f s, then shutting down so that "
+            "a supervisor restarts the server (forced %.0f s later if connections linger)",
             type(self.engine_failure).__name__,
             self.engine_failure,
+            self._drain_s,
             self._grace_s,
         )
+        await asyncio.sleep(self._drain_s)
         self.should_exit = True
         await asyncio.sleep(self._grace_s)
         self.force_exit = True

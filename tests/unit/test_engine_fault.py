@@ -10,8 +10,9 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from server_fakes import (
     POLICY,
     FakeEngine,
@@ -104,7 +105,7 @@ def _server(engine: FakeEngine, **kwargs: Any) -> EngineWatchedServer:
 
 
 def test_the_watchdog_shuts_the_server_down_when_the_engine_dies() -> None:
-    server = _server(DyingEngine(0), interval_s=0.05, grace_s=5.0)
+    server = _server(DyingEngine(0), interval_s=0.05, drain_s=0.1, grace_s=5.0)
     elapsed = asyncio.run(_serve_until_done(server, kill_after_s=0.2))
     assert isinstance(server.engine_failure, EngineDeadError)
     assert elapsed < 5.0  # nothing lingered: no need for the forced exit
@@ -120,7 +121,7 @@ def test_lingering_connections_do_not_hold_the_exit_past_the_grace() -> None:
     grace_s = 0.2
 
     async def run() -> tuple[EngineWatchedServer, float]:
-        server = _server(DyingEngine(0), interval_s=0.05, grace_s=grace_s)
+        server = _server(DyingEngine(0), interval_s=0.05, drain_s=0.0, grace_s=grace_s)
         task = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)
@@ -138,3 +139,35 @@ def test_lingering_connections_do_not_hold_the_exit_past_the_grace() -> None:
     server, elapsed = asyncio.run(run())
     assert server.engine_failure is not None
     assert elapsed < grace_s + 3.0
+
+
+def test_the_server_answers_503_through_the_drain_then_exits() -> None:
+    """Once the watchdog has noticed the death, new connections are still answered (the app
+    says 503) for `drain_s`, so probes see an unhealthy server, not a refused connection."""
+    engine = DyingEngine(0)
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.dead else 200)
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = EngineWatchedServer(config, engine, interval_s=0.05, drain_s=1.0, grace_s=5.0)
+
+    async def run() -> tuple[int, float]:
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        engine.dead = True
+        started = time.monotonic()
+        await asyncio.sleep(0.4)  # the watchdog has noticed (every 0.05 s); the drain is on
+        async with httpx.AsyncClient() as client:
+            status = (await client.get(f"http://127.0.0.1:{port}/health")).status_code
+        await asyncio.wait_for(task, timeout=30)
+        return status, time.monotonic() - started
+
+    status, elapsed = asyncio.run(run())
+    assert status == 503
+    assert isinstance(server.engine_failure, EngineDeadError)
+    assert 1.0 <= elapsed < 5.0

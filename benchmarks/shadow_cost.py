@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serving import ServerProcess
+from serving import ServerProcess, completions_round
 
 from noisy_temp_server.settings import Settings
 
@@ -122,7 +122,6 @@ def _servers(args: argparse.Namespace) -> Iterator[list[Server]]:
 async def _load(server: Server, args: argparse.Namespace, seed: int) -> int:
     """Send `args.requests` completions over `args.streams` concurrent clients; return the
     number of generated tokens."""
-    pending = list(range(args.requests))
     body: dict[str, Any] = {
         "model": MODEL_NAME,
         "prompt": PROMPT,
@@ -131,20 +130,9 @@ async def _load(server: Server, args: argparse.Namespace, seed: int) -> int:
         "ignore_eos": True,
         "nts_tune": False,
     }
-
-    async def client(http: httpx.AsyncClient) -> int:
-        tokens = 0
-        while pending:
-            request = pending.pop()
-            response = await http.post("/v1/completions", json={**body, "seed": seed + request})
-            response.raise_for_status()
-            tokens += int(response.json()["usage"]["completion_tokens"])
-        return tokens
-
-    limits = httpx.Limits(max_connections=args.streams)
-    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
-        counts = await asyncio.gather(*(client(http) for _ in range(args.streams)))
-    return sum(counts)
+    return await completions_round(
+        server.url, body, requests=args.requests, streams=args.streams, seed=seed
+    )
 
 
 async def _first_policy(server: Server, args: argparse.Namespace) -> dict[str, Any]:

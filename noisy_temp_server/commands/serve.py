@@ -318,6 +318,26 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
     return profile
 
 
+def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
+    """ProfileError unless the per-token bias `policy` names (None: nothing to check) loads
+    from the engine's bias directory (`vllm_plugin.logit_bias.load_bias`; `prepare_environment`
+    sets it) and has one entry per token of the served model's vocabulary. The engine would
+    otherwise answer 400 to every request naming it, or serve them without it."""
+    if policy.bias is None:
+        return
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.temperature.bias import check_bias_vocabulary  # noqa: PLC0415
+    from noisy_temp_server.vllm_plugin.logit_bias import load_bias  # noqa: PLC0415
+
+    vocab_size = int(AutoConfig.from_pretrained(pair.served, local_files_only=True).vocab_size)
+    try:
+        check_bias_vocabulary(load_bias(policy.bias), vocab_size, f"the served model {pair.served}")
+    except ValueError as error:
+        raise ProfileError(f"the policy's per-token bias cannot be served: {error}") from error
+
+
 def _policy_gauges(metrics: ApiMetrics) -> Any:
     from noisy_temp_server.server.policy_source import describe_policy  # noqa: PLC0415
 
@@ -445,6 +465,8 @@ def _serve(
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
     profile, profile_source = startup_profile(settings, pair)
+    if profile is not None:
+        check_served_bias(profile.to_policy(), pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     collector = stack.enter_context(

@@ -18,7 +18,13 @@ from __future__ import annotations
 from collections import deque
 
 from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows, StreamingBias, evaluate_bias
+from noisy_temp_server.temperature.bias import (
+    LogitBias,
+    PairedRows,
+    StreamingBias,
+    check_bias_vocabulary,
+    evaluate_bias,
+)
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["OnlineBias"]
@@ -57,9 +63,12 @@ class OnlineBias:
 
     def add(self, rows: PairedRows) -> None:
         """One request's rows: to the reservoir (every `holdout_every`-th request) or a step of
-        the streaming fit."""
+        the streaming fit. ValueError when their vocabulary is not the published bias's (a
+        bias fitted for another model must not be refined, let alone published, for this one).
+        """
         if not len(rows):
             return
+        check_bias_vocabulary(self.published.bias, rows.vocab_size, "the shadow-scored model")
         self.requests += 1
         if self.requests % self._holdout_every:
             self.fit.update(rows)

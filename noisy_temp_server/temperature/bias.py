@@ -49,6 +49,7 @@ __all__ = [
     "StreamingBias",
     "bias_file_name",
     "bias_sha256",
+    "check_bias_vocabulary",
     "evaluate_bias",
     "fit_bias_at_penalty",
     "fit_logit_bias",
@@ -414,6 +415,17 @@ def bias_sha256(bias: Tensor) -> str:
     """Content hash of a bias vector: sha256 of its float32 little-endian bytes."""
     data = bias.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
     return hashlib.sha256(data).hexdigest()
+
+
+def check_bias_vocabulary(bias: Tensor, vocab_size: int | None, where: str) -> None:
+    """ValueError unless `bias` has one entry per token of the vocabulary of `where` (named in
+    the message), `vocab_size` tokens (None: unknown, which no bias fits): a bias fitted for
+    another model."""
+    if bias.numel() != vocab_size:
+        raise ValueError(
+            f"the per-token bias {bias_sha256(bias)[:16]}... has {bias.numel()} entries but "
+            f"{where} has a vocabulary of {vocab_size} tokens; it was fitted for another model"
+        )
 
 
 def bias_file_name(sha256: str) -> str:

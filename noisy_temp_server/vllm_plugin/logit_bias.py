@@ -31,7 +31,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from noisy_temp_server.temperature.bias import bias_file_name, load_bias_file
+from noisy_temp_server.temperature.bias import (
+    bias_file_name,
+    check_bias_vocabulary,
+    load_bias_file,
+)
 from noisy_temp_server.vllm_plugin.request_args import (
     KEY_BIAS,
     KEY_POLICY,
@@ -139,16 +143,11 @@ class SlotBias:
         row = self._row_of.get(sha256)
         if row is not None:
             return row
-        try:
+        try:  # gone since validate_params, or fitted for another model: serve without it
             vector = load_bias(sha256)
-        except ValueError as error:  # gone since validate_params: serve without it
+            check_bias_vocabulary(vector, self.vocab_size, "the engine")
+        except ValueError as error:
             return self._refuse(sha256, str(error))
-        if vector.numel() != self.vocab_size:
-            return self._refuse(
-                sha256,
-                f"the per-token bias {sha256[:16]}... has {vector.numel()} entries, the "
-                f"engine's vocabulary {self.vocab_size}; it was fitted for another model",
-            )
         row = next((r for r in range(1, len(self._users)) if not self._users[r]), None)
         if row is None:
             row = len(self._users)

@@ -237,7 +237,7 @@ def test_a_bias_of_another_vocabulary_is_refused_at_admission(
     v1 = _v1(vocab=VOCAB + 1)
     with caplog.at_level(logging.ERROR):
         _add_v1(v1, (0, _params(0.0, nts_policy=_policy(sha))))
-    assert "13 entries, the engine's vocabulary 14" in caplog.text
+    assert "13 entries but the engine has a vocabulary of 14 tokens" in caplog.text
     assert v1.tuning.bias.biased_slots == 0
     served = torch.randn(1, VOCAB + 1)
     assert torch.equal(v1.apply(served.clone()), served)

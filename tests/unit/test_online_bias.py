@@ -139,3 +139,11 @@ def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) 
     published = LogitBias(bias=served_bias, temperature=policy.fixed_temperature)
     assert _mean_kl(held_out, published) < 0.5 * _mean_kl(held_out, LogitBias.identity(VOCAB))
     assert estimator.status()["bias"]["requests"] == 60
+
+
+def test_rows_of_another_vocabulary_are_refused_before_any_step() -> None:
+    online = OnlineBias(LogitBias.identity(VOCAB + 1), PENALTY)
+    with pytest.raises(ValueError, match=rf"{VOCAB + 1} entries but the shadow-scored model"):
+        online.add(_rows(0))
+    assert online.requests == 0
+    assert online.fit.rows_seen == 0

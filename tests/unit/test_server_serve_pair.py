@@ -4,6 +4,7 @@ noise the engine and the shadow scorer add (tiny model; no engine is started).""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from profile_helpers import CLEAN, SERVED, sample_profile
+from transformers import AutoConfig
 
 from noisy_temp_server.commands import serve
 from noisy_temp_server.commands.serve import (
@@ -35,7 +37,10 @@ from noisy_temp_server.pairs.perturb import (
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
+from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 NOISE = RuntimeLogitNoiseSpec(sigma=1.0, seed=3)
 
@@ -266,3 +271,25 @@ def test_the_shipped_default_pair_profile_tunes_every_request_temperature() -> N
     assert profile.test_quality.row(profile.recommended_rule.value).gain > 0
     table = profile.to_policy(Rule.CALIBRATED).calibrated
     assert len(table.temperatures) == len(profile.settings.request_temperatures) == 4
+
+
+def test_a_bias_that_does_not_fit_the_served_vocabulary_is_refused_at_startup(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
+    pair = ServedPair(tiny_model_dir, tiny_model_dir, None)
+    vocab = int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+    policies = {}
+    for size in (vocab, vocab + 1):
+        vector = torch.randn(size)
+        save_bias_file(tmp_path, vector)
+        policies[size] = dataclasses.replace(TemperaturePolicy.identity(), bias=bias_sha256(vector))
+    serve.check_served_bias(policies[vocab], pair)
+    serve.check_served_bias(TemperaturePolicy.identity(), pair)
+    with pytest.raises(
+        ProfileError, match=rf"{vocab + 1} entries but the served model .* of {vocab} tokens"
+    ):
+        serve.check_served_bias(policies[vocab + 1], pair)
+    missing = dataclasses.replace(TemperaturePolicy.identity(), bias="ab" * 32)
+    with pytest.raises(ProfileError, match="not available to this engine"):
+        serve.check_served_bias(missing, pair)

@@ -470,7 +470,11 @@ def _serve(
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     collector = stack.enter_context(
-        TraceCollector(trace_endpoint, max_row_bytes=settings.capture_buffer_mib << 20)
+        TraceCollector(
+            trace_endpoint,
+            max_row_bytes=settings.capture_buffer_mib << 20,
+            on_rows_dropped=lambda reason, n: metrics.capture_dropped_rows.labels(reason).inc(n),
+        )
     )
     with _phase("Starting the vLLM engine"):
         engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)

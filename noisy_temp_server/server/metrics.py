@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match
 
+from noisy_temp_server.vllm_plugin.trace_channel import DROP_REASONS
+
 __all__ = [
     "ApiMetrics",
     "http_metrics_middleware",
@@ -130,6 +132,13 @@ class ApiMetrics:
             ["reason"],
             registry=registry,
         )
+        self.capture_dropped_rows = Counter(
+            "nts_capture_dropped_rows",
+            "Served-logit rows of shadow-sampled requests the capture dropped, by reason "
+            "(rows_per_step, speculative, queue_full: in the engine; buffer_full: here).",
+            ["reason"],
+            registry=registry,
+        )
         self.shadow_tokens_scored = Counter(
             "nts_shadow_tokens_scored",
             "Completion positions scored by the shadow scorer.",
@@ -169,6 +178,8 @@ class ApiMetrics:
             self.shadow_requests_dropped.labels(reason=reason)
         for temperature in ("one", "served"):
             self.shadow_kl.labels(temperature=temperature)
+        for reason in DROP_REASONS:
+            self.capture_dropped_rows.labels(reason=reason)
 
     def publish_policy(
         self,

@@ -81,6 +81,8 @@ class CapturedRowsSource(Protocol):
 
     def drop_rows(self, trace_id: str) -> None: ...
 
+    def capture_drops(self) -> dict[str, int]: ...
+
 
 class PolicyEstimator(Protocol):
     """What the shadow loop needs of `estimation.online.OnlineEstimator`."""
@@ -159,7 +161,7 @@ class ShadowScorer:
         self._next_sequence_id = 0
         self._counts = {"offered": 0, "sampled": 0, "scored": 0, "dropped_queue_full": 0}
         self._counts |= {"dropped_error": 0, "dropped_not_captured": 0, "tokens": 0}
-        self._seconds = 0.0
+        self._seconds = {"rows_wait": 0.0, "scoring": 0.0, "estimation": 0.0, "cpu": 0.0}
         self._scoring_since: float | None = None
         self._last_version = version_of(estimator.current_policy())
 
@@ -243,14 +245,17 @@ class ShadowScorer:
         return False
 
     def status(self) -> dict[str, Any]:
-        """Counters, queue depth, measured cost (seconds per scored token), whether the scoring
-        thread runs, and for how long the item being scored has taken so far (`busy_for_s`,
-        None when idle: a large value means a hung scorer, whose queue then fills and drops);
-        the live scoreboard (None before the first scored request) and the clean backend's
-        own status (e.g. a remote clean server's failures and last error)."""
+        """Counters, queue depth, measured cost (wall seconds of the clean pass and scoring, per
+        scored token; the wall seconds spent waiting for captured rows and in the estimator and
+        scoreboard; the scoring thread's CPU seconds), whether the scoring thread runs, and for
+        how long the item being scored has taken so far (`busy_for_s`, None when idle: a large
+        value means a hung scorer, whose queue then fills and drops);
+        the live scoreboard (None before the first scored request), the clean backend's
+        own status (e.g. a remote clean server's failures and last error) and the captured
+        served rows dropped, by reason (`CapturedRowsSource.capture_drops`)."""
         with self._lock:
             counts = dict(self._counts)
-            seconds = self._seconds
+            seconds = dict(self._seconds)
             since = self._scoring_since
             scoreboard = self._scoreboard_result
         tokens = counts["tokens"]
@@ -262,12 +267,16 @@ class ShadowScorer:
             "queue_size": self._queue.maxsize,
             "busy_for_s": None if since is None else time.monotonic() - since,
             **counts,
-            "score_seconds_total": seconds,
-            "seconds_per_scored_token": seconds / tokens if tokens else None,
+            "score_seconds_total": seconds["scoring"],
+            "seconds_per_scored_token": seconds["scoring"] / tokens if tokens else None,
+            "rows_wait_seconds_total": seconds["rows_wait"],
+            "estimation_seconds_total": seconds["estimation"],
+            "cpu_seconds_total": seconds["cpu"],
             "threads": self._threads,
             "nice": self._nice,
             "scoreboard": scoreboard,
             "clean_backend": self._scorer.clean_status(),
+            "capture_dropped_rows": self._rows.capture_drops(),
         }
 
     def _loop(self) -> None:
@@ -305,9 +314,12 @@ class ShadowScorer:
                 _LOGGER.warning("Cannot lower the shadow scorer's priority: %s", error)
 
     def _score(self, item: _Item) -> None:
-        started = time.perf_counter()
+        cpu = time.thread_time()
+        waiting = time.perf_counter()
         expected = min(len(item.completion_ids), self._positions)
         captured = self._rows.take_rows(item.trace_id, expected, self._rows_timeout_s)
+        started = time.perf_counter()
+        self._add_seconds("rows_wait", started - waiting)
         if captured is None or not len(captured.steps):
             with self._lock:
                 self._counts["dropped_not_captured"] += 1
@@ -320,7 +332,8 @@ class ShadowScorer:
         )
         served = ServedRows(torch.from_numpy(captured.steps), torch.from_numpy(captured.rows))
         live = self._scorer.score_live(sequence, item.served_temperatures, served, self._bias_rows)
-        elapsed = time.perf_counter() - started
+        scored = time.perf_counter()
+        elapsed = scored - started
         self._estimator.add(live.records, live.rows)
         self._scoreboard.update(live.at_one, live.at_served)
         scoreboard = self._scoreboard.result()
@@ -334,13 +347,19 @@ class ShadowScorer:
             self._last_version = version
             _LOGGER.info("Online estimator published policy version %d", version)
             self._on_policy(policy)
+        self._add_seconds("estimation", time.perf_counter() - scored)
+        self._add_seconds("cpu", time.thread_time() - cpu)
+
+    def _add_seconds(self, part: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[part] += seconds
 
     def _observe(self, live: LiveScores, elapsed: float) -> None:
         count = len(live.records)
         with self._lock:
             self._counts["scored"] += 1
             self._counts["tokens"] += count
-            self._seconds += elapsed
+            self._seconds["scoring"] += elapsed
         metrics = self._metrics
         metrics.shadow_requests_scored.inc()
         metrics.shadow_tokens_scored.inc(count)

@@ -25,18 +25,23 @@ Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``):
   no sync); rows are chosen by host-known indices (V1: batch rows; V2: ``ctx.idx_mapping_np``);
 - at most ``rows_per_step`` rows per step (rotating over the capturing requests when more want
   one) and only generation steps ``0 .. positions - 1`` of a request; a row that is not taken is
-  *dropped*: counted (`dropped_rows`) and announced to the scorer, so it never waits for it;
+  *dropped*: counted (`dropped`, by reason) and announced to the scorer, so it never waits for
+  it;
 - the chosen rows are gathered on the device (one ``index_select``) and copied to the host
   asynchronously (pinned memory on CUDA) by `reports.Reporter`, whose background thread sends
   them on the trace channel; at most ``queue_rows`` rows wait for it, beyond which rows are
   dropped and counted (`reports.Reporter.capture_dropped_rows`): the step loop never blocks.
+
+The drop counts travel with the rows (cumulative, by reason: `trace_channel.DROP_REASONS`), so
+the API process shows them on ``/v1/nts/status`` (``shadow.capture_dropped_rows``) and as
+``nts_capture_dropped_rows_total{reason}`` (`trace_channel.TraceCollector.capture_drops`).
 
 Full float32 rows rather than top-k + log-sum-exp: they are exact, every statistic of the scorer
 (KL curves, the scoreboard's Δp and same-top) reads the whole row, and at SmolLM's 49 152 tokens
 a row is 192 KiB, so the default bound (8 rows per step) moves at most 1.5 MiB per step.
 
 Under Model Runner V2 with speculative decoding (several rows per request) nothing is captured
-(counted in `dropped_rows`). Faults in capture are logged and never reach serving.
+(counted under ``speculative``). Faults in capture are logged and never reach serving.
 """
 
 from __future__ import annotations
@@ -56,7 +61,13 @@ from noisy_temp_server.vllm_plugin.request_args import GREEDY_TEMPERATURE, parse
 if TYPE_CHECKING:
     from noisy_temp_server.vllm_plugin.reports import Reporter
 
-__all__ = ["CaptureBounds", "CapturedStep", "LogitCapture", "capturable", "capture_trace_id"]
+__all__ = [
+    "CaptureBounds",
+    "CapturedStep",
+    "LogitCapture",
+    "capturable",
+    "capture_trace_id",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -87,13 +98,14 @@ class CaptureBounds:
 @dataclass(frozen=True)
 class CapturedStep:
     """One step's captured rows on their way to the host: ``rows`` ``[n, V]`` float32 (device),
-    the trace id and generation step of each, and the (trace id, step) of rows dropped at this
-    step (the scorer stops waiting for them)."""
+    the trace id and generation step of each, the (trace id, step) of rows dropped at this
+    step (the scorer stops waiting for them), and the capture's cumulative drops by reason."""
 
     trace_ids: list[str]
     steps: list[int]
     rows: torch.Tensor
     dropped: list[tuple[str, int]]
+    drop_counts: dict[str, int]
 
 
 def capturable(params: SamplingParams) -> bool:
@@ -140,12 +152,17 @@ class LogitCapture:
         self.reporter = reporter
         self.bounds = bounds
         self.logits_scaled = logits_scaled
-        self.dropped_rows = 0
+        self.dropped = {"rows_per_step": 0, "speculative": 0}
         self._keys = BatchRows(capacity)
         _, self._temperature = self._keys.array(torch.float32, 1.0)
         self._trace_ids = self._keys.objects()
         self._outputs = self._keys.objects()
         self._turn = 0
+
+    @property
+    def dropped_rows(self) -> int:
+        """Rows dropped in this process so far, all reasons."""
+        return sum(self.dropped.values())
 
     @property
     def active(self) -> int:
@@ -194,7 +211,11 @@ class LogitCapture:
     def _capture(self, logits: torch.Tensor, keys: np.ndarray, steps: np.ndarray | None) -> None:
         assert self.reporter is not None
         if len(keys) != logits.shape[0]:  # V2 speculative decoding: several rows per request
-            self.dropped_rows += int(self._keys.active[keys].sum())
+            lost = int(self._keys.active[keys].sum())
+            if lost:
+                self.dropped["speculative"] += lost
+                empty = logits[:0]
+                self.reporter.stage_capture(CapturedStep([], [], empty, [], dict(self.dropped)))
             return
         rows = np.flatnonzero(self._keys.active[keys])
         if not rows.size:
@@ -213,7 +234,7 @@ class LogitCapture:
         order = np.roll(np.arange(rows.size), -(self._turn % rows.size))
         self._turn += 1
         taken, left = order[: self.bounds.rows_per_step], order[self.bounds.rows_per_step :]
-        self.dropped_rows += left.size
+        self.dropped["rows_per_step"] += left.size
         trace_ids = self._trace_ids
         dropped = [
             (trace_ids[key], step)
@@ -230,5 +251,6 @@ class LogitCapture:
                 steps=row_steps[taken].tolist(),
                 rows=served,
                 dropped=dropped,
+                drop_counts=dict(self.dropped),
             )
         )

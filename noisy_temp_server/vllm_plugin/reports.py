@@ -255,7 +255,8 @@ class Reporter:
                 self._capture_rows -= len(step.steps)
             if self.sender is not None:
                 records = list(zip(step.trace_ids, step.steps, strict=True))
-                self.sender.send_rows(records, rows, step.dropped)
+                counts = {**step.drop_counts, "queue_full": self.capture_dropped_rows}
+                self.sender.send_rows(records, rows, step.dropped, counts)
         for copy, occupancy in traces:
             self._send_trace(copy.wait(), occupancy)
         for snapshot in snapshots:

@@ -21,9 +21,11 @@ own temperature):
 
 and one two-part kind, the served-logit rows of shadow-sampled requests (`capture`):
 
-- ``{"c": [[trace_id, step], ...], "d": [[trace_id, step], ...], "v": V}`` then the rows as
-  raw float32 ``[len(c), V]`` (native byte order: both ends run on the same host); ``d`` lists
-  the steps whose rows the engine dropped (bounds, full queue), so nobody waits for them.
+- ``{"c": [[trace_id, step], ...], "d": [[trace_id, step], ...], "v": V, "n": {reason: count}}``
+  then the rows as raw float32 ``[len(c), V]`` (native byte order: both ends run on the same
+  host); ``d`` lists the steps whose rows the engine dropped (bounds, full queue), so nobody
+  waits for them; ``n`` is the engine's cumulative count of dropped rows by reason
+  (`DROP_REASONS`), which the collector keeps (`TraceCollector.capture_drops`).
   The collector keeps them per trace id (`TraceCollector.take_rows`), apart from the T*
   reports: their reader is the shadow scorer, which may come long after the response.
 
@@ -50,13 +52,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 __all__ = [
+    "DROP_REASONS",
     "TRACE_ENDPOINT_ENV",
     "CapturedRows",
     "TraceCollector",
@@ -65,6 +68,12 @@ __all__ = [
 ]
 
 TRACE_ENDPOINT_ENV = "NTS_TRACE_ENDPOINT"
+
+DROP_REASONS = ("rows_per_step", "speculative", "queue_full", "buffer_full")
+"""Why a captured row was dropped (`capture`): over ``rows_per_step`` in its step; several rows
+per request (Model Runner V2's speculative decoding); the engine reporter's queue full
+(``queue_rows``); evicted from the API process's buffer (``max_row_bytes``) before the scorer
+took it."""
 
 _LOGGER = logging.getLogger(__name__)
 _SEND_HIGH_WATER_MARK = 1024
@@ -112,11 +121,14 @@ class TraceSender:
         records: Sequence[tuple[str, int]],
         rows: np.ndarray,
         dropped: Sequence[tuple[str, int]] = (),
+        drop_counts: Mapping[str, int] | None = None,
     ) -> bool:
-        """Send captured ``(trace_id, step)`` rows (``rows`` float32 ``[len(records), V]``) and
-        the ``(trace_id, step)`` of dropped ones. Never blocks; False when dropped."""
+        """Send captured ``(trace_id, step)`` rows (``rows`` float32 ``[len(records), V]``), the
+        ``(trace_id, step)`` of dropped ones and the engine's cumulative drop counts by reason.
+        Never blocks; False when dropped."""
         header: dict[str, object] = {"c": [list(r) for r in records]}
         header |= {"d": [list(d) for d in dropped], "v": int(rows.shape[-1])}
+        header["n"] = dict(drop_counts or {})
         body = np.ascontiguousarray(rows, dtype=np.float32)
         return self._send(header, body)
 
@@ -237,6 +249,7 @@ class TraceCollector:
         forgotten_grace_s: float = _FORGOTTEN_GRACE_S,
         rows_ttl_s: float = 120.0,
         max_row_bytes: int = 512 << 20,
+        on_rows_dropped: Callable[[str, int], None] | None = None,
     ) -> None:
         """``endpoint``: the address to bind (``ipc://...``; ``tcp://127.0.0.1:*`` picks a free
         port, see `endpoint` after `start`). ``ttl_s``: an id that has not received a record for
@@ -244,7 +257,9 @@ class TraceCollector:
         forgotten first. ``forgotten_grace_s``: for this long after an id is forgotten, records
         for it are dropped (late reports of a finished or cancelled request). ``rows_ttl_s``,
         ``max_row_bytes``: how long and how many bytes of captured rows are held for
-        `take_rows` (the oldest request's rows go first).
+        `take_rows` (the oldest request's rows go first). ``on_rows_dropped(reason, n)``: called
+        (from the reader thread) when the count of captured rows dropped for ``reason``
+        (`DROP_REASONS`) grows by ``n``, e.g. to add to a metric.
         """
         if ttl_s <= 0 or max_ids <= 0:
             raise ValueError("TraceCollector needs ttl_s > 0 and max_ids > 0.")
@@ -266,7 +281,8 @@ class TraceCollector:
         self._rows_ttl_s = rows_ttl_s
         self._max_row_bytes = max_row_bytes
         self._rows_arrived = threading.Condition(self._lock)
-        self.evicted_rows = 0
+        self._drops = dict.fromkeys(DROP_REASONS, 0)
+        self._on_rows_dropped = on_rows_dropped
 
     def start(self) -> TraceCollector:
         """Bind the socket and start the reader thread. Returns self."""
@@ -365,6 +381,28 @@ class TraceCollector:
             self._held_bytes -= held.nbytes
         return held
 
+    @property
+    def evicted_rows(self) -> int:
+        """Captured rows dropped from this process's buffer (``max_row_bytes``) untaken."""
+        return self.capture_drops()["buffer_full"]
+
+    def capture_drops(self) -> dict[str, int]:
+        """Captured rows dropped so far, by reason (`DROP_REASONS`): the engine's
+        cumulative counts as its last rows message reported them, and this buffer's evictions."""
+        with self._lock:
+            return dict(self._drops)
+
+    def _count_drops(self, counts: Mapping[str, int]) -> list[tuple[str, int]]:
+        """Raise the held counts to ``counts`` (cumulative; unknown reasons ignored, so labels
+        stay bounded); the increases. Under the lock."""
+        grown = []
+        for reason, count in counts.items():
+            previous = self._drops.get(reason)
+            if previous is not None and count > previous:
+                self._drops[reason] = count
+                grown.append((reason, count - previous))
+        return grown
+
     def pending_ids(self) -> int:
         """How many trace ids are held (for tests and diagnostics)."""
         with self._lock:
@@ -441,6 +479,7 @@ class TraceCollector:
             header = json.loads(parts[0])
             captured = [(str(tid), int(step)) for tid, step in header["c"]]
             dropped = [(str(tid), int(step)) for tid, step in header["d"]]
+            counts = {str(reason): int(n) for reason, n in header.get("n", {}).items()}
             width = int(header["v"]) if captured else 0
             rows = np.frombuffer(parts[1], dtype=np.float32).reshape(len(captured), width)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError):
@@ -452,6 +491,7 @@ class TraceCollector:
         ]
         now = time.monotonic()
         with self._rows_arrived:
+            grown = self._count_drops({r: n for r, n in counts.items() if r != "buffer_full"})
             for (trace_id, step), row in arrived:
                 held = self._held.get(trace_id)
                 if held is None:
@@ -466,10 +506,17 @@ class TraceCollector:
                 held.nbytes += change
                 held.last_update = now
                 self._held_bytes += change
+            evicted = 0
             while self._held_bytes > self._max_row_bytes:
                 oldest = self._pop_rows(next(iter(self._held)))
-                self.evicted_rows += 0 if oldest is None else len(oldest.rows)
+                evicted += 0 if oldest is None else len(oldest.rows)
+            if evicted:
+                buffered = self._drops["buffer_full"] + evicted
+                grown += self._count_drops({"buffer_full": buffered})
             self._rows_arrived.notify_all()
+        if self._on_rows_dropped is not None:
+            for reason, count in grown:
+                self._on_rows_dropped(reason, count)
 
     def _entry(self, trace_id: str, now: float) -> _PendingTrace:
         pending = self._pending.get(trace_id)

@@ -142,6 +142,9 @@ class FakeTraces:
     def drop_rows(self, trace_id: str) -> None:
         self.dropped.append(trace_id)
 
+    def capture_drops(self) -> dict[str, int]:
+        return {"rows_per_step": len(self.dropped)}
+
     async def wait_for(
         self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
     ) -> TraceReport:

@@ -4,6 +4,7 @@ interfaces, and its way to the API process (`TraceCollector.take_rows`)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,11 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
+from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
@@ -157,6 +160,7 @@ def test_rows_per_step_bound_rotates_and_announces_drops(collector: TraceCollect
     processor.capture.reporter.flush()  # type: ignore[union-attr]
     assert processor.capture.dropped_rows == 3  # one row per step over the bound
     taken = [_take(collector, f"r{i}", 3) for i in range(3)]
+    assert collector.capture_drops()["rows_per_step"] == 3  # counted where the scorer runs
     assert sum(len(rows.steps) for rows in taken) == 6
     assert all(len(rows.steps) == 2 for rows in taken)  # rotation: each request loses one step
 
@@ -188,6 +192,12 @@ def test_full_queue_drops_counts_and_never_blocks(collector: TraceCollector) -> 
     reporter.flush()
     rows = _take(collector, "q", 5)  # returns at once: the dropped steps were announced
     assert rows.steps.tolist() == [0, 1]
+    assert collector.capture_drops() == {
+        "rows_per_step": 0,
+        "speculative": 0,
+        "queue_full": 3,
+        "buffer_full": 0,
+    }
 
 
 def test_a_capture_fault_never_reaches_serving(
@@ -274,6 +284,11 @@ def test_v2_speculative_rows_are_not_captured(
     processor.apply_staged_writes()
     processor.apply(torch.randn(3, VOCAB), _ctx([0], [8], rows=3))
     assert processor.capture.dropped_rows == 1
+    processor.capture.reporter.flush()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 5
+    while collector.capture_drops()["speculative"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert collector.capture_drops()["speculative"] == 1  # announced without any row
 
 
 # -- the API side ------------------------------------------------------------------------
@@ -350,3 +365,29 @@ def test_v1_with_a_bias_directory_runs_the_runtime_noise_before_the_capture_and_
     captured = torch.from_numpy(_take(collector, "b", 1).rows[0])
     assert float(captured.std()) == pytest.approx(2.0, rel=0.1)
     torch.testing.assert_close(logits[0], captured / 2.0)
+
+
+def test_drop_counts_reach_the_status_and_a_metric_with_bounded_labels(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/drops.sock"
+    registry = CollectorRegistry()
+    metrics = ApiMetrics(registry)
+    row_bytes = VOCAB * 4
+
+    def count(reason: str, n: int) -> None:
+        metrics.capture_dropped_rows.labels(reason).inc(n)
+
+    def value(reason: str) -> float | None:
+        return registry.get_sample_value("nts_capture_dropped_rows_total", {"reason": reason})
+
+    with TraceCollector(endpoint, max_row_bytes=2 * row_bytes, on_rows_dropped=count) as collector:
+        sender = TraceSender(endpoint)
+        rows = np.ones((1, VOCAB), dtype=np.float32)
+        sender.send_rows([("a", 0)], rows, drop_counts={"rows_per_step": 2, "made_up": 9})
+        sender.send_rows([("a", 1)], rows, drop_counts={"rows_per_step": 5, "queue_full": 1})
+        sender.send_rows([("b", 0)], rows, drop_counts={"rows_per_step": 4})  # an older count
+        _take(collector, "b", 1)  # every message is in: "a" was evicted for "b"
+        sender.close()
+        drops = collector.capture_drops()
+    assert drops == {"rows_per_step": 5, "speculative": 0, "queue_full": 1, "buffer_full": 2}
+    assert {reason: value(reason) for reason in drops} == drops
+    assert value("made_up") is None

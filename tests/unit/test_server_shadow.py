@@ -89,6 +89,9 @@ def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
     seconds = setup.value("nts_shadow_score_seconds_sum")
     assert status["score_seconds_total"] == pytest.approx(seconds)
     assert status["seconds_per_scored_token"] == pytest.approx(seconds / 9)
+    assert status["capture_dropped_rows"] == {"rows_per_step": 0}  # the rows source's counts
+    assert status["cpu_seconds_total"] > 0
+    assert status["estimation_seconds_total"] > 0
 
 
 @pytest.mark.parametrize("bias_rows", [0, 2])

@@ -8,9 +8,11 @@ The served model samples one completion per prompt at T = 1, as `calibrate` does
 shipped prompts); both models then score prompt + completion teacher-forced, a chunk of
 positions at a time, and `noisy_temp_server.estimation.scoreboard` accumulates llama.cpp's
 statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the clean top token,
-PPL ratio) for the served model at T = 1 and at the served T*: the profile's recommended rule
-(or `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. Without `--served`/`--spec`
-the pair is serve's default one (the embedded model with DEFAULT_PERTURBATION, in memory).
+PPL ratio) for the served model at T = 1 and as served: the profile's recommended policy (or
+`--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. When the profile recommends its
+per-token bias b, "served" is softmax((z~ + b) / T*) with the vector from beside the profile.
+Without `--served`/`--spec` the pair is serve's default one (the embedded model with
+DEFAULT_PERTURBATION, in memory).
 The continuations are the served model's own samples (llama.cpp scores a fixed text), so the
 served model tends to find them likelier than the clean one does: PPL(served)/PPL(clean) < 1
 there does not mean the served model is better.
@@ -36,6 +38,8 @@ from noisy_temp_server.commands.perturb import default_clean_path, read_spec_arg
 from noisy_temp_server.temperature.rules import Rule
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from noisy_temp_server.estimation.scoreboard import PairScoreboard, ScoreboardResult
     from noisy_temp_server.pairs.loading import LoadedPair
     from noisy_temp_server.pairs.scorer import ScoringSequence
@@ -74,9 +78,11 @@ def score_scoreboard(
     sequences: Sequence[ScoringSequence],
     policy: TemperaturePolicy,
     *,
+    bias: Tensor | None = None,
     device: str = "cpu",
 ) -> PairScoreboard:
-    """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only)."""
+    """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only);
+    `bias`: the vector of the policy's per-token bias (see `PairScoreboard`)."""
     import torch  # noqa: PLC0415
 
     from noisy_temp_server.estimation.scoreboard import PairScoreboard  # noqa: PLC0415
@@ -85,7 +91,7 @@ def score_scoreboard(
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
-    board = PairScoreboard(policy)
+    board = PairScoreboard(policy, bias=bias)
     for sequence in sequences:
         completion = torch.tensor(sequence.token_ids[sequence.prompt_length :], dtype=torch.int64)
         for steps, clean, served in scorer.logit_chunks(sequence):
@@ -93,6 +99,16 @@ def score_scoreboard(
                 clean, served, completion[steps], step=steps, sequence_id=sequence.sequence_id
             )
     return board
+
+
+def _policy_bias(args: argparse.Namespace, policy: TemperaturePolicy) -> Tensor | None:
+    """The vector of the policy's per-token bias (None without one), from beside the profile;
+    ValueError when it cannot be read there."""
+    from noisy_temp_server.temperature.bias import bias_file_name, load_bias_file  # noqa: PLC0415
+
+    if policy.bias is None:
+        return None
+    return load_bias_file(args.profile.parent / bias_file_name(policy.bias), policy.bias)
 
 
 def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:
@@ -181,12 +197,13 @@ def run(args: argparse.Namespace) -> int:
         spec = None if args.served else read_spec_argument(args.spec or DEFAULT_PERTURBATION)
         pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
         policy = _policy(args, pair)
+        bias = _policy_bias(args, policy)
         started = time.monotonic()
         sequences = sample_completions(
             pair, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
         )
         generated = time.monotonic()
-        board = score_scoreboard(pair, sequences, policy, device=args.device)
+        board = score_scoreboard(pair, sequences, policy, bias=bias, device=args.device)
         scoring_seconds = time.monotonic() - generated
         results = board.result()
     except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
@@ -209,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        t_star = f"T* ({policy.rule.value}, mean {board.mean_temperature():.3f})"
+        with_bias = "" if policy.bias is None else " + bias"
+        t_star = f"T* ({policy.rule.value}{with_bias}, mean {board.mean_temperature():.3f})"
         print(f"clean:  {report['clean']}\nserved: {report['served']}")
         print(format_table(results, t_star))
         print(

@@ -26,7 +26,9 @@ Positions with a non-finite KLD or log-ratio (the served row masks a token the c
 supports) are counted in `infinite_positions` and left out of every statistic.
 
 `PairScoreboard` runs two accumulators side by side: T = 1 and T* of a served policy
-(`policy_temperature`, the one implementation of rule -> T).
+(`policy_temperature`, the one implementation of rule -> T). When the policy serves a per-token
+logit bias b, its "T*" column scores what is served, q = softmax((z~ + b) / T*), as the engine
+adds b before the temperature.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from noisy_temp_server.temperature.bias import bias_sha256, check_bias_vocabulary
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms
 
@@ -341,13 +344,30 @@ class ScoreAccumulator:
 
 
 class PairScoreboard:
-    """Two accumulators over the same positions: the served model at T = 1 ("T=1") and at the
-    T* of `policy` ("T*"), each position's T* from its step and served row."""
+    """Two accumulators over the same positions: the served model at T = 1 ("T=1") and as
+    `policy` serves it ("T*"): softmax((z~ + b) / T*), each position's T* from its step and
+    served row (z~ + b), b the policy's per-token bias (`bias`: its float [V] vector, required
+    exactly when the policy names one, and checked against the policy's hash; 0 without)."""
 
     LABELS = ("T=1", "T*")
 
-    def __init__(self, policy: TemperaturePolicy, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        policy: TemperaturePolicy,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        bias: Tensor | None = None,
+    ) -> None:
+        if (policy.bias is None) != (bias is None):
+            raise ValueError(
+                "the policy names a per-token bias: give its vector"
+                if bias is None
+                else "a bias vector was given for a policy without a per-token bias"
+            )
+        if bias is not None and bias_sha256(bias) != policy.bias:
+            raise ValueError(f"the bias vector is not the policy's ({policy.bias})")
         self.policy = policy
+        self.bias = bias
         self.accumulators = {label: ScoreAccumulator(capacity) for label in self.LABELS}
         self.temperature_sum = 0.0
 
@@ -360,16 +380,24 @@ class PairScoreboard:
         step: Tensor,
         sequence_id: int | Tensor,
     ) -> None:
-        """Score one chunk of `[B, V]` logits (served as sampled from, before temperature)."""
+        """Score one chunk of `[B, V]` logits (served: z~, before the bias and the temperature;
+        ValueError when the policy's bias does not fit their vocabulary)."""
+        terms = PairTerms.from_logits(clean, served)
+        if self.bias is not None:
+            check_bias_vocabulary(self.bias, served.shape[-1], "the served model")
+            served = served + self.bias.to(served)
         t_star = policy_temperature(self.policy, step.to(served.device), served)
-        scores = scores_at_temperatures(
-            PairTerms.from_logits(clean, served),
-            next_tokens,
-            [1.0, t_star],
-            sequence_id=sequence_id,
-            step=step,
-        )
-        for label, chunk in zip(self.LABELS, scores, strict=True):
+
+        def scores(pair: PairTerms, temperatures: list[float | Tensor]) -> list[PositionScores]:
+            return scores_at_temperatures(
+                pair, next_tokens, temperatures, sequence_id=sequence_id, step=step
+            )
+
+        if self.bias is None:
+            both = scores(terms, [1.0, t_star])
+        else:
+            both = scores(terms, [1.0]) + scores(PairTerms.from_logits(clean, served), [t_star])
+        for label, chunk in zip(self.LABELS, both, strict=True):
             self.accumulators[label].update(chunk)
         self.temperature_sum += float(t_star.double().sum())
 

@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from profile_helpers import sample_profile
+from transformers import AutoConfig
 
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.estimation.profile import ModelIdentity
+from noisy_temp_server.estimation.profile import BiasSummary, ModelIdentity
+from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.rules import Rule
 
 SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'
@@ -98,3 +101,43 @@ def test_kld_refuses_too_few_positions(
 def test_kld_is_a_subcommand() -> None:
     args = build_parser().parse_args(["kld", "--t", "1.2", "--json"])
     assert args.run is kld_command.run
+
+
+def test_kld_serves_the_profiles_bias_before_t_star(
+    tiny_model_dir: Path, served_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    vocab = int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+    base = sample_profile(Rule.FIXED)
+    identities = {p: ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, served_dir)}
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24", "--json"]
+    statistics = {}
+    for name, vector in (("zero", torch.zeros(vocab)), ("random", 3 * torch.randn(vocab))):
+        save_bias_file(tmp_path, vector)
+        summary = BiasSummary(
+            sha256=bias_sha256(vector),
+            vocab_size=vocab,
+            temperature=1.0,
+            penalty=1e-3,
+            recommended=True,
+            validation=base.validation_quality.rows[0],
+            test=base.test_quality.rows[0],
+            validation_same_top_rate=0.5,
+            test_same_top_rate=0.5,
+        )
+        profile = tmp_path / f"{name}.profile.json"
+        base.model_copy(
+            update={
+                "clean": identities[tiny_model_dir],
+                "served": identities[served_dir],
+                "bias": summary,
+            }
+        ).save(profile)
+        assert _run(kld_command, [*argv, "--profile", str(profile)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["policy"]["bias"] == summary.sha256
+        statistics[name] = report["statistics"]
+    for name in ("kld_mean", "same_top_rate", "delta_p_mean", "ln_ppl_ratio"):  # b = 0, T = 1
+        assert statistics["zero"]["T*"][name] == pytest.approx(statistics["zero"]["T=1"][name])
+    served, at_one = statistics["random"]["T*"], statistics["random"]["T=1"]
+    assert served["kld_mean"] > at_one["kld_mean"] + 0.1  # a random bias pulls q away from p
+    assert served["same_top_rate"] != at_one["same_top_rate"]  # and moves the argmax

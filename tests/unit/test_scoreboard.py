@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from noisy_temp_server.estimation.scoreboard import (
     position_scores,
     scores_at_temperatures,
 )
+from noisy_temp_server.temperature.bias import bias_sha256
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import PairTerms
@@ -213,6 +215,43 @@ def test_pair_scoreboard_scores_t_one_and_the_policy_temperature() -> None:
     _assert_matches(results["T=1"], _reference(corpus, 1.0))
     _assert_matches(results["T*"], _reference(corpus, 1.6))
     assert board.mean_temperature() == pytest.approx(1.6)
+
+
+def test_with_a_bias_the_served_column_is_softmax_of_biased_logits_over_t() -> None:
+    corpus = _corpus(LENGTHS, seed=5)
+    bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))
+    policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.3, bias=bias_sha256(bias))
+    board = PairScoreboard(policy, bias=bias)
+    for chunk in torch.split(torch.arange(sum(LENGTHS)), 50):
+        board.update(
+            corpus.clean[chunk],
+            corpus.served[chunk],
+            corpus.tokens[chunk],
+            step=corpus.step[chunk],
+            sequence_id=corpus.sequence_id[chunk],
+        )
+    results = board.result()
+    biased = dataclasses.replace(corpus, served=corpus.served + bias)
+    _assert_matches(results["T=1"], _reference(corpus, 1.0))
+    _assert_matches(results["T*"], _reference(biased, 1.3))
+    assert results["T*"].kld_mean != pytest.approx(_reference(corpus, 1.3)["kld_mean"], rel=1e-2)
+
+
+def test_a_bias_must_be_the_policys_and_fit_the_vocabulary() -> None:
+    bias = torch.randn(VOCAB)
+    policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.3, bias=bias_sha256(bias))
+    with pytest.raises(ValueError, match="give its vector"):
+        PairScoreboard(policy)
+    with pytest.raises(ValueError, match="policy without a per-token bias"):
+        PairScoreboard(TemperaturePolicy.identity(), bias=bias)
+    with pytest.raises(ValueError, match="not the policy's"):
+        PairScoreboard(policy, bias=bias + 1)
+    corpus = _corpus([4])
+    clean, served = (torch.cat([x, x[:, :1]], dim=1) for x in (corpus.clean, corpus.served))
+    with pytest.raises(ValueError, match=f"the served model has a vocabulary of {VOCAB + 1}"):
+        PairScoreboard(policy, bias=bias).update(
+            clean, served, corpus.tokens, step=corpus.step, sequence_id=0
+        )
 
 
 def test_scores_at_several_temperatures_equal_one_temperature_at_a_time() -> None:

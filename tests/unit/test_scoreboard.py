@@ -199,11 +199,8 @@ def test_positions_with_infinite_kl_are_counted_and_left_out() -> None:
     assert math.isfinite(result.kld_mean)
 
 
-def test_pair_scoreboard_scores_t_one_and_the_policy_temperature() -> None:
-    corpus = _corpus(LENGTHS, seed=7)
-    policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.6)
-    board = PairScoreboard(policy)
-    for chunk in torch.split(torch.arange(sum(LENGTHS)), 50):
+def _fill(board: PairScoreboard, corpus: Corpus) -> None:
+    for chunk in torch.split(torch.arange(len(corpus.step)), 50):
         board.update(
             corpus.clean[chunk],
             corpus.served[chunk],
@@ -211,6 +208,13 @@ def test_pair_scoreboard_scores_t_one_and_the_policy_temperature() -> None:
             step=corpus.step[chunk],
             sequence_id=corpus.sequence_id[chunk],
         )
+
+
+def test_pair_scoreboard_scores_t_one_and_the_policy_temperature() -> None:
+    corpus = _corpus(LENGTHS, seed=7)
+    policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.6)
+    board = PairScoreboard(policy)
+    _fill(board, corpus)
     results = board.result()
     _assert_matches(results["T=1"], _reference(corpus, 1.0))
     _assert_matches(results["T*"], _reference(corpus, 1.6))
@@ -222,14 +226,7 @@ def test_with_a_bias_the_served_column_is_softmax_of_biased_logits_over_t() -> N
     bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))
     policy = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.3, bias=bias_sha256(bias))
     board = PairScoreboard(policy, bias=bias)
-    for chunk in torch.split(torch.arange(sum(LENGTHS)), 50):
-        board.update(
-            corpus.clean[chunk],
-            corpus.served[chunk],
-            corpus.tokens[chunk],
-            step=corpus.step[chunk],
-            sequence_id=corpus.sequence_id[chunk],
-        )
+    _fill(board, corpus)
     results = board.result()
     biased = dataclasses.replace(corpus, served=corpus.served + bias)
     _assert_matches(results["T=1"], _reference(corpus, 1.0))

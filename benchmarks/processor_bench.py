@@ -74,10 +74,12 @@ BIASED = "sqrt+bias"
 
 
 class _Counter:
-    """A stand-in for vLLM's UVA-backed per-slot tensors: ``.gpu`` on the benchmark device."""
+    """A stand-in for vLLM's UVA-backed per-slot tensors: ``.np`` on the host, ``.gpu`` on the
+    benchmark device."""
 
     def __init__(self, values: torch.Tensor) -> None:
         self.gpu = values
+        self.np = values.cpu().numpy()
 
 
 def _params(policy: TemperaturePolicy, row: int) -> SamplingParams:
@@ -162,9 +164,15 @@ def _v2_step(
     return processor, step
 
 
-def _median_ms(fn: Callable[[], Any], steps: int, device: torch.device) -> float:
+def _median_ms(
+    fn: Callable[[], Any], steps: int, device: torch.device, reset: Callable[[], Any]
+) -> float:
+    """Median wall ms of ``fn`` over ``steps`` calls, each after an untimed ``reset``."""
     times = []
     for _ in range(steps):
+        reset()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
@@ -179,16 +187,22 @@ def measure(
     build = _v1_step if runner == "v1" else _v2_step
     with _policy(rule, vocab) as policy:
         processor, step = build(policy, batch, vocab, device)
-    logits = torch.randn(batch, vocab, device=device)
-    ones = torch.ones(batch, 1, device=device)
+    served = torch.randn(batch, vocab, device=device)
+    logits = served.clone()
+
+    def reset() -> None:  # every step divides fresh logits (repeated division would drift
+        logits.copy_(served)  # them into subnormals, which are slower to divide)
+
+    temperature = torch.full((batch, 1), 1.3, device=device)
     for _ in range(3):
+        reset()
         step(logits)
-    apply_ms = _median_ms(lambda: step(logits), steps, device)
-    divide_ms = _median_ms(lambda: logits.div_(ones), steps, device)
+    apply_ms = _median_ms(lambda: step(logits), steps, device, reset)
+    divide_ms = _median_ms(lambda: logits.div_(temperature), steps, device, reset)
     add_ms = 0.0
     if rule == BIASED:
-        vector = torch.zeros(vocab, device=device)
-        add_ms = _median_ms(lambda: logits.add_(vector), steps, device)
+        vector = served[0].clone()
+        add_ms = _median_ms(lambda: logits.add_(vector), steps, device, reset)
     processor.tuning.reporter.close()  # its thread would compete with the next measurement
     return {
         "runner": runner,

@@ -36,6 +36,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from noisy_temp_server.vllm_plugin.logit_bias import bias_directory
 from noisy_temp_server.vllm_plugin.slot_tuning import (
+    STEP_STRIDE,
     TunedProcessor,
     build_slot_tuning,
     request_tuning,
@@ -87,11 +88,15 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         self._row_slot = np.full(capacity, sentinel, dtype=np.int64)
         self._row_slot_device = self._upload(self._row_slot)
         self._free = list(range(capacity - 1, -1, -1))
-        # Per slot: the generation step (row 0), and whether it advances (1) or waits (0).
-        self._steps = torch.zeros(2, capacity + 1, dtype=torch.int64, device=self.device)
+        # Per slot: its step key ``slot * STEP_STRIDE + generation step`` (row 0), and whether
+        # the step advances (1) or waits (0).
+        self._keys = torch.zeros(2, capacity + 1, dtype=torch.int64, device=self.device)
+        self._keys[0] = torch.arange(capacity + 1, device=self.device) * STEP_STRIDE
+        self._key_of_slot = self._keys[0]
         self._waiting: dict[int, tuple[list[int], int]] = {}  # slot -> (outputs, len at entry)
         self._step_writes: dict[int, tuple[int, int]] = {}  # slot -> (step, advancing)
         self._n_tuned_rows = 0
+        self._tuned_prefix = 0  # batch rows [0, this) all hold tuned requests
         self._batch_rows = np.arange(capacity)
 
     def is_argmax_invariant(self) -> bool:
@@ -115,6 +120,8 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         if changed:
             self._row_slot_device = self._upload(self._row_slot)
             self._n_tuned_rows = int((self._row_slot != self.tuning.sentinel).sum())
+            untuned = ~self.tuning.host_tuned[self._row_slot]
+            self._tuned_prefix = int(untuned.argmax()) if untuned.any() else len(untuned)
 
     def _update_rows(self, batch_update: BatchUpdate) -> bool:
         for row in batch_update.removed:
@@ -153,9 +160,10 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
     def _flush_steps(self) -> None:
         if not self._step_writes:
             return
-        slots = self._upload(np.fromiter(self._step_writes, dtype=np.int64))
-        values = self._upload(np.asarray(list(self._step_writes.values()), dtype=np.int64))
-        self._steps.index_copy_(1, slots, values.T)
+        slots = np.fromiter(self._step_writes, dtype=np.int64)
+        values = np.asarray(list(self._step_writes.values()), dtype=np.int64).T.copy()
+        values[0] += slots * STEP_STRIDE
+        self._keys.index_copy_(1, self._upload(slots), self._upload(values))
         self._step_writes.clear()
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
@@ -170,11 +178,20 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         sync."""
         if self.first is not None:
             logits = self.first(logits)
-        self.capture.capture(logits, self._batch_rows[: logits.shape[0]])
+        rows = logits.shape[0]
+        if self.capture.active:
+            self.capture.capture(logits, self._batch_rows[:rows])
         if not self._n_tuned_rows:
             return logits
-        slots = self._row_slot_device[: logits.shape[0]]
-        steps, advancing = self._steps.index_select(1, slots)
-        self.tuning.tune(logits, slots, steps, advancing, remember=bool(self._waiting))
-        self._steps[0].index_add_(0, slots, advancing)
+        slots = self._row_slot_device[:rows]
+        keys, advancing = self._keys.index_select(1, slots).unbind()
+        self.tuning.tune(
+            logits,
+            slots,
+            keys,
+            advancing,
+            remember=bool(self._waiting),
+            all_rows_tuned=rows <= self._tuned_prefix,
+        )
+        self._key_of_slot.index_add_(0, slots, advancing)
         return logits

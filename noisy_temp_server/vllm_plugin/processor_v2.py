@@ -10,8 +10,12 @@ later division by T_request gives the same ``T_request × T*`` as under the V1 r
 The generation step of a row is computed on the device from vLLM's own state: the row samples
 the token at position ``pos + 1``, so its step is ``pos + 1 - prompt_len[slot]``; a row of an
 unfinished (chunked) prefill, ``pos + 1 < prefill_len[slot]``, is tuned like the first token but
-not counted (vLLM discards its sample). Rows of draft tokens that the verifier later rejects are
-counted in the summaries and the histogram (they cannot be told apart in ``apply``).
+not counted (vLLM discards its sample). vLLM sets both lengths when it admits a request into a
+slot (``prefill_len``: the prompt plus the outputs of a resumed request) and keeps them for the
+occupancy, so ``apply_staged_writes`` copies them, for the slots admitted since the last step,
+into one table of our own: a step reads both, as step keys, with one gather. Rows of draft
+tokens that the verifier later rejects are counted in the summaries and the histogram (they
+cannot be told apart in ``apply``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
 )
 
 from noisy_temp_server.vllm_plugin.slot_tuning import (
+    STEP_STRIDE,
     TunedProcessor,
     build_slot_tuning,
     request_tuning,
@@ -72,18 +77,36 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             vocab_size=req_states.vocab_size,
         )
         self._tuned = np.zeros(capacity, dtype=bool)
+        self._untuned = np.zeros(capacity, dtype=bool)  # holds a request that is not tuned
+        # Per slot, from its lengths (see the module docstring): the step key of position 0,
+        # ``slot * STEP_STRIDE - (prompt_len - 1)``, the key of step 0, ``slot * STEP_STRIDE``,
+        # and the first counted position, ``prefill_len - 1``.
+        self._positions = torch.zeros(3, capacity, dtype=torch.int64, device=self.tuning.device)
+        self._admitted: list[int] = []
+        self._all_tuned = True  # every admitted slot holds a tuned request
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """Give slot ``req_idx`` to a new request; True when it is tuned, biased or captured."""
         resolved, bias = (None, None) if self.duplicate else request_tuning(sampling_params)
         self.tuning.stage(req_idx, resolved, sampling_params.temperature, bias)
         self._tuned[req_idx] = resolved is not None or bias is not None
+        self._untuned[req_idx] = resolved is None
+        self._admitted.append(req_idx)
         captured = self.capture.add_request(req_idx, sampling_params)
         return bool(self._tuned[req_idx]) or captured
 
     def apply_staged_writes(self) -> None:
-        """Copy this step's admissions to the device."""
+        """Copy this step's admissions to the device (vLLM has written their lengths by now)."""
         self.tuning.flush_staged()
+        if self._admitted:
+            slots = np.asarray(self._admitted, dtype=np.int64)
+            self._admitted.clear()
+            step_zero = slots * STEP_STRIDE
+            prompt_end = self._req_states.prompt_len.np[slots] - 1
+            prefill_end = self._req_states.prefill_len.np[slots] - 1
+            positions = np.stack((step_zero - prompt_end, step_zero, prefill_end))
+            self._positions.index_copy_(1, self.tuning.upload(slots), self.tuning.upload(positions))
+            self._all_tuned = not self._untuned.any()
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: [rows, V] float32 unscaled, biased and divided in place on tuned rows.
@@ -92,14 +115,14 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             logits = self.first(logits, ctx)
         if self.capture.active:
             self.capture.capture(logits, ctx.idx_mapping_np, self._host_steps(ctx))
-        if not self._tuned[ctx.idx_mapping_np].any():
+        if not (self._all_tuned or self._tuned[ctx.idx_mapping_np].any()):
             return logits
         slots = ctx.expanded_idx_mapping
-        sampled_position = ctx.pos + 1
-        prompt_len = self._req_states.prompt_len.gpu.index_select(0, slots)
-        prefill_len = self._req_states.prefill_len.gpu.index_select(0, slots)
-        steps = (sampled_position - prompt_len).clamp_(min=0)
-        self.tuning.tune(logits, slots, steps, sampled_position >= prefill_len)
+        position_zero, step_zero, prefill_end = self._positions.index_select(1, slots).unbind()
+        keys = position_zero.add_(ctx.pos).clamp_(min=step_zero)  # a prefill chunk: step 0
+        self.tuning.tune(
+            logits, slots, keys, ctx.pos >= prefill_end, all_rows_tuned=self._all_tuned
+        )
         return logits
 
     def _host_steps(self, ctx: LogitsContext) -> np.ndarray:

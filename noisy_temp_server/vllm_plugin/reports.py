@@ -125,12 +125,15 @@ class _HostCopy:
             target = source
         elif target is None or target.shape != source.shape:
             target = torch.empty(source.shape, dtype=source.dtype, pin_memory=on_device)
-        if target is not source:
-            target.copy_(source, non_blocking=on_device)
         self.host = target
-        self._event: torch.cuda.Event | None = None
-        if on_device:
-            self._event = torch.cuda.Event()
+        self._event: torch.cuda.Event | None = torch.cuda.Event() if on_device else None
+        if target is not source:
+            self.refresh(source)
+
+    def refresh(self, source: torch.Tensor) -> None:
+        """Copy ``source`` (the shape of `host`) again, over the previous copy."""
+        self.host.copy_(source, non_blocking=self._event is not None)
+        if self._event is not None:
             self._event.record()
 
     def wait(self) -> np.ndarray:
@@ -196,7 +199,13 @@ class Reporter:
         the previous snapshot if that was not read yet, unless that one is ``keep``."""
         with self._lock:
             target = None
-            if self._snapshots and not self._snapshots[-1].keep:
+            pending = self._snapshots[-1] if self._snapshots else None
+            if pending is not None and not (pending.keep or keep) and pending.layout is layout:
+                # The common case, once per step: copy over the snapshot not read yet.
+                pending.copy.refresh(state)
+                pending.occupancy = self._occupancy
+                return
+            if pending is not None and not pending.keep:
                 target = self._snapshots.pop().copy.host
             elif self._spare:
                 target = self._spare.pop()

@@ -182,12 +182,15 @@ class SlotTuning:
         self._edges[:, 0] = 0
         self._scale = np.ones((n, _INITIAL_COLUMNS), dtype=np.float32)
         self._labels = np.full((n, _INITIAL_COLUMNS), -1, dtype=np.int64)
-        # Per slot: request temperature, schedule beta, t_min, t_max.
-        self.params = torch.tensor([(1.0, 0.0, 1.0, 1.0)] * n, device=self.device)
+        # Per slot: schedule beta, t_min, t_max (copied into each of its cells).
+        self._schedule = np.asarray([(0.0, 1.0, 1.0)] * n, dtype=np.float32)
+        self.request_temperature = torch.ones(n, device=self.device)
         self.policy_id = torch.full((n,), _NO_POLICY, dtype=torch.int64, device=self.device)
         self.traced = torch.zeros(n, dtype=torch.bool, device=self.device)
         self.tuned = torch.zeros(n, dtype=torch.bool, device=self.device)
-        self._signs = torch.tensor([-1.0, 1.0], dtype=torch.float64, device=self.device)
+        # accumulate(): a row's (1, T, -T, T) = unit + T * signs, in one op.
+        self._unit = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=self.device)
+        self._signs = torch.tensor([0.0, 1.0, -1.0, 1.0], dtype=torch.float64, device=self.device)
         self.last = (
             torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
         )
@@ -196,6 +199,7 @@ class SlotTuning:
         self._serial = 0
         self.n_traced = 0
         self._host_traced = np.zeros(n, dtype=bool)
+        self.host_tuned = np.zeros(n, dtype=bool)  # as `tuned` will be after the next flush
         self._n_scheduled = 0
         self._host_scheduled = np.zeros(n, dtype=bool)
         self._row_policies: dict[int, _RowPolicy] = {}
@@ -212,12 +216,23 @@ class SlotTuning:
         self.layout = StateLayout(slots=self.capacity + 1, columns=columns)
         slot_base = np.arange(self.capacity + 1, dtype=np.int64)[:, None] * STEP_STRIDE
         self.edge_keys = torch.from_numpy(slot_base + self._edges).view(-1).to(self.device)
-        self.cell_scale = torch.ones(self.layout.cells, device=self.device)
-        self.cell_scale[1:] = torch.from_numpy(self._scale).view(-1)
-        self.cell_unit = _count_and_value(self.cell_scale)
+        self.cell_table = torch.tensor([[1.0, 0.0, 1.0, 1.0]], device=self.device).repeat(
+            self.layout.cells, 1
+        )
+        self.cell_table[1:] = torch.from_numpy(self._cell_rows(np.arange(self.capacity + 1)))
+        self.cell_unit = _count_and_value(self.cell_table[:, 0])
         self.state = self.layout.initial(self.device)
         self.accumulators, self.extrema, self.bad_rows = self.layout.split(self.state)
-        self.extrema[1:] = self._upload(self._initial_extrema(np.arange(self.capacity + 1)))
+        self.extrema[1:] = self.upload(self._initial_extrema(np.arange(self.capacity + 1)))
+
+    def _cell_rows(self, slots: np.ndarray) -> np.ndarray:
+        """``[len(slots) * columns, 4]`` rows of the slots' cells in `cell_table`: (T* or the
+        schedule's scale, the slot's schedule beta, t_min, t_max)."""
+        columns = self.layout.columns
+        rows = np.empty((len(slots), columns, 4), dtype=np.float32)
+        rows[..., 0] = self._scale[slots]
+        rows[..., 1:] = self._schedule[slots, None, :]
+        return rows.reshape(-1, 4)
 
     def _initial_extrema(self, slots: np.ndarray) -> np.ndarray:
         """``[len(slots) * columns, 2]`` extrema the slots' cells start from: (-T*, T*) of a
@@ -248,6 +263,7 @@ class SlotTuning:
             self.occupants[slot] = (resolved.trace_id, self._serial)
             traced = resolved.trace and resolved.trace_id is not None
             self._host_traced[slot] = traced
+            self.host_tuned[slot] = True
             self.n_traced += traced
         self._staged.append((slot, resolved, request_temperature))
 
@@ -265,6 +281,7 @@ class SlotTuning:
         self.occupants[slot] = (None, 0)
         self.n_traced -= bool(self._host_traced[slot])
         self._host_traced[slot] = False
+        self.host_tuned[slot] = False
         self._n_scheduled -= bool(self._host_scheduled[slot])
         self._host_scheduled[slot] = False
 
@@ -332,7 +349,7 @@ class SlotTuning:
             resolved, temperature = latest[slot]
             tables[slot] = self._slot_table(slot, resolved, temperature)
             table = tables[slot][0]
-            params.append((temperature if resolved else 1.0, table.beta, table.t_min, table.t_max))
+            params.append(temperature if resolved else 1.0)
         widths = (self._edges != _PAD_EDGE).sum(axis=1)
         for slot, (table, _) in tables.items():
             widths[slot] = len(table.step_edges)
@@ -352,13 +369,15 @@ class SlotTuning:
             self._scale[slot, :width] = table.scale
             self._labels[slot] = -1
             self._labels[slot, :width] = labels
+            self._schedule[slot] = (table.beta, table.t_min, table.t_max)
         self._upload_slots(slots)
-        index = self._upload(np.asarray(slots, dtype=np.int64))
-        self.params.index_copy_(0, index, self._upload(np.asarray(params, dtype=np.float32)))
-        self.policy_id.index_copy_(0, index, self._upload(self.host_policy_id[slots]))
-        self.traced.index_copy_(0, index, self._upload(self._host_traced[slots]))
+        index = self.upload(np.asarray(slots, dtype=np.int64))
+        temperatures = self.upload(np.asarray(params, dtype=np.float32))
+        self.request_temperature.index_copy_(0, index, temperatures)
+        self.policy_id.index_copy_(0, index, self.upload(self.host_policy_id[slots]))
+        self.traced.index_copy_(0, index, self.upload(self._host_traced[slots]))
         tuned = np.asarray([latest[slot][0] is not None for slot in slots])
-        self.tuned.index_copy_(0, index, self._upload(tuned))
+        self.tuned.index_copy_(0, index, self.upload(tuned))
         if self.reporter is not None:
             self.reporter.set_occupancy(Occupancy(tuple(self.occupants), self._labels.copy()))
 
@@ -368,14 +387,14 @@ class SlotTuning:
         rows = np.asarray(slots, dtype=np.int64)
         keys = rows[:, None] * STEP_STRIDE + self._edges[rows]
         cells = 1 + rows[:, None] * columns + np.arange(columns)
-        keys_index = self._upload((cells - 1).reshape(-1))
-        self.edge_keys.index_copy_(0, keys_index, self._upload(keys.reshape(-1)))
-        cells_index = self._upload(cells.reshape(-1))
-        scale = self._upload(self._scale[rows].reshape(-1))
-        self.cell_scale.index_copy_(0, cells_index, scale)
-        self.cell_unit.index_copy_(0, cells_index, _count_and_value(scale))
+        keys_index = self.upload((cells - 1).reshape(-1))
+        self.edge_keys.index_copy_(0, keys_index, self.upload(keys.reshape(-1)))
+        cells_index = self.upload(cells.reshape(-1))
+        cell_rows = self.upload(self._cell_rows(rows))
+        self.cell_table.index_copy_(0, cells_index, cell_rows)
+        self.cell_unit.index_copy_(0, cells_index, _count_and_value(cell_rows[:, 0]))
         self.accumulators.index_fill_(0, cells_index, 0.0)
-        self.extrema.index_copy_(0, cells_index, self._upload(self._initial_extrema(rows)))
+        self.extrema.index_copy_(0, cells_index, self.upload(self._initial_extrema(rows)))
 
     def _resize(self, columns: int) -> None:
         """Rebuild the tables with ``columns`` step buckets per slot: more when a wider policy
@@ -404,7 +423,8 @@ class SlotTuning:
                 self._serial += 1
                 self.occupants[slot] = (trace_id, self._serial)
 
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device (asynchronously, from pinned memory on CUDA)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self._pin:
             tensor = tensor.pin_memory()
@@ -421,57 +441,63 @@ class SlotTuning:
         self,
         logits: torch.Tensor,
         slots: torch.Tensor,
-        steps: torch.Tensor,
+        keys: torch.Tensor,
         counted: torch.Tensor,
         *,
         remember: bool = False,
-    ) -> torch.Tensor:
+        all_rows_tuned: bool = False,
+    ) -> None:
         """Add each row's per-token bias (if its slot has one), divide the row by its T*
         (``logits``: [R, V] float32, in place) and account it.
 
-        ``slots``/``steps``: [R] integer slot (int32 or int64) and int64 generation step of each
-        row. ``counted``: [R] bool (or 0/1 integers), rows whose sample the engine keeps (they
-        enter the summaries and the histogram).
-        ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``). Returns T*
-        per row ([R]: 1 for untuned rows and for bad rows of rules that read the served row; a
-        bad row of a step-only rule keeps its T*). No host sync.
+        ``slots``/``keys``: [R] integer slot (int32 or int64) and int64 step key of each row,
+        ``slot * STEP_STRIDE + generation step``. ``counted``: [R] bool (or 0/1 integers), rows
+        whose sample the engine keeps (they enter the summaries and the histogram).
+        ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``).
+        ``all_rows_tuned``: the caller knows every row's slot holds a tuned request (the
+        bad-row count then skips the gather of the slots' tuned flags). T* is 1 for untuned
+        rows and for bad rows of rules that read the served row; a bad row of a step-only rule
+        keeps its T*. No host sync.
         """
         self.bias.add(logits, slots)
-        cells = torch.bucketize(
-            torch.add(steps, slots, alpha=STEP_STRIDE), self.edge_keys, right=True
-        )
-        temperature = self.cell_scale.index_select(0, cells)
+        cells = torch.bucketize(keys, self.edge_keys, right=True)
+        cell = self.cell_table.index_select(0, cells)
+        steps = None
         # Bad rows (NaN, +inf, all -inf): read before the division, which may overflow.
         peak = None if self.reporter is None else logits.amax(1)
         varying = bool(self._n_scheduled or self._row_policies)
-        if varying:
-            request_temperature, beta, t_min, t_max = self.params.index_select(0, slots).unbind(1)
-            if self._n_scheduled:
+        if varying:  # [R] T* of each row, then as a column
+            temperature, beta, t_min, t_max = cell.unbind(1)
+            steps = torch.sub(keys, slots, alpha=STEP_STRIDE)
+            if self._n_scheduled:  # as `rules.schedule_temperature`, bit for bit
                 factor = beta.mul(steps).add_(1.0).rsqrt_()
-                temperature = torch.clamp(temperature * factor, t_min, t_max)
+                temperature = factor.mul_(temperature).clamp_(t_min, t_max)
             if self._row_policies:
                 temperature = self._read_rows(
                     logits,
                     slots,
                     steps,
                     temperature=temperature,
-                    request_temperature=request_temperature,
                     t_min=t_min,
                     t_max=t_max,
                 )
-        logits.div_(temperature.unsqueeze(1))
+            column = temperature.unsqueeze(1)
+        else:  # T* of every row is its cell's: the table's column
+            column = cell[:, :1]
+        logits.div_(column)
         if peak is not None:
             self._account(
                 cells,
                 slots,
-                steps,
-                temperature=temperature,
+                keys,
+                steps=steps,
+                column=column,
                 counted=counted,
                 peak=peak,
                 varying=varying,
                 remember=remember,
+                all_rows_tuned=all_rows_tuned,
             )
-        return temperature
 
     def _read_rows(
         self,
@@ -480,13 +506,13 @@ class SlotTuning:
         steps: torch.Tensor,
         *,
         temperature: torch.Tensor,
-        request_temperature: torch.Tensor,
         t_min: torch.Tensor,
         t_max: torch.Tensor,
     ) -> torch.Tensor:
         """T* of the rows whose policy reads the served row (one `policy_temperature` per live
         such policy; a bad row has NaN statistics and gets T* = 1)."""
         policy_of_row = self.policy_id.index_select(0, slots)
+        request_temperature = self.request_temperature.index_select(0, slots)
         features: dict[Rule, ServedRowFeatures] = {}
         for entry in self._row_policies.values():
             served = self._features(entry.policy, logits, request_temperature, features)
@@ -529,30 +555,40 @@ class SlotTuning:
         self,
         cells: torch.Tensor,
         slots: torch.Tensor,
-        steps: torch.Tensor,
+        keys: torch.Tensor,
         *,
-        temperature: torch.Tensor,
+        steps: torch.Tensor | None,
+        column: torch.Tensor,
         counted: torch.Tensor,
         peak: torch.Tensor,
         varying: bool,
         remember: bool,
+        all_rows_tuned: bool,
     ) -> None:
-        """Summaries and histogram cells, bad rows (``peak``: each row's max logit before the
-        division), the step's trace (when some slot is traced), and the rows `commit_last` may
-        count later. Without ``varying`` rows (every T* is its cell's), the count and sum come
-        from the cell table in one op and the extrema are the ones preset at admission."""
+        """Summaries and histogram cells (``column``: [R, 1] T* of each row; ``steps``: each
+        row's step, if the caller computed it from ``keys``), bad rows
+        (``peak``: each row's max logit before the division), the step's trace (when some slot
+        is traced), and the rows `commit_last` may count later. Without ``varying`` rows (every
+        T* is its cell's), the count and sum come from the cell table in one op and the
+        extrema are the ones preset at admission."""
         assert self.reporter is not None
         if varying:
-            self.accumulate(cells * counted, temperature)
+            self.accumulate(cells * counted, column)
         else:
             self.accumulators.index_add_(0, cells * counted, self.cell_unit.index_select(0, cells))
         not_finite = peak.sub_(peak).isnan()  # inf - inf and NaN - NaN are NaN
-        self.bad_rows.add_(not_finite.logical_and_(self.tuned.index_select(0, slots)).sum())
+        if not all_rows_tuned:
+            not_finite.logical_and_(self.tuned.index_select(0, slots))
+        self.bad_rows.add_(not_finite.sum())
         if remember and self.last is not None:
-            column = cells - 1 - slots * self.layout.columns
-            last = torch.stack((column.double(), temperature.double(), counted.double()), dim=1)
+            bucket = cells - 1 - slots * self.layout.columns
+            value = column.squeeze(1).double()
+            last = torch.stack((bucket.double(), value, counted.double()), dim=1)
             self.last.index_copy_(0, slots, last)
         if self.n_traced:
+            if steps is None:
+                steps = torch.sub(keys, slots, alpha=STEP_STRIDE)
+            temperature = column.squeeze(1)
             dtype = temperature.dtype
             rows = (
                 slots.to(dtype),
@@ -570,17 +606,17 @@ class SlotTuning:
             return
         column, temperature, counted = self.last.index_select(0, slots).unbind(1)
         cells = 1 + slots * self.layout.columns + column.long()
-        self.accumulate(cells * (counted == 0), temperature)
+        self.accumulate(cells * (counted == 0), temperature.unsqueeze(1))
         self.reporter.stage_snapshot(self.state, self.layout)
 
-    def accumulate(self, cells: torch.Tensor, temperature: torch.Tensor) -> None:
-        """Add one row per entry of ``cells`` (cell 0: not counted) with its T* to the count,
-        sum and extrema of its cell. Two device ops."""
-        value = temperature.to(torch.float64)
-        self.accumulators.index_add_(0, cells, _count_and_value(value))
-        self.extrema.scatter_reduce_(
-            0, cells.unsqueeze(1).expand(-1, 2), value.unsqueeze(1) * self._signs, "amax"
-        )
+    def accumulate(self, cells: torch.Tensor, column: torch.Tensor) -> None:
+        """Add one row per entry of ``cells`` (cell 0: not counted) with its T* (``column``:
+        [R, 1]) to the count, sum and extrema of its cell. Three device ops: the rows'
+        (1, T, -T, T) in float64 (exact for a finite float32 T), one ``index_add_`` and one
+        ``scatter_reduce_``."""
+        rows = torch.addcmul(self._unit, column, self._signs)
+        self.accumulators.index_add_(0, cells, rows[:, :2])
+        self.extrema.scatter_reduce_(0, cells.unsqueeze(1).expand(-1, 2), rows[:, 2:], "amax")
 
 
 def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,47 @@ def test_rows_map_to_slots_and_steps_follow_positions() -> None:
     torch.testing.assert_close(logits, expected)
 
 
+def test_steps_follow_the_lengths_of_each_occupancy() -> None:
+    """The lengths vLLM sets at admission hold for the occupancy: a resumed request
+    (prefill_len > prompt_len) continues at its step and is counted from its prefill's end
+    on, and the slot's next occupant starts from its own prompt."""
+    batch = _Batch([1] * SLOTS)
+    processor = _processor(batch, CollectorRegistry())
+    batch.set_slot(1, prompt_len=4, prefill_len=7)  # 3 tokens produced before preemption
+    processor.add_request(1, _params(nts_policy=LINEAR.to_json()))
+    processor.apply_staged_writes()
+    for position, step in ((5, 2), (6, 3), (7, 4)):  # a prefill chunk, then steps 3 and 4
+        logits = torch.ones(1, VOCAB)
+        processor.apply(logits, _ctx([(1, position)]))
+        torch.testing.assert_close(logits[0], 1 / _reference(LINEAR, [step]).expand(VOCAB))
+    assert processor.tuning.summaries()[1, 1] == 2
+    batch.set_slot(1, prompt_len=2)
+    processor.add_request(1, _params(nts_policy=LINEAR.to_json()))
+    processor.apply_staged_writes()
+    logits = torch.ones(2, VOCAB)
+    processor.apply(logits, _ctx([(1, 1), (1, 4)]))  # steps 0 and 3
+    torch.testing.assert_close(logits[:, 0], 1 / _reference(LINEAR, [0, 3]))
+    assert processor.tuning.summaries()[1, 1] == 2
+
+
+def test_bad_rows_count_for_tuned_requests_only() -> None:
+    """Beside an untuned or bias-less untuned request, its bad rows are not counted; once every
+    slot holds a tuned request, all are."""
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0))
+    processor.add_request(1, _params(nts_tune=False))
+    processor.apply_staged_writes()
+    bad = torch.full((2, VOCAB), float("nan"))
+    processor.apply(bad.clone(), _ctx([(0, 0), (1, 0)]))
+    processor.tuning.reporter.flush()
+    assert processor.bad_rows == 1
+    processor.add_request(1, _params(nts_rule="fixed", nts_t=3.0))
+    processor.apply_staged_writes()
+    processor.apply(bad.clone(), _ctx([(0, 1), (1, 0)]))
+    processor.tuning.reporter.flush()
+    assert processor.bad_rows == 3
+
+
 def test_recycled_slot_takes_the_new_occupant_state() -> None:
     batch = _Batch([2] * SLOTS)
     registry = CollectorRegistry()

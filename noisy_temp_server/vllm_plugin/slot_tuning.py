@@ -4,15 +4,16 @@ A *slot* is a request's place in a fixed-size table of ``capacity + 1`` entries 
 V2: vLLM's persistent request slot; V1 runner: a slot the V1 adapter assigns at admission, so
 batch moves never touch the device). The last entry is a sentinel that is never tuned (the V1
 adapter maps untuned rows there). Per step, the runner adapter hands `SlotTuning.tune` the
-logits rows, the slot of each row and the generation step of each row (all device tensors);
-everything else happens on the device.
+logits rows, the slot of each row and its *step key* ``slot * STEP_STRIDE + generation step``
+(all device tensors); everything else happens on the device.
 
 Admission evaluates the request's policy once (`policy.step_temperatures`, the torch-only
 core): each slot gets its step-bucket edges and its T* per bucket (bounds folded in), plus the
 schedule's ``beta`` and bounds. The edges of all slots live in one sorted key array (slot ``s``,
-edge ``e`` -> ``s * STEP_STRIDE + e``), so one ``bucketize`` of ``slot * STEP_STRIDE + step``
-gives each row its *cell* (slot, step bucket) and one gather its T*. A step of the step-only
-rules (off, fixed, sqrt, linear, schedule, a step-only calibrated table) is therefore:
+edge ``e`` -> ``s * STEP_STRIDE + e``), so one ``bucketize`` of the step keys gives each row its
+*cell* (slot, step bucket) and one gather its row of the cell table (T* or the schedule's scale,
+``beta``, ``t_min``, ``t_max``). A step of the step-only rules (off, fixed, sqrt, linear,
+schedule, a step-only calibrated table) is therefore:
 
     bucketize + gather (+ the schedule's factor and clamp) + one division + accounting
 
@@ -27,10 +28,10 @@ Accounting adds the count and sum of T* per cell (one ``index_add_``; rows the e
 go to cell 0). A cell whose T* is constant (every step-only rule but ``schedule``) gets its
 extrema at admission and its (1, T*) row from the cell table, so a batch of such rows costs a
 gather and that ``index_add_``; while some slot's T* varies within a cell (``schedule``, rules
-that read the served row) the step also packs ``[1, T]`` and takes the extrema with one
-``scatter_reduce_`` over ``[-T, T]``. Bad rows of tuned requests, whatever the rule, are
-counted in ``bad_rows`` by one reduction over the logits (a row is bad when its max is not
-finite). `reports.Reporter` reads
+that read the served row) the step builds the rows' ``(1, T, -T, T)`` (one ``addcmul``), adds
+``(1, T)`` and takes the extrema with one ``scatter_reduce_`` over ``(-T, T)``. Bad rows of
+tuned requests, whatever the rule, are counted in ``bad_rows`` by one reduction over the logits
+(a row is bad when its max is not finite). `reports.Reporter` reads
 an asynchronous copy of that state and reduces it on the host into per-request summaries and
 the ``nts_step_temperature`` histogram. The per-step trace is copied only while some slot is
 traced.

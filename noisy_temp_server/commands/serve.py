@@ -393,6 +393,8 @@ def _shadow(
         on_policy=_policy_gauges(metrics),
         threads=settings.shadow_threads,
         nice=settings.shadow_nice,
+        cpu_share=settings.shadow_cpu_share,
+        warmup_cpu_share=settings.shadow_warmup_cpu_share,
         bias_rows=settings.shadow_bias_rows if estimator.refines_bias else 0,
     )
     return estimator, shadow

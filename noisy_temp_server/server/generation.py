@@ -181,7 +181,9 @@ def prepare_request(
         raise OpenAIError(str(error), status_code=400) from None
     for choice, choice_params in zip(choices, params, strict=True):
         choice.shadow_sampled = (
-            state.shadow is not None and capturable(choice_params) and state.shadow.admit()
+            state.shadow is not None
+            and capturable(choice_params)
+            and state.shadow.admit(choice.trace_id, max_tokens)
         )
         add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
     return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params, bias)
@@ -327,8 +329,8 @@ def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
         if choice.summary is None:
             if prepared.tuning is not None:
                 state.trace_source.forget(choice.trace_id)
-            if choice.shadow_sampled:
-                state.trace_source.drop_rows(choice.trace_id)
+            if choice.shadow_sampled and state.shadow is not None:
+                state.shadow.cancel(choice.trace_id)
 
 
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:

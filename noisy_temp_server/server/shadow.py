@@ -18,11 +18,19 @@ the policy gauges. New requests pick the new version up from the estimator; requ
 flight keep the version they were admitted with.
 
 Cost: the scorer runs teacher-forced passes per scored request on `shadow_device`. On the CPU
-it shares the cores with the engine, so it has its own budget: `threads` torch threads (torch's
-intra-op pool is process-wide, and in the API process only the scorer uses it) and a scoring
-thread `nice` steps below the process, so the engine wins the cores whenever both want them and
-the scorer catches up in the gaps. `nts_shadow_score_seconds` and
-`nts_shadow_tokens_scored_total` give its cost per scored token, and `status()` reports it.
+it shares the cores with the engine, so it keeps to a budget (`CpuBudget`): at most
+`cpu_share` of the machine's CPU time (all cores), measured as the scoring thread's CPU time.
+Sampling adapts to it: a request drawn at `fraction` is sampled only while the budget has
+credit, and its expected cost (its positions, at most `positions`, times the measured CPU
+seconds per scored position) is reserved at admission and settled with what scoring it really
+cost; a request drawn while the budget is spent is skipped (counted, ``skipped_budget``).
+Until the estimator publishes its first policy the budget is `warmup_cpu_share` and the thread
+runs at the process's priority, so that a new server gets its first online policy quickly;
+from then on it is `cpu_share` and the thread runs `nice` steps below the process, so the engine
+wins the cores whenever both want them. `threads` torch threads (torch's intra-op pool is
+process-wide, and in the API process only the scorer uses it). `nts_shadow_score_seconds` and
+`nts_shadow_tokens_scored_total` give its cost per scored token, and `status()` reports it with
+the budget's state.
 
 Faults stay off the serving path: `submit` never blocks and never raises for a scoring fault; a
 failure while scoring an item drops that item (`nts_shadow_requests_dropped_total{reason=
@@ -55,7 +63,7 @@ from noisy_temp_server.pairs.scorer import (
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.temperature.bias import PairedRows
 
-__all__ = ["CapturedRowsSource", "PolicyEstimator", "SequenceScorer", "ShadowScorer"]
+__all__ = ["CapturedRowsSource", "CpuBudget", "PolicyEstimator", "SequenceScorer", "ShadowScorer"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -94,6 +102,65 @@ class PolicyEstimator(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class CpuBudget:
+    """A token bucket of CPU seconds: credit grows at ``share`` x ``cores`` CPU-seconds per
+    wall-second, up to ``horizon_s`` seconds' worth; `take` spends (it may leave the credit
+    negative: a debt repaid by time), and is refused while the credit is not positive;
+    `give` returns what was taken and not spent. ``share`` >= 1: no limit. Not thread-safe
+    (the scorer holds its lock)."""
+
+    def __init__(
+        self,
+        share: float,
+        cores: int,
+        *,
+        horizon_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cores < 1 or horizon_s <= 0:
+            raise ValueError(f"need cores >= 1 and horizon_s > 0, got {cores}, {horizon_s}")
+        self.cores = cores
+        self.horizon_s = horizon_s
+        self._clock = clock
+        self._last = clock()
+        self.share = 1.0
+        self.credit = 0.0
+        self.set_share(share)
+
+    def set_share(self, share: float) -> None:
+        """A new share of the machine, from now on (the credit starts full)."""
+        if not share > 0.0:
+            raise ValueError(f"CPU share must be > 0, got {share}")
+        self._refill()
+        self.share = share
+        self.credit = self._capacity
+
+    @property
+    def _capacity(self) -> float:
+        return self.share * self.cores * self.horizon_s
+
+    def _refill(self) -> None:
+        now = self._clock()
+        gained = self.share * self.cores * (now - self._last)
+        self.credit = min(self._capacity, self.credit + gained)
+        self._last = now
+
+    def take(self, seconds: float) -> bool:
+        """Spend `seconds` of CPU if any credit is left; False (nothing spent) otherwise."""
+        if self.share >= 1.0:
+            return True
+        self._refill()
+        if self.credit <= 0.0:
+            return False
+        self.credit -= seconds
+        return True
+
+    def give(self, seconds: float) -> None:
+        """Return `seconds` taken and not spent (negative: spend more than was taken)."""
+        self._refill()
+        self.credit = min(self._capacity, self.credit + seconds)
+
+
 @dataclass(frozen=True)
 class _Item:
     prompt_ids: tuple[int, ...]
@@ -101,6 +168,7 @@ class _Item:
     served_temperatures: tuple[float, ...]
     sequence_id: int
     trace_id: str
+    reserved_s: float
 
 
 class ShadowScorer:
@@ -109,12 +177,16 @@ class ShadowScorer:
     `on_policy(policy)` is called from the scorer thread whenever the estimator's policy
     version changes (e.g. to update gauges). `threads`: torch's intra-op threads for the
     process (None: leave them); `nice`: how many nice steps the scoring thread runs below the
-    process (0: same priority). `rows`: the captured served rows (`CapturedRowsSource`);
+    process once the first policy is out (0: same priority). `cpu_share`,
+    `warmup_cpu_share`: the CPU budget after and before the first policy, as shares of the
+    machine (`cores` CPUs; default: those this process may run on); `cost_per_position_s`: the
+    CPU seconds per scored position assumed until the first request is scored.
+    `rows`: the captured served rows (`CapturedRowsSource`);
     `positions`: the steps the engine captures per request (``capture_positions``);
     `rows_timeout_s`: how long the scoring thread waits for rows still under way;
     `bias_rows`: paired rows per scored request passed to the estimator for the online bias
     (0: none).
-    Thread-safe `admit` and `submit`; `start` once, `close` once.
+    Thread-safe `admit`, `submit` and `cancel`; `start` once, `close` once.
     """
 
     def __init__(
@@ -135,6 +207,11 @@ class ShadowScorer:
         threads: int | None = None,
         nice: int = 0,
         bias_rows: int = 0,
+        cpu_share: float = 1.0,
+        warmup_cpu_share: float = 1.0,
+        cores: int | None = None,
+        cost_per_position_s: float = 0.01,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"shadow fraction must be in [0, 1], got {fraction}")
@@ -161,20 +238,42 @@ class ShadowScorer:
         self._next_sequence_id = 0
         self._counts = {"offered": 0, "sampled": 0, "scored": 0, "dropped_queue_full": 0}
         self._counts |= {"dropped_error": 0, "dropped_not_captured": 0, "tokens": 0}
+        self._counts |= {"skipped_budget": 0}
+        self._cpu_share = cpu_share
+        self._warmed_up = False
+        machine = len(os.sched_getaffinity(0)) if cores is None else cores
+        self._budget = CpuBudget(warmup_cpu_share, machine, clock=clock)
+        self._cost_per_position_s = cost_per_position_s
+        self._reserved: dict[str, float] = {}
         self._seconds = {"rows_wait": 0.0, "scoring": 0.0, "estimation": 0.0, "cpu": 0.0}
         self._scoring_since: float | None = None
         self._last_version = version_of(estimator.current_policy())
 
-    def admit(self) -> bool:
-        """Draw whether a choice being admitted is sampled for scoring (counted as offered, and
-        as sampled when it is). A sampled choice must be generated with its per-step trace and
-        handed to `submit` when it finishes; an unsampled one costs nothing more."""
+    def admit(self, trace_id: str, max_positions: int) -> bool:
+        """Draw whether a choice being admitted (at most `max_positions` generated tokens) is
+        sampled for scoring: drawn at `fraction`, and only while the CPU budget has credit, of
+        which its expected cost is reserved (counted as offered, as sampled when it is, as
+        skipped_budget when drawn without credit). A sampled choice must be generated with its
+        per-step trace and capture under `trace_id` and handed to `submit` when it finishes,
+        or to `cancel`; an unsampled one costs nothing more."""
         with self._lock:
             self._counts["offered"] += 1
             if self._rng.random() >= self._fraction:
                 return False
+            expected = min(max_positions, self._positions) * self._cost_per_position_s
+            if not self._budget.take(expected):
+                self._counts["skipped_budget"] += 1
+                return False
+            self._reserved[trace_id] = expected
             self._counts["sampled"] += 1
             return True
+
+    def cancel(self, trace_id: str) -> None:
+        """A sampled choice that ends without `submit` (cancelled, failed): its reservation
+        goes back to the budget and its captured rows are let go."""
+        with self._lock:
+            self._budget.give(self._reserved.pop(trace_id, 0.0))
+        self._rows.drop_rows(trace_id)
 
     def submit(
         self,
@@ -192,23 +291,26 @@ class ShadowScorer:
         the trace channel, under which the engine captured its served rows.
         """
         if not completion_ids:
-            self._rows.drop_rows(trace_id)
+            self.cancel(trace_id)
             return False
         with self._lock:
             sequence_id = self._next_sequence_id
             self._next_sequence_id += 1
+            reserved = self._reserved.pop(trace_id, 0.0)
         item = _Item(
             tuple(prompt_ids),
             tuple(completion_ids),
             tuple(served_temperatures),
             sequence_id,
             trace_id,
+            reserved,
         )
         try:
             self._queue.put_nowait(item)
         except queue.Full:
             self._rows.drop_rows(trace_id)
             with self._lock:
+                self._budget.give(reserved)
                 self._counts["dropped_queue_full"] += 1
             self._metrics.shadow_requests_dropped.labels(reason="queue_full").inc()
             return False
@@ -247,7 +349,9 @@ class ShadowScorer:
     def status(self) -> dict[str, Any]:
         """Counters, queue depth, measured cost (wall seconds of the clean pass and scoring, per
         scored token; the wall seconds spent waiting for captured rows and in the estimator and
-        scoreboard; the scoring thread's CPU seconds), whether the scoring thread runs, and for
+        scoreboard; the scoring thread's CPU seconds; the CPU budget: its share, whether it is
+        still the warm-up's, its credit, the cost per position it reserves), whether the
+        scoring thread runs, and for
         how long the item being scored has taken so far (`busy_for_s`, None when idle: a large
         value means a hung scorer, whose queue then fills and drops);
         the live scoreboard (None before the first scored request), the clean backend's
@@ -258,6 +362,13 @@ class ShadowScorer:
             seconds = dict(self._seconds)
             since = self._scoring_since
             scoreboard = self._scoreboard_result
+            budget = {
+                "cpu_share": self._budget.share,
+                "warm_up": not self._warmed_up,
+                "cores": self._budget.cores,
+                "credit_s": self._budget.credit,
+                "cost_per_position_s": self._cost_per_position_s,
+            }
         tokens = counts["tokens"]
         return {
             "enabled": True,
@@ -273,7 +384,8 @@ class ShadowScorer:
             "estimation_seconds_total": seconds["estimation"],
             "cpu_seconds_total": seconds["cpu"],
             "threads": self._threads,
-            "nice": self._nice,
+            "nice": self._nice if self._warmed_up else 0,
+            "budget": budget,
             "scoreboard": scoreboard,
             "clean_backend": self._scorer.clean_status(),
             "capture_dropped_rows": self._rows.capture_drops(),
@@ -281,30 +393,51 @@ class ShadowScorer:
 
     def _loop(self) -> None:
         """Score items until the `None` sentinel. A failure anywhere in scoring, estimation or
-        publication drops that item (counted, reason `error`) and never ends the loop."""
-        self._take_budget()
+        publication drops that item (counted, reason `error`) and never ends the loop. Each
+        item's CPU time settles its reservation in the budget."""
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
         while True:
             item = self._queue.get()
+            cpu = time.thread_time()
+            scored = 0
             try:
                 if item is None:
                     return
                 with self._lock:
                     self._scoring_since = time.monotonic()
-                self._score(item)
+                scored = self._score(item)
             except Exception:
                 _LOGGER.exception("Shadow scoring failed; the request is dropped from estimation")
                 with self._lock:
                     self._counts["dropped_error"] += 1
                 self._metrics.shadow_requests_dropped.labels(reason="error").inc()
             finally:
+                if item is not None:
+                    self._settle(item, time.thread_time() - cpu, scored)
                 with self._lock:
                     self._scoring_since = None
                 self._queue.task_done()
 
-    def _take_budget(self) -> None:
-        """Apply the scorer's CPU budget from its own thread (see the class docstring)."""
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
+    def _settle(self, item: _Item, thread_cpu_s: float, scored: int) -> None:
+        """Replace the item's reservation by its CPU time (the scoring thread's, times the
+        torch threads: their intra-op share of the work is about equal) and, when it scored
+        `scored` > 0 positions, move the cost per position the next reservations assume a
+        quarter of the way to this item's."""
+        spent = thread_cpu_s * (self._threads or 1)
+        with self._lock:
+            self._seconds["cpu"] += spent
+            self._budget.give(item.reserved_s - spent)
+            if scored:
+                measured = spent / scored
+                self._cost_per_position_s += 0.25 * (measured - self._cost_per_position_s)
+
+    def _end_warm_up(self) -> None:
+        """The first policy is out: the steady budget, and the scoring thread below the
+        engine's priority (see the class docstring)."""
+        with self._lock:
+            self._warmed_up = True
+            self._budget.set_share(self._cpu_share)
         if self._nice:
             thread = threading.get_native_id()
             try:
@@ -313,8 +446,8 @@ class ShadowScorer:
             except OSError as error:
                 _LOGGER.warning("Cannot lower the shadow scorer's priority: %s", error)
 
-    def _score(self, item: _Item) -> None:
-        cpu = time.thread_time()
+    def _score(self, item: _Item) -> int:
+        """Score one item; the positions scored (0: dropped)."""
         waiting = time.perf_counter()
         expected = min(len(item.completion_ids), self._positions)
         captured = self._rows.take_rows(item.trace_id, expected, self._rows_timeout_s)
@@ -324,7 +457,7 @@ class ShadowScorer:
             with self._lock:
                 self._counts["dropped_not_captured"] += 1
             self._metrics.shadow_requests_dropped.labels(reason="not_captured").inc()
-            return
+            return 0
         sequence = ScoringSequence(
             token_ids=[*item.prompt_ids, *item.completion_ids],
             prompt_length=len(item.prompt_ids),
@@ -347,8 +480,10 @@ class ShadowScorer:
             self._last_version = version
             _LOGGER.info("Online estimator published policy version %d", version)
             self._on_policy(policy)
+            if not self._warmed_up:
+                self._end_warm_up()
         self._add_seconds("estimation", time.perf_counter() - scored)
-        self._add_seconds("cpu", time.thread_time() - cpu)
+        return len(live.records)
 
     def _add_seconds(self, part: str, seconds: float) -> None:
         with self._lock:

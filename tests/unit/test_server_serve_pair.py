@@ -108,12 +108,12 @@ def test_the_shadow_scorer_holds_the_clean_model_only(
         ServedPair(served, tiny_model_dir, WeightNoiseSpec(scale=0.1)),
         ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE),
     ):
-        scorer = pair_scorer(Settings(clean_dtype="bfloat16"), pair)
+        scorer = pair_scorer(Settings(clean_dtype="float32"), pair)
         assert scorer.served is None
         assert scorer.runtime_noise is None
         assert isinstance(scorer.clean, InProcessModel)
-        assert scorer.clean.model.dtype == torch.bfloat16
-        assert scorer.clean_status() == {"kind": "in_process", "device": "cpu", "dtype": "bfloat16"}
+        assert scorer.clean.model.dtype == torch.float32
+        assert scorer.clean_status() == {"kind": "in_process", "device": "cpu", "dtype": "float32"}
 
 
 def _profile_for(clean: ModelIdentity, served: ModelIdentity, path: Path) -> Path:

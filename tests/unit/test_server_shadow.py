@@ -20,7 +20,7 @@ from server_fakes import (
 
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.shadow import ShadowScorer
+from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer
 
 
 class Setup:
@@ -34,6 +34,7 @@ class Setup:
         threads: int | None = None,
         nice: int = 0,
         bias_rows: int = 0,
+        **budget: float,
     ) -> None:
         self.registry = CollectorRegistry()
         self.published: list[int] = []
@@ -53,6 +54,7 @@ class Setup:
             threads=threads,
             nice=nice,
             bias_rows=bias_rows,
+            **budget,  # type: ignore[arg-type]
         )
 
     def value(self, name: str, **labels: str) -> float:
@@ -63,7 +65,9 @@ def _offer(
     shadow: ShadowScorer, prompt: list[int], completion: list[int], temperatures: list[float]
 ) -> bool:
     """Admit a choice and, when sampled, submit it finished: whether it was queued."""
-    return shadow.admit() and shadow.submit(prompt, completion, temperatures, "trace")
+    return shadow.admit("trace", len(completion)) and shadow.submit(
+        prompt, completion, temperatures, "trace"
+    )
 
 
 def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
@@ -164,7 +168,7 @@ def test_scoring_errors_are_counted_and_the_loop_survives() -> None:
 
 def test_sampling_is_drawn_at_admission_and_empty_completions_are_not_queued() -> None:
     setup = Setup(FakeScorer())
-    assert setup.shadow.admit()
+    assert setup.shadow.admit("trace", 16)
     assert not setup.shadow.submit([1, 2], [], [], "trace")
     status = setup.shadow.status()
     assert (status["offered"], status["sampled"], status["queue_depth"]) == (1, 1, 0)
@@ -234,15 +238,17 @@ def test_the_scoring_thread_runs_with_its_own_budget(monkeypatch: pytest.MonkeyP
     threads_before = torch.get_num_threads()
     process_nice = os.getpriority(os.PRIO_PROCESS, 0)
     probe = BudgetProbe()
-    setup = Setup(probe, threads=1, nice=5)
+    setup = Setup(probe, threads=1, nice=5, every=4)
     setup.shadow.start()
     try:
-        _offer(setup.shadow, [1], [2, 3], [1.0])
-        assert setup.shadow.wait_idle(5)
+        for _ in range(3):  # the estimator publishes after the second
+            _offer(setup.shadow, [1], [2, 3], [1.0])
+            assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()
         torch.set_num_threads(threads_before)
-    assert probe.seen == [(1, min(19, process_nice + 5))]
+    lowered = min(19, process_nice + 5)  # once the first policy is out, not in the warm-up
+    assert probe.seen == [(1, process_nice), (1, process_nice), (1, lowered)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == process_nice
 
 
@@ -260,3 +266,79 @@ def test_the_status_stays_json_while_the_window_holds_a_single_request() -> None
     assert board["T=1"]["kld_mean"] > 0
     json.dumps(setup.shadow.status(), allow_nan=False)
     assert setup.value("nts_scoreboard_kld_stderr", temperature="one") == math.inf
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_cpu_budget_is_a_bucket_whose_debt_time_repays() -> None:
+    clock = Clock()
+    budget = CpuBudget(0.25, 2, horizon_s=2.0, clock=clock)  # 0.5 CPU-s per s, holds 1.0
+    assert budget.credit == 1.0
+    assert budget.take(3.0)  # any credit left: taken, into debt
+    assert not budget.take(0.1)
+    clock.now = 4.0  # +2.0: the debt is repaid, no credit yet
+    assert not budget.take(0.1)
+    clock.now = 100.0
+    assert budget.take(0.1)
+    assert budget.credit == pytest.approx(0.9)  # it held no more than the horizon's worth
+    budget.give(5.0)
+    assert budget.credit == 1.0
+    unlimited = CpuBudget(1.0, 2, clock=clock)
+    assert all(unlimited.take(10.0) for _ in range(5))
+
+
+def test_sampling_keeps_to_the_cpu_budget_and_settles_what_scoring_cost() -> None:
+    clock = Clock()
+    setup = Setup(
+        FakeScorer(),
+        every=1000,
+        cpu_share=0.5,
+        warmup_cpu_share=0.05,
+        cores=1,
+        cost_per_position_s=0.01,
+        clock=clock,
+    )
+    shadow = setup.shadow
+    assert shadow.admit("a", 10)  # 0.05 of credit: 0.1 reserved, into debt
+    assert not shadow.admit("b", 10)
+    clock.now = 1.0  # + 0.05: the debt is repaid, no credit yet
+    assert not shadow.admit("c", 10)
+    shadow.cancel("a")  # its reservation comes back
+    assert shadow.admit("d", 500)  # reserves 128 positions (the capture bound): 1.28
+    status = shadow.status()
+    assert (status["sampled"], status["skipped_budget"]) == (2, 2)
+    assert status["budget"]["credit_s"] == pytest.approx(0.05 - 1.28)
+    assert status["budget"] == {**status["budget"], "cpu_share": 0.05, "warm_up": True}
+    shadow.start()
+    try:
+        assert shadow.submit([1], list(range(2, 12)), [1.0] * 10, "d")
+        assert shadow.wait_idle(5)
+    finally:
+        shadow.close()
+    budget = shadow.status()["budget"]
+    spent = shadow.status()["cpu_seconds_total"]
+    assert budget["credit_s"] == pytest.approx(0.05 - spent)  # 1.28 reserved, `spent` spent
+    assert budget["cost_per_position_s"] == pytest.approx(0.01 + 0.25 * (spent / 10 - 0.01))
+
+
+def test_the_warm_up_budget_ends_with_the_first_policy() -> None:
+    setup = Setup(FakeScorer(), every=4, cpu_share=0.02, warmup_cpu_share=0.5, cores=2)
+    setup.shadow.start()
+    try:
+        assert _offer(setup.shadow, [1], [2, 3, 4], [1.0] * 3)
+        assert setup.shadow.wait_idle(5)
+        warm_up = setup.shadow.status()["budget"]
+        assert _offer(setup.shadow, [1], [2, 3, 4], [1.0] * 3)  # version 1 after it
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    assert (warm_up["cpu_share"], warm_up["warm_up"]) == (0.5, True)
+    steady = setup.shadow.status()["budget"]
+    assert (steady["cpu_share"], steady["warm_up"]) == (0.02, False)
+    assert setup.published == [1]

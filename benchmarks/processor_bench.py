@@ -194,15 +194,16 @@ def measure(
         logits.copy_(served)  # them into subnormals, which are slower to divide)
 
     temperature = torch.full((batch, 1), 1.3, device=device)
-    for _ in range(3):
-        reset()
-        step(logits)
-    apply_ms = _median_ms(lambda: step(logits), steps, device, reset)
-    divide_ms = _median_ms(lambda: logits.div_(temperature), steps, device, reset)
-    add_ms = 0.0
-    if rule == BIASED:
-        vector = served[0].clone()
-        add_ms = _median_ms(lambda: logits.add_(vector), steps, device, reset)
+    with torch.inference_mode():  # as vLLM's model runners run the sampler
+        for _ in range(3):
+            reset()
+            step(logits)
+        apply_ms = _median_ms(lambda: step(logits), steps, device, reset)
+        divide_ms = _median_ms(lambda: logits.div_(temperature), steps, device, reset)
+        add_ms = 0.0
+        if rule == BIASED:
+            vector = served[0].clone()
+            add_ms = _median_ms(lambda: logits.add_(vector), steps, device, reset)
     processor.tuning.reporter.close()  # its thread would compete with the next measurement
     return {
         "runner": runner,

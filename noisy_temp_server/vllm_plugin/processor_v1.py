@@ -87,6 +87,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         sentinel = self.tuning.sentinel
         self._row_slot = np.full(capacity, sentinel, dtype=np.int64)
         self._row_slot_device = self._upload(self._row_slot)
+        self._slots, self._slots_rows = self._row_slot_device, 0  # its first rows, sliced
         self._free = list(range(capacity - 1, -1, -1))
         # Per slot: its step key ``slot * STEP_STRIDE + generation step`` (row 0), and whether
         # the step advances (1) or waits (0).
@@ -119,6 +120,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         self._flush_steps()
         if changed:
             self._row_slot_device = self._upload(self._row_slot)
+            self._slots_rows = 0  # `apply` slices it anew
             self._n_tuned_rows = int((self._row_slot != self.tuning.sentinel).sum())
             untuned = ~self.tuning.host_tuned[self._row_slot]
             self._tuned_prefix = int(untuned.argmax()) if untuned.any() else len(untuned)
@@ -183,15 +185,20 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
             self.capture.capture(logits, self._batch_rows[:rows])
         if not self._n_tuned_rows:
             return logits
-        slots = self._row_slot_device[:rows]
+        if rows != self._slots_rows:
+            self._slots, self._slots_rows = self._row_slot_device[:rows], rows
+        slots = self._slots
         keys, advancing = self._keys.index_select(1, slots).unbind()
+        all_rows_tuned = rows <= self._tuned_prefix
+        waiting = bool(self._waiting)
         self.tuning.tune(
             logits,
             slots,
             keys,
-            advancing,
-            remember=bool(self._waiting),
-            all_rows_tuned=rows <= self._tuned_prefix,
+            # Every row of a tuned request that is not waiting advances, and is counted.
+            None if all_rows_tuned and not waiting else advancing,
+            remember=waiting,
+            all_rows_tuned=all_rows_tuned,
         )
         self._key_of_slot.index_add_(0, slots, advancing)
         return logits

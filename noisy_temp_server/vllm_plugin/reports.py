@@ -57,9 +57,11 @@ _BUCKET_BOUNDS = np.asarray(STEP_TEMPERATURE_BUCKETS, dtype=np.float32)
 class StateLayout:
     """Where each part lives in the flat float64 state of ``slots`` slots with ``columns`` step
     buckets each: cell ``1 + slot * columns + bucket`` (cell 0 takes rows that are not counted)
-    of the accumulators ``[cells, 2]`` (count, sum of T*) and of the extrema ``[cells, 2]``
+    of the accumulators ``[2, cells]`` (count, sum of T*) and of the extrema ``[2, cells]``
     (-min, max of T*; a cell whose T* is constant holds its T* from admission on, so it counts
-    only where the cell's count is > 0), then the number of bad rows ``[1]``."""
+    only where the cell's count is > 0), then the number of bad rows ``[1]``. Quantities are
+    rows, cells columns: a step's ``index_add_`` and ``scatter_reduce_`` along the cells cost
+    less than along rows of two."""
 
     slots: int
     columns: int
@@ -73,12 +75,12 @@ class StateLayout:
         return 4 * self.cells + 1
 
     def split(self, state: Any) -> tuple[Any, Any, Any]:
-        """(accumulators [cells, 2], extrema [cells, 2], bad [1]) views of a flat numpy array
+        """(accumulators [2, cells], extrema [2, cells], bad [1]) views of a flat numpy array
         or tensor."""
         end = 2 * self.cells
         return (
-            state[:end].reshape(self.cells, 2),
-            state[end : 2 * end].reshape(self.cells, 2),
+            state[:end].reshape(2, self.cells),
+            state[end : 2 * end].reshape(2, self.cells),
             state[2 * end :],
         )
 
@@ -89,8 +91,8 @@ class StateLayout:
         return state
 
     def by_slot(self, cells: np.ndarray) -> np.ndarray:
-        """``[cells, 2]`` per-cell values as ``[slots, columns, 2]`` (cell 0 dropped)."""
-        return cells[1:].reshape(self.slots, self.columns, 2)
+        """``[2, cells]`` per-cell values as ``[slots, columns, 2]`` (cell 0 dropped)."""
+        return cells[:, 1:].reshape(2, self.slots, self.columns).transpose(1, 2, 0)
 
     def summaries(self, state: np.ndarray) -> np.ndarray:
         """``[slots, 4]`` (sum, count, min, max) of each slot's counted T* (min = +inf, max =

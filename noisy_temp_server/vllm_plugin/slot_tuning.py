@@ -189,9 +189,9 @@ class SlotTuning:
         self.policy_id = torch.full((n,), _NO_POLICY, dtype=torch.int64, device=self.device)
         self.traced = torch.zeros(n, dtype=torch.bool, device=self.device)
         self.tuned = torch.zeros(n, dtype=torch.bool, device=self.device)
-        # accumulate(): a row's (1, T, -T, T) = unit + T * signs, in one op.
-        self._unit = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=self.device)
-        self._signs = torch.tensor([0.0, 1.0, -1.0, 1.0], dtype=torch.float64, device=self.device)
+        # accumulate(): the rows' (1, T, -T, T) = unit + signs * T, as [4, R] in one op.
+        self._unit = torch.tensor([[1.0], [0.0], [0.0], [0.0]], dtype=torch.float64).to(device)
+        self._signs = torch.tensor([[0.0], [1.0], [-1.0], [1.0]], dtype=torch.float64).to(device)
         self.last = (
             torch.zeros(n, 3, dtype=torch.float64, device=self.device) if keep_last else None
         )
@@ -224,7 +224,7 @@ class SlotTuning:
         self.cell_unit = _count_and_value(self.cell_table[:, 0])
         self.state = self.layout.initial(self.device)
         self.accumulators, self.extrema, self.bad_rows = self.layout.split(self.state)
-        self.extrema[1:] = self.upload(self._initial_extrema(np.arange(self.capacity + 1)))
+        self.extrema[:, 1:] = self.upload(self._initial_extrema(np.arange(self.capacity + 1)))
 
     def _cell_rows(self, slots: np.ndarray) -> np.ndarray:
         """``[len(slots) * columns, 4]`` rows of the slots' cells in `cell_table`: (T* or the
@@ -236,14 +236,14 @@ class SlotTuning:
         return rows.reshape(-1, 4)
 
     def _initial_extrema(self, slots: np.ndarray) -> np.ndarray:
-        """``[len(slots) * columns, 2]`` extrema the slots' cells start from: (-T*, T*) of a
+        """``[2, len(slots) * columns]`` extrema the slots' cells start from: (-T*, T*) of a
         cell whose T* is constant (the step-only rules but ``schedule``; the step loop then
         never touches them), -inf where T* varies within the cell."""
         varying = self._host_scheduled[slots] | (self.host_policy_id[slots] != _NO_POLICY)
         scale = self._scale[slots].astype(np.float64)
-        extrema = np.stack((-scale, scale), axis=-1)
-        extrema[varying] = -np.inf
-        return extrema.reshape(-1, 2)
+        extrema = np.stack((-scale, scale))
+        extrema[:, varying] = -np.inf
+        return extrema.reshape(2, -1)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -393,9 +393,9 @@ class SlotTuning:
         cells_index = self.upload(cells.reshape(-1))
         cell_rows = self.upload(self._cell_rows(rows))
         self.cell_table.index_copy_(0, cells_index, cell_rows)
-        self.cell_unit.index_copy_(0, cells_index, _count_and_value(cell_rows[:, 0]))
-        self.accumulators.index_fill_(0, cells_index, 0.0)
-        self.extrema.index_copy_(0, cells_index, self.upload(self._initial_extrema(rows)))
+        self.cell_unit.index_copy_(1, cells_index, _count_and_value(cell_rows[:, 0]))
+        self.accumulators.index_fill_(1, cells_index, 0.0)
+        self.extrema.index_copy_(1, cells_index, self.upload(self._initial_extrema(rows)))
 
     def _resize(self, columns: int) -> None:
         """Rebuild the tables with ``columns`` step buckets per slot: more when a wider policy
@@ -443,7 +443,7 @@ class SlotTuning:
         logits: torch.Tensor,
         slots: torch.Tensor,
         keys: torch.Tensor,
-        counted: torch.Tensor,
+        counted: torch.Tensor | None,
         *,
         remember: bool = False,
         all_rows_tuned: bool = False,
@@ -453,7 +453,7 @@ class SlotTuning:
 
         ``slots``/``keys``: [R] integer slot (int32 or int64) and int64 step key of each row,
         ``slot * STEP_STRIDE + generation step``. ``counted``: [R] bool (or 0/1 integers), rows
-        whose sample the engine keeps (they enter the summaries and the histogram).
+        whose sample the engine keeps (they enter the summaries and the histogram); None: all.
         ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``).
         ``all_rows_tuned``: the caller knows every row's slot holds a tuned request (the
         bad-row count then skips the gather of the slots' tuned flags). T* is 1 for untuned
@@ -463,11 +463,10 @@ class SlotTuning:
         self.bias.add(logits, slots)
         cells = torch.bucketize(keys, self.edge_keys, right=True)
         cell = self.cell_table.index_select(0, cells)
-        steps = None
+        steps = varying = None
         # Bad rows (NaN, +inf, all -inf): read before the division, which may overflow.
         peak = None if self.reporter is None else logits.amax(1)
-        varying = bool(self._n_scheduled or self._row_policies)
-        if varying:  # [R] T* of each row, then as a column
+        if self._n_scheduled or self._row_policies:  # [R] T* of each row, then as a column
             temperature, beta, t_min, t_max = cell.unbind(1)
             steps = torch.sub(keys, slots, alpha=STEP_STRIDE)
             if self._n_scheduled:  # as `rules.schedule_temperature`, bit for bit
@@ -482,7 +481,7 @@ class SlotTuning:
                     t_min=t_min,
                     t_max=t_max,
                 )
-            column = temperature.unsqueeze(1)
+            varying, column = temperature, temperature.unsqueeze(1)
         else:  # T* of every row is its cell's: the table's column
             column = cell[:, :1]
         logits.div_(column)
@@ -560,23 +559,24 @@ class SlotTuning:
         *,
         steps: torch.Tensor | None,
         column: torch.Tensor,
-        counted: torch.Tensor,
+        counted: torch.Tensor | None,
         peak: torch.Tensor,
-        varying: bool,
+        varying: torch.Tensor | None,
         remember: bool,
         all_rows_tuned: bool,
     ) -> None:
         """Summaries and histogram cells (``column``: [R, 1] T* of each row; ``steps``: each
         row's step, if the caller computed it from ``keys``), bad rows
         (``peak``: each row's max logit before the division), the step's trace (when some slot
-        is traced), and the rows `commit_last` may count later. Without ``varying`` rows (every
-        T* is its cell's), the count and sum come from the cell table in one op and the
-        extrema are the ones preset at admission."""
+        is traced), and the rows `commit_last` may count later. ``varying``: [R] T* when some
+        T* is not its cell's constant; None: the count and sum come from the cell table in one
+        op and the extrema are the ones preset at admission."""
         assert self.reporter is not None
-        if varying:
-            self.accumulate(cells * counted, column)
+        counted_cells = cells if counted is None else cells * counted
+        if varying is not None:
+            self.accumulate(counted_cells, varying)
         else:
-            self.accumulators.index_add_(0, cells * counted, self.cell_unit.index_select(0, cells))
+            self.accumulators.index_add_(1, counted_cells, self.cell_unit.index_select(1, cells))
         not_finite = peak.sub_(peak).isnan()  # inf - inf and NaN - NaN are NaN
         if not all_rows_tuned:
             not_finite.logical_and_(self.tuned.index_select(0, slots))
@@ -584,7 +584,8 @@ class SlotTuning:
         if remember and self.last is not None:
             bucket = cells - 1 - slots * self.layout.columns
             value = column.squeeze(1).double()
-            last = torch.stack((bucket.double(), value, counted.double()), dim=1)
+            flag = torch.ones_like(value) if counted is None else counted.double()
+            last = torch.stack((bucket.double(), value, flag), dim=1)
             self.last.index_copy_(0, slots, last)
         if self.n_traced:
             if steps is None:
@@ -607,22 +608,22 @@ class SlotTuning:
             return
         column, temperature, counted = self.last.index_select(0, slots).unbind(1)
         cells = 1 + slots * self.layout.columns + column.long()
-        self.accumulate(cells * (counted == 0), temperature.unsqueeze(1))
+        self.accumulate(cells * (counted == 0), temperature)
         self.reporter.stage_snapshot(self.state, self.layout)
 
-    def accumulate(self, cells: torch.Tensor, column: torch.Tensor) -> None:
-        """Add one row per entry of ``cells`` (cell 0: not counted) with its T* (``column``:
-        [R, 1]) to the count, sum and extrema of its cell. Three device ops: the rows'
-        (1, T, -T, T) in float64 (exact for a finite float32 T), one ``index_add_`` and one
-        ``scatter_reduce_``."""
-        rows = torch.addcmul(self._unit, column, self._signs)
-        self.accumulators.index_add_(0, cells, rows[:, :2])
-        self.extrema.scatter_reduce_(0, cells.unsqueeze(1).expand(-1, 2), rows[:, 2:], "amax")
+    def accumulate(self, cells: torch.Tensor, temperature: torch.Tensor) -> None:
+        """Add one row per entry of ``cells`` (cell 0: not counted) with its T*
+        (``temperature``: [R]) to the count, sum and extrema of its cell. Three device ops: the
+        rows' (1, T, -T, T) in float64 (exact for a finite float32 T), one ``index_add_`` and
+        one ``scatter_reduce_``."""
+        rows = torch.addcmul(self._unit, self._signs, temperature)
+        self.accumulators.index_add_(1, cells, rows[:2])
+        self.extrema.scatter_reduce_(1, cells.expand(2, -1), rows[2:], "amax")
 
 
 def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
-    """``[N, 2]`` float64 rows (1, T*): what one row adds to a cell's (count, sum)."""
-    return torch.stack((torch.ones_like(temperature), temperature), 1).double()
+    """``[2, N]`` float64 (1, T*) columns: what one row adds to a cell's (count, sum)."""
+    return torch.stack((torch.ones_like(temperature), temperature)).double()
 
 
 def tuning_processor(vllm_config: VllmConfig) -> object | None:

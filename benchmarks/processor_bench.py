@@ -4,7 +4,9 @@ For each (runner class, rule, batch, vocabulary): a processor is built as vLLM b
 class from ``(vllm_config, device, is_pin_memory)``, the V2 class from a real
 ``LogitsProcRequestState``), every row is a tuned request with a trace id (summaries and the
 ``nts_step_temperature`` histogram reported as our server runs them, by the reporter thread,
-to a live trace collector), then ``apply()`` is timed over ``--steps`` steps (after warm-up).
+to a live trace collector), then ``apply()`` is timed over ``--steps`` steps (after warm-up),
+each on fresh logits and under ``torch.inference_mode`` (as vLLM's model runners call the
+sampler).
 
 Reported per configuration: the median wall time of one ``apply()`` and of the bare division
 ``logits.div_(t)`` it contains, and their difference, the processor's *overhead*. On the CPU

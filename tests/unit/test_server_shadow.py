@@ -257,7 +257,7 @@ def test_the_status_stays_json_while_the_window_holds_a_single_request() -> None
     setup.shadow.start()
     try:
         _offer(setup.shadow, [1], list(range(2, 152)), [1.1] * 150)  # one request, 150 positions
-        assert setup.shadow.wait_idle(5)
+        assert setup.shadow.wait_idle(60)  # ~1.5 s alone, many times that on busy shared cores
     finally:
         setup.shadow.close()
     board = setup.shadow.status()["scoreboard"]

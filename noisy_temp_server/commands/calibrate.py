@@ -2,8 +2,8 @@
 
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
-        [--validation-fraction F] [--test-fraction F] [--records FILE] [--report DIR]
-        [--device DEV]
+        [--validation-fraction F] [--test-fraction F] [--bias-rows N] [--records FILE]
+        [--report DIR] [--device DEV]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
 scored, and the prompts are split three ways: every rule is fitted on the fit split, the
@@ -11,13 +11,14 @@ recommended rule is chosen on the validation split (the lowest-KL rule whose gai
 significant there, else `off`) and measured on the test split. The profile
 (`noisy_temp_server.estimation.profile`) is written to --out and the quality tables printed,
 each headed by its split and request temperatures: validation and test pooled over the request
-temperatures, then the test split at each. The per-token bias + T is fitted too (its table is
-printed); its vector is written beside the profile (`bias-<sha256>.safetensors`), and so is the
-recommended policy (`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias with
-its T when the bias is recommended, else the recommended rule. `--records` also saves the
-per-position records (safetensors); `--report DIR` writes the markdown + PNG report of the four
-reference experiments on the clean model (`noisy_temp_server.estimation.report`), and may be
-given alone. Progress goes to stderr.
+temperatures, then the test split at each. The per-token bias + T is fitted too, on the full
+rows of up to `--bias-rows` positions (its table is printed); its vector is written beside the
+profile (`bias-<sha256>.safetensors`), and so is the recommended policy
+(`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias with its T when the
+bias is recommended, else the recommended rule. `--records` also saves the per-position records
+(safetensors); `--report DIR` writes the markdown + PNG report of the four reference
+experiments on the clean model (`noisy_temp_server.estimation.report`), and may be given alone.
+Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--test-fraction", type=float, default=0.3, help="share of the prompts that report"
     )
+    parser.add_argument(
+        "--bias-rows",
+        type=int,
+        default=None,
+        help="positions whose full rows fit the per-token bias (400 KB each for a 49k "
+        "vocabulary; more fit it better; 0: no bias; default: CalibrationSettings.bias_rows)",
+    )
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")
     parser.add_argument("--device", default="cpu", help="torch device for scoring")
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 validation_fraction=args.validation_fraction,
                 test_fraction=args.test_fraction,
+                **({} if args.bias_rows is None else {"bias_rows": args.bias_rows}),
             )
             spec = read_spec_argument(args.spec) if args.spec else None
             pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)

@@ -46,6 +46,8 @@ def test_perturb_then_calibrate(
         "24",
         "--max-new-tokens",
         "20",
+        "--bias-rows",
+        "1000",
         "--records",
         str(tmp_path / "records.safetensors"),
         "--report",
@@ -63,6 +65,7 @@ def test_perturb_then_calibrate(
     written = TemperaturePolicy.from_json((tmp_path / "profile.policy.json").read_text())
     assert written == profile.to_policy()
     assert profile.bias is not None
+    assert profile.settings.bias_rows == 1000
     assert (tmp_path / bias_file_name(profile.bias.sha256)).is_file()
     assert f"recommended policy (NTS_POLICY_FILE): {tmp_path / 'profile.policy.json'}" in printed
     assert (tmp_path / "report" / "report.md").is_file()

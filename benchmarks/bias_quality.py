@@ -1,19 +1,28 @@
 """Held-out quality of the per-token logit bias + T beside the temperature rules, per family,
 in-domain and cross-domain, on the embedded default model.
 
-    .venv/bin/python benchmarks/bias_quality.py [--num-prompts 48] [--cross-prompts 24]
-        [--max-new-tokens 32] [--families int4,wn0.02,...] [--w8a8 DIR] [--threads N]
+    .venv/bin/python benchmarks/bias_quality.py [--num-prompts 80] [--samples 1]
+        [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
+        [--families int4,noise-0.02,...] [--w8a8 DIR] [--threads N]
 
-Per perturbation family: the served model writes a completion for each of the first
-`--num-prompts` shipped prompts (domain A) and each of `--cross-prompts` prompts of the
-differently styled set `benchmarks/data/prompts_formal.jsonl` (domain B); the pair scorer keeps
-records and full rows of every position. A's prompts are split as calibration splits them
-(`CalibrationSettings`: half fit, a fifth validation, the rest test): the temperature rules are
-fitted on the fit prompts and the bias as `calibrate_bias` fits it (penalty chosen on the
-validation prompts, then refitted on fit + validation), both by `calibrate_records`; both are
-measured on A's test prompts (in-domain) and on all of B (cross-domain), beside T = 1 and the
-per-position oracle T. `--w8a8 DIR` adds a real compressed-tensors checkpoint from
-`noisy-temp-server quantize --format w8a8 --out DIR`.
+Per perturbation family: the served model writes `--samples` completions (seeds 0, 1, ...) for
+each of the first `--num-prompts` shipped prompts (domain A; default all 80) and one for each of
+`--cross-prompts` prompts of the differently styled set `benchmarks/data/prompts_formal.jsonl`
+(domain B); the pair scorer keeps records of every position and full rows of at most
+`--max-rows` evenly spaced positions per domain. A prompt's completions share its id, so
+splits and standard errors are by prompt. Two fits, two test sets:
+
+- in-domain: A's prompts are split as calibration splits them (`CalibrationSettings`: half fit,
+  a fifth validation, the rest test); the temperature rules are fitted on the fit prompts and
+  the bias as `calibrate_bias` fits it (penalty chosen on the validation prompts, then refitted
+  on fit + validation), both by `calibrate_records`, and measured on A's test prompts, which
+  neither saw;
+- cross-domain: the bias is fitted on all of A (`fit_bias_for_serving`: a fifth of A's prompts
+  choose the penalty, then the refit on all of A), the rules are those of the in-domain fit,
+  and both are measured on all of B.
+
+Each beside T = 1 and the per-position oracle T on the same positions. `--w8a8 DIR` adds a real
+compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
@@ -22,85 +31,51 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
+from quality import FAMILIES, bias_section
 
 from noisy_temp_server.estimation.bias_fit import (
-    BiasQuality,
+    ScoredSet,
     bias_quality,
+    fit_bias_for_serving,
     score_with_rows,
 )
 from noisy_temp_server.estimation.calibration import calibrate_records, sample_completions
 from noisy_temp_server.estimation.fitting import FITTED_RULES
-from noisy_temp_server.estimation.profile import CalibrationSettings, QualityRow, QualityTable
+from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_table
+from noisy_temp_server.estimation.significance import split_by_sequence
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.perturb import (
-    PerturbationSpec,
-    QuantizationSpec,
-    RuntimeLogitNoiseSpec,
-    WeightNoiseSpec,
-)
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
 
-FAMILIES: dict[str, PerturbationSpec] = {
-    "int4": QuantizationSpec(format="int4", group_size=128),
-    "wn0.02": WeightNoiseSpec(scale=0.02),
-    "runtime1": RuntimeLogitNoiseSpec(sigma=1.0),
-    "int8": QuantizationSpec(format="int8"),
-    "fp8": QuantizationSpec(format="fp8_e4m3"),
-}
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
 RESULTS = HERE / "results"
 
 
-def _completions(pair: LoadedPair, prompts: list, args: argparse.Namespace, first_id: int):
-    sequences = sample_completions(pair, prompts, max_new_tokens=args.max_new_tokens, seed=0)
-    return [
-        ScoringSequence(s.token_ids, s.prompt_length, first_id + s.sequence_id) for s in sequences
+def _scored(
+    scorer: PairScorer,
+    pair: LoadedPair,
+    prompts: list,
+    args: argparse.Namespace,
+    *,
+    samples: int,
+    first_id: int,
+) -> ScoredSet:
+    """Records and rows of `samples` completions (seeds 0, 1, ...) per prompt; the completions
+    of prompt i share the sequence id `first_id + i`."""
+    sequences = [
+        ScoringSequence(s.token_ids, s.prompt_length, first_id + s.sequence_id)
+        for seed in range(samples)
+        for s in sample_completions(pair, prompts, max_new_tokens=args.max_new_tokens, seed=seed)
     ]
-
-
-def _line(row: QualityRow, kl_one: float, name: str | None = None) -> str:
-    share = 100 * row.gain / kl_one if kl_one > 0 else math.nan
-    return (
-        f"| {name or row.name} | {1e3 * row.mean_kl:.2f} | {1e3 * row.gain:+.2f} ± "
-        f"{1e3 * row.gain_stderr:.2f} | {share:+.1f}% | {row.mean_temperature:.3f} |"
-    )
-
-
-def _table(title: str, rules: QualityTable, bias: BiasQuality) -> tuple[str, dict]:
-    """Markdown lines of one test set: T = 1, the rules, the oracle (on every position) and the
-    bias with T = 1 and the oracle on its rows (the same positions unless rows were capped)."""
-    kl_one = rules.row("T=1").mean_kl
-    lines = [
-        f"**{title}**: {rules.positions} positions in {rules.sequences} prompts; same top token "
-        f"{100 * rules.same_top_rate:.1f}% at any T, {100 * bias.same_top_rate:.1f}% with the "
-        "bias",
-        "",
-        "| correction | KL (1e-3) | gain vs T=1 ± s.e. | share of KL(T=1) removed | mean T |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    lines += [_line(row, kl_one) for row in rules.rows]
-    b = bias.row
-    lines.append(_line(b, bias.t_one.mean_kl, "bias + T"))
-    document = {
-        "rules": rules.model_dump(mode="json"),
-        "bias": b.model_dump(mode="json"),
-        "bias_t_one_kl": bias.t_one.mean_kl,
-        "bias_oracle_kl": bias.oracle.mean_kl,
-        "bias_share_removed": bias.share_removed,
-        "bias_same_top_rate": bias.same_top_rate,
-        "same_top_rate": rules.same_top_rate,
-    }
-    return "\n".join(lines), document
+    return score_with_rows(scorer, sequences, max_rows=args.max_rows)
 
 
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:
@@ -108,30 +83,41 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     domain_a = load_prompts()[: args.num_prompts]
     domain_b = load_prompts(CROSS_PROMPTS)[: args.cross_prompts]
     scorer = PairScorer(pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise)
-    scored_a = score_with_rows(scorer, _completions(pair, domain_a, args, 0))
-    scored_b = score_with_rows(scorer, _completions(pair, domain_b, args, len(domain_a)))
+    scored_a = _scored(scorer, pair, domain_a, args, samples=args.samples, first_id=0)
+    scored_b = _scored(scorer, pair, domain_b, args, samples=1, first_id=len(domain_a))
     settings = CalibrationSettings(
         prompts=len(domain_a),
         max_new_tokens=args.max_new_tokens,
         validation_fraction=0.2,
         test_fraction=0.3,
         request_temperatures=(1.0,),
+        bias_rows=args.max_rows,
     )
     fit_started = time.monotonic()
     identity = (pair.clean, pair.served)
     result = calibrate_records(scored_a.records, identity, None, settings, scored_a.rows)
-    fit_seconds = time.monotonic() - fit_started
     calibration = result.bias
     assert calibration is not None  # rows were given
+    fit, validation = split_by_sequence(
+        scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
+    )
+    cross_path, _ = fit_bias_for_serving(
+        scored_a.rows.select(fit), scored_a.rows.select(validation), settings
+    )
+    fit_seconds = time.monotonic() - fit_started
     policies = [result.profile.parameters.to_policy(rule) for rule in FITTED_RULES]
     cross_rules = quality_table(scored_b.records, policies, split="test")
 
     path, correction = calibration.path, calibration.correction
-    in_text, in_doc = _table(
+    cross = cross_path.chosen.correction
+    in_text, in_doc = bias_section(
         "in-domain (test prompts of the shipped set)", result.profile.test_quality, calibration.test
     )
-    cross_text, cross_doc = _table(
-        "cross-domain (the formal prompt set)", cross_rules, bias_quality(scored_b.rows, correction)
+    cross_text, cross_doc = bias_section(
+        "cross-domain (the formal prompt set; bias fitted on all shipped prompts, penalty "
+        f"{cross_path.chosen.penalty:.0e}, T {cross.temperature:.3f})",
+        cross_rules,
+        bias_quality(scored_b.rows, cross),
     )
     seconds = time.monotonic() - started
     penalties = ", ".join(f"{p:.0e}: {1e3 * kl:.2f}" for p, kl in path.validation_kl.items())
@@ -154,6 +140,13 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         "penalty": path.chosen.penalty,
         "bias_temperature": correction.temperature,
         "validation_kl_by_penalty": {str(p): kl for p, kl in path.validation_kl.items()},
+        "bias_fit_kl": path.chosen.fit_kl,
+        "bias_fit_evaluations": path.chosen.evaluations,
+        "cross_penalty": cross_path.chosen.penalty,
+        "cross_temperature": cross.temperature,
+        "cross_validation_kl_by_penalty": {
+            str(p): kl for p, kl in cross_path.validation_kl.items()
+        },
         "in_domain": in_doc,
         "cross_domain": cross_doc,
     }
@@ -162,10 +155,14 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=80)
+    parser.add_argument("--samples", type=int, default=1, help="completions per shipped prompt")
     parser.add_argument("--cross-prompts", type=int, default=24)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--max-rows", type=int, default=4096, help="paired rows kept per domain (400 KB each)"
+    )
+    parser.add_argument("--families", default="int4", help=f"comma-separated of {list(FAMILIES)}")
     parser.add_argument("--w8a8", type=Path, default=None, help="a `quantize --format w8a8` dir")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -182,9 +179,10 @@ def main() -> int:
         pairs.append(("w8a8", {"served_path": args.w8a8}))
     header = (
         f"# Per-token bias + T beside the temperature rules on {clean_path.name}\n\n"
-        f"{args.num_prompts} shipped prompts (fit / validation / test by prompt), "
-        f"{args.cross_prompts} formal prompts (cross-domain test), completions of up to "
-        f"{args.max_new_tokens} tokens sampled from the served model; {torch.get_num_threads()} "
+        f"{args.num_prompts} shipped prompts with {args.samples} completion(s) each (fit / "
+        f"validation / test by prompt), {args.cross_prompts} formal prompts (cross-domain test), "
+        f"completions of up to {args.max_new_tokens} tokens sampled from the served model, at "
+        f"most {args.max_rows} paired rows per domain; {torch.get_num_threads()} "
         "torch threads. KL in 1e-3 nats; gain = KL(T=1) - KL paired by position with its "
         "prompt-clustered standard error.\n"
     )

@@ -2,7 +2,7 @@
 family and request temperature.
 
     .venv/bin/python benchmarks/quality.py [--families int4 logit-noise ...] [--num-prompts 48]
-        [--max-new-tokens 32] [--threads N] [--profiles DIR] [--records DIR]
+        [--max-new-tokens 32] [--w8a8 DIR] [--threads N] [--profiles DIR] [--records DIR]
 
 Families: noise-0.01, noise-0.02, noise-0.05 (gaussian weight noise), int4 (RTN, group 128),
 int8, fp8 (e4m3) and logit-noise (runtime logit noise sigma = 1); default: all. For each, runs
@@ -22,9 +22,17 @@ clean model at T_r, softmax(z/T_r)):
   mean + 2 s.e. >= 0;
 - "never worse than T = 1": the same for KL(T = 1) - KL(calibrated).
 
-Writes benchmarks/results/quality.md and quality.json. 48 prompts (about 19 fit, 14
-validation, 15 test) of 32 tokens take a few minutes per family with --threads 1 on 2 CPU
-cores.
+Per family, the per-token logit bias + T (`estimation.bias_fit`, fitted by the same
+calibration on the T_r = 1 rows of the fit prompts, its penalty chosen on the validation
+prompts) on the test prompts: the share of KL(T = 1) it removes ± s.e., beside T = 1, every
+rule and the per-position oracle T at T_r = 1 (`bias_section`, which
+`benchmarks/bias_quality.py` also prints, with a cross-domain test set and more fit data).
+`--w8a8 DIR` adds a real compressed-tensors checkpoint from
+`noisy-temp-server quantize --format w8a8 --out DIR`.
+
+Writes benchmarks/results/quality.md and quality.json (after each family). 48 prompts (about
+19 fit, 14 validation, 15 test) of 32 tokens take a few minutes per family with --threads 1 on
+2 CPU cores.
 """
 
 from __future__ import annotations
@@ -32,12 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from noisy_temp_server.estimation.bias_fit import BiasQuality
 from noisy_temp_server.estimation.calibration import CalibrationResult, calibrate
 from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
@@ -45,7 +55,7 @@ from noisy_temp_server.estimation.fitting import (
     finite_positions,
     rule_temperatures,
 )
-from noisy_temp_server.estimation.profile import CalibrationSettings
+from noisy_temp_server.estimation.profile import CalibrationSettings, QualityRow, QualityTable
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_row
 from noisy_temp_server.estimation.significance import cluster_stderr, is_not_worse
@@ -146,6 +156,67 @@ def _request_temperature_row(
     }
 
 
+def _bias_line(row: QualityRow, kl_one: float, name: str | None = None) -> str:
+    share = 100 * row.gain / kl_one if kl_one > 0 else math.nan
+    return (
+        f"| {name or row.name} | {1e3 * row.mean_kl:.2f} | {1e3 * row.gain:+.2f} ± "
+        f"{1e3 * row.gain_stderr:.2f} | {share:+.1f}% | {row.mean_temperature:.3f} |"
+    )
+
+
+def bias_section(title: str, rules: QualityTable, bias: BiasQuality) -> tuple[str, dict]:
+    """Markdown lines and JSON of one test set: T = 1, the rules, the oracle (on every position)
+    and the bias with T = 1 and the oracle on its rows (the same positions unless rows were
+    capped), each as the share of KL(T = 1) it removes ± its prompt-clustered s.e."""
+    kl_one = rules.row("T=1").mean_kl
+    lines = [
+        f"**{title}**: {rules.positions} positions in {rules.sequences} prompts "
+        f"({bias.positions} with rows for the bias); same top token "
+        f"{100 * rules.same_top_rate:.1f}% at any T, {100 * bias.same_top_rate:.1f}% with the "
+        "bias",
+        "",
+        "| correction | KL (1e-3) | gain vs T=1 ± s.e. | share of KL(T=1) removed | mean T |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [_bias_line(row, kl_one) for row in rules.rows]
+    lines.append(_bias_line(bias.t_one, bias.t_one.mean_kl, "T=1 (bias rows)"))
+    lines.append(_bias_line(bias.oracle, bias.t_one.mean_kl, "oracle (bias rows)"))
+    lines.append(_bias_line(bias.row, bias.t_one.mean_kl, "bias + T"))
+    document = {
+        "rules": rules.model_dump(mode="json"),
+        "bias": bias.row.model_dump(mode="json"),
+        "bias_t_one_kl": bias.t_one.mean_kl,
+        "bias_oracle_kl": bias.oracle.mean_kl,
+        "bias_share_removed": bias.share_removed,
+        "bias_same_top_rate": bias.same_top_rate,
+        "same_top_rate": rules.same_top_rate,
+    }
+    return "\n".join(lines), document
+
+
+def _bias_at_one(result: CalibrationResult, settings: CalibrationSettings) -> tuple[str, dict]:
+    """The bias's section on the test prompts at T_r = 1 (where it is fitted and served)."""
+    calibration = result.bias
+    assert calibration is not None  # calibrate keeps rows
+    at_one = settings.request_temperatures.index(1.0)
+    rules = result.profile.test_quality_by_request_temperature[at_one]
+    text, document = bias_section(
+        "per-token bias + T, test prompts, T_r = 1", rules, calibration.test
+    )
+    penalty = calibration.path.chosen.penalty
+    head = (
+        f"bias: {'recommended' if calibration.recommended else 'not recommended'} (validation "
+        f"gain {'>' if calibration.recommended else '<='} 2 s.e.), penalty {penalty:.0e}, "
+        f"T {calibration.correction.temperature:.3f}"
+    )
+    return f"{head}\n\n{text}\n", {
+        **document,
+        "recommended": calibration.recommended,
+        "penalty": penalty if math.isfinite(penalty) else None,
+        "temperature": calibration.correction.temperature,
+    }
+
+
 def _percent(value: float) -> str:
     return f"{100 * value:+.1f}%"
 
@@ -194,6 +265,7 @@ def main() -> int:
     )
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--w8a8", type=Path, default=None, help="a `quantize --format w8a8` dir")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -224,16 +296,21 @@ def main() -> int:
     clean_path = ensure_default_model(Settings().cache_dir)
     prompts = load_prompts()[: args.num_prompts]
     settings = CalibrationSettings(prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    pairs: list[tuple[str, dict[str, Any]]] = [
+        (name, {"spec": FAMILIES[name]}) for name in args.families
+    ]
+    if args.w8a8 is not None:
+        pairs.append(("w8a8", {"served_path": args.w8a8}))
     sections, documents = [], []
-    for name in args.families:
-        spec = FAMILIES[name]
+    for name, how in pairs:
         family_started = time.monotonic()
-        pair = load_pair(clean_path, spec=spec, device=args.device)
+        pair = load_pair(clean_path, device=args.device, **how)
         result = calibrate(pair, prompts, settings, device=args.device)
         rows = [
             _request_temperature_row(result, t, settings.bounds)
             for t in settings.request_temperatures
         ]
+        bias_text, bias_document = _bias_at_one(result, settings)
         seconds = time.monotonic() - family_started
         if args.profiles is not None:
             args.profiles.mkdir(parents=True, exist_ok=True)
@@ -242,24 +319,42 @@ def main() -> int:
             args.records.mkdir(parents=True, exist_ok=True)
             for split in ("fit", "validation", "test"):
                 getattr(result, split).save(args.records / f"{name}.{split}.safetensors")
-        section = _markdown(spec.label, seconds, result, rows)
+        label = how["spec"].label if "spec" in how else pair.served.describe()
+        section = _markdown(label, seconds, result, rows) + "\n" + bias_text
         print(section, flush=True)
         sections.append(section)
         documents.append(
             {
                 "family": name,
-                "perturbation": spec.model_dump(mode="json"),
+                "perturbation": None if "spec" not in how else how["spec"].model_dump(mode="json"),
+                "served": pair.served.describe(),
                 "seconds": seconds,
                 "recommended_rule": result.profile.recommended_rule.value,
                 "by_request_temperature": rows,
                 "parameters": result.profile.parameters.model_dump(mode="json"),
                 "validation_quality": result.profile.validation_quality.model_dump(mode="json"),
                 "test_quality": result.profile.test_quality.model_dump(mode="json"),
+                "bias": bias_document,
             }
         )
-    total = time.monotonic() - started
+        total = time.monotonic() - started
+        _write(args, settings, clean_path.name, total=total, sections=sections, documents=documents)
+    print(f"total wall time {time.monotonic() - started:.0f} s; results in {args.out}")
+    return 0
+
+
+def _write(
+    args: argparse.Namespace,
+    settings: CalibrationSettings,
+    model: str,
+    *,
+    total: float,
+    sections: list[str],
+    documents: list[dict],
+) -> None:
+    """Write quality.md and quality.json of the families done so far."""
     header = (
-        f"# Test-split quality on {clean_path.name}\n\n{len(prompts)} prompts split fit / "
+        f"# Test-split quality on {model}\n\n{settings.prompts} prompts split fit / "
         f"validation / test ({settings.validation_fraction:g} validation, "
         f"{settings.test_fraction:g} test), completions of up to {args.max_new_tokens} tokens "
         f"sampled from the served model, device {args.device}, {torch.get_num_threads()} torch "
@@ -268,7 +363,8 @@ def main() -> int:
         "const: the best constant fitted on the fit prompts at T_r; hindsight: the best "
         "constant fitted on the test prompts. calibrated − const: paired per-position "
         "KL(const) - KL(calibrated) ± cluster-robust s.e.; ok when mean + 2 s.e. >= 0 (and "
-        "the same for calibrated − T=1).\n"
+        "the same for calibrated − T=1). The bias table: gain = KL(T=1) - KL paired by position "
+        "with its prompt-clustered s.e.\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(header + "\n" + "\n".join(sections), encoding="utf-8")
@@ -276,8 +372,6 @@ def main() -> int:
         json.dumps({"total_seconds": total, "results": documents}, indent=2) + "\n",
         encoding="utf-8",
     )
-    print(f"total wall time {total:.0f} s; results in {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

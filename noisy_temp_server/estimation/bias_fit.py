@@ -39,7 +39,6 @@ from noisy_temp_server.temperature.bias import (
     save_bias_file,
 )
 from noisy_temp_server.temperature.oracle import oracle_temperature
-from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = [
     "BIAS_ROW_NAME",
@@ -50,6 +49,7 @@ __all__ = [
     "bias_quality",
     "bias_sha256",
     "calibrate_bias",
+    "fit_bias_for_serving",
     "load_bias_file",
     "save_bias_file",
     "score_with_rows",
@@ -230,34 +230,42 @@ class BiasCalibration:
 
 def calibrate_bias(rows: PairedRows, settings: CalibrationSettings) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
-    `calibrate_records` splits the records (same fractions and seed): the penalty is chosen
-    on the validation prompts with fits on the fit prompts, and that fit's validation row
-    decides the recommendation; the bias served is then refitted at that penalty on the fit
-    and validation prompts together (more data, no further choice), and measured on the test
-    prompts. Raises `InsufficientDataError` when a split is too small (see `bias_quality`)."""
+    `calibrate_records` splits the records (same fractions and seed): `fit_bias_for_serving`
+    on the fit and validation prompts, measured on the test prompts. Raises
+    `InsufficientDataError` when a split is too small (see `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
     )
-    validation_rows = rows.select(validation)
-    path = fit_logit_bias(rows.select(fit), validation_rows, bounds=settings.bounds)
-    minimum = settings.min_quality_positions
-    validation_quality = bias_quality(validation_rows, path.chosen.correction, minimum)
-    served = _refit(rows.select(fit | validation), path, settings.bounds)
+    path, validation_quality = fit_bias_for_serving(
+        rows.select(fit), rows.select(validation), settings
+    )
     return BiasCalibration(
-        path=served,
+        path=path,
         validation=validation_quality,
-        test=bias_quality(rows.select(test), served.chosen.correction, minimum),
+        test=bias_quality(
+            rows.select(test), path.chosen.correction, settings.min_quality_positions
+        ),
     )
 
 
-def _refit(rows: PairedRows, path: BiasPath, bounds: TemperatureBounds | None) -> BiasPath:
-    """`path` with its chosen fit refitted on `rows` at the chosen penalty (warm start)."""
+def fit_bias_for_serving(
+    fit: PairedRows, validation: PairedRows, settings: CalibrationSettings
+) -> tuple[BiasPath, BiasQuality]:
+    """The bias to serve from fit and validation rows: the penalty is chosen on `validation`
+    with fits on `fit` (`fit_logit_bias`), and that fit's validation quality is returned (it
+    decides the recommendation); the bias served is then refitted at that penalty on both
+    together (more data, no further choice; warm start). Raises `InsufficientDataError` when
+    `validation` is too small (see `bias_quality`)."""
+    path = fit_logit_bias(fit, validation, bounds=settings.bounds)
+    validation_quality = bias_quality(
+        validation, path.chosen.correction, settings.min_quality_positions
+    )
     chosen = path.chosen
     refit = fit_bias_at_penalty(
-        rows,
+        PairedRows.concat([fit, validation]),
         chosen.penalty,
-        bounds=bounds,
+        bounds=settings.bounds,
         start=chosen.correction,
         fit_bias=math.isfinite(chosen.penalty),
     )
-    return BiasPath(chosen=refit, validation_kl=path.validation_kl)
+    return BiasPath(chosen=refit, validation_kl=path.validation_kl), validation_quality

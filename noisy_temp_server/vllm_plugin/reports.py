@@ -176,6 +176,7 @@ class Reporter:
         self.bad_rows = 0
         self._labels: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
+        self._delivering = threading.Lock()  # one `flush` at a time, so deliveries keep order
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._snapshots: deque[_Snapshot] = deque()
@@ -252,7 +253,12 @@ class Reporter:
                 _LOGGER.exception("noisy-temp-server: reporting T* failed")
 
     def flush(self) -> None:
-        """Deliver everything staged so far (waits for the pending copies)."""
+        """Deliver everything staged so far (waits for the pending copies). Safe to call beside
+        the reporter thread: deliveries stay in staging order."""
+        with self._delivering:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             captures = list(self._captures)
             self._captures.clear()

@@ -104,6 +104,7 @@ _INSTANCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictiona
 STEP_STRIDE = 1 << 32
 """Slot stride of the step keys; generation steps stay below it."""
 _PAD_EDGE = STEP_STRIDE - 1  # fills a slot's unused buckets: no step reaches it
+_STEP_MASK = STEP_STRIDE - 1  # a step key's step
 _INITIAL_COLUMNS = 8
 _UNTUNED = StepTemperatures(step_edges=(0,), scale=(1.0,), beta=0.0, t_min=1.0, t_max=1.0)
 _NO_POLICY = -1
@@ -468,7 +469,7 @@ class SlotTuning:
         peak = None if self.reporter is None else logits.amax(1)
         if self._n_scheduled or self._row_policies:  # [R] T* of each row, then as a column
             temperature, beta, t_min, t_max = cell.unbind(1)
-            steps = torch.sub(keys, slots, alpha=STEP_STRIDE)
+            steps = keys & _STEP_MASK
             if self._n_scheduled:  # as `rules.schedule_temperature`, bit for bit
                 factor = beta.mul(steps).add_(1.0).rsqrt_()
                 temperature = factor.mul_(temperature).clamp_(t_min, t_max)
@@ -572,24 +573,25 @@ class SlotTuning:
         T* is not its cell's constant; None: the count and sum come from the cell table in one
         op and the extrema are the ones preset at admission."""
         assert self.reporter is not None
-        counted_cells = cells if counted is None else cells * counted
-        if varying is not None:
-            self.accumulate(counted_cells, varying)
-        else:
-            self.accumulators.index_add_(1, counted_cells, self.cell_unit.index_select(1, cells))
-        not_finite = peak.sub_(peak).isnan()  # inf - inf and NaN - NaN are NaN
-        if not all_rows_tuned:
-            not_finite.logical_and_(self.tuned.index_select(0, slots))
-        self.bad_rows.add_(not_finite.sum())
         if remember and self.last is not None:
             bucket = cells - 1 - slots * self.layout.columns
             value = column.squeeze(1).double()
             flag = torch.ones_like(value) if counted is None else counted.double()
             last = torch.stack((bucket.double(), value, flag), dim=1)
             self.last.index_copy_(0, slots, last)
+        if counted is not None:
+            cells = cells.mul_(counted)  # rows not counted go to cell 0
+        if varying is not None:
+            self.accumulate(cells, varying)
+        else:
+            self.accumulators.index_add_(1, cells, self.cell_unit.index_select(1, cells))
+        not_finite = peak.sub_(peak).isnan()  # inf - inf and NaN - NaN are NaN
+        if not all_rows_tuned:
+            not_finite.logical_and_(self.tuned.index_select(0, slots))
+        self.bad_rows.add_(torch.count_nonzero(not_finite))
         if self.n_traced:
             if steps is None:
-                steps = torch.sub(keys, slots, alpha=STEP_STRIDE)
+                steps = keys & _STEP_MASK
             temperature = column.squeeze(1)
             dtype = temperature.dtype
             rows = (

@@ -87,13 +87,15 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         sentinel = self.tuning.sentinel
         self._row_slot = np.full(capacity, sentinel, dtype=np.int64)
         self._row_slot_device = self._upload(self._row_slot)
-        self._slots, self._slots_rows = self._row_slot_device, 0  # its first rows, sliced
         self._free = list(range(capacity - 1, -1, -1))
-        # Per slot: its step key ``slot * STEP_STRIDE + generation step`` (row 0), and whether
-        # the step advances (1) or waits (0).
-        self._keys = torch.zeros(2, capacity + 1, dtype=torch.int64, device=self.device)
-        self._keys[0] = torch.arange(capacity + 1, device=self.device) * STEP_STRIDE
-        self._key_of_slot = self._keys[0]
+        # Per slot: its step key ``slot * STEP_STRIDE + generation step``, and whether the step
+        # advances (1) or waits (0).
+        self._key_of_slot = torch.arange(capacity + 1, device=self.device) * STEP_STRIDE
+        self._advancing = torch.zeros(capacity + 1, dtype=torch.int64, device=self.device)
+        self._all_ones = torch.ones(capacity, dtype=torch.int64, device=self.device)
+        # The batch's slots (the first rows of the row slots) and as many ones, sliced anew
+        # when the batch size or the row slots change.
+        self._slots, self._ones, self._slots_rows = self._row_slot_device, self._all_ones, 0
         self._waiting: dict[int, tuple[list[int], int]] = {}  # slot -> (outputs, len at entry)
         self._step_writes: dict[int, tuple[int, int]] = {}  # slot -> (step, advancing)
         self._n_tuned_rows = 0
@@ -163,9 +165,10 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         if not self._step_writes:
             return
         slots = np.fromiter(self._step_writes, dtype=np.int64)
-        values = np.asarray(list(self._step_writes.values()), dtype=np.int64).T.copy()
-        values[0] += slots * STEP_STRIDE
-        self._keys.index_copy_(1, self._upload(slots), self._upload(values))
+        steps, advancing = np.asarray(list(self._step_writes.values()), dtype=np.int64).T
+        index = self._upload(slots)
+        self._key_of_slot.index_copy_(0, index, self._upload(slots * STEP_STRIDE + steps))
+        self._advancing.index_copy_(0, index, self._upload(advancing))
         self._step_writes.clear()
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
@@ -186,19 +189,18 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         if not self._n_tuned_rows:
             return logits
         if rows != self._slots_rows:
-            self._slots, self._slots_rows = self._row_slot_device[:rows], rows
+            self._slots, self._ones = self._row_slot_device[:rows], self._all_ones[:rows]
+            self._slots_rows = rows
         slots = self._slots
-        keys, advancing = self._keys.index_select(1, slots).unbind()
+        keys = self._key_of_slot.index_select(0, slots)
         all_rows_tuned = rows <= self._tuned_prefix
         waiting = bool(self._waiting)
-        self.tuning.tune(
-            logits,
-            slots,
-            keys,
-            # Every row of a tuned request that is not waiting advances, and is counted.
-            None if all_rows_tuned and not waiting else advancing,
-            remember=waiting,
-            all_rows_tuned=all_rows_tuned,
+        # Every row of a tuned request that is not waiting advances, and is counted.
+        advancing = (
+            None if all_rows_tuned and not waiting else self._advancing.index_select(0, slots)
         )
-        self._key_of_slot.index_add_(0, slots, advancing)
+        self.tuning.tune(
+            logits, slots, keys, advancing, remember=waiting, all_rows_tuned=all_rows_tuned
+        )
+        self._key_of_slot.index_add_(0, slots, self._ones if advancing is None else advancing)
         return logits

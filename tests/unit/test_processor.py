@@ -121,6 +121,36 @@ def test_step_follows_the_live_output_list(registry: CollectorRegistry) -> None:
     torch.testing.assert_close(processor.apply(logits.clone()), logits / 1.25)
 
 
+def test_a_prefilling_request_is_counted_once_its_first_token_is_kept(
+    registry: CollectorRegistry,
+) -> None:
+    """Beside a decoding request, a request whose prompt takes several chunked-prefill steps is
+    sampled at its first step each time and counted once, when its first token shows; the batch
+    then grows, and both steps advance."""
+    processor = _processor(registry)
+    decoding, prefilling = [0] * 3, []
+    _add(processor, 1, (0, _params(**_linear()), decoding))
+    _add(processor, 2, (1, _params(nts_rule="fixed", nts_t=2.0), prefilling))
+    for decoding_t in (1.5, 1.25, 1.25):  # two prompt chunks, then the last one
+        logits = _logits(2)
+        out = processor.apply(logits.clone())
+        torch.testing.assert_close(out, logits / torch.tensor([[decoding_t], [2.0]]))
+        decoding.append(0)
+        processor.update_state(None)
+    prefilling.append(5)
+    processor.update_state(None)
+    _add(processor, 3, (2, _params(nts_rule="fixed", nts_t=4.0), [0]))
+    for _ in range(2):
+        processor.apply(_logits(3))
+        for outputs in (decoding, prefilling):
+            outputs.append(0)
+        processor.update_state(None)
+    summaries = processor.tuning.summaries()
+    assert summaries[:3, 1].tolist() == [5, 3, 0]  # steps 3..7; steps 0..2; still waiting
+    assert summaries[0, 0] == pytest.approx(1.5 * 1 + 1.25 * 4)
+    assert summaries[1, 0] == pytest.approx(2.0 * 3)
+
+
 def test_returns_early_when_no_row_is_tuned(registry: CollectorRegistry) -> None:
     processor = _processor(registry)
     _add(processor, 2, (0, _params(1.0), []), (1, _params(1.0, nts_tune=False, **_linear()), []))

@@ -11,8 +11,11 @@ serving default ``shadow_threads``):
   `calibrate` keeps) and of the online path as ``serve`` runs it (the scorer `pair_scorer`
   builds, clean model only, `PairScorer.score_live` fed the served rows the engine captures:
   here the served model's rows with the pair's runtime noise, computed beforehand, since in
-  serving the engine computes them anyway), each the median of ``--repeats`` passes over the
-  same sequences;
+  serving the engine computes them anyway), with the records' KL curves (what an estimator
+  that refits a rule's T reads) and without (what ``serve`` computes when its estimator refits
+  only alpha / sigma2, e.g. from the shipped default-pair profile, whose banded calibrated
+  table is kept: reported as ``serve_reads_kl_curves``), each the median of ``--repeats``
+  passes over the same sequences;
 - accuracy: alpha of the online estimator (`OnlineEstimator`, fed request by request until
   its first published policy, after at most ``--online-positions`` positions) against the
   offline alpha of the same pair (`noise_by_step` on the records of every sampled position),
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from noisy_temp_server.commands.serve import pair_scorer, resolve_pair
+from noisy_temp_server.commands.serve import pair_scorer, resolve_pair, startup_profile
 from noisy_temp_server.estimation.fitting import noise_by_step
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
@@ -126,12 +129,22 @@ def main() -> int:
     positions = settings.capture_positions
     captured = {s.sequence_id: _captured(scorer, s, positions) for s in sequences}
     live_set = [s for s in speed_set if len(s.token_ids) - s.prompt_length <= positions]
-    live_rate, live_tokens = _tokens_per_second(
-        lambda s: live_scorer.score_live(s, [1.0] * positions, captured[s.sequence_id]),
-        live_set,
-        args.repeats,
-    )
-    per_core = {"offline_records": offline_rate, "online_live_captured": live_rate}
+    rates = {}
+    for kl_curve in (True, False):
+        rates[kl_curve], live_tokens = _tokens_per_second(
+            lambda s, curve=kl_curve: live_scorer.score_live(
+                s, [1.0] * positions, captured[s.sequence_id], kl_curve=curve
+            ),
+            live_set,
+            args.repeats,
+        )
+    per_core = {
+        "offline_records": offline_rate,
+        "online_live_captured": rates[True],
+        "online_live_without_kl_curves": rates[False],
+    }
+    profile, _ = startup_profile(settings, pair)
+    serve_reads_kl_curves = OnlineEstimator(profile).reads_kl_curves
 
     records = scorer.score(sequences)
     estimator = OnlineEstimator(
@@ -175,6 +188,8 @@ def main() -> int:
         "speed_tokens": {"offline": speed_tokens, "online": live_tokens},
         "capture_positions": positions,
         "scored_tokens_per_s_per_core": per_core,
+        "clean_dtype": settings.clean_dtype,
+        "serve_reads_kl_curves": serve_reads_kl_curves,
         "speedup": per_core["online_live_captured"] / per_core["offline_records"],
         "positions_total": len(records),
         "online_positions_at_first_policy": fed,

@@ -3,7 +3,8 @@
 Two `noisy-temp-server serve` processes run side by side on the default pair (the embedded
 SmolLM2-135M-Instruct with `serve`'s default perturbation, the clean model kept for scoring;
 each server prepares it as `serve` does), identical except for ``--shadow-fraction``: ``off``
-(0) and ``shadow`` (``--fraction``, default the setting's default, 0.1). Rounds alternate
+(0) and ``shadow`` (``--fraction``, default the setting's default, 0.1, within the scorer's
+CPU budget: the settings' defaults, or ``--cpu-share``). Rounds alternate
 between the two servers, so both see the same machine load. A round sends ``--requests``
 completions through HTTP from ``--streams`` concurrent clients (``max_tokens=--max-tokens``,
 EOS ignored, ``nts_tune=false`` so the two servers do the same engine work and only the scorer
@@ -23,7 +24,9 @@ the time from the first request, the positions scored by then and the alpha it p
 reported.
 
 Reported: medians over ``--repeats`` rounds per server (after one warm-up round each), the
-shadow/off throughput ratios, and the scorer's own cost from ``/v1/nts/status``
+shadow/off throughput ratios (of the medians, and pooled: all rounds' tokens over all rounds'
+time, drains included), the load average at each round, and the scorer's own cost from
+``/v1/nts/status``
 (``seconds_per_scored_token``: the clean model's teacher-forced pass and the scoring, per
 scored completion token; the served rows come from the engine's capture), as
 a table on stdout and as JSON + markdown under ``benchmarks/results/``. Sampling is random, so
@@ -67,6 +70,7 @@ class Round:
     drain_seconds: float
     tokens: int
     scored_requests: int
+    load_average: float
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,9 @@ class Summary:
     sustained_tokens_per_s: float
     ratio_to_off: float
     sustained_ratio_to_off: float
+    pooled_sustained_ratio_to_off: float
     scored_requests: int
+    skipped_budget: int
     scored_tokens: int
     seconds_per_scored_token: float | None
 
@@ -93,6 +99,8 @@ class Server(ServerProcess):
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.streams),
             "--kv-cache-gib", str(args.kv_cache_gib), "--log-level", "warning",
         ]  # fmt: skip
+        if args.cpu_share is not None:
+            command += ["--shadow-cpu-share", str(args.cpu_share)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each server its own fresh directory
         super().__init__(name, command, env)
@@ -183,7 +191,8 @@ def _drain(server: Server, timeout: float) -> float:
         status = server.shadow_status()
         if not status.get("enabled"):
             return 0.0
-        handled = status["scored"] + status["dropped_queue_full"] + status["dropped_error"]
+        dropped = status["dropped_queue_full"] + status["dropped_error"]
+        handled = status["scored"] + dropped + status["dropped_not_captured"]
         if handled >= status["sampled"]:
             return time.perf_counter() - started
         time.sleep(0.05)
@@ -222,23 +231,24 @@ def _run(
                     baseline[server.name] = _scored(server)
                     continue
                 scored_after, _ = _scored(server)
-                rounds.append(
-                    Round(server.name, repeat, seconds, drain, tokens, scored_after - scored_before)
-                )
+                scored = scored_after - scored_before
+                load = os.getloadavg()[0]
+                rounds.append(Round(server.name, repeat, seconds, drain, tokens, scored, load))
                 print(
                     f"round {repeat} {server.name:>6}: {tokens / seconds:6.1f} tokens/s, "
-                    f"drain {drain:5.2f} s, scored {scored_after - scored_before}",
+                    f"drain {drain:5.2f} s, scored {scored}, load {load:.1f}",
                     flush=True,
                 )
         final = {server.name: (server, server.shadow_status()) for server in servers}
     summaries: list[Summary] = []
-    off_rate = off_sustained = 0.0
+    off_rate = off_sustained = off_pooled = 0.0
     for name, (server, status) in final.items():
         mine = [r for r in rounds if r.server == name]
         rate = statistics.median(r.tokens / r.seconds for r in mine)
         sustained = statistics.median(r.tokens / (r.seconds + r.drain_seconds) for r in mine)
+        pooled = sum(r.tokens for r in mine) / sum(r.seconds + r.drain_seconds for r in mine)
         if name == "off":
-            off_rate, off_sustained = rate, sustained
+            off_rate, off_sustained, off_pooled = rate, sustained, pooled
         enabled = bool(status.get("enabled"))
         warm_scored, warm_tokens = baseline[name]
         summaries.append(
@@ -250,7 +260,9 @@ def _run(
                 sustained_tokens_per_s=sustained,
                 ratio_to_off=rate / off_rate,
                 sustained_ratio_to_off=sustained / off_sustained,
+                pooled_sustained_ratio_to_off=pooled / off_pooled,
                 scored_requests=int(status["scored"]) - warm_scored if enabled else 0,
+                skipped_budget=int(status["skipped_budget"]) if enabled else 0,
                 scored_tokens=int(status["tokens"]) - warm_tokens if enabled else 0,
                 seconds_per_scored_token=status.get("seconds_per_scored_token"),
             )
@@ -261,15 +273,17 @@ def _run(
 def _table(summaries: list[Summary]) -> str:
     lines = [
         "| server | shadow fraction | tokens/s | ratio to off | sustained tokens/s "
-        "| sustained ratio | scored requests | scored tokens | scorer s/scored token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| sustained ratio | pooled sustained ratio | scored requests | skipped (budget) "
+        "| scored tokens | scorer s/scored token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         cost = "-" if s.seconds_per_scored_token is None else f"{s.seconds_per_scored_token:.4f}"
         lines.append(
             f"| {s.server} | {s.fraction:g} | {s.tokens_per_s:.1f} | {s.ratio_to_off:.3f} | "
             f"{s.sustained_tokens_per_s:.1f} | {s.sustained_ratio_to_off:.3f} | "
-            f"{s.scored_requests} | {s.scored_tokens} | {cost} |"
+            f"{s.pooled_sustained_ratio_to_off:.3f} | {s.scored_requests} | {s.skipped_budget} | "
+            f"{s.scored_tokens} | {cost} |"
         )
     return "\n".join(lines)
 
@@ -282,7 +296,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--policy-max-tokens", type=int, default=128)
     parser.add_argument("--policy-timeout", type=float, default=600.0)
-    parser.add_argument("--repeats", type=int, default=2, help="measured rounds per server")
+    parser.add_argument("--cpu-share", type=float, help="--shadow-cpu-share (default: serve's)")
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds per server")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--startup-timeout", type=float, default=600.0)

@@ -152,6 +152,12 @@ class OnlineEstimator:
             )
 
     @property
+    def reads_kl_curves(self) -> bool:
+        """Whether a refit reads the records' KL curves (it refits a rule's T); else only
+        alpha / sigma2 are refitted and the scorer may leave the curves out."""
+        return bool(self._fitted_rules)
+
+    @property
     def refines_bias(self) -> bool:
         """Whether `add` wants the paired rows (the bias is refined online)."""
         return self._bias is not None

@@ -159,7 +159,8 @@ class PositionRecords:
         request_temperature: float = 1.0,
     ) -> PositionRecords:
         """`from_logits` of a pair whose `PairTerms` are already computed (the live scorer
-        shares them with the scoreboard)."""
+        shares them with the scoreboard). An empty `curve_temperatures` skips the KL curve
+        (`kl_curve` ``[N, 0]``: online, when no refitted rule reads it)."""
         if not request_temperature > 0:
             raise ValueError(f"request_temperature must be > 0, got {request_temperature!r}")
         count = pair.clean.shape[0]
@@ -171,7 +172,7 @@ class PositionRecords:
             at_request = PairTerms.from_logits(
                 pair.clean / request_temperature, pair.served / request_temperature
             )
-        curve = kl_curve_of_terms(at_request.kl, grid)  # [B, G]
+        curve = kl_curve_of_terms(at_request.kl, grid) if len(grid) else grid.new_zeros(count, 0)
         if with_oracle:
             oracle = oracle_temperature(at_request.clean, at_request.served)
             oracle_t, oracle_kl = oracle.temperature, oracle.kl
@@ -420,13 +421,16 @@ class PairScorer:
         served_temperatures: Sequence[float],
         served: ServedRows,
         max_rows: int = 0,
+        *,
+        kl_curve: bool = True,
     ) -> LiveScores:
         """`LiveScores` of the positions of one finished request that have a captured served
         row (`served`; the clean side runs teacher-forced over the completion up to the last
         of them): lean records plus the scoreboard's scores at T = 1 and at
         `served_temperatures` (the T* of generated step s at index s; positions past its end
         are scored at T = 1 only), and the paired rows of at most `max_rows` evenly spaced of
-        them, for the online bias (0: none)."""
+        them, for the online bias (0: none). `kl_curve` False leaves the records' KL curves
+        out (an empty grid), for an estimator that refits no rule that reads them."""
         ids = list(sequence.token_ids)
         steps_wanted = served.steps.to(torch.int64)
         if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:
@@ -435,6 +439,7 @@ class PairScorer:
         scored = ScoringSequence(ids[:end], sequence.prompt_length, sequence.sequence_id)
         records, at_one, at_served, paired = [], [], [], []
         keep_every = math.ceil(len(steps_wanted) / max(max_rows, 1))
+        grid = self.curve_temperatures if kl_curve else self.curve_temperatures[:0]
         first = 0
         for clean_rows in self.clean.completion_rows(scored, self.chunk_positions):
             stop = first + clean_rows.shape[0]
@@ -444,7 +449,7 @@ class PairScorer:
                 clean = clean_rows[steps - first].to(self.device)
                 rows = served.rows[inside].to(self.device, torch.float32)
                 one, starred, record = self._live_chunk(
-                    sequence, steps, clean, rows, served_temperatures
+                    sequence, steps, clean, rows, served_temperatures, grid=grid
                 )
                 records.append(record)
                 if max_rows:
@@ -469,15 +474,17 @@ class PairScorer:
         clean: Tensor,
         served: Tensor,
         served_temperatures: Sequence[float],
+        *,
+        grid: Tensor,
     ) -> tuple[PositionScores, PositionScores, PositionRecords]:
         """One chunk of `score_live`: scores at T = 1, at the known T* (the rows whose step has
-        one), and the lean records."""
+        one), and the lean records with KL curves on `grid` (empty: none)."""
         pair = PairTerms.from_logits(clean, served)  # shared by the records and the scores
         record = PositionRecords.from_terms(
             pair,
             step=steps,
             sequence_id=sequence.sequence_id,
-            curve_temperatures=self.curve_temperatures.to(clean.device),
+            curve_temperatures=grid.to(clean.device),
             with_oracle=False,
         )
         positions = (sequence.prompt_length + steps).tolist()

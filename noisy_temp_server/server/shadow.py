@@ -10,7 +10,8 @@ thread takes items off the queue, takes the item's captured rows (`rows`, the tr
 `TraceCollector.take_rows`; an item whose rows never came is dropped, reason
 ``not_captured``), runs only the clean model teacher-forced over the same tokens and scores the
 pair (`pairs.scorer.PairScorer.score_live`: only what the live metrics and the online estimator
-need, no per-position oracle), feeds the per-position records to the online
+need: no per-position oracle, and no KL curves when the estimator refits no rule that reads
+them, `OnlineEstimator.reads_kl_curves`), feeds the per-position records to the online
 estimator and the per-position scores (T = 1 and the T* the engine applied) to the live
 scoreboard (`estimation.scoreboard.LiveScoreboard`, published on the status endpoint and as
 `nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates
@@ -77,6 +78,8 @@ class SequenceScorer(Protocol):
         served_temperatures: Sequence[float],
         served: ServedRows,
         max_rows: int = 0,
+        *,
+        kl_curve: bool = True,
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
@@ -96,6 +99,9 @@ class PolicyEstimator(Protocol):
     """What the shadow loop needs of `estimation.online.OnlineEstimator`."""
 
     def add(self, records: PositionRecords, rows: PairedRows | None = None) -> Any: ...
+
+    @property
+    def reads_kl_curves(self) -> bool: ...
 
     def current_policy(self) -> Any: ...
 
@@ -464,7 +470,13 @@ class ShadowScorer:
             sequence_id=item.sequence_id,
         )
         served = ServedRows(torch.from_numpy(captured.steps), torch.from_numpy(captured.rows))
-        live = self._scorer.score_live(sequence, item.served_temperatures, served, self._bias_rows)
+        live = self._scorer.score_live(
+            sequence,
+            item.served_temperatures,
+            served,
+            self._bias_rows,
+            kl_curve=self._estimator.reads_kl_curves,
+        )
         scored = time.perf_counter()
         elapsed = scored - started
         self._estimator.add(live.records, live.rows)

@@ -242,6 +242,7 @@ class FakeScorer:
         self.gate = gate
         self.fail = fail
         self.sequences: list[ScoringSequence] = []
+        self.kl_curves: list[bool] = []
 
     def score_live(
         self,
@@ -249,7 +250,10 @@ class FakeScorer:
         served_temperatures: Sequence[float],
         served: ServedRows,
         max_rows: int = 0,
+        *,
+        kl_curve: bool = True,
     ) -> LiveScores:
+        self.kl_curves.append(kl_curve)
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:
@@ -268,7 +272,8 @@ class FakeScorer:
 class FakeEstimator:
     """Publishes version + 1 every `every` positions."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, reads_kl_curves: bool = True) -> None:
+        self.reads_kl_curves = reads_kl_curves
         self.every = every
         self.positions = 0
         self.version = 0

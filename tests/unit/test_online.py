@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -33,6 +34,7 @@ def test_serves_t_one_until_enough_evidence_then_publishes_a_new_version() -> No
     )
     first = estimator.current_policy()
     assert first.rule is Rule.CALIBRATED
+    assert estimator.reads_kl_curves  # it fits the calibrated table
     assert bool((policy_temperature(first, torch.arange(5), torch.randn(5, 10)) == 1).all())
     for request in range(9):
         estimator.add(_request(request))
@@ -175,6 +177,7 @@ def test_a_served_bias_and_its_temperature_are_kept() -> None:
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(served, settings=settings, min_positions=400, refit_every=400)
     assert estimator.current_policy() == served.to_policy()
+    assert not estimator.reads_kl_curves
     for request in range(10):
         estimator.add(_request(request))
     policy = estimator.current_policy()
@@ -183,12 +186,19 @@ def test_a_served_bias_and_its_temperature_are_kept() -> None:
     assert policy.alpha_by_step != profile.parameters.alpha_by_step
 
 
+def _without_curves(records: PositionRecords) -> PositionRecords:
+    """`records` as the live scorer makes them when no refitted rule reads KL curves."""
+    grid = records.curve_temperatures[:0]
+    return dataclasses.replace(records, kl_curve=records.kl_curve[:, :0], curve_temperatures=grid)
+
+
 def test_a_banded_calibrated_table_is_kept_and_the_noise_refitted() -> None:
     profile = sample_profile(Rule.CALIBRATED)  # two request-temperature bands
     settings = CalibrationSettings(step_edges=(0, 4), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(profile, settings=settings, min_positions=400, refit_every=400)
+    assert not estimator.reads_kl_curves  # the table is kept: only alpha / sigma2 are refitted
     for request in range(10):
-        estimator.add(_request(request))
+        estimator.add(_without_curves(_request(request)))
     policy = estimator.current_policy()
     assert policy.version == 1
     assert policy.calibrated == profile.to_policy().calibrated

@@ -200,6 +200,24 @@ def test_live_scores_of_some_captured_steps_are_those_steps_of_the_full_scores(
     torch.testing.assert_close(paired.clean_prob, expected.clean_prob, rtol=1e-4, atol=1e-6)
 
 
+def test_live_records_without_kl_curves_are_the_same_records_less_the_curves(
+    pair: tuple[PreTrainedModel, PreTrainedModel],
+) -> None:
+    clean, served = pair
+    sequence = _sequences()[0]
+    captured = _captured(served, sequence)
+    scorer = PairScorer(clean, chunk_positions=4)
+    full = scorer.score_live(sequence, [1.2] * 21, captured)
+    lean = scorer.score_live(sequence, [1.2] * 21, captured, kl_curve=False)
+    assert lean.records.kl_curve.shape == (21, 0)
+    assert lean.records.curve_temperatures.shape == (0,)
+    for name in PositionRecords._row_fields():
+        if name != "kl_curve":
+            expected = getattr(full.records, name)
+            torch.testing.assert_close(getattr(lean.records, name), expected, equal_nan=True)
+    torch.testing.assert_close(lean.at_served.kld, full.at_served.kld)
+
+
 def test_live_scores_match_the_reference_without_the_oracle(
     pair: tuple[PreTrainedModel, PreTrainedModel],
 ) -> None:

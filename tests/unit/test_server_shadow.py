@@ -98,6 +98,19 @@ def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
     assert status["estimation_seconds_total"] > 0
 
 
+@pytest.mark.parametrize("reads", [True, False])
+def test_kl_curves_are_computed_only_when_the_estimator_reads_them(reads: bool) -> None:
+    setup = Setup(FakeScorer())
+    setup.estimator.reads_kl_curves = reads
+    setup.shadow.start()
+    try:
+        assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
+        assert setup.shadow.wait_idle(30)
+    finally:
+        setup.shadow.close()
+    assert setup.scorer.kl_curves == [reads]
+
+
 @pytest.mark.parametrize("bias_rows", [0, 2])
 def test_paired_rows_reach_the_estimator_only_for_the_online_bias(bias_rows: int) -> None:
     setup = Setup(FakeScorer(), bias_rows=bias_rows)
@@ -224,6 +237,8 @@ class BudgetProbe(FakeScorer):
         served_temperatures: Sequence[float],
         served: ServedRows,
         max_rows: int = 0,
+        *,
+        kl_curve: bool = True,
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))

@@ -60,6 +60,8 @@ class HungScorer(FakeScorer):
         served_temperatures: Sequence[float],
         served: ServedRows,
         max_rows: int = 0,
+        *,
+        kl_curve: bool = True,
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)

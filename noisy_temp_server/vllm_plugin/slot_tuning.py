@@ -346,12 +346,12 @@ class SlotTuning:
         latest = {slot: (resolved, temperature) for slot, resolved, temperature in self._staged}
         self._staged.clear()
         slots = list(latest)
-        params, tables = [], {}
+        request_temperatures, tables = [], {}
         for slot in slots:
             resolved, temperature = latest[slot]
             tables[slot] = self._slot_table(slot, resolved, temperature)
             table = tables[slot][0]
-            params.append(temperature if resolved else 1.0)
+            request_temperatures.append(temperature if resolved else 1.0)
         widths = (self._edges != _PAD_EDGE).sum(axis=1)
         for slot, (table, _) in tables.items():
             widths[slot] = len(table.step_edges)
@@ -374,8 +374,8 @@ class SlotTuning:
             self._schedule[slot] = (table.beta, table.t_min, table.t_max)
         self._upload_slots(slots)
         index = self.upload(np.asarray(slots, dtype=np.int64))
-        temperatures = self.upload(np.asarray(params, dtype=np.float32))
-        self.request_temperature.index_copy_(0, index, temperatures)
+        temperatures = np.asarray(request_temperatures, dtype=np.float32)
+        self.request_temperature.index_copy_(0, index, self.upload(temperatures))
         self.policy_id.index_copy_(0, index, self.upload(self.host_policy_id[slots]))
         self.traced.index_copy_(0, index, self.upload(self._host_traced[slots]))
         tuned = np.asarray([latest[slot][0] is not None for slot in slots])

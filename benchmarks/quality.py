@@ -172,8 +172,9 @@ def bias_section(title: str, rules: QualityTable, bias: BiasQuality) -> tuple[st
     lines = [
         f"**{title}**: {rules.positions} positions in {rules.sequences} prompts "
         f"({bias.positions} with rows for the bias); same top token "
-        f"{100 * rules.same_top_rate:.1f}% at any T, {100 * bias.same_top_rate:.1f}% with the "
-        "bias",
+        f"{100 * rules.same_top_rate:.1f}% at any T; on the bias rows "
+        f"{100 * bias.same_top_rate_t_one:.1f}% at T = 1, {100 * bias.same_top_rate:.1f}% with "
+        "the bias",
         "",
         "| correction | KL (1e-3) | gain vs T=1 ± s.e. | share of KL(T=1) removed | mean T |",
         "|---|---:|---:|---:|---:|",

@@ -55,6 +55,7 @@ __all__ = [
     "ScoreboardResult",
     "TooFewPositionsError",
     "position_scores",
+    "scores_as_served",
     "scores_at_temperatures",
 ]
 
@@ -156,6 +157,30 @@ def scores_at_temperatures(
             )
         )
     return results
+
+
+def scores_as_served(
+    pair: PairTerms,
+    next_tokens: Tensor,
+    temperature: Tensor,
+    *,
+    biased: PairTerms | None,
+    sequence_id: int | Tensor,
+    step: Tensor,
+) -> tuple[PositionScores, PositionScores]:
+    """Scores at T = 1 and as served: softmax(z~ / T*) from `pair`, or, when the policy serves a
+    per-token bias b, softmax((z~ + b) / T*) from `biased` (the `PairTerms` of the clean and the
+    biased served logits); `temperature`: T* [B]. See `scores_at_temperatures`."""
+    if biased is None:
+        one, served = scores_at_temperatures(
+            pair, next_tokens, [1.0, temperature], sequence_id=sequence_id, step=step
+        )
+        return one, served
+    (one,) = scores_at_temperatures(pair, next_tokens, [1.0], sequence_id=sequence_id, step=step)
+    (served,) = scores_at_temperatures(
+        biased, next_tokens, [temperature], sequence_id=sequence_id, step=step
+    )
+    return one, served
 
 
 def position_scores(
@@ -383,20 +408,15 @@ class PairScoreboard:
         """Score one chunk of `[B, V]` logits (served: z~, before the bias and the temperature;
         ValueError when the policy's bias does not fit their vocabulary)."""
         terms = PairTerms.from_logits(clean, served)
+        biased = None
         if self.bias is not None:
             check_bias_vocabulary(self.bias, served.shape[-1], "the served model")
             served = served + self.bias.to(served)
+            biased = PairTerms.from_logits(clean, served)
         t_star = policy_temperature(self.policy, step.to(served.device), served)
-
-        def scores(pair: PairTerms, temperatures: list[float | Tensor]) -> list[PositionScores]:
-            return scores_at_temperatures(
-                pair, next_tokens, temperatures, sequence_id=sequence_id, step=step
-            )
-
-        if self.bias is None:
-            both = scores(terms, [1.0, t_star])
-        else:
-            both = scores(terms, [1.0]) + scores(PairTerms.from_logits(clean, served), [t_star])
+        both = scores_as_served(
+            terms, next_tokens, t_star, biased=biased, sequence_id=sequence_id, step=step
+        )
         for label, chunk in zip(self.LABELS, both, strict=True):
             self.accumulators[label].update(chunk)
         self.temperature_sum += float(t_star.double().sum())

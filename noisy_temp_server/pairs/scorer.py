@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from noisy_temp_server.estimation.scoreboard import PositionScores, scores_at_temperatures
+from noisy_temp_server.estimation.scoreboard import PositionScores, scores_as_served
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
 from noisy_temp_server.temperature.bias import PairedRows
@@ -423,6 +423,7 @@ class PairScorer:
         max_rows: int = 0,
         *,
         kl_curve: bool = True,
+        bias: Tensor | None = None,
     ) -> LiveScores:
         """`LiveScores` of the positions of one finished request that have a captured served
         row (`served`; the clean side runs teacher-forced over the completion up to the last
@@ -430,7 +431,9 @@ class PairScorer:
         `served_temperatures` (the T* of generated step s at index s; positions past its end
         are scored at T = 1 only), and the paired rows of at most `max_rows` evenly spaced of
         them, for the online bias (0: none). `kl_curve` False leaves the records' KL curves
-        out (an empty grid), for an estimator that refits no rule that reads them."""
+        out (an empty grid), for an estimator that refits no rule that reads them. `bias`: the
+        per-token bias b the request was served with (float [V]; None: none): its scores at T*
+        are then those of softmax((z~ + b) / T*); the records and rows stay those of z~."""
         ids = list(sequence.token_ids)
         steps_wanted = served.steps.to(torch.int64)
         if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:
@@ -449,7 +452,7 @@ class PairScorer:
                 clean = clean_rows[steps - first].to(self.device)
                 rows = served.rows[inside].to(self.device, torch.float32)
                 one, starred, record = self._live_chunk(
-                    sequence, steps, clean, rows, served_temperatures, grid=grid
+                    sequence, steps, clean, rows, served_temperatures, grid=grid, bias=bias
                 )
                 records.append(record)
                 if max_rows:
@@ -476,9 +479,11 @@ class PairScorer:
         served_temperatures: Sequence[float],
         *,
         grid: Tensor,
+        bias: Tensor | None,
     ) -> tuple[PositionScores, PositionScores, PositionRecords]:
-        """One chunk of `score_live`: scores at T = 1, at the known T* (the rows whose step has
-        one), and the lean records with KL curves on `grid` (empty: none)."""
+        """One chunk of `score_live`: scores at T = 1, as served at the known T* (the rows whose
+        step has one; with `bias` added first), and the lean records with KL curves on `grid`
+        (empty: none)."""
         pair = PairTerms.from_logits(clean, served)  # shared by the records and the scores
         record = PositionRecords.from_terms(
             pair,
@@ -494,12 +499,9 @@ class PairScorer:
         if known.any():
             values = torch.tensor([served_temperatures[s] for s in steps[known].tolist()])
             t_star[known.to(self.device)] = values.to(self.device)
-        one, starred = scores_at_temperatures(
-            pair,
-            next_tokens,
-            [1.0, t_star],
-            sequence_id=sequence.sequence_id,
-            step=steps,
+        biased = None if bias is None else PairTerms.from_logits(clean, served + bias.to(served))
+        one, starred = scores_as_served(
+            pair, next_tokens, t_star, biased=biased, sequence_id=sequence.sequence_id, step=steps
         )
         return one, starred.select(known), record
 

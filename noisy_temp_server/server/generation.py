@@ -315,7 +315,9 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
     if state.shadow is not None and choice.shadow_sampled:
-        state.shadow.submit(prepared.prompt_ids, choice.token_ids, trace, choice.trace_id)
+        state.shadow.submit(
+            prepared.prompt_ids, choice.token_ids, trace, choice.trace_id, prepared.bias
+        )
     return summary
 
 

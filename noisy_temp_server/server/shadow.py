@@ -63,6 +63,7 @@ from noisy_temp_server.pairs.scorer import (
 )
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.temperature.bias import PairedRows
+from noisy_temp_server.vllm_plugin.logit_bias import load_bias
 
 __all__ = ["CapturedRowsSource", "CpuBudget", "PolicyEstimator", "SequenceScorer", "ShadowScorer"]
 
@@ -80,6 +81,7 @@ class SequenceScorer(Protocol):
         max_rows: int = 0,
         *,
         kl_curve: bool = True,
+        bias: torch.Tensor | None = None,
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
@@ -175,6 +177,7 @@ class _Item:
     sequence_id: int
     trace_id: str
     reserved_s: float
+    bias: str | None  # the sha256 of the per-token bias the request was served with
 
 
 class ShadowScorer:
@@ -287,6 +290,7 @@ class ShadowScorer:
         completion_ids: Sequence[int],
         served_temperatures: Sequence[float],
         trace_id: str,
+        bias: str | None = None,
     ) -> bool:
         """Queue a finished choice that `admit` sampled; never blocks. Returns whether it was
         queued (False for an empty completion, or when the queue is full: dropped, counted;
@@ -294,7 +298,9 @@ class ShadowScorer:
 
         `served_temperatures`: the T* of each generated step (may be shorter than the
         completion, or empty, when the trace is incomplete); `trace_id`: the choice's key on
-        the trace channel, under which the engine captured its served rows.
+        the trace channel, under which the engine captured its served rows; `bias`: the sha256
+        of the per-token bias it was served with (None: none), added before T* in its scores
+        as served (loaded from the bias directory, `vllm_plugin.logit_bias.load_bias`).
         """
         if not completion_ids:
             self.cancel(trace_id)
@@ -310,6 +316,7 @@ class ShadowScorer:
             sequence_id,
             trace_id,
             reserved,
+            bias,
         )
         try:
             self._queue.put_nowait(item)
@@ -476,6 +483,7 @@ class ShadowScorer:
             served,
             self._bias_rows,
             kl_curve=self._estimator.reads_kl_curves,
+            bias=None if item.bias is None else load_bias(item.bias),
         )
         scored = time.perf_counter()
         elapsed = scored - started

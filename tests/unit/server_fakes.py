@@ -243,6 +243,7 @@ class FakeScorer:
         self.fail = fail
         self.sequences: list[ScoringSequence] = []
         self.kl_curves: list[bool] = []
+        self.biases: list[torch.Tensor | None] = []
 
     def score_live(
         self,
@@ -252,8 +253,10 @@ class FakeScorer:
         max_rows: int = 0,
         *,
         kl_curve: bool = True,
+        bias: torch.Tensor | None = None,
     ) -> LiveScores:
         self.kl_curves.append(kl_curve)
+        self.biases.append(bias)
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:

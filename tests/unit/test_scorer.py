@@ -252,3 +252,24 @@ def test_live_scores_match_the_reference_without_the_oracle(
         - (zs / t[:, None]).log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     )
     torch.testing.assert_close(live.at_served.log_ratio, log_ratio, rtol=1e-4, atol=1e-5)
+
+
+def test_live_scores_with_a_bias_are_those_of_the_biased_served_logits(
+    pair: tuple[PreTrainedModel, PreTrainedModel],
+) -> None:
+    clean, served = pair
+    sequence = _sequences()[0]
+    captured = _captured(served, sequence)
+    bias = torch.randn(captured.rows.shape[1], generator=torch.Generator().manual_seed(4))
+    trace = [1.3] * 21
+    scorer = PairScorer(clean, chunk_positions=4)
+    plain = scorer.score_live(sequence, trace, captured)
+    biased = scorer.score_live(sequence, trace, captured, bias=bias)
+    reference = scorer.score_live(sequence, trace, ServedRows(captured.steps, captured.rows + bias))
+    for name in ("kld", "delta_p", "log_ratio", "same_top"):
+        torch.testing.assert_close(
+            getattr(biased.at_served, name), getattr(reference.at_served, name)
+        )
+        torch.testing.assert_close(getattr(biased.at_one, name), getattr(plain.at_one, name))
+    assert not torch.allclose(biased.at_served.kld, plain.at_served.kld)
+    torch.testing.assert_close(biased.records.kl_at_one, plain.records.kl_at_one)

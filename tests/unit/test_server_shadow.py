@@ -8,6 +8,7 @@ import os
 import random
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from server_fakes import (
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer
+from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 
 class Setup:
@@ -239,6 +242,7 @@ class BudgetProbe(FakeScorer):
         max_rows: int = 0,
         *,
         kl_curve: bool = True,
+        bias: torch.Tensor | None = None,
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))
@@ -357,3 +361,24 @@ def test_the_warm_up_budget_ends_with_the_first_policy() -> None:
     steady = setup.shadow.status()["budget"]
     assert (steady["cpu_share"], steady["warm_up"]) == (0.02, False)
     assert setup.published == [1]
+
+
+def test_a_request_served_with_a_bias_is_scored_with_its_vector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
+    vector = torch.randn(16)
+    save_bias_file(tmp_path, vector)
+    setup = Setup(FakeScorer(), every=100)
+    setup.shadow.start()
+    try:
+        assert setup.shadow.admit("trace", 3)
+        assert setup.shadow.submit([1, 2], [3, 4, 5], [1.0] * 3, "trace", bias_sha256(vector))
+        assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    with_bias, without = setup.scorer.biases
+    assert with_bias is not None
+    assert torch.equal(with_bias, vector)
+    assert without is None

@@ -62,6 +62,7 @@ class HungScorer(FakeScorer):
         max_rows: int = 0,
         *,
         kl_curve: bool = True,
+        bias: object = None,
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)

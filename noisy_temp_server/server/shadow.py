@@ -110,6 +110,13 @@ class PolicyEstimator(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+WARMUP_HORIZON_S = 10.0
+"""The warm-up budget holds 10 s worth of credit: a wave of concurrent admissions may take
+several requests at once, so the first policy is not held back by the bucket's burst."""
+STEADY_HORIZON_S = 1.0
+"""Then 1 s worth: after a quiet spell the scorer spends at most that in a burst."""
+
+
 class CpuBudget:
     """A token bucket of CPU seconds: credit grows at ``share`` x ``cores`` CPU-seconds per
     wall-second, up to ``horizon_s`` seconds' worth; `take` spends (it may leave the credit
@@ -125,22 +132,23 @@ class CpuBudget:
         horizon_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if cores < 1 or horizon_s <= 0:
-            raise ValueError(f"need cores >= 1 and horizon_s > 0, got {cores}, {horizon_s}")
+        if cores < 1:
+            raise ValueError(f"need cores >= 1, got {cores}")
         self.cores = cores
-        self.horizon_s = horizon_s
         self._clock = clock
         self._last = clock()
         self.share = 1.0
+        self.horizon_s = 1.0
         self.credit = 0.0
-        self.set_share(share)
+        self.set_share(share, horizon_s)
 
-    def set_share(self, share: float) -> None:
-        """A new share of the machine, from now on (the credit starts full)."""
-        if not share > 0.0:
-            raise ValueError(f"CPU share must be > 0, got {share}")
+    def set_share(self, share: float, horizon_s: float) -> None:
+        """A new share of the machine and horizon, from now on (the credit starts full)."""
+        if not share > 0.0 or not horizon_s > 0.0:
+            raise ValueError(f"need a CPU share and horizon > 0, got {share}, {horizon_s}")
         self._refill()
         self.share = share
+        self.horizon_s = horizon_s
         self.credit = self._capacity
 
     @property
@@ -251,7 +259,7 @@ class ShadowScorer:
         self._cpu_share = cpu_share
         self._warmed_up = False
         machine = len(os.sched_getaffinity(0)) if cores is None else cores
-        self._budget = CpuBudget(warmup_cpu_share, machine, clock=clock)
+        self._budget = CpuBudget(warmup_cpu_share, machine, horizon_s=WARMUP_HORIZON_S, clock=clock)
         self._cost_per_position_s = cost_per_position_s
         self._reserved: dict[str, float] = {}
         self._seconds = {"rows_wait": 0.0, "scoring": 0.0, "estimation": 0.0, "cpu": 0.0}
@@ -377,6 +385,7 @@ class ShadowScorer:
             scoreboard = self._scoreboard_result
             budget = {
                 "cpu_share": self._budget.share,
+                "horizon_s": self._budget.horizon_s,
                 "warm_up": not self._warmed_up,
                 "cores": self._budget.cores,
                 "credit_s": self._budget.credit,
@@ -450,7 +459,7 @@ class ShadowScorer:
         engine's priority (see the class docstring)."""
         with self._lock:
             self._warmed_up = True
-            self._budget.set_share(self._cpu_share)
+            self._budget.set_share(self._cpu_share, STEADY_HORIZON_S)
         if self._nice:
             thread = threading.get_native_id()
             try:

@@ -318,7 +318,7 @@ def test_sampling_keeps_to_the_cpu_budget_and_settles_what_scoring_cost() -> Non
         FakeScorer(),
         every=1000,
         cpu_share=0.5,
-        warmup_cpu_share=0.05,
+        warmup_cpu_share=0.005,  # 10 s worth (the warm-up's horizon): 0.05
         cores=1,
         cost_per_position_s=0.01,
         clock=clock,
@@ -326,14 +326,14 @@ def test_sampling_keeps_to_the_cpu_budget_and_settles_what_scoring_cost() -> Non
     shadow = setup.shadow
     assert shadow.admit("a", 10)  # 0.05 of credit: 0.1 reserved, into debt
     assert not shadow.admit("b", 10)
-    clock.now = 1.0  # + 0.05: the debt is repaid, no credit yet
+    clock.now = 10.0  # + 0.05: the debt is repaid, no credit yet
     assert not shadow.admit("c", 10)
     shadow.cancel("a")  # its reservation comes back
     assert shadow.admit("d", 500)  # reserves 128 positions (the capture bound): 1.28
     status = shadow.status()
     assert (status["sampled"], status["skipped_budget"]) == (2, 2)
     assert status["budget"]["credit_s"] == pytest.approx(0.05 - 1.28)
-    assert status["budget"] == {**status["budget"], "cpu_share": 0.05, "warm_up": True}
+    assert status["budget"] == {**status["budget"], "cpu_share": 0.005, "warm_up": True}
     shadow.start()
     try:
         assert shadow.submit([1], list(range(2, 12)), [1.0] * 10, "d")
@@ -357,9 +357,9 @@ def test_the_warm_up_budget_ends_with_the_first_policy() -> None:
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()
-    assert (warm_up["cpu_share"], warm_up["warm_up"]) == (0.5, True)
+    assert (warm_up["cpu_share"], warm_up["horizon_s"], warm_up["warm_up"]) == (0.5, 10.0, True)
     steady = setup.shadow.status()["budget"]
-    assert (steady["cpu_share"], steady["warm_up"]) == (0.02, False)
+    assert (steady["cpu_share"], steady["horizon_s"], steady["warm_up"]) == (0.02, 1.0, False)
     assert setup.published == [1]
 
 

@@ -12,10 +12,15 @@ from pathlib import Path
 
 from server_helpers import free_port, start_server
 
-__all__ = ["API_KEY", "MODEL", "TinyServer", "start_tiny_server"]
+__all__ = ["API_KEY", "MODEL", "SCORE_EVERY_REQUEST", "TinyServer", "start_tiny_server"]
 
 API_KEY = "e2e-key"
 MODEL = "tiny-noisy"
+SCORE_EVERY_REQUEST = (
+    *("--shadow-fraction", "1"),
+    *("--shadow-cpu-share", "1", "--shadow-warmup-cpu-share", "1"),
+)
+"""`serve` flags that shadow-score every request (sampling fraction 1, no CPU budget)."""
 STARTUP_TIMEOUT_S = 420.0
 _SERVE = (
     "import argparse, sys\n"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from profile_helpers import sample_profile
 from server_helpers import stop
-from tiny_serve import MODEL, TinyServer, start_tiny_server
+from tiny_serve import MODEL, SCORE_EVERY_REQUEST, TinyServer, start_tiny_server
 
 from noisy_temp_server.estimation.profile import BiasSummary
 from noisy_temp_server.pairs.identity import ModelIdentity
@@ -71,7 +71,7 @@ def test_a_recommended_bias_is_served_to_greedy_requests(
 ) -> None:
     profile, sha = _bias_profile(tiny_model_dir, tmp_path / "profile")
     server = start_tiny_server(
-        tiny_model_dir, tmp_path, "--profile", str(profile), "--shadow-fraction", "1"
+        tiny_model_dir, tmp_path, "--profile", str(profile), *SCORE_EVERY_REQUEST
     )
     try:
         status = httpx.get(f"{server.url}/v1/nts/status", headers=server.headers).json()

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from browser_helpers import Browser, chromium_executable
 from server_helpers import free_port, running_server
+from tiny_serve import SCORE_EVERY_REQUEST
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +51,7 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         "--max-model-len", "256",
         "--max-num-seqs", "8",
         "--kv-cache-gib", "1",
-        "--shadow-fraction", "1.0",
+        *SCORE_EVERY_REQUEST,
         "--shadow-min-positions", "32",
     ]  # fmt: skip
     with running_server(

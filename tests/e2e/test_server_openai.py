@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from server_helpers import stop
-from tiny_serve import API_KEY, MODEL, start_tiny_server
+from tiny_serve import API_KEY, MODEL, SCORE_EVERY_REQUEST, start_tiny_server
 
 pytestmark = pytest.mark.vllm
 
@@ -51,7 +51,7 @@ def base_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """The tiny server, every request shadow-scored; its engine processes must not outlive it."""
     workdir = tmp_path_factory.mktemp("serve-cache")
     server = start_tiny_server(
-        tiny_model_dir, workdir, "--shadow-fraction", "1.0", "--shadow-min-positions", "32"
+        tiny_model_dir, workdir, *SCORE_EVERY_REQUEST, "--shadow-min-positions", "32"
     )
     engine_processes = _descendants(server.process.pid)
     try:

@@ -121,6 +121,8 @@ def test_a_served_replica_scores_against_the_remote_clean_server(
         "NTS_CLEAN_URL": clean_server,
         "NTS_CLEAN_REMOTE_MODEL": "clean",
         "NTS_SHADOW_FRACTION": "1.0",
+        "NTS_SHADOW_CPU_SHARE": "1",  # no CPU budget: every request is scored
+        "NTS_SHADOW_WARMUP_CPU_SHARE": "1",
         "NTS_SHADOW_MIN_POSITIONS": "32",
         "NTS_KV_CACHE_GIB": "1",
         "NTS_MAX_MODEL_LEN": "256",

@@ -434,7 +434,11 @@ async def stream_choices(
     made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
     then `[DONE]`. Errors before the first output raise (proper status code); later ones
     are reported in-band."""
-    stream = await _primed(_engine_streams(state, prepared))
+    try:
+        stream = await _primed(_engine_streams(state, prepared))
+    except Exception:  # refused before its first output: `events` below never runs
+        _forget_unsummarized(state, prepared)
+        raise
 
     def chunk(choices: list[Any], **extra: Any) -> str:
         response = chunk_type(

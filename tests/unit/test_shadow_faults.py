@@ -18,6 +18,7 @@ from server_fakes import (
     MAX_MODEL_LEN,
     MODEL,
     POLICY,
+    VOCAB,
     FakeEngine,
     FakeEstimator,
     FakeScorer,
@@ -204,6 +205,21 @@ def test_a_full_queue_drops_without_blocking_the_submit() -> None:
         assert served.status()["dropped_queue_full"] == 5
     finally:
         scorer.release.set()
+        served.shadow.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_sampled_request_the_engine_refuses_is_cancelled(stream: bool) -> None:
+    """Its reservation goes back and its rows are let go, streamed or not (a streamed request
+    refused before its first output never reaches the stream's own cleanup)."""
+    served = Served(FakeScorer(), FakeEstimator(every=4), queue_size=4)
+    try:
+        body = {"prompt": [5, VOCAB + 1], "max_tokens": 2, "stream": stream}
+        assert served.client.post("/v1/completions", json=body).status_code == 400
+        assert served.status()["sampled"] == 1
+        assert len(served.traces.dropped) == 1  # `cancel`: the reservation comes back
+        assert served.traces.forgotten == served.traces.dropped
+    finally:
         served.shadow.close()
 
 

@@ -28,7 +28,8 @@ shadow/off throughput ratios (of the medians, and pooled: all rounds' tokens ove
 time, drains included), the load average at each round, and the scorer's own cost from
 ``/v1/nts/status``
 (``seconds_per_scored_token``: the clean model's teacher-forced pass and the scoring, per
-scored completion token; the served rows come from the engine's capture), as
+scored completion token; the served rows come from the engine's capture; in the JSON also its
+time split: scoring, waiting for captured rows, estimation, thread CPU), as
 a table on stdout and as JSON + markdown under ``benchmarks/results/``. Sampling is random, so
 the number of scored requests per round varies; it is reported.
 
@@ -87,6 +88,16 @@ class Summary:
     skipped_budget: int
     scored_tokens: int
     seconds_per_scored_token: float | None
+    scorer_seconds: dict[str, float]
+
+
+SCORER_SECONDS = (
+    "score_seconds_total",
+    "rows_wait_seconds_total",
+    "estimation_seconds_total",
+    "cpu_seconds_total",
+)
+"""The scorer's time split over the whole run (warm-up included), from its status."""
 
 
 class Server(ServerProcess):
@@ -265,6 +276,7 @@ def _run(
                 skipped_budget=int(status["skipped_budget"]) if enabled else 0,
                 scored_tokens=int(status["tokens"]) - warm_tokens if enabled else 0,
                 seconds_per_scored_token=status.get("seconds_per_scored_token"),
+                scorer_seconds={key: status[key] for key in SCORER_SECONDS} if enabled else {},
             )
         )
     return first_policy, rounds, summaries

@@ -331,10 +331,7 @@ class PairTerms:
         weights, total, neg_entropy, var_p = _softmax_moments(z)
         log_normaliser = total.log() + z.amax(dim=-1)
         kl = KLTerms._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, z_served)
-        _, served_total, served_neg_entropy, var_q = _softmax_moments(z_served)
-        features = ServedRowFeatures(
-            entropy=-served_neg_entropy, var_q=var_q, top_prob=served_total.reciprocal()
-        )
+        features = served_row_features(z_served, validate=False)  # validated above
         return cls(z, z_served, kl, log_normaliser, var_p, features)
 
     def served_shifted_log_normaliser(self) -> Tensor:

@@ -225,8 +225,10 @@ class OnlineEstimator:
         """The policy fields of the online bias for the next version when it is significantly
         better on the held-out rows (its vector written to the bias directory first), else
         none."""
-        candidate = None if self._bias is None else self._bias.candidate()
-        if candidate is None or self._bias is None or self._bias_dir is None:
+        if self._bias is None or self._bias_dir is None:
+            return {}
+        candidate = self._bias.candidate()
+        if candidate is None:
             return {}
         save_bias_file(self._bias_dir, candidate.bias)
         self._bias.published = candidate

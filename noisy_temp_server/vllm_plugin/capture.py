@@ -160,11 +160,6 @@ class LogitCapture:
         self._turn = 0
 
     @property
-    def dropped_rows(self) -> int:
-        """Rows dropped in this process so far, all reasons."""
-        return sum(self.dropped.values())
-
-    @property
     def active(self) -> int:
         """How many keys capture (0: `capture` does nothing)."""
         return self._keys.n_active

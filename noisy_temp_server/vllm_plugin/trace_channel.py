@@ -381,11 +381,6 @@ class TraceCollector:
             self._held_bytes -= held.nbytes
         return held
 
-    @property
-    def evicted_rows(self) -> int:
-        """Captured rows dropped from this process's buffer (``max_row_bytes``) untaken."""
-        return self.capture_drops()["buffer_full"]
-
     def capture_drops(self) -> dict[str, int]:
         """Captured rows dropped so far, by reason (`DROP_REASONS`): the engine's
         cumulative counts as its last rows message reported them, and this buffer's evictions."""

@@ -158,7 +158,7 @@ def test_rows_per_step_bound_rotates_and_announces_drops(collector: TraceCollect
         for row in outputs:
             row.append(0)
     processor.capture.reporter.flush()  # type: ignore[union-attr]
-    assert processor.capture.dropped_rows == 3  # one row per step over the bound
+    assert sum(processor.capture.dropped.values()) == 3  # one row per step over the bound
     taken = [_take(collector, f"r{i}", 3) for i in range(3)]
     assert collector.capture_drops()["rows_per_step"] == 3  # counted where the scorer runs
     assert sum(len(rows.steps) for rows in taken) == 6
@@ -283,7 +283,7 @@ def test_v2_speculative_rows_are_not_captured(
     processor.add_request(0, _captured("s"))
     processor.apply_staged_writes()
     processor.apply(torch.randn(3, VOCAB), _ctx([0], [8], rows=3))
-    assert processor.capture.dropped_rows == 1
+    assert sum(processor.capture.dropped.values()) == 1
     processor.capture.reporter.flush()  # type: ignore[union-attr]
     deadline = time.monotonic() + 5
     while collector.capture_drops()["speculative"] == 0 and time.monotonic() < deadline:
@@ -308,7 +308,7 @@ def test_take_rows_waits_for_announced_steps_and_bounds_memory(tmp_path: Path) -
         sender.send_rows([("new", 0), ("new", 1)], rows)  # over the bound: "old" goes
         assert _take(collector, "new", 2).steps.tolist() == [0, 1]
         assert collector.take_rows("old", 2, timeout=0.1) is None
-        assert collector.evicted_rows == 2
+        assert collector.capture_drops()["buffer_full"] == 2
         assert collector.held_row_bytes() == 0
         sender.close()
 

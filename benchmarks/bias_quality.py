@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from quality import FAMILIES, bias_section
+from quality import FAMILIES, bias_section, served_pairs
 
 from noisy_temp_server.estimation.bias_fit import (
     ScoredSet,
@@ -172,11 +172,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     clean_path = ensure_default_model(Settings().cache_dir)
-    pairs: list[tuple[str, dict]] = [
-        (name, {"spec": FAMILIES[name]}) for name in args.families.split(",") if name
-    ]
-    if args.w8a8 is not None:
-        pairs.append(("w8a8", {"served_path": args.w8a8}))
+    pairs = served_pairs([name for name in args.families.split(",") if name], args.w8a8)
     header = (
         f"# Per-token bias + T beside the temperature rules on {clean_path.name}\n\n"
         f"{args.num_prompts} shipped prompts with {args.samples} completion(s) each (fit / "

@@ -83,6 +83,15 @@ FAMILIES: dict[str, PerturbationSpec] = {
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def served_pairs(families: list[str], w8a8: Path | None) -> list[tuple[str, dict[str, Any]]]:
+    """(name, `load_pair` keyword arguments) of each family, then of the real compressed-tensors
+    checkpoint ``w8a8`` (from `noisy-temp-server quantize --format w8a8`) when given."""
+    pairs: list[tuple[str, dict[str, Any]]] = [(f, {"spec": FAMILIES[f]}) for f in families]
+    if w8a8 is not None:
+        pairs.append(("w8a8", {"served_path": w8a8}))
+    return pairs
+
+
 def _at(records: PositionRecords, request_temperature: float) -> PositionRecords:
     return finite_positions(records.select(records.request_temperature == request_temperature))
 
@@ -297,11 +306,7 @@ def main() -> int:
     clean_path = ensure_default_model(Settings().cache_dir)
     prompts = load_prompts()[: args.num_prompts]
     settings = CalibrationSettings(prompts=len(prompts), max_new_tokens=args.max_new_tokens)
-    pairs: list[tuple[str, dict[str, Any]]] = [
-        (name, {"spec": FAMILIES[name]}) for name in args.families
-    ]
-    if args.w8a8 is not None:
-        pairs.append(("w8a8", {"served_path": args.w8a8}))
+    pairs = served_pairs(args.families, args.w8a8)
     sections, documents = [], []
     for name, how in pairs:
         family_started = time.monotonic()

@@ -104,11 +104,11 @@ def score_scoreboard(
 def _policy_bias(args: argparse.Namespace, policy: TemperaturePolicy) -> Tensor | None:
     """The vector of the policy's per-token bias (None without one), from beside the profile;
     ValueError when it cannot be read there."""
-    from noisy_temp_server.temperature.bias import bias_file_name, load_bias_file  # noqa: PLC0415
+    from noisy_temp_server.temperature.bias import load_bias_file  # noqa: PLC0415
 
     if policy.bias is None:
         return None
-    return load_bias_file(args.profile.parent / bias_file_name(policy.bias), policy.bias)
+    return load_bias_file(args.profile.parent, policy.bias)
 
 
 def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:

@@ -49,7 +49,6 @@ from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
-    bias_file_name,
     bias_sha256,
     load_bias_file,
     save_bias_file,
@@ -144,7 +143,7 @@ class OnlineEstimator:
         self._bias: OnlineBias | None = None
         penalty = initial.bias.penalty if isinstance(initial, Profile) and initial.bias else None
         if bias_dir is not None and policy.bias is not None and penalty is not None:
-            vector = load_bias_file(bias_dir / bias_file_name(policy.bias), policy.bias)
+            vector = load_bias_file(bias_dir, policy.bias)
             self._bias = OnlineBias(
                 LogitBias(bias=vector, temperature=policy.fixed_temperature),
                 penalty,

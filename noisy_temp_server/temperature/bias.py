@@ -440,10 +440,11 @@ def save_bias_file(folder: Path, bias: Tensor) -> Path:
     return path
 
 
-def load_bias_file(path: Path, sha256: str) -> Tensor:
-    """The bias vector of a file `save_bias_file` wrote (float32 [V], finite); ValueError
-    unless it is one whose content hash is `sha256` (a file that was changed, or belongs to
-    another profile)."""
+def load_bias_file(folder: Path, sha256: str) -> Tensor:
+    """The bias vector with content hash `sha256` that `save_bias_file` wrote to `folder`
+    (float32 [V], finite); ValueError when the file is missing or unreadable, or does not hold
+    that vector (it was changed)."""
+    path = Path(folder) / bias_file_name(sha256)
     try:
         bias = load_file(str(path))["bias"]
     except (OSError, KeyError, ValueError) as error:

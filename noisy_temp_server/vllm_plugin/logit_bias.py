@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from noisy_temp_server.temperature.bias import (
-    bias_file_name,
     check_bias_vocabulary,
     load_bias_file,
 )
@@ -67,7 +66,7 @@ def bias_directory() -> Path | None:
 
 @lru_cache(maxsize=_LOADED_SIZE)
 def _load(directory: Path, sha256: str) -> torch.Tensor:
-    return load_bias_file(directory / bias_file_name(sha256), sha256)
+    return load_bias_file(directory, sha256)
 
 
 def load_bias(sha256: str) -> torch.Tensor:

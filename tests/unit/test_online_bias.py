@@ -17,7 +17,6 @@ from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
     StreamingBias,
-    bias_file_name,
     bias_sha256,
     evaluate_bias,
     fit_bias_at_penalty,
@@ -134,7 +133,7 @@ def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) 
     assert policy.rule is Rule.FIXED
     assert policy.bias not in (None, first_sha)
     assert policy.bias is not None
-    served_bias = load_bias_file(tmp_path / bias_file_name(policy.bias), policy.bias)
+    served_bias = load_bias_file(tmp_path, policy.bias)
     held_out = PairedRows.concat([_rows(1000 + i) for i in range(4)])
     published = LogitBias(bias=served_bias, temperature=policy.fixed_temperature)
     assert _mean_kl(held_out, published) < 0.5 * _mean_kl(held_out, LogitBias.identity(VOCAB))

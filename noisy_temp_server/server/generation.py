@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import tokens_input
 from vllm.utils.async_utils import merge_async_iterators
@@ -433,7 +434,9 @@ async def stream_choices(
     """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
     made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
     then `[DONE]`. Errors before the first output raise (proper status code); later ones
-    are reported in-band."""
+    are reported in-band. The choices that end without a summary are cancelled on the shadow
+    scorer and forgotten on the trace channel when the response's ASGI call ends, whether or
+    not its body was ever iterated."""
     try:
         stream = await _primed(_engine_streams(state, prepared))
     except Exception:  # refused before its first output: `events` below never runs
@@ -463,8 +466,30 @@ async def stream_choices(
             )
         except Exception as error:  # after the 200 status line: report in-band
             yield _sse(openai_error_from_exception(error).body())
-        finally:  # also when the client goes away mid-stream
-            _forget_unsummarized(state, prepared)
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _ReleasingStreamingResponse(
+        events(),
+        release=lambda: _forget_unsummarized(state, prepared),
+        media_type="text/event-stream",
+    )
+
+
+class _ReleasingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` that calls `release` once its ASGI call ends, however it ends:
+    streamed to the end, the client gone mid-stream, the client gone before Starlette iterates
+    the body at all (the body's generator then never starts, so a `finally` in it never runs),
+    sending failed or the call cancelled (Starlette then skips its `background` task).
+    `release` must be synchronous, so that it also completes under cancellation."""
+
+    def __init__(
+        self, content: AsyncIterator[str], *, release: Callable[[], None], media_type: str
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()

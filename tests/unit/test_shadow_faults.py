@@ -4,6 +4,9 @@ full queue leave every response correct, and show on /v1/nts/status and in
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import random
 import socket
 import threading
@@ -26,6 +29,8 @@ from server_fakes import (
     FakeTraces,
 )
 from server_helpers import free_port
+from starlette.requests import ClientDisconnect
+from starlette.types import Message
 
 from noisy_temp_server.pairs.clean_backend import RemoteClean
 from noisy_temp_server.pairs.scorer import (
@@ -219,6 +224,67 @@ def test_a_sampled_request_the_engine_refuses_is_cancelled(stream: bool) -> None
         assert served.status()["sampled"] == 1
         assert len(served.traces.dropped) == 1  # `cancel`: the reservation comes back
         assert served.traces.forgotten == served.traces.dropped
+    finally:
+        served.shadow.close()
+
+
+async def _post_and_vanish(
+    served: Served, spec_version: str, body: dict[str, Any]
+) -> tuple[list[Message], list[str]]:
+    """POST `body` to /v1/completions straight through ASGI with a client that is gone as soon
+    as the request is read: it answers every later `receive` with a disconnect (ASGI spec
+    2.3, as uvicorn speaks it) or, from spec 2.4 on, fails every `send` with OSError. Returns
+    the messages sent and the trace ids whose captured rows were dropped by the time the
+    ASGI call returned (not later, when the event loop finalizes a forgotten generator)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec_version},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    request = {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+    requests: list[Message] = [request]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return requests.pop() if requests else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if spec_version >= "2.4":
+            raise OSError("the client is gone")
+        sent.append(message)
+
+    with contextlib.suppress(ClientDisconnect, OSError):
+        await served.client.app(scope, receive, send)
+    return sent, list(served.traces.dropped)
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"], ids=["disconnect", "send fails"])
+def test_a_sampled_stream_whose_client_is_gone_is_cancelled_when_its_call_ends(
+    spec_version: str,
+) -> None:
+    """The client is gone before the stream ends (before its first event when sending
+    fails): by the time the response's ASGI call returns, the sampled choice's reservation is
+    back and its rows and trace are let go, exactly once."""
+    served = Served(FakeScorer(), FakeEstimator(every=4), queue_size=4)
+    try:
+        sent, dropped = asyncio.run(
+            _post_and_vanish(served, spec_version, {**BODY, "stream": True})
+        )
+        assert b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
+        assert served.status()["sampled"] == 1
+        assert len(dropped) == 1  # `cancel`: the reservation came back
+        assert served.traces.dropped == dropped
+        assert served.traces.forgotten == dropped
+        assert served.shadow.status()["scored"] == 0
     finally:
         served.shadow.close()
 

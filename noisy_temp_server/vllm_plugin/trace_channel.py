@@ -21,11 +21,13 @@ own temperature):
 
 and one two-part kind, the served-logit rows of shadow-sampled requests (`capture`):
 
-- ``{"c": [[trace_id, step], ...], "d": [[trace_id, step], ...], "v": V, "n": {reason: count}}``
-  then the rows as raw float32 ``[len(c), V]`` (native byte order: both ends run on the same
-  host); ``d`` lists the steps whose rows the engine dropped (bounds, full queue), so nobody
-  waits for them; ``n`` is the engine's cumulative count of dropped rows by reason
-  (`DROP_REASONS`), which the collector keeps (`TraceCollector.capture_drops`).
+- ``{"c": [[trace_id, step], ...], "d": [[trace_id, step], ...], "v": V, "n": {reason: count},
+  "e": sender}`` then the rows as raw float32 ``[len(c), V]`` (native byte order: both ends run
+  on the same host); ``d`` lists the steps whose rows the engine dropped (bounds, full queue),
+  so nobody waits for them; ``n`` is the sending engine's cumulative count of dropped rows by
+  reason (`DROP_REASONS`) and ``e`` names that sender (`TraceSender.sender_id`): the collector
+  sums the counts over its senders (data-parallel engines each report their own; a restarted
+  engine is a new sender), `TraceCollector.capture_drops`.
   The collector keeps them per trace id (`TraceCollector.take_rows`), apart from the T*
   reports: their reader is the shadow scorer, which may come long after the response.
 
@@ -52,6 +54,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -95,6 +98,7 @@ class TraceSender:
         the high-water mark, then dropped.
         """
         self.endpoint = endpoint
+        self.sender_id = uuid.uuid4().hex  # keys its cumulative drop counts on the collector
         self.dropped_messages = 0
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, _SEND_HIGH_WATER_MARK)
@@ -124,11 +128,11 @@ class TraceSender:
         drop_counts: Mapping[str, int] | None = None,
     ) -> bool:
         """Send captured ``(trace_id, step)`` rows (``rows`` float32 ``[len(records), V]``), the
-        ``(trace_id, step)`` of dropped ones and the engine's cumulative drop counts by reason.
+        ``(trace_id, step)`` of dropped ones and this sender's cumulative drop counts by reason.
         Never blocks; False when dropped."""
         header: dict[str, object] = {"c": [list(r) for r in records]}
         header |= {"d": [list(d) for d in dropped], "v": int(rows.shape[-1])}
-        header["n"] = dict(drop_counts or {})
+        header |= {"n": dict(drop_counts or {}), "e": self.sender_id}
         body = np.ascontiguousarray(rows, dtype=np.float32)
         return self._send(header, body)
 
@@ -282,6 +286,7 @@ class TraceCollector:
         self._max_row_bytes = max_row_bytes
         self._rows_arrived = threading.Condition(self._lock)
         self._drops = dict.fromkeys(DROP_REASONS, 0)
+        self._drops_by_sender: dict[str, dict[str, int]] = {}
         self._on_rows_dropped = on_rows_dropped
 
     def start(self) -> TraceCollector:
@@ -382,20 +387,26 @@ class TraceCollector:
         return held
 
     def capture_drops(self) -> dict[str, int]:
-        """Captured rows dropped so far, by reason (`DROP_REASONS`): the engine's
-        cumulative counts as its last rows message reported them, and this buffer's evictions."""
+        """Captured rows dropped so far, by reason (`DROP_REASONS`): the sum over the engines
+        of each one's cumulative counts as its last rows message reported them, and this
+        buffer's evictions."""
         with self._lock:
             return dict(self._drops)
 
-    def _count_drops(self, counts: Mapping[str, int]) -> list[tuple[str, int]]:
-        """Raise the held counts to ``counts`` (cumulative; unknown reasons ignored, so labels
-        stay bounded); the increases. Under the lock."""
+    def _count_drops(self, sender: str, counts: Mapping[str, int]) -> list[tuple[str, int]]:
+        """Add to the totals what ``sender``'s cumulative ``counts`` grew by since its last
+        report (unknown reasons ignored, so labels stay bounded; ``buffer_full`` is counted
+        here, not by engines); the increases. Under the lock."""
+        previous = self._drops_by_sender.setdefault(sender, {})
         grown = []
         for reason, count in counts.items():
-            previous = self._drops.get(reason)
-            if previous is not None and count > previous:
-                self._drops[reason] = count
-                grown.append((reason, count - previous))
+            if reason not in self._drops or reason == "buffer_full":
+                continue
+            increase = count - previous.get(reason, 0)
+            if increase > 0:
+                previous[reason] = count
+                self._drops[reason] += increase
+                grown.append((reason, increase))
         return grown
 
     def pending_ids(self) -> int:
@@ -475,6 +486,7 @@ class TraceCollector:
             captured = [(str(tid), int(step)) for tid, step in header["c"]]
             dropped = [(str(tid), int(step)) for tid, step in header["d"]]
             counts = {str(reason): int(n) for reason, n in header.get("n", {}).items()}
+            sender = str(header.get("e", ""))
             width = int(header["v"]) if captured else 0
             rows = np.frombuffer(parts[1], dtype=np.float32).reshape(len(captured), width)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError):
@@ -486,7 +498,7 @@ class TraceCollector:
         ]
         now = time.monotonic()
         with self._rows_arrived:
-            grown = self._count_drops({r: n for r, n in counts.items() if r != "buffer_full"})
+            grown = self._count_drops(sender, counts)
             for (trace_id, step), row in arrived:
                 held = self._held.get(trace_id)
                 if held is None:
@@ -506,8 +518,8 @@ class TraceCollector:
                 oldest = self._pop_rows(next(iter(self._held)))
                 evicted += 0 if oldest is None else len(oldest.rows)
             if evicted:
-                buffered = self._drops["buffer_full"] + evicted
-                grown += self._count_drops({"buffer_full": buffered})
+                self._drops["buffer_full"] += evicted
+                grown.append(("buffer_full", evicted))
             self._rows_arrived.notify_all()
         if self._on_rows_dropped is not None:
             for reason, count in grown:

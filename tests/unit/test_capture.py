@@ -313,6 +313,36 @@ def test_take_rows_waits_for_announced_steps_and_bounds_memory(tmp_path: Path) -
         sender.close()
 
 
+def test_drop_counts_of_several_engines_add_up(tmp_path: Path) -> None:
+    """Data-parallel engines each report their own cumulative drop counts: the collector's
+    totals (and what it reports growing) are the sum over engines, not the last report."""
+    endpoint = f"ipc://{tmp_path}/drops.sock"
+    grown: list[tuple[str, int]] = []
+    no_rows = np.zeros((0, VOCAB), dtype=np.float32)
+    with TraceCollector(endpoint, on_rows_dropped=lambda r, n: grown.append((r, n))) as collector:
+        first, second = TraceSender(endpoint), TraceSender(endpoint)
+        first.send_rows([], no_rows, drop_counts={"queue_full": 3, "speculative": 1})
+        second.send_rows([], no_rows, drop_counts={"queue_full": 2})
+        first.send_rows([], no_rows, drop_counts={"queue_full": 5, "speculative": 1})
+        deadline = time.monotonic() + 5
+        while collector.capture_drops()["queue_full"] < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert collector.capture_drops() == {
+            "rows_per_step": 0,
+            "speculative": 1,
+            "queue_full": 7,
+            "buffer_full": 0,
+        }
+        assert sorted(grown) == [
+            ("queue_full", 2),
+            ("queue_full", 2),
+            ("queue_full", 3),
+            ("speculative", 1),
+        ]
+        first.close()
+        second.close()
+
+
 def test_v2_runs_the_runtime_noise_before_the_capture_and_t_star(
     collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
 ) -> None:

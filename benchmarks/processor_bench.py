@@ -4,7 +4,9 @@ For each (runner class, rule, batch, vocabulary): a processor is built as vLLM b
 class from ``(vllm_config, device, is_pin_memory)``, the V2 class from a real
 ``LogitsProcRequestState``), every row is a tuned request with a trace id (summaries and the
 ``nts_step_temperature`` histogram reported as our server runs them, by the reporter thread,
-to a live trace collector), then ``apply()`` is timed over ``--steps`` steps (after warm-up),
+to a live trace collector; runner ``v2-freed``: the V2 class after an untuned (greedy) request
+finished in one more slot, which vLLM frees without telling processors, as on a server after any
+greedy request), then ``apply()`` is timed over ``--steps`` steps (after warm-up),
 each on fresh logits and under ``torch.inference_mode`` (as vLLM's model runners call the
 sampler).
 
@@ -131,12 +133,20 @@ def _v1_step(
 
 
 def _v2_step(
-    policy: TemperaturePolicy, batch: int, vocab: int, device: torch.device
+    policy: TemperaturePolicy,
+    batch: int,
+    vocab: int,
+    device: torch.device,
+    *,
+    freed_untuned: bool = False,
 ) -> tuple[Any, Step]:
-    prompt = torch.full((batch,), 16, dtype=torch.int32, device=device)
+    """``freed_untuned``: slot ``batch`` held a greedy request that has finished (not in the
+    step's batch)."""
+    slots_in_all = batch + freed_untuned
+    prompt = torch.full((slots_in_all,), 16, dtype=torch.int32, device=device)
     state = LogitsProcRequestState(
         device=device,
-        max_num_reqs=batch,
+        max_num_reqs=slots_in_all,
         vocab_size=vocab,
         all_token_ids=None,  # type: ignore[arg-type]  (not read by the processor)
         prompt_len=_Counter(prompt),  # type: ignore[arg-type]
@@ -146,6 +156,8 @@ def _v2_step(
     processor = NoisyTemperatureLogitsProcessor(SimpleNamespace(), state)
     for slot in range(batch):
         processor.add_request(slot, _params(policy, slot))
+    if freed_untuned:
+        processor.add_request(batch, SamplingParams(temperature=0.0))
     processor.apply_staged_writes()
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     positions = torch.full((batch,), 16, dtype=torch.int64, device=device)
@@ -186,9 +198,12 @@ def _median_ms(
 def measure(
     runner: str, rule: str, batch: int, vocab: int, *, steps: int, device: torch.device
 ) -> dict[str, Any]:
-    build = _v1_step if runner == "v1" else _v2_step
     with _policy(rule, vocab) as policy:
-        processor, step = build(policy, batch, vocab, device)
+        if runner == "v1":
+            processor, step = _v1_step(policy, batch, vocab, device)
+        else:
+            freed = runner == "v2-freed"
+            processor, step = _v2_step(policy, batch, vocab, device, freed_untuned=freed)
     served = torch.randn(batch, vocab, device=device)
     logits = served.clone()
 
@@ -250,7 +265,7 @@ def main() -> None:
         for vocab in args.vocabs
         for batch in args.batches
         for rule in args.rules
-        for runner in ("v1", "v2")
+        for runner in ("v1", "v2", "v2-freed")
     ]
     measured: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
     with TraceCollector(f"ipc://{tempfile.mkdtemp()}/bench.sock") as collector:

@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 
 __all__ = ["NoisyTemperatureV2"]
 
+_TUNED = 1
+"""Bit of a slot whose latest occupant is tuned or biased (`apply` changes its rows)."""
+_UNTUNED = 2
+"""Bit of a slot whose latest occupant has no T* (its bad rows are not counted)."""
+
 
 class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
     """Divides each tuned row's unscaled logits by its T*.
@@ -76,24 +81,25 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             registry=registry,
             vocab_size=req_states.vocab_size,
         )
-        self._tuned = np.zeros(capacity, dtype=bool)
-        self._untuned = np.zeros(capacity, dtype=bool)  # holds a request that is not tuned
+        # `_TUNED` | `_UNTUNED` bits of each slot's latest occupant. vLLM does not say when a
+        # slot is freed, so a finished occupant's bits stay until the slot is re-admitted.
+        self._slot_kinds = np.zeros(capacity, dtype=np.uint8)
         # Per slot, from its lengths (see the module docstring): the step key of position 0,
         # ``slot * STEP_STRIDE - (prompt_len - 1)``, the key of step 0, ``slot * STEP_STRIDE``,
         # and the first counted position, ``prefill_len - 1``.
         self._positions = torch.zeros(3, capacity, dtype=torch.int64, device=self.tuning.device)
         self._admitted: list[int] = []
-        self._all_tuned = True  # every admitted slot holds a tuned request
+        self._all_tuned = True  # no slot's latest occupant is untuned: no host work per step
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """Give slot ``req_idx`` to a new request; True when it is tuned, biased or captured."""
         resolved, bias = (None, None) if self.duplicate else request_tuning(sampling_params)
         self.tuning.stage(req_idx, resolved, sampling_params.temperature, bias)
-        self._tuned[req_idx] = resolved is not None or bias is not None
-        self._untuned[req_idx] = resolved is None
+        tuned = resolved is not None or bias is not None
+        self._slot_kinds[req_idx] = (_TUNED if tuned else 0) | (_UNTUNED if resolved is None else 0)
         self._admitted.append(req_idx)
         captured = self.capture.add_request(req_idx, sampling_params)
-        return bool(self._tuned[req_idx]) or captured
+        return tuned or captured
 
     def apply_staged_writes(self) -> None:
         """Copy this step's admissions to the device (vLLM has written their lengths by now)."""
@@ -106,7 +112,7 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             prefill_end = self._req_states.prefill_len.np[slots] - 1
             positions = np.stack((step_zero - prompt_end, step_zero, prefill_end))
             self._positions.index_copy_(1, self.tuning.upload(slots), self.tuning.upload(positions))
-            self._all_tuned = not self._untuned.any()
+            self._all_tuned = not np.bitwise_or.reduce(self._slot_kinds) & _UNTUNED
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: [rows, V] float32 unscaled, biased and divided in place on tuned rows.
@@ -115,14 +121,16 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             logits = self.first(logits, ctx)
         if self.capture.active:
             self.capture.capture(logits, ctx.idx_mapping_np, self._host_steps(ctx))
-        if not (self._all_tuned or self._tuned[ctx.idx_mapping_np].any()):
-            return logits
+        all_rows_tuned = self._all_tuned
+        if not all_rows_tuned:  # some slot was untuned: read the step's own slots (one gather)
+            kinds = np.bitwise_or.reduce(self._slot_kinds.take(ctx.idx_mapping_np))
+            if not kinds & _TUNED:
+                return logits
+            all_rows_tuned = not kinds & _UNTUNED  # also once an untuned occupant is gone
         slots = ctx.expanded_idx_mapping
         position_zero, step_zero, prefill_end = self._positions.index_select(1, slots).unbind()
         keys = position_zero.add_(ctx.pos).clamp_(min=step_zero)  # a prefill chunk: step 0
-        self.tuning.tune(
-            logits, slots, keys, ctx.pos >= prefill_end, all_rows_tuned=self._all_tuned
-        )
+        self.tuning.tune(logits, slots, keys, ctx.pos >= prefill_end, all_rows_tuned=all_rows_tuned)
         return logits
 
     def _host_steps(self, ctx: LogitsContext) -> np.ndarray:

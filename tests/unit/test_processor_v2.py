@@ -181,6 +181,39 @@ def test_bad_rows_count_for_tuned_requests_only() -> None:
     assert processor.bad_rows == 3
 
 
+def test_a_step_without_untuned_rows_takes_the_all_tuned_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM frees a slot without telling processors: once an untuned request is gone from the
+    step's slots (finished, or its slot re-admitted with a tuned request), steps take the
+    all-tuned path again (no per-row tuned mask) and its bad rows still count for tuned
+    requests only while it runs."""
+    processor = _processor(_Batch([1] * SLOTS), CollectorRegistry())
+    paths: list[bool] = []
+    tune = processor.tuning.tune
+
+    def spy(*args: Any, all_rows_tuned: bool = False, **kwargs: Any) -> None:
+        paths.append(all_rows_tuned)
+        tune(*args, all_rows_tuned=all_rows_tuned, **kwargs)
+
+    monkeypatch.setattr(processor.tuning, "tune", spy)
+    processor.add_request(0, _params(nts_rule="fixed", nts_t=2.0))
+    processor.add_request(1, _params(nts_tune=False))
+    processor.apply_staged_writes()
+    bad = torch.full((2, VOCAB), float("nan"))
+    processor.apply(bad.clone(), _ctx([(0, 0), (1, 0)]))
+    processor.apply(bad[:1].clone(), _ctx([(0, 1)]))  # slot 1's request finished
+    processor.tuning.reporter.flush()
+    assert paths == [False, True]
+    assert processor.bad_rows == 2  # slot 0's two rows, never slot 1's
+    processor.add_request(1, _params(nts_rule="fixed", nts_t=3.0))
+    processor.apply_staged_writes()
+    processor.apply(bad.clone(), _ctx([(0, 2), (1, 0)]))
+    processor.tuning.reporter.flush()
+    assert paths == [False, True, True]
+    assert processor.bad_rows == 4
+
+
 def test_recycled_slot_takes_the_new_occupant_state() -> None:
     batch = _Batch([2] * SLOTS)
     registry = CollectorRegistry()

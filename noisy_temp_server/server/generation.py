@@ -26,10 +26,11 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -256,7 +257,7 @@ def _pinned_keys(
 
 def _engine_streams(
     state: ServerState, prepared: PreparedRequest
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """All choices' engine outputs, merged, each with its choice's index."""
     prompt = tokens_input(prepared.prompt_ids)
     generators = [
@@ -434,14 +435,19 @@ async def stream_choices(
     """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
     made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
     then `[DONE]`. Errors before the first output raise (proper status code); later ones
-    are reported in-band. The choices that end without a summary are cancelled on the shadow
-    scorer and forgotten on the trace channel when the response's ASGI call ends, whether or
-    not its body was ever iterated."""
+    are reported in-band. When the response's ASGI call ends, whether or not its body was ever
+    iterated, the engine requests still running are aborted and the choices that end without a
+    summary are cancelled on the shadow scorer and forgotten on the trace channel."""
+    engine = _engine_streams(state, prepared)
     try:
-        stream = await _primed(_engine_streams(state, prepared))
-    except Exception:  # refused before its first output: `events` below never runs
+        stream = await _primed(engine)
+    except Exception:  # refused before its first output: no response, no `release`
         _forget_unsummarized(state, prepared)
         raise
+
+    async def release() -> None:
+        _forget_unsummarized(state, prepared)
+        await engine.aclose()  # aborts what the body did not run to its end
 
     def chunk(choices: list[Any], **extra: Any) -> str:
         response = chunk_type(
@@ -468,22 +474,22 @@ async def stream_choices(
             yield _sse(openai_error_from_exception(error).body())
         yield _sse("[DONE]")
 
-    return _ReleasingStreamingResponse(
-        events(),
-        release=lambda: _forget_unsummarized(state, prepared),
-        media_type="text/event-stream",
-    )
+    return _ReleasingStreamingResponse(events(), release=release, media_type="text/event-stream")
 
 
 class _ReleasingStreamingResponse(StreamingResponse):
-    """A `StreamingResponse` that calls `release` once its ASGI call ends, however it ends:
+    """A `StreamingResponse` that awaits `release` once its ASGI call ends, however it ends:
     streamed to the end, the client gone mid-stream, the client gone before Starlette iterates
     the body at all (the body's generator then never starts, so a `finally` in it never runs),
     sending failed or the call cancelled (Starlette then skips its `background` task).
-    `release` must be synchronous, so that it also completes under cancellation."""
+    `release` runs shielded from that cancellation."""
 
     def __init__(
-        self, content: AsyncIterator[str], *, release: Callable[[], None], media_type: str
+        self,
+        content: AsyncIterator[str],
+        *,
+        release: Callable[[], Awaitable[None]],
+        media_type: str,
     ) -> None:
         super().__init__(content, media_type=media_type)
         self._release = release
@@ -492,4 +498,5 @@ class _ReleasingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._release()
+            with anyio.CancelScope(shield=True):
+                await self._release()

@@ -230,12 +230,13 @@ def test_a_sampled_request_the_engine_refuses_is_cancelled(stream: bool) -> None
 
 async def _post_and_vanish(
     served: Served, spec_version: str, body: dict[str, Any]
-) -> tuple[list[Message], list[str]]:
+) -> tuple[list[Message], list[str], list[str]]:
     """POST `body` to /v1/completions straight through ASGI with a client that is gone as soon
     as the request is read: it answers every later `receive` with a disconnect (ASGI spec
     2.3, as uvicorn speaks it) or, from spec 2.4 on, fails every `send` with OSError. Returns
-    the messages sent and the trace ids whose captured rows were dropped by the time the
-    ASGI call returned (not later, when the event loop finalizes a forgotten generator)."""
+    the messages sent, the trace ids whose captured rows were dropped and the engine requests
+    aborted by the time the ASGI call returned (not later, when the event loop finalizes a
+    forgotten generator)."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": spec_version},
@@ -264,7 +265,7 @@ async def _post_and_vanish(
 
     with contextlib.suppress(ClientDisconnect, OSError):
         await served.client.app(scope, receive, send)
-    return sent, list(served.traces.dropped)
+    return sent, list(served.traces.dropped), list(served.engine.aborted)
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"], ids=["disconnect", "send fails"])
@@ -272,16 +273,17 @@ def test_a_sampled_stream_whose_client_is_gone_is_cancelled_when_its_call_ends(
     spec_version: str,
 ) -> None:
     """The client is gone before the stream ends (before its first event when sending
-    fails): by the time the response's ASGI call returns, the sampled choice's reservation is
-    back and its rows and trace are let go, exactly once."""
+    fails): by the time the response's ASGI call returns, its engine request is aborted and
+    the sampled choice's reservation is back and its rows and trace are let go, exactly
+    once."""
     served = Served(FakeScorer(), FakeEstimator(every=4), queue_size=4)
     try:
-        sent, dropped = asyncio.run(
-            _post_and_vanish(served, spec_version, {**BODY, "stream": True})
-        )
+        body = {**BODY, "max_tokens": 20, "stream": True}
+        sent, dropped, aborted = asyncio.run(_post_and_vanish(served, spec_version, body))
         assert b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
         assert served.status()["sampled"] == 1
         assert len(dropped) == 1  # `cancel`: the reservation came back
+        assert aborted == dropped  # the engine request id is the choice's trace id
         assert served.traces.dropped == dropped
         assert served.traces.forgotten == dropped
         assert served.shadow.status()["scored"] == 0

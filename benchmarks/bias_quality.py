@@ -53,6 +53,7 @@ from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.bias import BiasPath
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
@@ -78,6 +79,14 @@ def _scored(
     return score_with_rows(scorer, sequences, max_rows=args.max_rows)
 
 
+def _penalties(path: BiasPath) -> str:
+    return f"head span {path.chosen.head_penalty:.0e} / per token {path.chosen.penalty:.0e}"
+
+
+def _by_penalty(scores: dict[float, float]) -> str:
+    return ", ".join(f"{p:.0e}: {1e3 * kl:.2f}" for p, kl in scores.items()) or "none"
+
+
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:
     started = time.monotonic()
     domain_a = load_prompts()[: args.num_prompts]
@@ -95,14 +104,17 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     )
     fit_started = time.monotonic()
     identity = (pair.clean, pair.served)
-    result = calibrate_records(scored_a.records, identity, None, settings, scored_a.rows)
+    basis = None if args.per_token_only else pair.head_basis(scored_a.rows.vocab_size)
+    result = calibrate_records(
+        scored_a.records, identity, None, settings, scored_a.rows, basis=basis
+    )
     calibration = result.bias
     assert calibration is not None  # rows were given
     fit, validation = split_by_sequence(
         scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
     )
     cross_path, _ = fit_bias_for_serving(
-        scored_a.rows.select(fit), scored_a.rows.select(validation), settings
+        scored_a.rows.select(fit), scored_a.rows.select(validation), settings, basis
     )
     fit_seconds = time.monotonic() - fit_started
     policies = [result.profile.parameters.to_policy(rule) for rule in FITTED_RULES]
@@ -114,20 +126,20 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         "in-domain (test prompts of the shipped set)", result.profile.test_quality, calibration.test
     )
     cross_text, cross_doc = bias_section(
-        "cross-domain (the formal prompt set; bias fitted on all shipped prompts, penalty "
-        f"{cross_path.chosen.penalty:.0e}, T {cross.temperature:.3f})",
+        "cross-domain (the formal prompt set; bias fitted on all shipped prompts, penalties "
+        f"{_penalties(cross_path)}, T {cross.temperature:.3f})",
         cross_rules,
         bias_quality(scored_b.rows, cross),
     )
     seconds = time.monotonic() - started
-    penalties = ", ".join(f"{p:.0e}: {1e3 * kl:.2f}" for p, kl in path.validation_kl.items())
     section = (
         f"## {name} ({pair.served.describe()})\n\nwall time {seconds:.0f} s (fits "
         f"{fit_seconds:.0f} s); recommended temperature rule: "
         f"{result.profile.recommended_rule.value}; bias recommended: {calibration.recommended}, "
-        f"penalty {path.chosen.penalty:.0e}, "
+        f"penalties {_penalties(path)}, "
         f"T {correction.temperature:.3f}, max |b| {float(correction.bias.abs().max()):.2f}; "
-        f"validation KL (1e-3) by penalty (inf: T only): {penalties}\n\n"
+        f"validation KL (1e-3) by head-span penalty: {_by_penalty(path.head_validation_kl)}; "
+        f"by per-token penalty (inf: T only): {_by_penalty(path.validation_kl)}\n\n"
         f"{in_text}\n\n{cross_text}\n"
     )
     document = {
@@ -137,12 +149,16 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         "bias_fit_seconds": fit_seconds,
         "recommended_rule": result.profile.recommended_rule.value,
         "bias_recommended": calibration.recommended,
+        "head_basis": basis is not None,
         "penalty": path.chosen.penalty,
+        "head_penalty": path.chosen.head_penalty,
         "bias_temperature": correction.temperature,
         "validation_kl_by_penalty": {str(p): kl for p, kl in path.validation_kl.items()},
+        "validation_kl_by_head_penalty": {str(p): kl for p, kl in path.head_validation_kl.items()},
         "bias_fit_kl": path.chosen.fit_kl,
         "bias_fit_evaluations": path.chosen.evaluations,
         "cross_penalty": cross_path.chosen.penalty,
+        "cross_head_penalty": cross_path.chosen.head_penalty,
         "cross_temperature": cross.temperature,
         "cross_validation_kl_by_penalty": {
             str(p): kl for p, kl in cross_path.validation_kl.items()
@@ -164,6 +180,11 @@ def main() -> int:
     )
     parser.add_argument("--families", default="int4", help=f"comma-separated of {list(FAMILIES)}")
     parser.add_argument("--w8a8", type=Path, default=None, help="a `quantize --format w8a8` dir")
+    parser.add_argument(
+        "--per-token-only",
+        action="store_true",
+        help="fit the bias per token only, without its part in the output head's span",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

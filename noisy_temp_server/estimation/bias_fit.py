@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from noisy_temp_server.estimation.significance import (
 )
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 from noisy_temp_server.temperature.bias import (
+    BiasFit,
     BiasPath,
     LogitBias,
     PairedRows,
@@ -186,15 +187,14 @@ class BiasCalibration:
         """Whether a bias won on validation (not the T-only fit) and its validation gain over
         T = 1 is significant (gain - 2 s.e. > 0)."""
         row = self.validation.row
-        return math.isfinite(self.path.chosen.penalty) and is_significant(row.gain, row.gain_stderr)
+        return self.path.chosen.has_bias and is_significant(row.gain, row.gain_stderr)
 
     def to_markdown(self) -> str:
         """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), and
         whether it is recommended."""
-        penalty = self.path.chosen.penalty
         lines = [
-            f"Per-token bias + T: T = {self.correction.temperature:.3f}, penalty "
-            f"{penalty:.1e}{' (T only won on validation)' if not math.isfinite(penalty) else ''}"
+            f"Per-token bias + T: T = {self.correction.temperature:.3f}, "
+            f"{_penalties_text(self.path.chosen)}"
             f"; {'recommended' if self.recommended else 'not recommended'} (validation gain "
             f"{'>' if self.recommended else '<='} 2 s.e.). It changes greedy output and logprobs.",
             "",
@@ -214,12 +214,13 @@ class BiasCalibration:
 
     def summary(self) -> BiasSummary:
         """What the profile records (the vector itself goes to `save_bias_file`)."""
-        penalty = self.path.chosen.penalty
+        head_penalty = self.path.chosen.head_penalty
         return BiasSummary(
             sha256=bias_sha256(self.correction.bias),
             vocab_size=int(self.correction.bias.numel()),
             temperature=self.correction.temperature,
-            penalty=penalty if math.isfinite(penalty) else None,
+            penalty=self.path.refine_penalty,
+            head_penalty=head_penalty if math.isfinite(head_penalty) else None,
             recommended=self.recommended,
             validation=self.validation.row,
             test=self.test.row,
@@ -228,16 +229,28 @@ class BiasCalibration:
         )
 
 
-def calibrate_bias(rows: PairedRows, settings: CalibrationSettings) -> BiasCalibration:
+def _penalties_text(fit: BiasFit) -> str:
+    if not fit.has_bias:
+        return "no bias (T only won on validation)"
+    parts = [f"head-span penalty {fit.head_penalty:.1e}"] if math.isfinite(fit.head_penalty) else []
+    if math.isfinite(fit.penalty):
+        parts.append(f"per-token penalty {fit.penalty:.1e}")
+    return ", ".join(parts)
+
+
+def calibrate_bias(
+    rows: PairedRows, settings: CalibrationSettings, basis: Tensor | None = None
+) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
     `calibrate_records` splits the records (same fractions and seed): `fit_bias_for_serving`
-    on the fit and validation prompts, measured on the test prompts. Raises
-    `InsufficientDataError` when a split is too small (see `bias_quality`)."""
+    (with the output head's `basis`, if given) on the fit and validation prompts, measured on
+    the test prompts. Raises `InsufficientDataError` when a split is too small (see
+    `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
     )
     path, validation_quality = fit_bias_for_serving(
-        rows.select(fit), rows.select(validation), settings
+        rows.select(fit), rows.select(validation), settings, basis
     )
     return BiasCalibration(
         path=path,
@@ -249,14 +262,18 @@ def calibrate_bias(rows: PairedRows, settings: CalibrationSettings) -> BiasCalib
 
 
 def fit_bias_for_serving(
-    fit: PairedRows, validation: PairedRows, settings: CalibrationSettings
+    fit: PairedRows,
+    validation: PairedRows,
+    settings: CalibrationSettings,
+    basis: Tensor | None = None,
 ) -> tuple[BiasPath, BiasQuality]:
-    """The bias to serve from fit and validation rows: the penalty is chosen on `validation`
-    with fits on `fit` (`fit_logit_bias`), and that fit's validation quality is returned (it
-    decides the recommendation); the bias served is then refitted at that penalty on both
-    together (more data, no further choice; warm start). Raises `InsufficientDataError` when
-    `validation` is too small (see `bias_quality`)."""
-    path = fit_logit_bias(fit, validation, bounds=settings.bounds)
+    """The bias to serve from fit and validation rows: the penalties are chosen on
+    `validation` with fits on `fit` (`fit_logit_bias`, with the output head's `basis` if
+    given), and that fit's validation quality is returned (it decides the recommendation); the
+    bias served is then refitted at those penalties on both together (more data, no further
+    choice; warm start). Raises `InsufficientDataError` when `validation` is too small (see
+    `bias_quality`)."""
+    path = fit_logit_bias(fit, validation, basis=basis, bounds=settings.bounds)
     validation_quality = bias_quality(
         validation, path.chosen.correction, settings.min_quality_positions
     )
@@ -264,8 +281,10 @@ def fit_bias_for_serving(
     refit = fit_bias_at_penalty(
         PairedRows.concat([fit, validation]),
         chosen.penalty,
+        basis=basis,
+        head_penalty=chosen.head_penalty,
         bounds=settings.bounds,
-        start=chosen.correction,
+        start=chosen,
         fit_bias=math.isfinite(chosen.penalty),
     )
-    return BiasPath(chosen=refit, validation_kl=path.validation_kl), validation_quality
+    return replace(path, chosen=refit), validation_quality

@@ -21,8 +21,9 @@ The pipeline (`calibrate`):
    errors > 0), else `off`: no rule is served on the strength of noise. The test table, on
    prompts that took part in neither fitting nor choosing, reports it;
 7. the per-token logit bias + T (`estimation.bias_fit.calibrate_bias`) is fitted on the full
-   rows of the fit split's positions (up to `bias_rows` positions in all), its penalty chosen
-   on the validation split, and measured on both; it is recommended only where its validation
+   rows of the fit split's positions (up to `bias_rows` positions in all), first in the span
+   of the clean model's output head, then per token on top, its penalties chosen on the
+   validation split, and measured on both; it is recommended only where its validation
    gain over T = 1 is significant, and its test row is the figure to quote.
 """
 
@@ -141,11 +142,13 @@ def calibrate_records(
     perturbation: PerturbationSpec | None,
     settings: CalibrationSettings,
     rows: PairedRows | None = None,
+    *,
+    basis: torch.Tensor | None = None,
 ) -> CalibrationResult:
     """Split `records` by prompt into fit / validation / test, fit every rule on the first,
     choose the recommended rule on the second (`recommend_rule`), report on the third. With
     `rows` (of some of the same positions) the per-token bias is fitted and measured on the
-    same splits (`calibrate_bias`).
+    same splits (`calibrate_bias`, with the clean output head's `basis` if given).
 
     Raises `InsufficientDataError` when a split is too small to fit or report on.
     """
@@ -162,7 +165,7 @@ def calibrate_records(
         quality_table(test.select(test.request_temperature == t), policies, minimum, split="test")
         for t in settings.request_temperatures
     )
-    bias = calibrate_bias(rows, settings) if rows is not None and len(rows) else None
+    bias = calibrate_bias(rows, settings, basis) if rows is not None and len(rows) else None
     profile = Profile(
         clean=pair_identity[0],
         served=pair_identity[1],
@@ -192,4 +195,7 @@ def calibrate(
     scored = score_pair(pair, prompts, settings, device=device)
     logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
     identity = (pair.clean, pair.served)
-    return calibrate_records(scored.records, identity, pair.perturbation, settings, scored.rows)
+    basis = pair.head_basis(scored.rows.vocab_size)
+    return calibrate_records(
+        scored.records, identity, pair.perturbation, settings, scored.rows, basis=basis
+    )

@@ -266,9 +266,12 @@ class BiasSummary(_Frozen):
     """The per-token logit bias + T fitted by calibration (`estimation.bias_fit`).
 
     The vector (float32, `vocab_size`) is stored next to the profile in
-    `bias_file_name(sha256)`; `sha256` is its content hash. `penalty` is the chosen L2
-    penalty (None: the T-only fit won on validation, the bias is 0). `recommended` when it is
-    a bias (a penalty) and its validation gain over T = 1 is significant; then
+    `bias_file_name(sha256)`; `sha256` is its content hash. `head_penalty` is the L2 penalty
+    of its part in the span of the clean model's output head (None: no such part);
+    `penalty` the per-token L2 penalty of its free part, or, when it has none, the one best on
+    validation, which the online refinement uses (both None: the T-only fit won on
+    validation, the bias is 0). `recommended` when it is a bias and its validation gain over
+    T = 1 is significant; then
     `Profile.to_policy()` serves it. Quality rows as in `QualityTable`, on the rows
     kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top token, so
     its same-top rates are its own.
@@ -283,6 +286,7 @@ class BiasSummary(_Frozen):
     test: QualityRow
     validation_same_top_rate: float
     test_same_top_rate: float
+    head_penalty: float | None = None
 
 
 class Profile(_Frozen):

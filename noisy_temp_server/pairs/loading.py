@@ -17,6 +17,7 @@ from noisy_temp_server.pairs.perturb import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
     apply_perturbation,
+    output_head,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +40,13 @@ class LoadedPair:
     @property
     def runtime_noise(self) -> RuntimeLogitNoiseSpec | None:
         return self.perturbation if isinstance(self.perturbation, RuntimeLogitNoiseSpec) else None
+
+    def head_basis(self, vocab_size: int) -> torch.Tensor | None:
+        """The clean model's output-head weight [V, d] (detached), the basis of the bias's
+        head-span part (`temperature.bias`), when it has one row per token of `vocab_size`;
+        else None (the bias is then fitted per token only)."""
+        weight = output_head(self.clean_model)
+        return None if weight is None or weight.shape[0] != vocab_size else weight.detach()
 
 
 def load_pair(

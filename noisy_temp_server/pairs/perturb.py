@@ -331,7 +331,9 @@ def _dequantized(weight: torch.Tensor, spec: QuantizationSpec) -> torch.Tensor:
     return dequantize_groupwise_asymmetric(weight, bits, spec.group_size)
 
 
-def _output_head(model: nn.Module) -> nn.Parameter | None:
+def output_head(model: nn.Module) -> nn.Parameter | None:
+    """The output projection's weight [V, d] (`get_output_embeddings`, else `lm_head`), or
+    None when the model has no such parameter."""
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
@@ -348,7 +350,7 @@ def select_tensors(model: nn.Module, target: TensorTarget) -> list[str]:
     Tied aliases are listed under each name that is selected. Raises `PerturbationSpecError`
     when nothing is selected.
     """
-    head = _output_head(model)
+    head = output_head(model)
     names = [
         name
         for name, param in _named_parameters(model)

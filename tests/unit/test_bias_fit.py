@@ -30,18 +30,25 @@ from noisy_temp_server.estimation.significance import (
     split_fit_validation_test,
 )
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation
+from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation, output_head
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import LogitBias, evaluate_bias, fit_logit_bias
 from noisy_temp_server.temperature.rules import Rule
 
 
 @pytest.fixture(scope="module")
-def scorer(tiny_model_dir: Path) -> PairScorer:
+def models(tiny_model_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tiny model and its int4 copy (body and head quantised alike: the default target
+    leaves the output head clean)."""
     clean, _ = load_causal_lm(tiny_model_dir)
     served = copy.deepcopy(clean)
     apply_perturbation(served, QuantizationSpec(format="int4", group_size=32))
-    return PairScorer(clean, served, chunk_positions=16)
+    return clean, served
+
+
+@pytest.fixture(scope="module")
+def scorer(models: tuple[torch.nn.Module, torch.nn.Module]) -> PairScorer:
+    return PairScorer(*models, chunk_positions=16)
 
 
 def _sequences(count: int) -> list[ScoringSequence]:
@@ -125,7 +132,7 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
         rel=1e-4,
     )  # the served bias is refitted on the fit and validation prompts
     assert summary.recommended == (
-        summary.penalty is not None
+        (summary.penalty is not None or summary.head_penalty is not None)
         and is_significant(summary.validation.gain, summary.validation.gain_stderr)
     )
     for recommended in (True, False):
@@ -160,3 +167,18 @@ def test_a_bias_file_that_does_not_match_its_hash_is_refused(tmp_path: Path) -> 
         load_bias_file(tmp_path, bias_sha256(bias))
     with pytest.raises(ValueError, match="cannot read"):
         load_bias_file(tmp_path / "missing", bias_sha256(bias))
+
+
+def test_calibration_with_the_clean_head_fits_in_its_span_first(
+    scorer: PairScorer, models: tuple[torch.nn.Module, torch.nn.Module]
+) -> None:
+    scored = score_with_rows(scorer, _sequences(12), max_rows=300)
+    basis = output_head(models[0])
+    assert basis is not None
+    settings = CalibrationSettings(prompts=12, max_new_tokens=32, min_quality_positions=40)
+    calibration = calibrate_bias(scored.rows, settings, basis.detach())
+    path, summary = calibration.path, calibration.summary()
+    assert path.head_validation_kl  # the head-span path was walked before the per-token one
+    head_penalty = path.chosen.head_penalty
+    assert summary.head_penalty == (head_penalty if math.isfinite(head_penalty) else None)
+    assert summary.penalty == path.refine_penalty

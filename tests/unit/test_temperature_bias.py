@@ -146,3 +146,53 @@ def test_bad_arguments_are_refused() -> None:
         fit_bias_at_penalty(rows.select(torch.zeros(10, dtype=torch.bool)), 1.0)
     with pytest.raises(ValueError, match="penalties"):
         fit_logit_bias(rows, rows, penalties=[])
+
+
+def _head_pair(rows: int, seed: int, head: torch.Tensor, drift: torch.Tensor) -> PairedRows:
+    """Logits of an output head [V, d]: clean = W h, served = W (h + drift + fresh noise), so
+    the served drift lies in the head's span (what a perturbed body does to a clean head)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, head.shape[1], generator=generator, dtype=torch.float64) * 2
+    noise = 0.2 * torch.randn(rows, head.shape[1], generator=generator, dtype=torch.float64)
+    return PairedRows.from_logits(
+        hidden @ head.T, (hidden + drift + noise) @ head.T, torch.arange(rows) // 8
+    )
+
+
+def test_a_drift_in_the_heads_span_is_learnt_from_few_rows() -> None:
+    generator = torch.Generator().manual_seed(11)
+    head = torch.randn(VOCAB, 6, generator=generator, dtype=torch.float64)
+    drift = 0.8 * torch.randn(6, generator=generator, dtype=torch.float64)
+    train, validation, test = (
+        _head_pair(n, s, head, drift) for n, s in ((16, 1), (16, 2), (400, 3))
+    )
+    spanned = fit_logit_bias(train, validation, basis=head)
+    per_token = fit_logit_bias(train, validation)
+    assert math.isfinite(spanned.chosen.head_penalty)
+    assert spanned.head_validation_kl  # the head-span path was walked
+    assert spanned.chosen.head is not None
+    assert spanned.chosen.head.shape == (6,)
+    kl_one = float(evaluate_bias(test, LogitBias.identity(VOCAB)).kl.mean())
+    kl_spanned = float(evaluate_bias(test, spanned.chosen.correction).kl.mean())
+    kl_per_token = float(evaluate_bias(test, per_token.chosen.correction).kl.mean())
+    assert kl_spanned < 0.7 * kl_per_token < kl_one  # 6 numbers are learnt from 16 rows; 300 not
+
+
+def test_a_head_only_fit_names_the_per_token_penalty_to_refine_with() -> None:
+    generator = torch.Generator().manual_seed(12)
+    head = torch.randn(VOCAB, 4, generator=generator, dtype=torch.float64)
+    drift = torch.randn(4, generator=generator, dtype=torch.float64)
+    train, validation = (_head_pair(n, s, head, drift) for n, s in ((40, 4), (40, 5)))
+    path = fit_logit_bias(train, validation, basis=head)
+    assert path.chosen.has_bias
+    finite = {p: kl for p, kl in path.validation_kl.items() if math.isfinite(p)}
+    if math.isfinite(path.chosen.penalty):
+        assert path.refine_penalty == path.chosen.penalty
+    else:
+        assert path.refine_penalty == min(finite, key=finite.__getitem__)
+
+
+def test_a_basis_of_another_vocabulary_is_refused() -> None:
+    rows = _rows(10, 13, None)
+    with pytest.raises(ValueError, match="basis has 299 rows"):
+        fit_bias_at_penalty(rows, 1.0, basis=torch.zeros(VOCAB - 1, 3), head_penalty=1.0)

@@ -464,6 +464,8 @@ def fit_logit_bias(
     ordered = sorted(penalties, reverse=True)
     if not ordered or ordered[-1] <= 0:
         raise ValueError(f"penalties must be a non-empty list of values > 0, got {penalties}")
+    if basis is not None:  # converted once for the whole path
+        basis = basis.to(train.served_shifted.device, torch.float64)
     best = fit_bias_at_penalty(train, math.inf, bounds=bounds, fit_bias=False)
     walk = _PathWalk(validation, best, patience)
     head_scores: dict[float, float] = {}

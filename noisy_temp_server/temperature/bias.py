@@ -273,9 +273,9 @@ def fit_bias_at_penalty(
 
     b = basis @ g + r: with a `basis` [V, d] (the output head's weights) and a finite
     `head_penalty` the head-span part g is fitted with that L2 penalty (on g / T), else it
-    stays at `start`'s (none without a basis); the free per-token part r is fitted with
-    `penalty` (on r / T) unless `fit_bias=False`, which keeps it at `start`'s. `fit_temperature=
-    False` keeps T at `start`'s. T ends in `bounds` (default `TemperatureBounds()`): if the free
+    stays at `start`'s (none without a basis or when `start` has none: `head` is then None);
+    the free per-token part r is fitted with `penalty` (on r / T) unless `fit_bias=False`,
+    which keeps it at `start`'s. `fit_temperature=False` keeps T at `start`'s. T ends in `bounds` (default `TemperatureBounds()`): if the free
     optimum lies outside, T is clamped to the nearer bound and b refitted there. Penalties of
     fitted parts must be > 0.
     """
@@ -291,7 +291,8 @@ def fit_bias_at_penalty(
         raise ValueError(f"the basis has {basis.shape[0]} rows, the rows {rows.vocab_size} tokens")
     bounds = bounds or TemperatureBounds()
     device = rows.served_shifted.device
-    basis64 = None if basis is None else basis.to(device, torch.float64)
+    keeps_head = fit_head or (start is not None and start.head is not None)
+    basis64 = None if basis is None or not keeps_head else basis.to(device, torch.float64)
     d = 0 if basis64 is None else basis64.shape[1]
     free = torch.cat(
         [

@@ -196,3 +196,17 @@ def test_a_basis_of_another_vocabulary_is_refused() -> None:
     rows = _rows(10, 13, None)
     with pytest.raises(ValueError, match="basis has 299 rows"):
         fit_bias_at_penalty(rows, 1.0, basis=torch.zeros(VOCAB - 1, 3), head_penalty=1.0)
+
+
+def test_a_fit_given_a_basis_but_no_head_part_has_no_head(shift: torch.Tensor) -> None:
+    """A basis with no head-span part to fit or keep (head_penalty inf, a start without one: as
+    the serving refit of a per-token or T-only choice) adds nothing: `head` is None."""
+    rows = _rows(40, 14, shift)
+    basis = torch.randn(VOCAB, 3, generator=torch.Generator().manual_seed(15))
+    per_token = fit_bias_at_penalty(rows, 1e-3)
+    refit = fit_bias_at_penalty(rows, 1e-3, basis=basis, start=per_token)
+    assert refit.head is None
+    assert not math.isfinite(refit.head_penalty)
+    t_only = fit_bias_at_penalty(rows, math.inf, basis=basis, fit_bias=False)
+    assert t_only.head is None
+    assert not t_only.has_bias

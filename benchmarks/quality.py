@@ -213,16 +213,18 @@ def _bias_at_one(result: CalibrationResult, settings: CalibrationSettings) -> tu
     text, document = bias_section(
         "per-token bias + T, test prompts, T_r = 1", rules, calibration.test
     )
-    penalty = calibration.path.chosen.penalty
+    penalty, head_penalty = calibration.path.chosen.penalty, calibration.path.chosen.head_penalty
     head = (
         f"bias: {'recommended' if calibration.recommended else 'not recommended'} (validation "
-        f"gain {'>' if calibration.recommended else '<='} 2 s.e.), penalty {penalty:.0e}, "
+        f"gain {'>' if calibration.recommended else '<='} 2 s.e.), penalties head span "
+        f"{head_penalty:.0e} / per token {penalty:.0e}, "
         f"T {calibration.correction.temperature:.3f}"
     )
     return f"{head}\n\n{text}\n", {
         **document,
         "recommended": calibration.recommended,
         "penalty": penalty if math.isfinite(penalty) else None,
+        "head_penalty": head_penalty if math.isfinite(head_penalty) else None,
         "temperature": calibration.correction.temperature,
     }
 

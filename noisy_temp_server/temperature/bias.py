@@ -275,9 +275,9 @@ def fit_bias_at_penalty(
     `head_penalty` the head-span part g is fitted with that L2 penalty (on g / T), else it
     stays at `start`'s (none without a basis or when `start` has none: `head` is then None);
     the free per-token part r is fitted with `penalty` (on r / T) unless `fit_bias=False`,
-    which keeps it at `start`'s. `fit_temperature=False` keeps T at `start`'s. T ends in `bounds` (default `TemperatureBounds()`): if the free
-    optimum lies outside, T is clamped to the nearer bound and b refitted there. Penalties of
-    fitted parts must be > 0.
+    which keeps it at `start`'s. `fit_temperature=False` keeps T at `start`'s. T ends in
+    `bounds` (default `TemperatureBounds()`): if the free optimum lies outside, T is clamped
+    to the nearer bound and b refitted there. Penalties of fitted parts must be > 0.
     """
     if not len(rows):
         raise ValueError("cannot fit a bias on zero rows")

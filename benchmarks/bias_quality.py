@@ -41,6 +41,7 @@ from noisy_temp_server.estimation.bias_fit import (
     ScoredSet,
     bias_quality,
     fit_bias_for_serving,
+    penalties_text,
     score_with_rows,
 )
 from noisy_temp_server.estimation.calibration import calibrate_records, sample_completions
@@ -53,7 +54,6 @@ from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import BiasPath
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
@@ -77,10 +77,6 @@ def _scored(
         for s in sample_completions(pair, prompts, max_new_tokens=args.max_new_tokens, seed=seed)
     ]
     return score_with_rows(scorer, sequences, max_rows=args.max_rows)
-
-
-def _penalties(path: BiasPath) -> str:
-    return f"head span {path.chosen.head_penalty:.0e} / per token {path.chosen.penalty:.0e}"
 
 
 def _by_penalty(scores: dict[float, float]) -> str:
@@ -126,8 +122,8 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         "in-domain (test prompts of the shipped set)", result.profile.test_quality, calibration.test
     )
     cross_text, cross_doc = bias_section(
-        "cross-domain (the formal prompt set; bias fitted on all shipped prompts, penalties "
-        f"{_penalties(cross_path)}, T {cross.temperature:.3f})",
+        "cross-domain (the formal prompt set; bias fitted on all shipped prompts; "
+        f"{penalties_text(cross_path.chosen)}, T {cross.temperature:.3f})",
         cross_rules,
         bias_quality(scored_b.rows, cross),
     )
@@ -136,7 +132,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         f"## {name} ({pair.served.describe()})\n\nwall time {seconds:.0f} s (fits "
         f"{fit_seconds:.0f} s); recommended temperature rule: "
         f"{result.profile.recommended_rule.value}; bias recommended: {calibration.recommended}, "
-        f"penalties {_penalties(path)}, "
+        f"{penalties_text(path.chosen)}, "
         f"T {correction.temperature:.3f}, max |b| {float(correction.bias.abs().max()):.2f}; "
         f"validation KL (1e-3) by head-span penalty: {_by_penalty(path.head_validation_kl)}; "
         f"by per-token penalty (inf: T only): {_by_penalty(path.validation_kl)}\n\n"

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.bias_fit import BiasQuality
+from noisy_temp_server.estimation.bias_fit import BiasQuality, penalties_text
 from noisy_temp_server.estimation.calibration import CalibrationResult, calibrate
 from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
@@ -216,8 +216,8 @@ def _bias_at_one(result: CalibrationResult, settings: CalibrationSettings) -> tu
     penalty, head_penalty = calibration.path.chosen.penalty, calibration.path.chosen.head_penalty
     head = (
         f"bias: {'recommended' if calibration.recommended else 'not recommended'} (validation "
-        f"gain {'>' if calibration.recommended else '<='} 2 s.e.), penalties head span "
-        f"{head_penalty:.0e} / per token {penalty:.0e}, "
+        f"gain {'>' if calibration.recommended else '<='} 2 s.e.), "
+        f"{penalties_text(calibration.path.chosen)}, "
         f"T {calibration.correction.temperature:.3f}"
     )
     return f"{head}\n\n{text}\n", {

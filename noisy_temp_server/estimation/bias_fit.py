@@ -52,6 +52,7 @@ __all__ = [
     "calibrate_bias",
     "fit_bias_for_serving",
     "load_bias_file",
+    "penalties_text",
     "save_bias_file",
     "score_with_rows",
 ]
@@ -194,7 +195,7 @@ class BiasCalibration:
         whether it is recommended."""
         lines = [
             f"Per-token bias + T: T = {self.correction.temperature:.3f}, "
-            f"{_penalties_text(self.path.chosen)}"
+            f"{penalties_text(self.path.chosen)}"
             f"; {'recommended' if self.recommended else 'not recommended'} (validation gain "
             f"{'>' if self.recommended else '<='} 2 s.e.). It changes greedy output and logprobs.",
             "",
@@ -229,7 +230,8 @@ class BiasCalibration:
         )
 
 
-def _penalties_text(fit: BiasFit) -> str:
+def penalties_text(fit: BiasFit) -> str:
+    """The penalties of a fit in words: its head-span and per-token parts, or T only."""
     if not fit.has_bias:
         return "no bias (T only won on validation)"
     parts = [f"head-span penalty {fit.head_penalty:.1e}"] if math.isfinite(fit.head_penalty) else []

@@ -383,13 +383,16 @@ async def run_unless_disconnected(
     body must have been read (FastAPI parsed it)."""
     work = asyncio.create_task(_run_to_end(state, prepared))
     disconnect = asyncio.create_task(listen_for_disconnect(raw_request))
-    await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
-    disconnect.cancel()
-    if work.done():
+    try:
+        await asyncio.wait((work, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: the run must not outlive it
+        disconnect.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if not work.cancelled():
         return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
     _LOGGER.info("Client disconnected: aborted %s", prepared.request_id)
     return None
 
@@ -441,7 +444,7 @@ async def stream_choices(
     engine = _engine_streams(state, prepared)
     try:
         stream = await _primed(engine)
-    except Exception:  # refused before its first output: no response, no `release`
+    except BaseException:  # refused or cancelled before its first output: no `release`
         _forget_unsummarized(state, prepared)
         raise
 

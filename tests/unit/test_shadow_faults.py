@@ -228,15 +228,8 @@ def test_a_sampled_request_the_engine_refuses_is_cancelled(stream: bool) -> None
         served.shadow.close()
 
 
-async def _post_and_vanish(
-    served: Served, spec_version: str, body: dict[str, Any]
-) -> tuple[list[Message], list[str], list[str]]:
-    """POST `body` to /v1/completions straight through ASGI with a client that is gone as soon
-    as the request is read: it answers every later `receive` with a disconnect (ASGI spec
-    2.3, as uvicorn speaks it) or, from spec 2.4 on, fails every `send` with OSError. Returns
-    the messages sent, the trace ids whose captured rows were dropped and the engine requests
-    aborted by the time the ASGI call returned (not later, when the event loop finalizes a
-    forgotten generator)."""
+def _completions_call(spec_version: str, body: dict[str, Any]) -> tuple[dict[str, Any], Message]:
+    """The ASGI scope of a POST to /v1/completions and the message carrying `body`."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": spec_version},
@@ -251,7 +244,19 @@ async def _post_and_vanish(
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }
-    request = {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+    return scope, {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+
+async def _post_and_vanish(
+    served: Served, spec_version: str, body: dict[str, Any]
+) -> tuple[list[Message], list[str], list[str]]:
+    """POST `body` to /v1/completions straight through ASGI with a client that is gone as soon
+    as the request is read: it answers every later `receive` with a disconnect (ASGI spec
+    2.3, as uvicorn speaks it) or, from spec 2.4 on, fails every `send` with OSError. Returns
+    the messages sent, the trace ids whose captured rows were dropped and the engine requests
+    aborted by the time the ASGI call returned (not later, when the event loop finalizes a
+    forgotten generator)."""
+    scope, request = _completions_call(spec_version, body)
     requests: list[Message] = [request]
     sent: list[Message] = []
 
@@ -286,6 +291,54 @@ def test_a_sampled_stream_whose_client_is_gone_is_cancelled_when_its_call_ends(
         assert aborted == dropped  # the engine request id is the choice's trace id
         assert served.traces.dropped == dropped
         assert served.traces.forgotten == dropped
+        assert served.shadow.status()["scored"] == 0
+    finally:
+        served.shadow.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_sampled_request_cancelled_before_its_first_output_lets_everything_go(
+    stream: bool,
+) -> None:
+    """The handler is cancelled (the server shutting down, a timeout) while the engine has not
+    yet produced a token and the client still waits: by the time the cancelled call returns,
+    the engine request is aborted and the sampled choice's reservation, rows and trace are let
+    go."""
+    served = Served(FakeScorer(), FakeEstimator(every=4), queue_size=4)
+    served.engine.step_seconds = 60.0
+
+    async def cancel_while_waiting() -> tuple[list[str], list[str], list[str]]:
+        scope, request = _completions_call("2.3", {**BODY, "stream": stream})
+        requests: list[Message] = [request]
+
+        async def receive() -> Message:
+            if requests:
+                return requests.pop()
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError("unreachable")
+
+        async def send(message: Message) -> None:
+            raise AssertionError(f"nothing is sent before the first output: {message}")
+
+        async def post() -> None:
+            await served.client.app(scope, receive, send)
+
+        call = asyncio.create_task(post())
+        while not served.engine.calls:
+            await asyncio.sleep(0.01)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        traces = served.traces
+        return list(served.engine.aborted), list(traces.dropped), list(traces.forgotten)
+
+    try:
+        aborted, dropped, forgotten = asyncio.run(cancel_while_waiting())
+        trace_id = served.engine.calls[0][2]
+        assert aborted == [trace_id]
+        assert dropped == [trace_id]  # `cancel`: the reservation came back
+        assert forgotten == [trace_id]
+        assert served.status()["sampled"] == 1
         assert served.shadow.status()["scored"] == 0
     finally:
         served.shadow.close()

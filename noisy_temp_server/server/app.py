@@ -28,7 +28,7 @@ from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.body_limit import BodyLimitMiddleware
 from noisy_temp_server.server.dashboard import dashboard_router
 from noisy_temp_server.server.errors import install_error_handlers
-from noisy_temp_server.server.metrics import ApiMetrics, http_metrics_middleware
+from noisy_temp_server.server.metrics import ApiMetrics, HttpMetricsMiddleware
 from noisy_temp_server.server.openapi import install_openapi
 from noisy_temp_server.server.state import ChatTokenizer, ServerState, TraceSource, attach_state
 from noisy_temp_server.settings import Settings
@@ -94,7 +94,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     install_openapi(app)
-    app.middleware("http")(http_metrics_middleware(metrics))
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     for module in (health, models, status, completions, chat):
         app.include_router(module.router)
     app.include_router(dashboard_router(metrics_registry, require_api_key))

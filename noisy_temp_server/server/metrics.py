@@ -17,19 +17,19 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from noisy_temp_server.vllm_plugin.trace_channel import DROP_REASONS
 
 __all__ = [
     "ApiMetrics",
-    "http_metrics_middleware",
+    "HttpMetricsMiddleware",
     "serving_registry",
 ]
 
@@ -217,49 +217,49 @@ class ApiMetrics:
                 quantiles.labels(temperature=temperature, quantile=level).set(value)
 
 
-def _route_template(request: Request) -> str:
+def _route_template(scope: Scope) -> str:
     """The matching route's path template (bounded), or `unmatched`."""
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
+    for route in scope["app"].router.routes:
+        match, _ = route.matches(scope)
         if match == Match.FULL:
             return str(getattr(route, "path", "unmatched"))
     return "unmatched"
 
 
-def http_metrics_middleware(
-    metrics: ApiMetrics,
-) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
-    """An HTTP middleware counting requests and timing them by route template.
+class HttpMetricsMiddleware:
+    """Pure ASGI middleware counting HTTP requests by method, route template and the status
+    sent (500 when the app raised before sending one, 499 when sending found the client gone)
+    and timing each until its ASGI call
+    returns, so a streamed response's duration covers its whole body.
 
-    The duration of a streamed response covers the whole body (it is observed when the body
-    iterator ends).
+    Pure ASGI, not Starlette's `BaseHTTPMiddleware`: `send` reaches the response unwrapped, so
+    a client gone mid-stream surfaces as Starlette's `ClientDisconnect` (a 499, not a 500), and
+    no task group stands between the handler and its cancellation.
     """
 
-    async def middleware(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
+    def __init__(self, app: ASGIApp, *, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         start = time.perf_counter()
-        route = _route_template(request)
+        route = _route_template(scope)
+        status = "500"
+
+        async def send_recording_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
         try:
-            response = await call_next(request)
-        except Exception:
-            metrics.http_requests.labels(request.method, route, "500").inc()
-            metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)
+            await self.app(scope, receive, send_recording_status)
+        except ClientDisconnect:
+            status = "499"
             raise
-        metrics.http_requests.labels(request.method, route, str(response.status_code)).inc()
-        body_iterator = getattr(response, "body_iterator", None)
-        if body_iterator is None:
-            metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)
-            return response
-
-        async def timed_body() -> AsyncIterator[bytes | str | memoryview]:
-            try:
-                async for chunk in body_iterator:
-                    yield chunk
-            finally:
-                metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)
-
-        response.body_iterator = timed_body()  # type: ignore[attr-defined]
-        return response
-
-    return middleware
+        finally:
+            self.metrics.http_requests.labels(scope["method"], route, status).inc()
+            self.metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)

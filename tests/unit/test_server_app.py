@@ -455,6 +455,17 @@ def test_models_health_and_status(server: Harness) -> None:
     assert server.client.get("/health").status_code == 503
 
 
+def test_a_streamed_request_is_timed_to_the_end_of_its_body(server: Harness) -> None:
+    server.engine.step_seconds = 0.05
+    body = {"prompt": "abc", "max_tokens": 4, "stream": True}
+    assert server.post("/v1/completions", body).status_code == 200
+    route = "/v1/completions"
+    assert server.metric("nts_http_request_duration_seconds_count", route=route) == 1
+    seconds = server.metric("nts_http_request_duration_seconds_sum", route=route)
+    assert seconds is not None
+    assert seconds >= 4 * 0.05  # every step, not only the first
+
+
 def test_server_defaults_apply_unless_the_request_overrides_them() -> None:
     harness = build(Settings(default_rule="fixed", default_t=1.5), POLICY, trace_t=1.5)
     body = {"prompt": "abc", "max_tokens": 1}

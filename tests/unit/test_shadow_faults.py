@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import socket
 import threading
@@ -275,12 +276,12 @@ async def _post_and_vanish(
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"], ids=["disconnect", "send fails"])
 def test_a_sampled_stream_whose_client_is_gone_is_cancelled_when_its_call_ends(
-    spec_version: str,
+    spec_version: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The client is gone before the stream ends (before its first event when sending
     fails): by the time the response's ASGI call returns, its engine request is aborted and
     the sampled choice's reservation is back and its rows and trace are let go, exactly
-    once."""
+    once; a client gone is no server fault, so nothing is logged as one."""
     served = Served(FakeScorer(), FakeEstimator(every=4), queue_size=4)
     try:
         body = {**BODY, "max_tokens": 20, "stream": True}
@@ -292,6 +293,10 @@ def test_a_sampled_stream_whose_client_is_gone_is_cancelled_when_its_call_ends(
         assert served.traces.dropped == dropped
         assert served.traces.forgotten == dropped
         assert served.shadow.status()["scored"] == 0
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        status = "499" if spec_version >= "2.4" else "200"  # 2.3: it went out, then the client
+        labels = {"method": "POST", "route": "/v1/completions", "status": status}
+        assert served.registry.get_sample_value("nts_http_requests_total", labels) == 1
     finally:
         served.shadow.close()
 

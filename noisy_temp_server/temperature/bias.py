@@ -529,16 +529,21 @@ class _PathWalk:
 
 class StreamingBias:
     """Refines a correction (T, b) from a stream of row batches with O(V) state: per batch,
-    one diagonally preconditioned gradient step on the objective of `fit_bias_at_penalty` with
-    the penalty on the change of c from the start (whatever the start's fit penalised: a
-    head-span part is kept, not shrunk),
+    one diagonally preconditioned stochastic Newton step on the objective of
+    `fit_bias_at_penalty` with the penalty on the change of c from the start (whatever the
+    start's fit penalised: a head-span part is kept, not shrunk),
 
         F(u, c) = mean_i KL_i(u, c) + (penalty / 2) * |c - c_start|^2,
-        x <- x - step * dF/dx / h,    x = (u, c) = (1/T, b/T),
+        x <- x - w * dF/dx / h,    x = (u, c) = (1/T, b/T),    w = rows / min(seen, memory_rows),
 
-    where h is a running mean of the Hessian's diagonal at p (Var_p(s) for u, mean p + penalty
-    for c; `_diagonal_curvature`), each batch weighted by its rows. Only `x`, `c_start` and `h`
-    are kept (3 (V + 1) float64), never the rows; T stays in `bounds`.
+    where h is the running mean of the Hessian's diagonal at p (Var_p(s) for u, mean p + penalty
+    for c; `_diagonal_curvature`) and `seen` counts the rows so far, this batch's included. The
+    step shrinks as 1/seen, so x tends to the optimum over all rows seen, as a batch fit would:
+    a constant step instead follows each small batch's noise, and on rows as peaked as a
+    language model's (a token carries mass in one batch and none in the next) it walks off, far
+    worse than its start. Past `memory_rows` the weights stop shrinking: the fit then follows
+    the most recent rows of that order, so a change of traffic is learnt. Only `x`, `c_start`
+    and `h` are kept (3 (V + 1) float64), never the rows; T stays in `bounds`.
     """
 
     def __init__(
@@ -547,13 +552,13 @@ class StreamingBias:
         penalty: float,
         *,
         bounds: TemperatureBounds | None = None,
-        step: float = 0.5,
+        memory_rows: int = 65536,
     ) -> None:
-        if not penalty > 0 or not 0 < step <= 1:
-            raise ValueError(f"need penalty > 0 and 0 < step <= 1, got {penalty}, {step}")
+        if not penalty > 0 or memory_rows < 1:
+            raise ValueError(f"need penalty > 0 and memory_rows >= 1, got {penalty}, {memory_rows}")
         self.penalty = penalty
         self.bounds = bounds or TemperatureBounds()
-        self.step = step
+        self.memory_rows = memory_rows
         u = 1.0 / start.temperature
         bias = start.bias.detach().to(torch.float64)
         self._x = torch.cat([torch.tensor([u], dtype=torch.float64, device=bias.device), bias * u])
@@ -567,14 +572,14 @@ class StreamingBias:
         if not len(rows):
             raise ValueError("cannot update on zero rows")
         self.rows_seen += len(rows)
-        weight = len(rows) / self.rows_seen
+        weight = len(rows) / min(self.rows_seen, self.memory_rows)
         curvature = _diagonal_curvature(rows)
         curvature[1:] += self.penalty
         self._curvature.mul_(1 - weight).add_(curvature, alpha=weight)
         _, grad_u, grad_c = _objective(rows, self._x[0], self._x[1:])
         grad_c += self.penalty * (self._x[1:] - self._anchor)
         step = torch.cat([grad_u.reshape(1), grad_c]) / self._curvature.clamp(min=1e-12)
-        self._x.sub_(step * self.step)
+        self._x.sub_(step * weight)
         self._x[0].clamp_(1.0 / self.bounds.t_max, 1.0 / self.bounds.t_min)
 
     @property

@@ -379,6 +379,7 @@ def _shadow(
         refit_every=settings.shadow_min_positions,
         window_positions=settings.shadow_window_positions,
         bias_dir=bias_directory(),
+        head_basis=scorer.clean_head(),
     )
     shadow = ShadowScorer(
         scorer,

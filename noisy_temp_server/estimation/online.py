@@ -85,6 +85,9 @@ class OnlineEstimator:
         clock: returns the wall time in seconds (injectable for tests).
         bias_dir: the bias directory; with a profile that serves a bias, the bias is refined
             online (see the module docstring). ValueError when its file is not there.
+        head_basis: the clean model's output head [V, d]; when the profile's bias has a part
+            in its span, the online refinement steps in that span too (`StreamingBias`),
+            starting from the calibration's `bias_rows` as its prior rows.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class OnlineEstimator:
         settings: CalibrationSettings | None = None,
         clock: Callable[[], float] = time.time,
         bias_dir: Path | None = None,
+        head_basis: torch.Tensor | None = None,
     ) -> None:
         if min_positions < 1 or refit_every < 1 or window_positions < min_positions:
             raise ValueError(
@@ -141,12 +145,17 @@ class OnlineEstimator:
         self._refit_lock = threading.Lock()
         self._bias_dir = bias_dir
         self._bias: OnlineBias | None = None
-        penalty = initial.bias.penalty if isinstance(initial, Profile) and initial.bias else None
-        if bias_dir is not None and policy.bias is not None and penalty is not None:
+        summary = initial.bias if isinstance(initial, Profile) else None
+        if bias_dir is not None and policy.bias is not None and summary and summary.penalty:
             vector = load_bias_file(bias_dir, policy.bias)
+            fits = head_basis is not None and head_basis.shape[0] == vector.numel()
+            head_penalty = summary.head_penalty if fits else None
             self._bias = OnlineBias(
                 LogitBias(bias=vector, temperature=policy.fixed_temperature),
-                penalty,
+                summary.penalty,
+                basis=head_basis if head_penalty is not None else None,
+                head_penalty=head_penalty,
+                prior_rows=self._settings.bias_rows,
                 bounds=policy.bounds,
             )
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from torch import Tensor
+
 from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
 from noisy_temp_server.temperature.bias import (
     LogitBias,
@@ -34,13 +36,19 @@ _MIN_GAIN = 1e-6  # nats per position: below, a held-out gain is numerical noise
 
 class OnlineBias:
     """See the module docstring. ``published``: the correction served now (the start of the
-    streaming fit); ``penalty``: the L2 penalty it was fitted with."""
+    streaming fit); ``penalty``: the per-token L2 penalty it was fitted with; ``basis`` and
+    ``head_penalty``: the clean output head and the penalty of the part in its span (both or
+    neither: the streaming fit then steps in that span too); ``prior_rows``: the rows the
+    published correction was fitted on (`StreamingBias`)."""
 
     def __init__(
         self,
         published: LogitBias,
         penalty: float,
         *,
+        basis: Tensor | None = None,
+        head_penalty: float | None = None,
+        prior_rows: int = 0,
         bounds: TemperatureBounds | None = None,
         holdout_every: int = 4,
         holdout_rows: int = 256,
@@ -52,7 +60,14 @@ class OnlineBias:
                 "need holdout_every >= 2, holdout_rows >= 1 and min_holdout_requests >= 2"
             )
         self.published = published
-        self.fit = StreamingBias(published, penalty, bounds=bounds)
+        self.fit = StreamingBias(
+            published,
+            penalty,
+            basis=basis,
+            head_penalty=head_penalty,
+            bounds=bounds,
+            prior_rows=prior_rows,
+        )
         self._holdout_every = holdout_every
         self._holdout_rows = holdout_rows
         self._min_requests = min_holdout_requests
@@ -94,10 +109,12 @@ class OnlineBias:
         return proposed if is_significant(mean_gain, stderr) else None
 
     def status(self) -> dict[str, int]:
-        """Requests seen, rows the fit stepped on, held-out requests and rows."""
+        """Requests seen, rows the fit stepped on, whether it steps in the output head's span
+        (1) or per token only (0), held-out requests and rows."""
         return {
             "requests": self.requests,
             "rows_fitted": self.fit.rows_seen,
+            "head_span": int(self.fit.steps_in_head_span),
             "holdout_requests": len(self._holdout),
             "holdout_rows": self._held_rows,
         }

@@ -30,7 +30,11 @@ from torch import Tensor
 
 from noisy_temp_server.estimation.scoreboard import PositionScores, scores_as_served
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
-from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
+from noisy_temp_server.pairs.perturb import (
+    RuntimeLogitNoiseSpec,
+    add_runtime_logit_noise,
+    output_head,
+)
 from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.oracle import kl_curve_of_terms, oracle_temperature
 from noisy_temp_server.temperature.stats import PairTerms
@@ -410,6 +414,14 @@ class PairScorer:
                 served = add_runtime_logit_noise(served, self.runtime_noise.sigma, generator)
             yield torch.arange(first, first + clean.shape[0]), clean, served
             first += clean.shape[0]
+
+    def clean_head(self) -> Tensor | None:
+        """The in-process clean model's output-head weight [V, d] (detached), or None (a remote
+        clean model, or one without such a head)."""
+        if not isinstance(self.clean, InProcessModel):
+            return None
+        weight = output_head(self.clean.model)
+        return None if weight is None else weight.detach()
 
     def clean_status(self) -> dict[str, Any]:
         """The clean backend's status (`CleanBackend.status`)."""

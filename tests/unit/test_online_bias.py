@@ -109,6 +109,28 @@ def _flipped_logits(request: int) -> tuple[torch.Tensor, torch.Tensor]:
     return clean, 2 * clean - served
 
 
+def test_streaming_in_the_heads_span_learns_a_drift_there_from_fewer_rows() -> None:
+    """The drift is W g for an output head W [V, 8]: the span steps learn 8 numbers from every
+    token's gradient, where the per-token steps learn each of V tokens from its own."""
+    generator = torch.Generator().manual_seed(7)
+    head = torch.randn(1000, 8, generator=generator)
+    shift = head @ torch.randn(8, generator=generator) * 0.3
+    held_out = PairedRows.concat([_peaked_rows(10_000 + i, shift) for i in range(8)])
+    identity = LogitBias.identity(1000)
+    per_token = StreamingBias(identity, 1e-3, prior_rows=64)
+    in_span = StreamingBias(identity, 1e-3, basis=head, head_penalty=1e-3, prior_rows=64)
+    for request in range(12):
+        rows = _peaked_rows(request, shift)
+        per_token.update(rows)
+        in_span.update(rows)
+    start = _mean_kl(held_out, identity)
+    exact = _mean_kl(held_out, LogitBias(bias=-(shift - shift.mean()), temperature=1.0))
+    assert in_span.steps_in_head_span
+    assert not per_token.steps_in_head_span
+    assert _mean_kl(held_out, in_span.correction) - exact < 0.1 * (start - exact)
+    assert _mean_kl(held_out, per_token.correction) - exact > 0.3 * (start - exact)
+
+
 def test_the_streaming_temperature_stays_in_its_bounds() -> None:
     start = LogitBias(bias=torch.zeros(VOCAB), temperature=3.9)
     stream = StreamingBias(start, PENALTY)
@@ -186,6 +208,21 @@ def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) 
     published = LogitBias(bias=served_bias, temperature=policy.fixed_temperature)
     assert _mean_kl(held_out, published) < 0.5 * _mean_kl(held_out, LogitBias.identity(VOCAB))
     assert estimator.status()["bias"]["requests"] == 60
+
+
+def test_the_estimator_refines_in_the_span_of_a_clean_head_that_fits(tmp_path: Path) -> None:
+    profile, _ = _biased_profile(tmp_path)
+    profile = profile.model_copy(
+        update={"bias": profile.bias.model_copy(update={"head_penalty": 1e-3})}
+    )
+
+    def head_span(head: torch.Tensor | None) -> int:
+        estimator = OnlineEstimator(profile, bias_dir=tmp_path, head_basis=head)
+        return int(estimator.status()["bias"]["head_span"])
+
+    assert head_span(torch.randn(VOCAB, 4)) == 1
+    assert head_span(torch.randn(VOCAB + 1, 4)) == 0  # another vocabulary: per token only
+    assert head_span(None) == 0
 
 
 def test_rows_of_another_vocabulary_are_refused_before_any_step() -> None:

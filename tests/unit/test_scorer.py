@@ -12,7 +12,7 @@ from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.clean_backend import InProcessModel
+from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
 from noisy_temp_server.pairs.perturb import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
@@ -273,3 +273,18 @@ def test_live_scores_with_a_bias_are_those_of_the_biased_served_logits(
         torch.testing.assert_close(getattr(biased.at_one, name), getattr(plain.at_one, name))
     assert not torch.allclose(biased.at_served.kld, plain.at_served.kld)
     torch.testing.assert_close(biased.records.kl_at_one, plain.records.kl_at_one)
+
+
+def test_the_clean_head_is_the_in_process_models_own(
+    pair: tuple[PreTrainedModel, PreTrainedModel],
+) -> None:
+    clean, served = pair
+    head = PairScorer(clean, served).clean_head()
+    assert head is not None
+    assert head.data_ptr() == clean.get_output_embeddings().weight.data_ptr()
+    assert not head.requires_grad
+
+
+def test_a_remote_clean_model_has_no_head_here() -> None:
+    remote = RemoteClean("http://127.0.0.1:9", "clean", 16, timeout_s=0.1)
+    assert PairScorer(remote).clean_head() is None

@@ -3,7 +3,7 @@ in-domain and cross-domain, on the embedded default model.
 
     .venv/bin/python benchmarks/bias_quality.py [--num-prompts 80] [--samples 1]
         [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
-        [--families int4,noise-0.02,...] [--w8a8 DIR] [--threads N]
+        [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K] [--threads N]
 
 Per perturbation family: the served model writes `--samples` completions (seeds 0, 1, ...) for
 each of the first `--num-prompts` shipped prompts (domain A; default all 80) and one for each of
@@ -21,7 +21,13 @@ splits and standard errors are by prompt. Two fits, two test sets:
   choose the penalty, then the refit on all of A), the rules are those of the in-domain fit,
   and both are measured on all of B.
 
-Each beside T = 1 and the per-position oracle T on the same positions. `--w8a8 DIR` adds a real
+Each beside T = 1 and the per-position oracle T on the same positions. With `--stream-samples
+K`, the in-domain correction is then refined online as `serve` refines it on traffic like its
+own: K more rounds of completions (later seeds) of every non-test shipped prompt, each
+completion a request of at most `Settings().shadow_bias_rows` evenly spaced rows to
+`OnlineBias` (built as the online estimator builds it: the calibrated penalties, the clean head,
+the calibration's `bias_rows` as prior rows; every 4th request held out), its streaming fit
+measured on the in-domain test prompts after every round. `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -38,6 +45,7 @@ import torch
 from quality import FAMILIES, bias_section, served_pairs
 
 from noisy_temp_server.estimation.bias_fit import (
+    BiasCalibration,
     ScoredSet,
     bias_quality,
     fit_bias_for_serving,
@@ -46,14 +54,19 @@ from noisy_temp_server.estimation.bias_fit import (
 )
 from noisy_temp_server.estimation.calibration import calibrate_records, sample_completions
 from noisy_temp_server.estimation.fitting import FITTED_RULES
+from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_table
-from noisy_temp_server.estimation.significance import split_by_sequence
+from noisy_temp_server.estimation.significance import (
+    split_by_sequence,
+    split_fit_validation_test,
+)
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.bias import PairedRows
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
@@ -81,6 +94,98 @@ def _scored(
 
 def _by_penalty(scores: dict[float, float]) -> str:
     return ", ".join(f"{p:.0e}: {1e3 * kl:.2f}" for p, kl in scores.items()) or "none"
+
+
+def _requests(rows: PairedRows, per_request: int) -> list[PairedRows]:
+    """The rows of each sequence in order, at most `per_request` evenly spaced ones each (what
+    the shadow scorer passes on for one request)."""
+    requests = []
+    for sequence in torch.unique_consecutive(rows.sequence_id).tolist():
+        where = torch.nonzero(rows.sequence_id == sequence).flatten()
+        keep = torch.linspace(0, len(where) - 1, min(per_request, len(where))).round().long()
+        requests.append(rows.select(where[torch.unique(keep)]))
+    return requests
+
+
+def _streamed(
+    scorer: PairScorer,
+    pair: LoadedPair,
+    scored_a: ScoredSet,
+    *,
+    calibration: BiasCalibration,
+    settings: CalibrationSettings,
+    basis: torch.Tensor | None,
+    args: argparse.Namespace,
+) -> tuple[str, list[dict]]:
+    """`--stream-samples` rounds of online refinement (module docstring): markdown lines and
+    one JSON object per round."""
+    fractions = (settings.validation_fraction, settings.test_fraction, settings.seed)
+    *_, test = split_fit_validation_test(scored_a.rows.sequence_id, *fractions)
+    test_rows = scored_a.rows.select(test)
+    test_ids = set(test_rows.sequence_id.unique().tolist())
+    shipped = load_prompts()[: args.num_prompts]
+    prompts = [(i, p) for i, p in enumerate(shipped) if i not in test_ids]
+    chosen, penalty = calibration.path.chosen, calibration.path.refine_penalty
+    if penalty is None:
+        return "online refinement: none (the T-only fit won on validation, no bias to refine)", []
+    in_span = basis is not None and math.isfinite(chosen.head_penalty)
+    online = OnlineBias(
+        calibration.correction,
+        penalty,
+        basis=basis if in_span else None,
+        head_penalty=chosen.head_penalty if in_span else None,
+        prior_rows=settings.bias_rows,
+        bounds=settings.bounds,
+    )
+    per_request = Settings().shadow_bias_rows
+    lines = [
+        f"**online refinement on in-domain traffic** ({len(prompts)} non-test shipped prompts "
+        f"per round, at most {per_request} rows per request, every 4th request held out; "
+        f"steps in the head's span: {in_span}), measured on the {len(test_ids)} in-domain test "
+        "prompts:",
+        "",
+        "| after round | rows fitted | bias + T: share of KL(T=1) removed ± s.e. | oracle T | "
+        "held-out gate would publish |",
+        "|---:|---:|---:|---:|---|",
+    ]
+    start = bias_quality(test_rows, calibration.correction)
+    lines.append(
+        f"| 0 (calibrated) | 0 | {100 * start.share_removed:+.1f}% ± "
+        f"{100 * start.row.gain_stderr / start.t_one.mean_kl:.1f} | "
+        f"{100 * (1 - start.oracle.mean_kl / start.t_one.mean_kl):+.1f}% | (served) |"
+    )
+    documents = []
+    for round_index in range(args.stream_samples):
+        seed = args.samples + round_index
+        completions = sample_completions(
+            pair, [p for _, p in prompts], max_new_tokens=args.max_new_tokens, seed=seed
+        )
+        sequences = [
+            ScoringSequence(s.token_ids, s.prompt_length, prompts[s.sequence_id][0])
+            for s in completions
+        ]
+        for request in _requests(score_with_rows(scorer, sequences).rows, per_request):
+            online.add(request)
+        quality = bias_quality(test_rows, online.fit.correction)
+        kl_one = quality.t_one.mean_kl
+        published = online.candidate() is not None
+        lines.append(
+            f"| {round_index + 1} | {online.fit.rows_seen} | {100 * quality.share_removed:+.1f}% "
+            f"± {100 * quality.row.gain_stderr / kl_one:.1f} | "
+            f"{100 * (1 - quality.oracle.mean_kl / kl_one):+.1f}% | {published} |"
+        )
+        print(lines[-1], flush=True)
+        documents.append(
+            {
+                "round": round_index + 1,
+                "rows_fitted": online.fit.rows_seen,
+                "share_removed": quality.share_removed,
+                "share_stderr": quality.row.gain_stderr / kl_one,
+                "oracle_share": 1 - quality.oracle.mean_kl / kl_one,
+                "would_publish": published,
+            }
+        )
+    return "\n".join(lines), documents
 
 
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:
@@ -127,6 +232,17 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         cross_rules,
         bias_quality(scored_b.rows, cross),
     )
+    stream_text, stream_doc = "", list[dict]()
+    if args.stream_samples:
+        stream_text, stream_doc = _streamed(
+            scorer,
+            pair,
+            scored_a,
+            calibration=calibration,
+            settings=settings,
+            basis=basis,
+            args=args,
+        )
     seconds = time.monotonic() - started
     section = (
         f"## {name} ({pair.served.describe()})\n\nwall time {seconds:.0f} s (fits "
@@ -136,7 +252,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         f"T {correction.temperature:.3f}, max |b| {float(correction.bias.abs().max()):.2f}; "
         f"validation KL (1e-3) by head-span penalty: {_by_penalty(path.head_validation_kl)}; "
         f"by per-token penalty (inf: T only): {_by_penalty(path.validation_kl)}\n\n"
-        f"{in_text}\n\n{cross_text}\n"
+        f"{in_text}\n\n{cross_text}\n" + (f"\n{stream_text}\n" if stream_text else "")
     )
     document = {
         "family": name,
@@ -160,6 +276,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
             str(p): kl for p, kl in cross_path.validation_kl.items()
         },
         "in_domain": in_doc,
+        "online_refinement": stream_doc,
         "cross_domain": cross_doc,
     }
     return section, document
@@ -180,6 +297,12 @@ def main() -> int:
         "--per-token-only",
         action="store_true",
         help="fit the bias per token only, without its part in the output head's span",
+    )
+    parser.add_argument(
+        "--stream-samples",
+        type=int,
+        default=0,
+        help="rounds of in-domain traffic to refine the in-domain bias online with",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)

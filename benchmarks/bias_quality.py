@@ -26,8 +26,8 @@ K`, the in-domain correction is then refined online as `serve` refines it on tra
 own: K more rounds of completions (later seeds) of every non-test shipped prompt, each
 completion a request of at most `Settings().shadow_bias_rows` evenly spaced rows to
 `OnlineBias` (built as the online estimator builds it: the calibrated penalties, the clean head,
-the calibration's `bias_rows` as prior rows; every 4th request held out), its streaming fit
-measured on the in-domain test prompts after every round. `--w8a8 DIR` adds a real
+the rows the calibrated bias was fitted on as prior rows; every 4th request held out), its
+streaming fit measured on the in-domain test prompts after every round. `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
@@ -134,7 +134,7 @@ def _streamed(
         penalty,
         basis=basis if in_span else None,
         head_penalty=chosen.head_penalty if in_span else None,
-        prior_rows=settings.bias_rows,
+        prior_rows=calibration.fitted_rows,
         bounds=settings.bounds,
     )
     per_request = Settings().shadow_bias_rows
@@ -164,7 +164,8 @@ def _streamed(
             ScoringSequence(s.token_ids, s.prompt_length, prompts[s.sequence_id][0])
             for s in completions
         ]
-        for request in _requests(score_with_rows(scorer, sequences).rows, per_request):
+        scored = score_with_rows(scorer, sequences, max_rows=per_request * len(sequences))
+        for request in _requests(scored.rows, per_request):
             online.add(request)
         quality = bias_quality(test_rows, online.fit.correction)
         kl_one = quality.t_one.mean_kl

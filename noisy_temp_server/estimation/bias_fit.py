@@ -173,11 +173,13 @@ def _oracle(rows: PairedRows) -> tuple[Tensor, Tensor]:
 class BiasCalibration:
     """The bias as calibration fits it (`calibrate_bias`): `path` holds the served fit (on the
     fit and validation prompts, at the penalty chosen on validation); `validation` measures
-    the fit-prompts-only fit that chose it (the recommendation), `test` the served one."""
+    the fit-prompts-only fit that chose it (the recommendation), `test` the served one;
+    `fitted_rows`: the rows the served fit saw."""
 
     path: BiasPath
     validation: BiasQuality
     test: BiasQuality
+    fitted_rows: int
 
     @property
     def correction(self) -> LogitBias:
@@ -222,6 +224,7 @@ class BiasCalibration:
             temperature=self.correction.temperature,
             penalty=self.path.refine_penalty,
             head_penalty=head_penalty if math.isfinite(head_penalty) else None,
+            fitted_rows=self.fitted_rows,
             recommended=self.recommended,
             validation=self.validation.row,
             test=self.test.row,
@@ -256,6 +259,7 @@ def calibrate_bias(
     )
     return BiasCalibration(
         path=path,
+        fitted_rows=int(fit.sum() + validation.sum()),
         validation=validation_quality,
         test=bias_quality(
             rows.select(test), path.chosen.correction, settings.min_quality_positions

@@ -86,8 +86,7 @@ class OnlineEstimator:
         bias_dir: the bias directory; with a profile that serves a bias, the bias is refined
             online (see the module docstring). ValueError when its file is not there.
         head_basis: the clean model's output head [V, d]; when the profile's bias has a part
-            in its span, the online refinement steps in that span too (`StreamingBias`),
-            starting from the calibration's `bias_rows` as its prior rows.
+            in its span, the online refinement steps in that span too (`StreamingBias`).
     """
 
     def __init__(
@@ -155,7 +154,7 @@ class OnlineEstimator:
                 summary.penalty,
                 basis=head_basis if head_penalty is not None else None,
                 head_penalty=head_penalty,
-                prior_rows=self._settings.bias_rows,
+                prior_rows=summary.fitted_rows or self._settings.bias_rows,
                 bounds=policy.bounds,
             )
 

@@ -274,7 +274,9 @@ class BiasSummary(_Frozen):
     T = 1 is significant; then
     `Profile.to_policy()` serves it. Quality rows as in `QualityTable`, on the rows
     kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top token, so
-    its same-top rates are its own.
+    its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted on (the
+    online refinement counts them as already seen; None in profiles written before it was
+    recorded, when the refinement counts `CalibrationSettings.bias_rows`).
     """
 
     sha256: str
@@ -287,6 +289,7 @@ class BiasSummary(_Frozen):
     validation_same_top_rate: float
     test_same_top_rate: float
     head_penalty: float | None = None
+    fitted_rows: int | None = Field(default=None, ge=0)
 
 
 class Profile(_Frozen):

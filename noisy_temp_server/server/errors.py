@@ -8,9 +8,7 @@ with OpenAI's status codes: 400 for malformed JSON and invalid arguments (FastAP
 mapped to 400, as OpenAI does), 401 for a missing or wrong API key, 404 for an unknown model or
 route, 400 with code `context_length_exceeded` for a prompt that does not fit, 413 for a body
 over the size limit, 503 (code `engine_dead`) once the engine has died, 500 for other server
-faults. A client gone before its response was sent (`ClientDisconnect`) is no server fault: it
-is logged at INFO and answered 499 (code `client_closed_request`, nginx's convention), which
-nobody receives. A handler never lets an exception escape, so one bad request cannot disturb the
+faults. A handler never lets an exception escape, so one bad request cannot disturb the
 others.
 """
 
@@ -25,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError, VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -38,7 +35,6 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-_CLIENT_CLOSED_REQUEST = 499
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -47,7 +43,6 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     429: "rate_limit_error",
-    _CLIENT_CLOSED_REQUEST: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -90,19 +85,11 @@ def openai_error_from_exception(error: BaseException) -> OpenAIError:
     """Classify any exception raised while serving a request.
 
     vLLM's client errors (validation, not found) become 4xx with vLLM's message; a dead engine
-    (`EngineDeadError`) a 503 with code `engine_dead`; a client gone (`ClientDisconnect`) a 499;
-    an `OpenAIError` passes through; anything else is a 500 whose message does not leak
-    internals (logged with its traceback).
+    (`EngineDeadError`) a 503 with code `engine_dead`; an `OpenAIError` passes through; anything
+    else is a 500 whose message does not leak internals (logged with its traceback).
     """
     if isinstance(error, OpenAIError):
         return error
-    if isinstance(error, ClientDisconnect):
-        _LOGGER.info("The client disconnected before its response was sent")
-        return OpenAIError(
-            "The client closed the request.",
-            status_code=_CLIENT_CLOSED_REQUEST,
-            code="client_closed_request",
-        )
     if isinstance(error, VLLMValidationError):
         return OpenAIError(str(error), status_code=400, param=error.parameter)
     if isinstance(error, VLLMNotFoundError):

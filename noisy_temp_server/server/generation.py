@@ -20,7 +20,6 @@ Greedy and tuning-off requests are never touched by the processor and report T* 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -389,8 +388,7 @@ async def run_unless_disconnected(
         disconnect.cancel()
         if not work.done():
             work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+            await asyncio.wait((work,))  # unlike `await work`, lets our own cancellation through
     if not work.cancelled():
         return work.result()
     _LOGGER.info("Client disconnected: aborted %s", prepared.request_id)

@@ -14,6 +14,7 @@ bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route tem
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -32,6 +33,8 @@ __all__ = [
     "HttpMetricsMiddleware",
     "serving_registry",
 ]
+
+_LOGGER = logging.getLogger(__name__)
 
 _TEMPERATURE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0)
 _KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -228,13 +231,16 @@ def _route_template(scope: Scope) -> str:
 
 class HttpMetricsMiddleware:
     """Pure ASGI middleware counting HTTP requests by method, route template and the status
-    sent (500 when the app raised before sending one, 499 when sending found the client gone)
-    and timing each until its ASGI call
+    sent (500 when the app raised before sending one) and timing each until its ASGI call
     returns, so a streamed response's duration covers its whole body.
 
-    Pure ASGI, not Starlette's `BaseHTTPMiddleware`: `send` reaches the response unwrapped, so
-    a client gone mid-stream surfaces as Starlette's `ClientDisconnect` (a 499, not a 500), and
-    no task group stands between the handler and its cancellation.
+    A client gone while its response is sent ends the call here: on servers of ASGI spec 2.4
+    and later a failed `send` surfaces as Starlette's `ClientDisconnect`, which is counted as
+    499 (nginx's "client closed request"), logged at INFO and not raised on, so no server logs
+    it as a fault. (Under spec 2.3, uvicorn's, Starlette's own disconnect listener ends the
+    stream instead and the status counted is the one sent.) Pure ASGI, not Starlette's
+    `BaseHTTPMiddleware`, so `send` reaches the response unwrapped and no task group stands
+    between the handler and its cancellation.
     """
 
     def __init__(self, app: ASGIApp, *, metrics: ApiMetrics) -> None:
@@ -257,9 +263,9 @@ class HttpMetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_recording_status)
-        except ClientDisconnect:
+        except ClientDisconnect:  # sending found the client gone: nobody to answer, no fault
             status = "499"
-            raise
+            _LOGGER.info("The client of %s %s disconnected", scope["method"], route)
         finally:
             self.metrics.http_requests.labels(scope["method"], route, status).inc()
             self.metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)

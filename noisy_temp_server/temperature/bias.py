@@ -581,7 +581,7 @@ class StreamingBias:
         self._head = None
         if basis is not None and head_penalty is not None:
             check_bias_vocabulary(start.bias, basis.shape[0], "the head basis")
-            self._head = _HeadSpanSteps(basis.to(bias.device), head_penalty)
+            self._head = _HeadSpanSteps(basis.to(bias.device), head_penalty, memory_rows)
         self.rows_seen = 0
 
     @torch.no_grad()
@@ -590,8 +590,8 @@ class StreamingBias:
         if not len(rows):
             raise ValueError("cannot update on zero rows")
         self.rows_seen += len(rows)
-        in_mean = len(rows) / min(self.rows_seen, self.memory_rows)
-        weight = len(rows) / min(self.prior_rows + self.rows_seen, self.memory_rows)
+        in_mean = min(1.0, len(rows) / min(self.rows_seen, self.memory_rows))
+        weight = min(1.0, len(rows) / min(self.prior_rows + self.rows_seen, self.memory_rows))
         residual_anchor = self._anchor
         if self._head is not None:
             _, _, grad_c = _objective(rows, self._x[0], self._x[1:])
@@ -626,13 +626,15 @@ class _HeadSpanSteps:
         H = W^T (mean diag(p) - mean p p^T) W + head_penalty * I,
 
     H being F's Hessian in g at q = p, from running means over the rows seen (mean p [V] and
-    mean (W^T p)(W^T p)^T [d, d]). Assembling H costs V d^2, so its Cholesky factor is renewed
-    only when the rows seen have doubled since the last (about log2 of the rows seen times);
-    the per-batch cost is two [V, d] products with vectors and one with the batch's p.
-    `shift` (float64 [V]) is W g, the change of c in the span so far.
+    mean (W^T p)(W^T p)^T [d, d]). Assembling H costs V d^2 (float64, in chunks of tokens), so
+    its Cholesky factor is renewed only when the rows seen have doubled since the last, or
+    `memory_rows` more have come (about log2 of the rows seen times, then once per memory); if
+    rounding leaves H not positive definite, the diagonal is raised until it is. The per-batch
+    cost is two [V, d] products with vectors and one with the batch's p. `shift` (float64 [V])
+    is W g, the change of c in the span so far.
     """
 
-    def __init__(self, basis: Tensor, head_penalty: float) -> None:
+    def __init__(self, basis: Tensor, head_penalty: float, memory_rows: int) -> None:
         if not head_penalty > 0:
             raise ValueError(f"need head_penalty > 0, got {head_penalty}")
         self.basis = basis.detach().to(torch.float32)
@@ -643,6 +645,7 @@ class _HeadSpanSteps:
         self.shift = torch.zeros(vocab, dtype=torch.float64, device=device)
         self._p_mean = torch.zeros(vocab, dtype=torch.float64, device=device)
         self._outer = torch.zeros(d, d, dtype=torch.float64, device=device)
+        self._memory_rows = memory_rows
         self._factor: Tensor | None = None
         self._factored_at = 0
 
@@ -657,7 +660,8 @@ class _HeadSpanSteps:
         p_mean = rows.clean_prob.sum(dim=0, dtype=torch.float64) / len(rows)
         self._p_mean.mul_(1 - in_mean).add_(p_mean, alpha=in_mean)
         self._outer.mul_(1 - in_mean).add_(projected.T @ projected / len(rows), alpha=in_mean)
-        if self._factor is None or rows_seen >= 2 * self._factored_at:
+        due = min(2 * self._factored_at, self._factored_at + self._memory_rows)
+        if self._factor is None or rows_seen >= due:
             self._factor = self._factorise()
             self._factored_at = rows_seen
         grad = (self.basis.T @ grad_c.to(torch.float32)).double() + self.penalty * self.g
@@ -667,12 +671,25 @@ class _HeadSpanSteps:
         self.shift += change
         return change
 
-    def _factorise(self) -> Tensor:
-        weighted = self.basis * self._p_mean.to(torch.float32)[:, None]
-        hessian = (self.basis.T @ weighted).double() - self._outer
+    def hessian(self) -> Tensor:
+        """H (float64 [d, d]) from the running means so far."""
+        d = self.basis.shape[1]
+        hessian = -self._outer.clone()
+        for start in range(0, self.basis.shape[0], _CHUNK_ELEMENTS // d):
+            rows = self.basis[start : start + _CHUNK_ELEMENTS // d].double()
+            hessian += rows.T @ (rows * self._p_mean[start : start + len(rows), None])
         hessian.diagonal().add_(self.penalty)
-        hessian = (hessian + hessian.T) / 2
-        return torch.linalg.cholesky(hessian)
+        return (hessian + hessian.T) / 2
+
+    def _factorise(self) -> Tensor:
+        hessian = self.hessian()
+        jitter = self.penalty
+        factor, info = torch.linalg.cholesky_ex(hessian)
+        while int(info):
+            hessian.diagonal().add_(jitter)
+            jitter *= 10
+            factor, info = torch.linalg.cholesky_ex(hessian)
+        return factor
 
 
 def bias_sha256(bias: Tensor) -> str:

@@ -131,6 +131,21 @@ def test_streaming_in_the_heads_span_learns_a_drift_there_from_fewer_rows() -> N
     assert _mean_kl(held_out, per_token.correction) - exact > 0.3 * (start - exact)
 
 
+def test_the_head_span_steps_use_the_hessian_of_the_rows_seen() -> None:
+    """H = W^T (mean diag p - mean p p^T) W + head_penalty I over every row seen, against a
+    dense float64 reference."""
+    head = torch.randn(300, 6, generator=torch.Generator().manual_seed(3))
+    stream = StreamingBias(LogitBias.identity(300), 1e-3, basis=head, head_penalty=0.5)
+    batches = [_peaked_rows(request, torch.zeros(300)) for request in range(3)]
+    for rows in batches:
+        stream.update(rows)
+    p = PairedRows.concat(batches).clean_prob.double()
+    w = head.double()
+    expected = w.T @ (torch.diag(p.mean(0)) - p.T @ p / len(p)) @ w + 0.5 * torch.eye(6)
+    assert stream._head is not None
+    torch.testing.assert_close(stream._head.hessian(), expected, rtol=1e-5, atol=1e-7)
+
+
 def test_the_streaming_temperature_stays_in_its_bounds() -> None:
     start = LogitBias(bias=torch.zeros(VOCAB), temperature=3.9)
     stream = StreamingBias(start, PENALTY)

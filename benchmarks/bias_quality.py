@@ -25,9 +25,9 @@ Each beside T = 1 and the per-position oracle T on the same positions. With `--s
 K`, the in-domain correction is then refined online as `serve` refines it on traffic like its
 own: K more rounds of completions (later seeds) of every non-test shipped prompt, each
 completion a request of at most `Settings().shadow_bias_rows` evenly spaced rows to
-`OnlineBias` (built as the online estimator builds it: the calibrated penalties, the clean head,
-the rows the calibrated bias was fitted on as prior rows; every 4th request held out), its
-streaming fit measured on the in-domain test prompts after every round. `--w8a8 DIR` adds a real
+`OnlineBias.refining`, as the online estimator builds it (the calibrated penalties, the clean
+head, the rows the calibrated bias was fitted on as prior rows; every 4th request held out),
+its streaming fit measured on the in-domain test prompts after every round. `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -66,7 +65,7 @@ from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import PairedRows
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
@@ -125,18 +124,12 @@ def _streamed(
     test_ids = set(test_rows.sequence_id.unique().tolist())
     shipped = load_prompts()[: args.num_prompts]
     prompts = [(i, p) for i, p in enumerate(shipped) if i not in test_ids]
-    chosen, penalty = calibration.path.chosen, calibration.path.refine_penalty
-    if penalty is None:
+    if calibration.path.refine_penalty is None:
         return "online refinement: none (the T-only fit won on validation, no bias to refine)", []
-    in_span = basis is not None and math.isfinite(chosen.head_penalty)
-    online = OnlineBias(
-        calibration.correction,
-        penalty,
-        basis=basis if in_span else None,
-        head_penalty=chosen.head_penalty if in_span else None,
-        prior_rows=calibration.fitted_rows,
-        bounds=settings.bounds,
+    online = OnlineBias.refining(
+        calibration.correction, calibration.summary(), head_basis=basis, bounds=settings.bounds
     )
+    in_span = online.fit.steps_in_head_span
     per_request = Settings().shadow_bias_rows
     lines = [
         f"**online refinement on in-domain traffic** ({len(prompts)} non-test shipped prompts "
@@ -148,12 +141,8 @@ def _streamed(
         "held-out gate would publish |",
         "|---:|---:|---:|---:|---|",
     ]
-    start = bias_quality(test_rows, calibration.correction)
-    lines.append(
-        f"| 0 (calibrated) | 0 | {100 * start.share_removed:+.1f}% ± "
-        f"{100 * start.row.gain_stderr / start.t_one.mean_kl:.1f} | "
-        f"{100 * (1 - start.oracle.mean_kl / start.t_one.mean_kl):+.1f}% | (served) |"
-    )
+    start = _round_figures(test_rows, calibration.correction, rows_fitted=0)
+    lines.append(_round_line("0 (calibrated)", start, "(served)"))
     documents = []
     for round_index in range(args.stream_samples):
         seed = args.samples + round_index
@@ -167,26 +156,33 @@ def _streamed(
         scored = score_with_rows(scorer, sequences, max_rows=per_request * len(sequences))
         for request in _requests(scored.rows, per_request):
             online.add(request)
-        quality = bias_quality(test_rows, online.fit.correction)
-        kl_one = quality.t_one.mean_kl
-        published = online.candidate() is not None
-        lines.append(
-            f"| {round_index + 1} | {online.fit.rows_seen} | {100 * quality.share_removed:+.1f}% "
-            f"± {100 * quality.row.gain_stderr / kl_one:.1f} | "
-            f"{100 * (1 - quality.oracle.mean_kl / kl_one):+.1f}% | {published} |"
-        )
+        figures = _round_figures(test_rows, online.fit.correction, online.fit.rows_seen)
+        figures |= {"round": round_index + 1, "would_publish": online.candidate() is not None}
+        lines.append(_round_line(str(round_index + 1), figures, str(figures["would_publish"])))
         print(lines[-1], flush=True)
-        documents.append(
-            {
-                "round": round_index + 1,
-                "rows_fitted": online.fit.rows_seen,
-                "share_removed": quality.share_removed,
-                "share_stderr": quality.row.gain_stderr / kl_one,
-                "oracle_share": 1 - quality.oracle.mean_kl / kl_one,
-                "would_publish": published,
-            }
-        )
+        documents.append(figures)
     return "\n".join(lines), documents
+
+
+def _round_figures(test_rows: PairedRows, correction: LogitBias, rows_fitted: int) -> dict:
+    """`correction` on the test rows: shares of KL(T = 1) removed by it (± s.e.) and by the
+    per-position oracle T."""
+    quality = bias_quality(test_rows, correction)
+    kl_one = quality.t_one.mean_kl
+    return {
+        "rows_fitted": rows_fitted,
+        "share_removed": quality.share_removed,
+        "share_stderr": quality.row.gain_stderr / kl_one,
+        "oracle_share": 1 - quality.oracle.mean_kl / kl_one,
+    }
+
+
+def _round_line(label: str, figures: dict, publish: str) -> str:
+    return (
+        f"| {label} | {figures['rows_fitted']} | {100 * figures['share_removed']:+.1f}% ± "
+        f"{100 * figures['share_stderr']:.1f} | {100 * figures['oracle_share']:+.1f}% | "
+        f"{publish} |"
+    )
 
 
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:

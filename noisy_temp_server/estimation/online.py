@@ -147,14 +147,11 @@ class OnlineEstimator:
         summary = initial.bias if isinstance(initial, Profile) else None
         if bias_dir is not None and policy.bias is not None and summary and summary.penalty:
             vector = load_bias_file(bias_dir, policy.bias)
-            fits = head_basis is not None and head_basis.shape[0] == vector.numel()
-            head_penalty = summary.head_penalty if fits else None
-            self._bias = OnlineBias(
+            self._bias = OnlineBias.refining(
                 LogitBias(bias=vector, temperature=policy.fixed_temperature),
-                summary.penalty,
-                basis=head_basis if head_penalty is not None else None,
-                head_penalty=head_penalty,
-                prior_rows=summary.fitted_rows or self._settings.bias_rows,
+                summary,
+                head_basis=head_basis,
+                fallback_prior_rows=self._settings.bias_rows,
                 bounds=policy.bounds,
             )
 

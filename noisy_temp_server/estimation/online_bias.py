@@ -19,6 +19,7 @@ from collections import deque
 
 from torch import Tensor
 
+from noisy_temp_server.estimation.profile import BiasSummary
 from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
 from noisy_temp_server.temperature.bias import (
     LogitBias,
@@ -75,6 +76,34 @@ class OnlineBias:
         self._holdout: deque[PairedRows] = deque()
         self._held_rows = 0
         self.requests = 0
+
+    @classmethod
+    def refining(
+        cls,
+        published: LogitBias,
+        summary: BiasSummary,
+        *,
+        head_basis: Tensor | None = None,
+        fallback_prior_rows: int = 0,
+        bounds: TemperatureBounds | None = None,
+    ) -> OnlineBias:
+        """The online refinement of the calibrated bias `summary` describes, served as
+        `published`: its per-token penalty; with a `head_basis` of the bias's vocabulary and a
+        head-span part, steps in that span too (at its penalty); as prior rows the rows it was
+        fitted on (`fallback_prior_rows` when the profile predates recording them). ValueError
+        when the summary has no per-token penalty (a T-only fit: no bias to refine)."""
+        if summary.penalty is None:
+            raise ValueError("the calibrated fit is T only: there is no bias to refine")
+        fits = head_basis is not None and head_basis.shape[0] == published.bias.numel()
+        head_penalty = summary.head_penalty if fits else None
+        return cls(
+            published,
+            summary.penalty,
+            basis=head_basis if head_penalty is not None else None,
+            head_penalty=head_penalty,
+            prior_rows=summary.fitted_rows or fallback_prior_rows,
+            bounds=bounds,
+        )
 
     def add(self, rows: PairedRows) -> None:
         """One request's rows: to the reservoir (every `holdout_every`-th request) or a step of

@@ -49,7 +49,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
-from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV

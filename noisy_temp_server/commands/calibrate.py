@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             result = calibrate(pair, prompts, settings, device=args.device)
             result.profile.save(args.out)
             if result.bias is not None:
-                from noisy_temp_server.temperature.bias import save_bias_file  # noqa: PLC0415
+                from noisy_temp_server.temperature.bias_files import save_bias_file  # noqa: PLC0415
 
                 save_bias_file(args.out.parent, result.bias.correction.bias)
             policy_path = args.out.with_name(f"{args.out.stem}.policy.json")

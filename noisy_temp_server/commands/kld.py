@@ -104,7 +104,7 @@ def score_scoreboard(
 def _policy_bias(args: argparse.Namespace, policy: TemperaturePolicy) -> Tensor | None:
     """The vector of the policy's per-token bias (None without one), from beside the profile;
     ValueError when it cannot be read there."""
-    from noisy_temp_server.temperature.bias import load_bias_file  # noqa: PLC0415
+    from noisy_temp_server.temperature.bias_files import load_bias_file  # noqa: PLC0415
 
     if policy.bias is None:
         return None

@@ -328,7 +328,7 @@ def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
     from transformers import AutoConfig  # noqa: PLC0415
 
     from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
-    from noisy_temp_server.temperature.bias import check_bias_vocabulary  # noqa: PLC0415
+    from noisy_temp_server.temperature.bias_files import check_bias_vocabulary  # noqa: PLC0415
     from noisy_temp_server.vllm_plugin.logit_bias import load_bias  # noqa: PLC0415
 
     vocab_size = int(AutoConfig.from_pretrained(pair.served, local_files_only=True).vocab_size)

@@ -31,11 +31,13 @@ from noisy_temp_server.temperature.bias import (
     BiasPath,
     LogitBias,
     PairedRows,
-    bias_file_name,
-    bias_sha256,
     evaluate_bias,
     fit_bias_at_penalty,
     fit_logit_bias,
+)
+from noisy_temp_server.temperature.bias_files import (
+    bias_file_name,
+    bias_sha256,
     load_bias_file,
     save_bias_file,
 )

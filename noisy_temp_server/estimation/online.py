@@ -46,13 +46,8 @@ from noisy_temp_server.estimation.fitting import fit_rules
 from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile, StepBucketNoise
 from noisy_temp_server.pairs.scorer import PositionRecords
-from noisy_temp_server.temperature.bias import (
-    LogitBias,
-    PairedRows,
-    bias_sha256,
-    load_bias_file,
-    save_bias_file,
-)
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows
+from noisy_temp_server.temperature.bias_files import bias_sha256, load_bias_file, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

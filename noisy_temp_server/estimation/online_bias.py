@@ -21,14 +21,10 @@ from torch import Tensor
 
 from noisy_temp_server.estimation.profile import BiasSummary
 from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
-from noisy_temp_server.temperature.bias import (
-    LogitBias,
-    PairedRows,
-    StreamingBias,
-    check_bias_vocabulary,
-    evaluate_bias,
-)
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
 from noisy_temp_server.temperature.rules import TemperatureBounds
+from noisy_temp_server.temperature.streaming_bias import StreamingBias
 
 __all__ = ["OnlineBias"]
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.bias import bias_sha256, check_bias_vocabulary
+from noisy_temp_server.temperature.bias_files import bias_sha256, check_bias_vocabulary
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms
 

@@ -35,14 +35,11 @@ probabilities and three scalars, all on the rows' device; the heavy loops run ov
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -55,22 +52,18 @@ __all__ = [
     "BiasPath",
     "LogitBias",
     "PairedRows",
-    "StreamingBias",
-    "bias_file_name",
-    "bias_sha256",
-    "check_bias_vocabulary",
+    "diagonal_curvature",
     "evaluate_bias",
     "fit_bias_at_penalty",
     "fit_logit_bias",
-    "load_bias_file",
-    "save_bias_file",
+    "kl_objective",
 ]
 
 DEFAULT_PENALTIES: tuple[float, ...] = tuple(10.0 ** (-k / 2) for k in range(2, 15))
 """The penalty path, descending: 1e-1, 3.2e-2, ..., 1e-7."""
 
 _MASKED_FLOOR = -1.0e4  # a served logit masked to -inf becomes this (exp underflows to 0)
-_CHUNK_ELEMENTS = 1 << 22  # rows per chunk * vocab for the [rows, V] temporaries
+CHUNK_ELEMENTS = 1 << 22  # rows per chunk * vocab for the [rows, V] temporaries
 
 
 @dataclass(frozen=True)
@@ -130,7 +123,7 @@ class PairedRows:
 
     def chunks(self) -> list[slice]:
         """Row slices whose [rows, V] temporaries stay near 4M elements."""
-        step = max(1, _CHUNK_ELEMENTS // max(1, self.vocab_size))
+        step = max(1, CHUNK_ELEMENTS // max(1, self.vocab_size))
         return [slice(start, start + step) for start in range(0, len(self), step)]
 
 
@@ -183,7 +176,7 @@ class BiasEvaluation:
     same_top: Tensor
 
 
-def _objective(rows: PairedRows, u: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def kl_objective(rows: PairedRows, u: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(mean KL, d/du, d/dc) at (u, c), without the penalty: float64 scalars and float64 [V]
     (see the module docstring)."""
     c32 = c.to(torch.float32)
@@ -236,7 +229,7 @@ class _Layout:
     def value_and_grad(self, rows: PairedRows, x: Tensor) -> tuple[Tensor, Tensor]:
         """The penalised objective and its gradient in x (zero where x is not free)."""
         u, g, r = self.split(x)
-        value, grad_u, grad_c = _objective(rows, u, self.logit_shift(x))
+        value, grad_u, grad_c = kl_objective(rows, u, self.logit_shift(x))
         value = value + 0.5 * (self.penalty * torch.dot(r, r) + self.head_penalty * torch.dot(g, g))
         parts = [grad_u.reshape(1)]
         if self.basis is not None:
@@ -245,10 +238,10 @@ class _Layout:
         return value, torch.cat(parts) * self.free
 
     def scale(self, rows: PairedRows) -> Tensor:
-        """The square root of the penalised Hessian's diagonal at q = p (`_diagonal_curvature`,
+        """The square root of the penalised Hessian's diagonal at q = p (`diagonal_curvature`,
         through the basis for g; floored at 1e-12), so that u, g and r are equally well
         resolved by L-BFGS."""
-        curvature = _diagonal_curvature(rows)
+        curvature = diagonal_curvature(rows)
         p_mean = curvature[1:]
         parts = [curvature[:1]]
         if self.basis is not None:
@@ -323,7 +316,7 @@ def fit_bias_at_penalty(
         )
         return replace(refit, evaluations=result.evaluations + refit.evaluations)
     with torch.no_grad():
-        kl = float(_objective(rows, x[0], layout.logit_shift(x))[0])
+        kl = float(kl_objective(rows, x[0], layout.logit_shift(x))[0])
     return replace(result, fit_kl=kl)
 
 
@@ -389,7 +382,7 @@ def _as_fit(
     return BiasFit(correction, penalty, math.nan, evaluations, head_penalty, head)
 
 
-def _diagonal_curvature(rows: PairedRows) -> Tensor:
+def diagonal_curvature(rows: PairedRows) -> Tensor:
     """float64 [V + 1]: the unpenalised objective's Hessian diagonal in (u, c) at q = p:
     (mean Var_p(s), mean p)."""
     second_moment = torch.zeros((), dtype=torch.float64, device=rows.served_shifted.device)
@@ -525,213 +518,3 @@ class _PathWalk:
                 if worse >= self.patience:
                     break
         return scores
-
-
-class StreamingBias:
-    """Refines a correction (T, b) from a stream of row batches with O(V) state: per batch,
-    one diagonally preconditioned stochastic Newton step on the objective of
-    `fit_bias_at_penalty` with the penalties on the change of c from the start (whatever the
-    start's fit penalised is kept, not shrunk),
-
-        F(u, c) = mean_i KL_i(u, c) + (penalty / 2) * |r|^2 [+ (head_penalty / 2) * |g|^2],
-        c = c_start + W g + r,    x = (u, c) = (1/T, b/T),
-        x <- x - w * dF/dx / h,    w = rows / min(prior_rows + seen, memory_rows),
-
-    where h is the mean over the rows seen of the Hessian's diagonal at p (Var_p(s) for u,
-    mean p + penalty for c; `_diagonal_curvature`) and `seen` counts the rows so far, this
-    batch's included. The step shrinks as 1/seen, so x tends to the optimum over all rows seen
-    and the start's `prior_rows` (the rows it was fitted on), as a batch fit would: a constant
-    step instead follows each small batch's noise, and on rows as peaked as a language model's
-    (a token carries mass in one batch and none in the next) it walks off, far worse than its
-    start. Past `memory_rows` the weights stop shrinking: the fit then follows the most recent
-    rows of that order, so a change of traffic is learnt.
-
-    With a `basis` W [V, d] (the clean output head) and a `head_penalty`, each batch first takes
-    a step in W's span (`_HeadSpanSteps`: d numbers learnt from every token's gradient, where
-    the per-token step learns each token from its own), then the per-token step on the
-    residual r. State: `x`, `c_start`, `h` (3 (V + 1) float64), with a basis also W g (V) and
-    d x d float64, never the rows; T stays in `bounds`.
-    """
-
-    def __init__(
-        self,
-        start: LogitBias,
-        penalty: float,
-        *,
-        basis: Tensor | None = None,
-        head_penalty: float | None = None,
-        bounds: TemperatureBounds | None = None,
-        prior_rows: int = 0,
-        memory_rows: int = 65536,
-    ) -> None:
-        if not penalty > 0 or prior_rows < 0 or memory_rows < 1:
-            raise ValueError(
-                "need penalty > 0, prior_rows >= 0 and memory_rows >= 1, got "
-                f"{penalty}, {prior_rows}, {memory_rows}"
-            )
-        self.penalty = penalty
-        self.bounds = bounds or TemperatureBounds()
-        self.prior_rows = prior_rows
-        self.memory_rows = memory_rows
-        u = 1.0 / start.temperature
-        bias = start.bias.detach().to(torch.float64)
-        self._x = torch.cat([torch.tensor([u], dtype=torch.float64, device=bias.device), bias * u])
-        self._anchor = self._x[1:].clone()
-        self._curvature = torch.zeros_like(self._x)
-        self._head = None
-        if basis is not None and head_penalty is not None:
-            check_bias_vocabulary(start.bias, basis.shape[0], "the head basis")
-            self._head = _HeadSpanSteps(basis.to(bias.device), head_penalty, memory_rows)
-        self.rows_seen = 0
-
-    @torch.no_grad()
-    def update(self, rows: PairedRows) -> None:
-        """One step on `rows` (at least one row, on the start's device)."""
-        if not len(rows):
-            raise ValueError("cannot update on zero rows")
-        self.rows_seen += len(rows)
-        in_mean = min(1.0, len(rows) / min(self.rows_seen, self.memory_rows))
-        weight = min(1.0, len(rows) / min(self.prior_rows + self.rows_seen, self.memory_rows))
-        residual_anchor = self._anchor
-        if self._head is not None:
-            _, _, grad_c = _objective(rows, self._x[0], self._x[1:])
-            self._x[1:] += self._head.step(rows, grad_c, (in_mean, weight), self.rows_seen)
-            residual_anchor = self._anchor + self._head.shift
-        curvature = _diagonal_curvature(rows)
-        curvature[1:] += self.penalty
-        self._curvature.mul_(1 - in_mean).add_(curvature, alpha=in_mean)
-        _, grad_u, grad_c = _objective(rows, self._x[0], self._x[1:])
-        grad_c += self.penalty * (self._x[1:] - residual_anchor)
-        step = torch.cat([grad_u.reshape(1), grad_c]) / self._curvature.clamp(min=1e-12)
-        self._x.sub_(step * weight)
-        self._x[0].clamp_(1.0 / self.bounds.t_max, 1.0 / self.bounds.t_min)
-
-    @property
-    def steps_in_head_span(self) -> bool:
-        """Whether each update steps in the output head's span too (a basis was given)."""
-        return self._head is not None
-
-    @property
-    def correction(self) -> LogitBias:
-        """The current (T, b), b centred (softmax ignores a constant)."""
-        u = float(self._x[0])
-        bias = (self._x[1:] / u).to(torch.float32)
-        return LogitBias(bias=bias - bias.mean(), temperature=1.0 / u)
-
-
-class _HeadSpanSteps:
-    """`StreamingBias`'s steps in the span of the output head W [V, d]: c += W dg with
-
-        dg = -w * H^-1 (W^T dF/dc + head_penalty * g),
-        H = W^T (mean diag(p) - mean p p^T) W + head_penalty * I,
-
-    H being F's Hessian in g at q = p, from running means over the rows seen (mean p [V] and
-    mean (W^T p)(W^T p)^T [d, d]). Assembling H costs V d^2 (float64, in chunks of tokens), so
-    its Cholesky factor is renewed only when the rows seen have doubled since the last, or
-    `memory_rows` more have come (about log2 of the rows seen times, then once per memory); if
-    rounding leaves H not positive definite, the diagonal is raised until it is. The per-batch
-    cost is two [V, d] products with vectors and one with the batch's p. `shift` (float64 [V])
-    is W g, the change of c in the span so far.
-    """
-
-    def __init__(self, basis: Tensor, head_penalty: float, memory_rows: int) -> None:
-        if not head_penalty > 0:
-            raise ValueError(f"need head_penalty > 0, got {head_penalty}")
-        self.basis = basis.detach().to(torch.float32)
-        self.penalty = head_penalty
-        vocab, d = self.basis.shape
-        device = self.basis.device
-        self.g = torch.zeros(d, dtype=torch.float64, device=device)
-        self.shift = torch.zeros(vocab, dtype=torch.float64, device=device)
-        self._p_mean = torch.zeros(vocab, dtype=torch.float64, device=device)
-        self._outer = torch.zeros(d, d, dtype=torch.float64, device=device)
-        self._memory_rows = memory_rows
-        self._factor: Tensor | None = None
-        self._factored_at = 0
-
-    def step(
-        self, rows: PairedRows, grad_c: Tensor, weights: tuple[float, float], rows_seen: int
-    ) -> Tensor:
-        """Observe `rows` and return the change of c; `weights`: the rows' weight in the running
-        means, then the step's (`StreamingBias.update`)."""
-        in_mean, weight = weights
-        projected = torch.cat([rows.clean_prob[chunk] @ self.basis for chunk in rows.chunks()])
-        projected = projected.double()
-        p_mean = rows.clean_prob.sum(dim=0, dtype=torch.float64) / len(rows)
-        self._p_mean.mul_(1 - in_mean).add_(p_mean, alpha=in_mean)
-        self._outer.mul_(1 - in_mean).add_(projected.T @ projected / len(rows), alpha=in_mean)
-        due = min(2 * self._factored_at, self._factored_at + self._memory_rows)
-        if self._factor is None or rows_seen >= due:
-            self._factor = self._factorise()
-            self._factored_at = rows_seen
-        grad = (self.basis.T @ grad_c.to(torch.float32)).double() + self.penalty * self.g
-        delta = -weight * torch.cholesky_solve(grad[:, None], self._factor)[:, 0]
-        self.g += delta
-        change = (self.basis @ delta.to(torch.float32)).double()
-        self.shift += change
-        return change
-
-    def hessian(self) -> Tensor:
-        """H (float64 [d, d]) from the running means so far."""
-        d = self.basis.shape[1]
-        hessian = -self._outer.clone()
-        for start in range(0, self.basis.shape[0], _CHUNK_ELEMENTS // d):
-            rows = self.basis[start : start + _CHUNK_ELEMENTS // d].double()
-            hessian += rows.T @ (rows * self._p_mean[start : start + len(rows), None])
-        hessian.diagonal().add_(self.penalty)
-        return (hessian + hessian.T) / 2
-
-    def _factorise(self) -> Tensor:
-        hessian = self.hessian()
-        jitter = self.penalty
-        factor, info = torch.linalg.cholesky_ex(hessian)
-        while int(info):
-            hessian.diagonal().add_(jitter)
-            jitter *= 10
-            factor, info = torch.linalg.cholesky_ex(hessian)
-        return factor
-
-
-def bias_sha256(bias: Tensor) -> str:
-    """Content hash of a bias vector: sha256 of its float32 little-endian bytes."""
-    data = bias.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
-    return hashlib.sha256(data).hexdigest()
-
-
-def check_bias_vocabulary(bias: Tensor, vocab_size: int | None, where: str) -> None:
-    """ValueError unless `bias` has one entry per token of the vocabulary of `where` (named in
-    the message), `vocab_size` tokens (None: unknown, which no bias fits): a bias fitted for
-    another model."""
-    if bias.numel() != vocab_size:
-        raise ValueError(
-            f"the per-token bias {bias_sha256(bias)[:16]}... has {bias.numel()} entries but "
-            f"{where} has a vocabulary of {vocab_size} tokens; it was fitted for another model"
-        )
-
-
-def bias_file_name(sha256: str) -> str:
-    """The file a bias vector is stored in, named by its content hash."""
-    return f"bias-{sha256[:16]}.safetensors"
-
-
-def save_bias_file(folder: Path, bias: Tensor) -> Path:
-    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path."""
-    path = Path(folder) / bias_file_name(bias_sha256(bias))
-    save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(path))
-    return path
-
-
-def load_bias_file(folder: Path, sha256: str) -> Tensor:
-    """The bias vector with content hash `sha256` that `save_bias_file` wrote to `folder`
-    (float32 [V], finite); ValueError when the file is missing or unreadable, or does not hold
-    that vector (it was changed)."""
-    path = Path(folder) / bias_file_name(sha256)
-    try:
-        bias = load_file(str(path))["bias"]
-    except (OSError, KeyError, ValueError) as error:
-        raise ValueError(f"cannot read bias file {path}: {error}") from error
-    if bias.dim() != 1 or bias.dtype != torch.float32 or not bool(bias.isfinite().all()):
-        raise ValueError(f"bias file {path} does not hold a finite float32 vector")
-    if bias_sha256(bias) != sha256:
-        raise ValueError(f"bias file {path} does not hold the bias with sha256 {sha256[:16]}...")
-    return bias

@@ -31,10 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from noisy_temp_server.temperature.bias import (
-    check_bias_vocabulary,
-    load_bias_file,
-)
+from noisy_temp_server.temperature.bias_files import check_bias_vocabulary, load_bias_file
 from noisy_temp_server.vllm_plugin.request_args import (
     KEY_BIAS,
     KEY_POLICY,

@@ -19,7 +19,7 @@ from tiny_serve import MODEL, SCORE_EVERY_REQUEST, TinyServer, start_tiny_server
 from noisy_temp_server.estimation.profile import BiasSummary
 from noisy_temp_server.pairs.identity import ModelIdentity
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
-from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV

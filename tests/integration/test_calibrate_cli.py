@@ -11,7 +11,7 @@ import pytest
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
 from noisy_temp_server.estimation.profile import ModelIdentity, Profile, ProfileError
-from noisy_temp_server.temperature.bias import bias_file_name
+from noisy_temp_server.temperature.bias_files import bias_file_name
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 

@@ -15,7 +15,7 @@ from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
 from noisy_temp_server.estimation.profile import BiasSummary, ModelIdentity
-from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.rules import Rule
 
 SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'

@@ -15,7 +15,7 @@ from test_processor_v2 import _Batch, _ctx
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directory

@@ -16,14 +16,12 @@ from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
-    StreamingBias,
-    bias_sha256,
     evaluate_bias,
     fit_bias_at_penalty,
-    load_bias_file,
-    save_bias_file,
 )
+from noisy_temp_server.temperature.bias_files import bias_sha256, load_bias_file, save_bias_file
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.streaming_bias import StreamingBias
 
 VOCAB = 200
 SHIFT = torch.randn(VOCAB, generator=torch.Generator().manual_seed(99)) * 1.5

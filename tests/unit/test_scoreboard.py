@@ -23,7 +23,7 @@ from noisy_temp_server.estimation.scoreboard import (
     position_scores,
     scores_at_temperatures,
 )
-from noisy_temp_server.temperature.bias import bias_sha256
+from noisy_temp_server.temperature.bias_files import bias_sha256
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import PairTerms

@@ -22,7 +22,7 @@ from server_fakes import (
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer
-from noisy_temp_server.temperature.bias import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 

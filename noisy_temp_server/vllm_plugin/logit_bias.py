@@ -10,21 +10,26 @@ HTTP 400). ``noisy-temp-server serve`` sets ``NTS_BIAS_DIR`` for its engine
 (`Settings.bias_dir`, by default the profile's folder).
 
 `SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 stands
-for "no bias", each live bias (one per policy version that has one) is loaded once, on the first
-admission that names it, into a row of its own, reused once no slot holds it. Each admission
-wave writes ``weight[slot, k]`` = 1 where the slot holds live row ``k`` (the host knows the live
-rows; usually one), else 0. Only while some slot holds a bias (a host-side count), a step gathers
-the rows' weights and adds ``weight[:, k] * table[k]`` to the logits for each live row (one
-broadcast ``addcmul_`` pass per live row; no ``[R, V]`` gather, which costs several passes on a
-CPU). Rows without a bias get ``x + 0 * b``: every value is unchanged (±inf and NaN included)
-and bit for bit too, except that a ``-0.0`` logit may come out as ``+0.0``, which no softmax,
-argmax or logprob can tell apart.
+for "no bias", each bias a slot holds (one per policy version that has one) is loaded once, on
+the first admission that names it, into a row of its own. A slot releases its version when it
+is given to a new occupant (V1 runner: also when its request leaves the batch; Model Runner V2
+has no such hook, so a finished request's slot holds its version until vLLM reuses the slot);
+the next admission wave drops the rows no slot holds, so the table follows the versions in use.
+Each admission wave writes ``weight[slot, k]`` = 1 where the slot holds row ``k + 1``, else 0.
+Per step, only while some slot holds a bias (a host-side count), the versions the batch's slots
+hold are found on the host (V2: from vLLM's host-side slot list of the step, a ``bincount``;
+none: nothing more happens), and each is added as ``weight[:, k] * table[k + 1]`` (one
+broadcast ``addcmul_`` pass over the logits per version in the batch; no ``[R, V]`` gather,
+which costs several passes on a CPU). Rows without a bias get ``x + 0 * b``: every value is
+unchanged (±inf and NaN included) and bit for bit too, except that a ``-0.0`` logit may come
+out as ``+0.0``, which no softmax, argmax or logprob can tell apart.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -113,16 +118,18 @@ class SlotBias:
         self._host_row = np.zeros(slots, dtype=np.int64)
         self.biased_slots = 0
         self._changed = False
-        # As of the last flush: [slots, live rows] 0/1 weights and the live rows' vectors.
+        # As of the last flush: each slot's row, its [slots, rows - 1] 0/1 weights (column
+        # k: row k + 1) and the rows' vectors (every row but 0 has a user then).
+        self._flushed_row = self._host_row.copy()
         self.weight = torch.zeros(slots, 0, device=device)
         self._vectors: list[torch.Tensor] = []
         self._refused: set[str] = set()
 
     def stage(self, slot: int, sha256: str | None) -> bool:
-        """Give ``slot`` the bias ``sha256`` (None: none) from the next `flush` on; True when it
-        has one. A vector whose length is not the engine's vocabulary is refused (an error is
-        logged once per hash and the slot gets none): `check_bias` in ``validate_params``
-        cannot see the engine's vocabulary."""
+        """Give ``slot`` the bias ``sha256`` (None: none) from the next `flush` on, releasing
+        the version its previous occupant held; True when it has one. A vector whose length is
+        not the engine's vocabulary is refused (an error is logged once per hash and the slot
+        gets none): `check_bias` in ``validate_params`` cannot see the engine's vocabulary."""
         old = int(self._host_row[slot])
         if old:
             self._users[old] -= 1
@@ -136,6 +143,8 @@ class SlotBias:
         return bool(row)
 
     def _row(self, sha256: str) -> int:
+        """The table row of ``sha256``: its row if it has one (also one released since the
+        last flush), else a new row at the end with the vector loaded (0 if refused)."""
         row = self._row_of.get(sha256)
         if row is not None:
             return row
@@ -144,15 +153,9 @@ class SlotBias:
             check_bias_vocabulary(vector, self.vocab_size, "the engine")
         except ValueError as error:
             return self._refuse(sha256, str(error))
-        row = next((r for r in range(1, len(self._users)) if not self._users[r]), None)
-        if row is None:
-            row = len(self._users)
-            self._users.append(0)
-            self.table = torch.cat((self.table, self.table.new_empty(1, self.table.shape[1])))
-        for stale in [sha for sha, held in self._row_of.items() if held == row]:
-            del self._row_of[stale]
-        self._row_of[sha256] = row
-        self.table[row] = vector.to(self.device)
+        row = self._row_of[sha256] = len(self._users)
+        self._users.append(0)
+        self.table = torch.cat((self.table, vector.to(self.device).unsqueeze(0)))
         return row
 
     def _refuse(self, sha256: str, why: str) -> int:
@@ -162,25 +165,55 @@ class SlotBias:
         return 0
 
     def flush(self) -> None:
-        """Write the slots' weights of the live rows to the device (one copy), after admissions
-        changed them."""
+        """After admissions changed the slots' rows: drop the rows no slot holds any more (the
+        table shrinks to row 0 and the held versions) and write the slots' weights to the
+        device (one copy)."""
         if not self._changed:
             return
         self._changed = False
-        live = [row for row, users in enumerate(self._users) if row and users]
-        weight = torch.from_numpy(self._host_row[:, None] == np.asarray(live, dtype=np.int64))
-        weight = weight.float()
+        if not all(self._users[1:]):
+            self._drop_free_rows()
+        rows = np.arange(1, len(self._users), dtype=np.int64)
+        weight = torch.from_numpy(self._host_row[:, None] == rows).float()
         if self._pin:
             weight = weight.pin_memory()
         self.weight = weight.to(self.device, non_blocking=True)
-        self._vectors = [self.table[row] for row in live]
+        self._vectors = list(self.table[1:])
+        self._flushed_row = self._host_row.copy()
 
-    def add(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+    def _drop_free_rows(self) -> None:
+        kept = [0] + [row for row in range(1, len(self._users)) if self._users[row]]
+        renumber = np.zeros(len(self._users), dtype=np.int64)
+        renumber[kept] = np.arange(len(kept))
+        self.table = self.table[kept]  # a copy: the dropped rows' memory is released
+        self._host_row = renumber[self._host_row]
+        self._users = [self._users[row] for row in kept]
+        self._row_of = {
+            sha: int(renumber[row]) for sha, row in self._row_of.items() if renumber[row]
+        }
+
+    def add(
+        self, logits: torch.Tensor, slots: torch.Tensor, batch_slots: np.ndarray | None = None
+    ) -> None:
         """Add each row's bias to ``logits`` ([R, V] float32, in place; ``slots``: [R] slot of
-        each row), while some slot holds one: one pass over the logits per live bias. No host
-        sync."""
+        each row): one pass over the logits per version held by a slot of the batch. Without
+        ``batch_slots`` (the batch's slots on the host, any order and repeats) every held
+        version is added, so it suits a runner that releases the slots of finished requests
+        (V1); with it, only the versions those slots hold (Model Runner V2, whose finished
+        slots keep theirs until reused), and nothing when they hold none. No host sync."""
         if not self.biased_slots:
             return
+        columns: Iterable[int] = range(len(self._vectors))
+        if batch_slots is not None:
+            columns = self._held_columns(self._flushed_row.take(batch_slots))
+            if not columns:
+                return
         weight = self.weight.index_select(0, slots)
-        for column, vector in enumerate(self._vectors):
-            logits.addcmul_(weight[:, column : column + 1], vector)
+        for column in columns:
+            logits.addcmul_(weight[:, column : column + 1], self._vectors[column])
+
+    def _held_columns(self, rows: np.ndarray) -> list[int]:
+        """The weight columns of the versions among table ``rows`` (a few µs on the host)."""
+        if len(self._vectors) == 1:  # the usual case: one version, nothing to count
+            return [0] if rows.any() else []
+        return np.flatnonzero(np.bincount(rows)[1:]).tolist()

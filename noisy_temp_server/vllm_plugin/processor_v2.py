@@ -130,7 +130,14 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
         slots = ctx.expanded_idx_mapping
         position_zero, step_zero, prefill_end = self._positions.index_select(1, slots).unbind()
         keys = position_zero.add_(ctx.pos).clamp_(min=step_zero)  # a prefill chunk: step 0
-        self.tuning.tune(logits, slots, keys, ctx.pos >= prefill_end, all_rows_tuned=all_rows_tuned)
+        self.tuning.tune(
+            logits,
+            slots,
+            keys,
+            ctx.pos >= prefill_end,
+            all_rows_tuned=all_rows_tuned,
+            batch_slots=ctx.idx_mapping_np,  # finished slots keep their bias until reused
+        )
         return logits
 
     def _host_steps(self, ctx: LogitsContext) -> np.ndarray:

@@ -448,6 +448,7 @@ class SlotTuning:
         *,
         remember: bool = False,
         all_rows_tuned: bool = False,
+        batch_slots: np.ndarray | None = None,
     ) -> None:
         """Add each row's per-token bias (if its slot has one), divide the row by its T*
         (``logits``: [R, V] float32, in place) and account it.
@@ -457,11 +458,13 @@ class SlotTuning:
         whose sample the engine keeps (they enter the summaries and the histogram); None: all.
         ``remember``: keep each row's T* for `commit_last` (needs ``keep_last``).
         ``all_rows_tuned``: the caller knows every row's slot holds a tuned request (the
-        bad-row count then skips the gather of the slots' tuned flags). T* is 1 for untuned
-        rows and for bad rows of rules that read the served row; a bad row of a step-only rule
-        keeps its T*. No host sync.
+        bad-row count then skips the gather of the slots' tuned flags). ``batch_slots``: the
+        batch's slots on the host, when a slot outside the batch may still hold a bias
+        (`logit_bias.SlotBias.add`: only the versions of these slots are added). T* is 1 for
+        untuned rows and for bad rows of rules that read the served row; a bad row of a
+        step-only rule keeps its T*. No host sync.
         """
-        self.bias.add(logits, slots)
+        self.bias.add(logits, slots, batch_slots)
         cells = torch.bucketize(keys, self.edge_keys, right=True)
         cell = self.cell_table.index_select(0, cells)
         steps = varying = None

@@ -241,3 +241,75 @@ def test_a_bias_of_another_vocabulary_is_refused_at_admission(
     assert v1.tuning.bias.biased_slots == 0
     served = torch.randn(1, VOCAB + 1)
     assert torch.equal(v1.apply(served.clone()), served)
+
+
+def _count_bias_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts ``addcmul_`` calls (one per bias version added to the logits) from now on."""
+    calls = [0]
+    addcmul = torch.Tensor.addcmul_
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return addcmul(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "addcmul_", counting)
+    return calls
+
+
+def test_v2_adds_only_the_versions_its_batch_slots_hold(
+    bias_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Model Runner V2 never says a request finished: four slots whose requests finished under
+    four bias versions still hold them, but a step whose rows hold none adds none, and a step
+    adds each version of its own rows once."""
+    vectors, shas = zip(*(_bias(bias_dir, seed=seed) for seed in range(1, 5)), strict=True)
+    v2 = _v2(_Batch([1] * SLOTS))
+    for slot, sha in enumerate(shas):
+        v2.add_request(slot, _params(1.0, nts_policy=_policy(sha)))
+    v2.add_request(5, _params(1.0, nts_rule="fixed", nts_t=2.0))
+    v2.apply_staged_writes()
+    passes = _count_bias_passes(monkeypatch)
+    served = _logits(3)
+    out = v2.apply(served[:1].clone(), _ctx([(5, 0)]))
+    assert passes[0] == 0
+    assert torch.equal(out, served[:1] / 2.0)
+    out = v2.apply(served.clone(), _ctx([(2, 0), (5, 0), (2, 1)]))
+    assert passes[0] == 1
+    t_star = policy_temperature(LINEAR, torch.tensor([0, 1])).unsqueeze(1)
+    torch.testing.assert_close(out[[0, 2]], (served[[0, 2]] + vectors[2]) / t_star)
+    torch.testing.assert_close(out[1], served[1] / 2.0)
+
+
+def test_a_version_no_slot_holds_leaves_the_table(
+    bias_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reusing the slots of finished requests releases their versions: the next admission wave
+    drops the versions no slot holds from the device table, and keeps the others' vectors."""
+    vectors, shas = zip(*(_bias(bias_dir, seed=seed) for seed in range(1, 5)), strict=True)
+    v2 = _v2(_Batch([1] * SLOTS))
+    for slot, sha in enumerate(shas):
+        v2.add_request(slot, _params(0.0, nts_policy=_policy(sha)))
+    v2.apply_staged_writes()
+    assert v2.tuning.bias.table.shape == (5, VOCAB)
+    for slot in (0, 2):
+        v2.add_request(slot, _params(nts_rule="fixed", nts_t=2.0))
+    v2.apply_staged_writes()
+    assert v2.tuning.bias.table.shape == (3, VOCAB)  # row 0 and the versions of slots 1, 3
+    assert v2.tuning.bias.biased_slots == 2
+    passes = _count_bias_passes(monkeypatch)
+    served = _logits(4)
+    out = v2.apply(served.clone(), _ctx([(0, 0), (1, 0), (2, 0), (3, 0)]))
+    assert passes[0] == 2
+    torch.testing.assert_close(out[[0, 2]], served[[0, 2]] / 2.0)
+    assert torch.equal(out[[1, 3]], served[[1, 3]] + torch.stack((vectors[1], vectors[3])))
+    for slot in (1, 3):
+        v2.add_request(slot, _params(0.0))
+    v2.add_request(4, _params(0.0, nts_policy=_policy(shas[0])))  # a dropped version returns
+    v2.apply_staged_writes()
+    assert v2.tuning.bias.table.shape == (2, VOCAB)
+    passes[0] = 0
+    out = v2.apply(served[:2].clone(), _ctx([(1, 0), (4, 0)]))
+    assert torch.equal(out, served[:2] + torch.stack((torch.zeros(VOCAB), vectors[0])))
+    assert passes[0] == 1
+    assert torch.equal(v2.apply(served[:1].clone(), _ctx([(1, 0)])), served[:1])
+    assert passes[0] == 1  # the one version held, not by this batch

@@ -55,8 +55,9 @@ async def create_chat_completion(
     request: ChatCompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> ChatCompletionResponse | StreamingResponse | Response:
     """The assistant's next message: `n` choices, each with its `nts` summary."""
-    prompt_ids = _prompt_ids(state, request)
-    prepared = prepare_request(state, request, prompt_ids, prefix="chatcmpl", param="messages")
+    prepared = await prepare_request(
+        state, request, lambda: _prompt_ids(state, request), prefix="chatcmpl", param="messages"
+    )
     top = request.top_logprobs or 0
     if request.stream:
         roles = [

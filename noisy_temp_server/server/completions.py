@@ -47,8 +47,13 @@ async def create_completion(
 ) -> CompletionResponse | StreamingResponse | Response:
     """A completion of the prompt: `n` choices, each with its `nts` summary."""
     prompt = request.prompt_text_or_ids()
-    prompt_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    prepared = prepare_request(state, request, prompt_ids, prefix="cmpl", param="prompt")
+    prepared = await prepare_request(
+        state,
+        request,
+        lambda: state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt),
+        prefix="cmpl",
+        param="prompt",
+    )
     if request.stream:
         return await stream_choices(
             state,

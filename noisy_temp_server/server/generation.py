@@ -1,8 +1,9 @@
 """The generation plumbing that `/v1/completions` and `/v1/chat/completions` share.
 
-A request's path, once its endpoint has tokenized the prompt:
+A request's path:
 
-1. `prepare_request`: check the model name and the context length, convert the body to one
+1. `prepare_request`: check the model name, tokenize the prompt in a worker thread (the
+   endpoint's tokenizer call), check the context length, convert the body to one
    `SamplingParams` per choice, pin the policy in force (`PolicySource.current_policy`), apply
    the server defaults under the request's `nts_*` keys (the one parser,
    `vllm_plugin.request_args`) and give each of the `n` choices its own engine request and trace
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import tokens_input
@@ -142,18 +144,21 @@ def clean_logprob(value: float) -> float:
 # ----------------------------------------------------------------------------- admission
 
 
-def prepare_request(
+async def prepare_request(
     state: ServerState,
     request: GenerationRequest,
-    prompt_ids: list[int],
+    tokenize: Callable[[], list[int]],
     *,
     prefix: str,
     param: str,
 ) -> PreparedRequest:
-    """Validate `request` (tokenized as `prompt_ids`) and make its engine requests; raises
-    `OpenAIError` for anything the engine would refuse. `prefix` starts the request id;
-    `param` names the prompt's field in error bodies."""
+    """Validate `request` and make its engine requests; raises `OpenAIError` for anything the
+    engine would refuse. The model name is checked first; then `tokenize()` (the prompt's token
+    ids; it may raise `OpenAIError`) runs in a worker thread, so a long prompt (the body may be
+    megabytes) does not stall the event loop and the other requests' streams. `prefix` starts
+    the request id; `param` names the prompt's field in error bodies."""
     _check_model(state, request.model)
+    prompt_ids = await run_in_threadpool(tokenize)
     if not prompt_ids:
         raise OpenAIError("The prompt is empty.", status_code=400, param=param)
     max_tokens = _max_tokens(state, request, len(prompt_ids), param)
@@ -246,8 +251,9 @@ def _pinned_keys(
     for key, value in defaults.items():
         if value is not None and key not in merged:
             merged[key] = value
-    if "nts_rule" in client_args and "nts_t" not in client_args:
-        merged.pop("nts_t", None)  # the server's fixed T belongs to the server's default rule
+    forced_rule = merged.get("nts_rule") or policy.rule.value
+    if "nts_t" not in client_args and ("nts_rule" in client_args or forced_rule != "fixed"):
+        merged.pop("nts_t", None)  # the server's fixed T belongs to its default fixed rule
     return dataclasses.replace(parse_request_args(merged), policy_json=policy.to_json())
 
 

@@ -229,10 +229,14 @@ def _route_template(scope: Scope) -> str:
     return "unmatched"
 
 
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 class HttpMetricsMiddleware:
-    """Pure ASGI middleware counting HTTP requests by method, route template and the status
-    sent (500 when the app raised before sending one) and timing each until its ASGI call
-    returns, so a streamed response's duration covers its whole body.
+    """Pure ASGI middleware counting HTTP requests by method (any method outside the standard
+    seven is `other`: the client chooses it, and a label must not grow without bound), route
+    template and the status sent (500 when the app raised before sending one) and timing each
+    until its ASGI call returns, so a streamed response's duration covers its whole body.
 
     A client gone while its response is sent ends the call here: on servers of ASGI spec 2.4
     and later a failed `send` surfaces as Starlette's `ClientDisconnect`, which is counted as
@@ -253,6 +257,7 @@ class HttpMetricsMiddleware:
             return
         start = time.perf_counter()
         route = _route_template(scope)
+        method = scope["method"] if scope["method"] in _KNOWN_METHODS else "other"
         status = "500"
 
         async def send_recording_status(message: Message) -> None:
@@ -265,7 +270,7 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive, send_recording_status)
         except ClientDisconnect:  # sending found the client gone: nobody to answer, no fault
             status = "499"
-            _LOGGER.info("The client of %s %s disconnected", scope["method"], route)
+            _LOGGER.info("The client of %s %s disconnected", method, route)
         finally:
-            self.metrics.http_requests.labels(scope["method"], route, status).inc()
+            self.metrics.http_requests.labels(method, route, status).inc()
             self.metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)

@@ -61,9 +61,10 @@ NTS_CLIENT_KEYS = (
     "nts_trace",
     "nts_bias",
 )
-"""The flat keys a client may set (the server sets `nts_policy` and `nts_trace_id`)."""
+"""The flat keys a client may set (the server sets `nts_policy`, `nts_trace_id` and
+`nts_capture`)."""
 
-_SERVER_KEYS = ("nts_policy", "nts_trace_id")
+_SERVER_KEYS = ("nts_policy", "nts_trace_id", "nts_capture")
 
 XargValue = str | bool | int | float | list[str | int | float]
 

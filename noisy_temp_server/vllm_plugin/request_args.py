@@ -197,7 +197,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
 
     ``nts_rule=fixed`` without ``nts_t`` uses the policy's ``fixed_temperature`` (fitted when the
     policy comes from a profile; 1 under the identity policy). ``nts_t`` without ``nts_rule``
-    applies only when the policy's own rule is ``fixed``.
+    applies only when the policy's own rule is ``fixed``; otherwise `resolve_request` refuses it.
     """
     if not extra_args:
         return TuningKeys()
@@ -321,11 +321,18 @@ def resolve_request(keys: TuningKeys, request_temperature: float) -> RequestTuni
     (``request_temperature < GREEDY_TEMPERATURE``) or rule ``off``. The server uses this to
     know whether trace records will come (none come for an untuned request).
 
-    Raises ValueError when the default policy (``NTS_POLICY_FILE``) is needed and invalid.
+    Raises ValueError when the default policy (``NTS_POLICY_FILE``) is needed and invalid, and
+    when ``nts_t`` is given but the rule in force (``nts_rule``, else the policy's) is not
+    ``fixed``: a T that would be ignored.
     """
     if not keys.tune or request_temperature < GREEDY_TEMPERATURE:
         return None
     policy = _policy_with_rule(keys.policy_json or default_policy_json(), keys.rule)
+    if keys.fixed_t is not None and policy.rule is not Rule.FIXED:
+        raise ValueError(
+            f"{KEY_T} only applies to the fixed rule, and the policy in force has rule "
+            f"{policy.rule.value!r}; send {KEY_RULE}=fixed with it, or drop {KEY_T}."
+        )
     if policy.rule is Rule.OFF:
         return None
     bounds = policy.bounds

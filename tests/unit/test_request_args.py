@@ -118,16 +118,15 @@ def test_fixed_without_nts_t_uses_the_policy_fixed_temperature() -> None:
     assert (resolved.rule, resolved.fixed_t) == (Rule.FIXED, 1.7)
 
 
-def test_nts_t_without_a_rule_applies_to_a_fixed_policy_only() -> None:
+def test_nts_t_without_a_rule_applies_to_a_fixed_policy_and_is_refused_otherwise() -> None:
     fixed = TemperaturePolicy(rule=Rule.FIXED, fixed_temperature=1.7)
     resolved = resolve_request(
         parse_request_args({"nts_policy": fixed.to_json(), "nts_t": 1.2}), 1.0
     )
     assert resolved is not None
     assert (resolved.rule, resolved.fixed_t) == (Rule.FIXED, 1.2)
-    linear = resolve_request(parse_request_args({"nts_policy": SQRT.to_json(), "nts_t": 1.2}), 1.0)
-    assert linear is not None
-    assert linear.rule is Rule.SQRT
+    with pytest.raises(ValueError, match=r"nts_t only applies to the fixed rule.*'sqrt'"):
+        resolve_request(parse_request_args({"nts_policy": SQRT.to_json(), "nts_t": 1.2}), 1.0)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
+import httpx
 import pytest
 from server_fakes import (
     MAX_MODEL_LEN,
@@ -319,6 +321,60 @@ async def _timed(work: Any) -> float:
     return loop.time() - started
 
 
+class _SlowTokenizer(FakeTokenizer):
+    """Tokenizing blocks its thread for `seconds`, as a megabyte prompt does a real one."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.calls = 0
+        self.finished = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        time.sleep(self.seconds)
+        self.finished += 1
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "abc", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_tokenizing_a_prompt_does_not_stall_the_other_requests(
+    path: str, body: dict[str, Any]
+) -> None:
+    tokenizer = _SlowTokenizer(seconds=1.0)
+    app = build(Settings(), POLICY, tokenizer=tokenizer).client.app
+
+    async def health_while_tokenizing() -> tuple[int, int, int]:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            generation = asyncio.create_task(client.post(path, json=body))
+            while tokenizer.calls == 0:  # on the event loop, this ends after tokenizing
+                await asyncio.sleep(0.01)
+            health = await client.get("/health")
+            tokenized_before_health = tokenizer.finished
+            return health.status_code, tokenized_before_health, (await generation).status_code
+
+    health_status, tokenized_before_health, generation_status = asyncio.run(
+        health_while_tokenizing()
+    )
+    assert (health_status, generation_status) == (200, 200)
+    assert tokenized_before_health == 0  # /health was answered while the prompt was tokenized
+
+
+def test_an_unknown_model_is_refused_before_the_prompt_is_tokenized() -> None:
+    tokenizer = _SlowTokenizer(seconds=0.0)
+    server = build(Settings(), POLICY, tokenizer=tokenizer)
+    assert_error(server.post("/v1/completions", {"model": "gpt-5", "prompt": "a"}), 404)
+    assert tokenizer.calls == 0
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -345,6 +401,8 @@ def test_validation_error_is_a_400_naming_the_field(server: Harness) -> None:
         ({"nts_t_min": 2.0}, "t_min"),
         ({"vllm_xargs": {"nts_bogus": 1}}, "Unknown noisy-temp-server request key"),
         ({"vllm_xargs": {"nts_trace_id": "mine"}}, "set by the server"),
+        ({"vllm_xargs": {"nts_capture": True}}, "set by the server"),
+        ({"nts_t": 1.5}, "nts_t only applies to the fixed rule"),
         ({"vllm_xargs": {"nts_runtime_noise_sigma": 1.0}}, "runtime noise is a server setting"),
         ({"nts_runtime_noise_sigma": 1.0}, "runtime noise is a server setting"),
     ],
@@ -476,6 +534,13 @@ def test_server_defaults_apply_unless_the_request_overrides_them() -> None:
     )
 
 
+def test_a_server_default_t_without_its_fixed_rule_leaves_other_rules_alone() -> None:
+    harness = build(Settings(default_t=1.5), POLICY)  # POLICY's rule is sqrt
+    response = harness.post("/v1/completions", {"prompt": "abc", "max_tokens": 1})
+    assert response.status_code == 200
+    assert response.json()["nts"]["rule"] == "sqrt"
+
+
 def test_metrics_count_requests_and_temperatures(server: Harness) -> None:
     server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2})
     server.post("/v1/completions", {"prompt": "a", "n": 0})
@@ -488,6 +553,16 @@ def test_metrics_count_requests_and_temperatures(server: Harness) -> None:
     assert server.metric("nts_http_request_duration_seconds_count", route=route) == 3
     assert server.metric("nts_request_temperature_mean_count", rule="sqrt") == 2
     assert server.metric("nts_request_temperature_mean_sum", rule="sqrt") == 2.5
+
+
+def test_a_client_chosen_method_is_counted_as_other(server: Harness) -> None:
+    for method in ("BREW", "PROPFIND", "BREW"):
+        response = server.client.request(method, "/v1/completions")
+        assert response.status_code == 405
+        assert response.json()["error"]["message"]
+    labels = {"route": "unmatched", "status": "405"}  # a route matches its methods too
+    assert server.metric("nts_http_requests_total", method="other", **labels) == 3
+    assert server.metric("nts_http_requests_total", method="BREW", **labels) is None
 
 
 class BarrierTraces(FakeTraces):

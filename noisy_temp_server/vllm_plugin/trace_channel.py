@@ -41,7 +41,9 @@ message that cannot be queued (peer absent or slow) is dropped and counted
 cancelled, or finished without a wait), and records that arrive for a forgotten id during a
 grace period afterwards (the engine's last reports lag the response) are dropped instead of
 opening a new entry; ids nobody waits for or forgets expire after a TTL. Captured rows are held
-up to ``max_row_bytes`` in all (then the oldest request's rows go first) and for ``rows_ttl_s``.
+up to ``max_row_bytes`` in all (then the oldest request's rows go first) and for ``rows_ttl_s``;
+once a request's rows are taken (`take_rows`) or let go (`drop_rows`), rows still arriving for
+it during the grace period are dropped too.
 """
 
 from __future__ import annotations
@@ -237,6 +239,34 @@ class _Waiter:
     future: asyncio.Future[None]
 
 
+class _RecentIds:
+    """Ids let go of lately, each for ``grace_s`` seconds after the last `add` (at most
+    ``max_ids``: the oldest go first), so that late messages for them are ignored instead of
+    holding memory again. Not thread-safe: used under the collector's lock."""
+
+    def __init__(self, grace_s: float, max_ids: int) -> None:
+        self._since: dict[str, float] = {}  # insertion order is time order
+        self._grace_s = grace_s
+        self._max_ids = max_ids
+
+    def __contains__(self, trace_id: object) -> bool:
+        return trace_id in self._since
+
+    def add(self, trace_id: str, now: float) -> None:
+        self._since.pop(trace_id, None)  # re-inserted last
+        self._since[trace_id] = now
+        if len(self._since) > self._max_ids:
+            del self._since[next(iter(self._since))]
+
+    def expire(self, now: float) -> None:
+        """Let go of the ids added more than ``grace_s`` seconds before ``now``."""
+        while self._since:
+            first, since = next(iter(self._since.items()))
+            if now - since <= self._grace_s:
+                break
+            del self._since[first]
+
+
 class TraceCollector:
     """API side: binds a PULL socket and gathers per-step temperatures by trace id.
 
@@ -273,8 +303,8 @@ class TraceCollector:
         self._max_ids = max_ids
         self._pending: dict[str, _PendingTrace] = {}
         self._waiters: dict[str, _Waiter] = {}
-        self._forgotten: dict[str, float] = {}  # id -> when forgotten (insertion order)
-        self._forgotten_grace_s = forgotten_grace_s
+        self._forgotten = _RecentIds(forgotten_grace_s, max_ids)
+        self._rows_let_go = _RecentIds(forgotten_grace_s, max_ids)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -368,12 +398,16 @@ class TraceCollector:
                     break
                 self._rows_arrived.wait(min(left, _RECEIVE_POLL_MS / 1000))
             held = self._pop_rows(trace_id)
+            self._rows_let_go.add(trace_id, time.monotonic())  # rows later than the timeout
         return None if held is None else held.result()
 
     def drop_rows(self, trace_id: str) -> None:
-        """Stop holding the captured rows of ``trace_id`` (nobody will take them)."""
+        """Stop holding the captured rows of ``trace_id`` (nobody will take them), and drop
+        those that still arrive for it within the grace period (rows in flight when its
+        request was cancelled or its scoring refused)."""
         with self._lock:
             self._pop_rows(trace_id)
+            self._rows_let_go.add(trace_id, time.monotonic())
 
     def held_row_bytes(self) -> int:
         """Bytes of captured rows held (for tests and diagnostics)."""
@@ -416,10 +450,7 @@ class TraceCollector:
 
     def _forget_locked(self, trace_id: str) -> _PendingTrace | None:
         self._waiters.pop(trace_id, None)
-        self._forgotten.pop(trace_id, None)  # re-inserted last: the dict stays in time order
-        self._forgotten[trace_id] = time.monotonic()
-        if len(self._forgotten) > self._max_ids:
-            del self._forgotten[next(iter(self._forgotten))]
+        self._forgotten.add(trace_id, time.monotonic())
         return self._pending.pop(trace_id, None)
 
     def _read_loop(self) -> None:
@@ -500,6 +531,8 @@ class TraceCollector:
         with self._rows_arrived:
             grown = self._count_drops(sender, counts)
             for (trace_id, step), row in arrived:
+                if trace_id in self._rows_let_go:
+                    continue
                 held = self._held.get(trace_id)
                 if held is None:
                     held = self._held[trace_id] = _HeldRows()
@@ -534,12 +567,8 @@ class TraceCollector:
 
     def _expire(self, now: float) -> None:
         with self._lock:
-            forgotten = self._forgotten
-            while forgotten:
-                first, since = next(iter(forgotten.items()))
-                if now - since <= self._forgotten_grace_s:
-                    break
-                del forgotten[first]
+            self._forgotten.expire(now)
+            self._rows_let_go.expire(now)
             stale = [tid for tid, p in self._pending.items() if now - p.last_update > self._ttl_s]
             for trace_id in stale:
                 del self._pending[trace_id]

@@ -313,6 +313,21 @@ def test_take_rows_waits_for_announced_steps_and_bounds_memory(tmp_path: Path) -
         sender.close()
 
 
+def test_rows_arriving_after_their_request_was_let_go_are_not_held(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/late.sock"
+    with TraceCollector(endpoint) as collector:
+        sender = TraceSender(endpoint)
+        rows = np.ones((1, VOCAB), dtype=np.float32)
+        collector.drop_rows("cancelled")  # e.g. the request was cancelled mid-generation
+        assert collector.take_rows("timed-out", 1, timeout=0.05) is None
+        sender.send_rows([("cancelled", 0)], rows)
+        sender.send_rows([("timed-out", 0)], rows)
+        sender.send_rows([("live", 0)], rows)
+        assert _take(collector, "live", 1).steps.tolist() == [0]  # all three have arrived
+        assert collector.held_row_bytes() == 0
+        sender.close()
+
+
 def test_drop_counts_of_several_engines_add_up(tmp_path: Path) -> None:
     """Data-parallel engines each report their own cumulative drop counts: the collector's
     totals (and what it reports growing) are the sum over engines, not the last report."""

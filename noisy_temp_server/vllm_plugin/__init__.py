@@ -6,6 +6,8 @@ Modules (import them directly; this package imports nothing, so importing it sta
   ``vllm.logits_processors: noisy_temperature``), built as `processor_v1.NoisyTemperatureV1` or
   `processor_v2.NoisyTemperatureV2` by the runner (`runners`);
 - `slot_tuning`: the device-side per-slot state and per-step T* both share;
+- `processor_common`: the rest both share: construction (`build_slot_tuning`), the registry of
+  built processors, a request's tuning and its validation;
 - `reports`: the background thread bringing summaries, traces and histogram counts to the host;
 - `runtime_noise`: `RuntimeLogitNoiseProcessor`, fresh logit noise each step (by name only);
 - `request_args`: the flat ``nts_*`` request keys (one parser for the server and the engine);

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from vllm import SamplingParams
 
+from noisy_temp_server.vllm_plugin.processor_common import validate_request
 from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
 from noisy_temp_server.vllm_plugin.runners import RunnerDispatch
-from noisy_temp_server.vllm_plugin.slot_tuning import validate_request
 
 __all__ = ["NoisyTemperatureLogitsProcessor"]
 
@@ -50,5 +50,6 @@ class NoisyTemperatureLogitsProcessor(RunnerDispatch):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
+        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid or
+        name a per-token bias this engine cannot load (`processor_common.validate_request`)."""
         validate_request(sampling_params)

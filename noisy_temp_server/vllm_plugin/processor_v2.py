@@ -33,21 +33,21 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcRequestState,
 )
 
-from noisy_temp_server.vllm_plugin.slot_tuning import (
-    STEP_STRIDE,
+from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,
     build_slot_tuning,
     request_tuning,
 )
+from noisy_temp_server.vllm_plugin.slot_tuning import STEP_STRIDE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["NoisyTemperatureV2"]
 
-_TUNED = 1
+_HOLDS_TUNED = 1
 """Bit of a slot whose latest occupant is tuned or biased (`apply` changes its rows)."""
-_UNTUNED = 2
+_HOLDS_UNTUNED = 2
 """Bit of a slot whose latest occupant has no T* (its bad rows are not counted)."""
 
 
@@ -81,8 +81,8 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             registry=registry,
             vocab_size=req_states.vocab_size,
         )
-        # `_TUNED` | `_UNTUNED` bits of each slot's latest occupant. vLLM does not say when a
-        # slot is freed, so a finished occupant's bits stay until the slot is re-admitted.
+        # `_HOLDS_TUNED` | `_HOLDS_UNTUNED` bits of each slot's latest occupant. vLLM does not
+        # say when a slot is freed, so a finished occupant's bits stay until it is re-admitted.
         self._slot_kinds = np.zeros(capacity, dtype=np.uint8)
         # Per slot, from its lengths (see the module docstring): the step key of position 0,
         # ``slot * STEP_STRIDE - (prompt_len - 1)``, the key of step 0, ``slot * STEP_STRIDE``,
@@ -96,7 +96,9 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
         resolved, bias = (None, None) if self.duplicate else request_tuning(sampling_params)
         self.tuning.stage(req_idx, resolved, sampling_params.temperature, bias)
         tuned = resolved is not None or bias is not None
-        self._slot_kinds[req_idx] = (_TUNED if tuned else 0) | (_UNTUNED if resolved is None else 0)
+        self._slot_kinds[req_idx] = (_HOLDS_TUNED if tuned else 0) | (
+            _HOLDS_UNTUNED if resolved is None else 0
+        )
         self._admitted.append(req_idx)
         captured = self.capture.add_request(req_idx, sampling_params)
         return tuned or captured
@@ -112,7 +114,7 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             prefill_end = self._req_states.prefill_len.np[slots] - 1
             positions = np.stack((step_zero - prompt_end, step_zero, prefill_end))
             self._positions.index_copy_(1, self.tuning.upload(slots), self.tuning.upload(positions))
-            self._all_tuned = not np.bitwise_or.reduce(self._slot_kinds) & _UNTUNED
+            self._all_tuned = not np.bitwise_or.reduce(self._slot_kinds) & _HOLDS_UNTUNED
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """logits: [rows, V] float32 unscaled, biased and divided in place on tuned rows.
@@ -124,9 +126,9 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
         all_rows_tuned = self._all_tuned
         if not all_rows_tuned:  # some slot was untuned: read the step's own slots (one gather)
             kinds = np.bitwise_or.reduce(self._slot_kinds.take(ctx.idx_mapping_np))
-            if not kinds & _TUNED:
+            if not kinds & _HOLDS_TUNED:
                 return logits
-            all_rows_tuned = not kinds & _UNTUNED  # also once an untuned occupant is gone
+            all_rows_tuned = not kinds & _HOLDS_UNTUNED  # also once an untuned occupant is gone
         slots = ctx.expanded_idx_mapping
         position_zero, step_zero, prefill_end = self._positions.index_select(1, slots).unbind()
         keys = position_zero.add_(ctx.pos).clamp_(min=step_zero)  # a prefill chunk: step 0

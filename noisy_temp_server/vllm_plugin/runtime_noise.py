@@ -41,11 +41,11 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Logi
 
 from noisy_temp_server.pairs.perturb import add_runtime_logit_noise
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
+from noisy_temp_server.vllm_plugin.processor_common import tuning_processor
 from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
 from noisy_temp_server.vllm_plugin.request_args import parse_runtime_noise_sigma
 from noisy_temp_server.vllm_plugin.runners import RunnerDispatch
-from noisy_temp_server.vllm_plugin.slot_tuning import tuning_processor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

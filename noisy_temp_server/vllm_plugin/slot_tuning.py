@@ -48,15 +48,10 @@ entropy is read from the served row z̃, as in calibration.
 from __future__ import annotations
 
 import bisect
-import logging
-import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry
-from vllm import SamplingParams
 
 from noisy_temp_server.temperature.policy import (
     StepTemperatures,
@@ -66,47 +61,23 @@ from noisy_temp_server.temperature.policy import (
 )
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
-from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
-from noisy_temp_server.vllm_plugin.logit_bias import SlotBias, check_bias
+from noisy_temp_server.vllm_plugin.logit_bias import SlotBias
 from noisy_temp_server.vllm_plugin.metrics import (
     MAX_LABELS,
     OVERFLOW_STEP_BUCKET,
     step_bucket_labels,
-    step_temperature_metrics,
 )
 from noisy_temp_server.vllm_plugin.reports import Occupancy, Reporter, StateLayout
-from noisy_temp_server.vllm_plugin.request_args import (
-    RequestTuning,
-    default_policy_json,
-    parse_request_args,
-    resolve_bias,
-    resolve_request,
-)
-from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
-from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
+from noisy_temp_server.vllm_plugin.request_args import RequestTuning
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-
-__all__ = [
-    "STEP_STRIDE",
-    "SlotTuning",
-    "TunedProcessor",
-    "build_slot_tuning",
-    "request_tuning",
-    "tuning_processor",
-    "validate_request",
-]
-
-_LOGGER = logging.getLogger(__name__)
-_INSTANCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+__all__ = ["STEP_STRIDE", "SlotTuning"]
 
 STEP_STRIDE = 1 << 32
 """Slot stride of the step keys; generation steps stay below it."""
 _PAD_EDGE = STEP_STRIDE - 1  # fills a slot's unused buckets: no step reaches it
 _STEP_MASK = STEP_STRIDE - 1  # a step key's step
 _INITIAL_COLUMNS = 8
-_UNTUNED = StepTemperatures(step_edges=(0,), scale=(1.0,), beta=0.0, t_min=1.0, t_max=1.0)
+_UNTUNED_TABLE = StepTemperatures(step_edges=(0,), scale=(1.0,), beta=0.0, t_min=1.0, t_max=1.0)
 _NO_POLICY = -1
 
 
@@ -315,7 +286,7 @@ class SlotTuning:
     ) -> tuple[StepTemperatures, list[int]]:
         """The slot's step table and the histogram label of each of its step buckets."""
         if resolved is None:
-            return _UNTUNED, [-1]
+            return _UNTUNED_TABLE, [-1]
         policy = resolved.policy
         table = _admitted(resolved, request_temperature)
         if table is None:  # reads the served row: per step, `policy_temperature`
@@ -323,7 +294,7 @@ class SlotTuning:
             entry.slots += 1
             self.host_policy_id[slot] = entry.policy_id
             table = replace(
-                _UNTUNED,
+                _UNTUNED_TABLE,
                 step_edges=policy.step_edges,
                 scale=(1.0,) * len(policy.step_edges),
                 t_min=resolved.t_min,
@@ -629,87 +600,3 @@ class SlotTuning:
 def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
     """``[2, N]`` float64 (1, T*) columns: what one row adds to a cell's (count, sum)."""
     return torch.stack((torch.ones_like(temperature), temperature)).double()
-
-
-def tuning_processor(vllm_config: VllmConfig) -> object | None:
-    """The (first) T* processor built for ``vllm_config`` in this process, if any."""
-    return _INSTANCES.get(id(vllm_config))
-
-
-def request_tuning(params: SamplingParams) -> tuple[RequestTuning | None, str | None]:
-    """What the processor applies to a request: its temperature tuning (None: untuned) and the
-    sha256 of its per-token bias (None: none). The one place the processors read the request
-    keys."""
-    keys = parse_request_args(params.extra_args)
-    return resolve_request(keys, params.temperature), resolve_bias(keys)
-
-
-def validate_request(params: SamplingParams) -> None:
-    """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid or
-    name a per-token bias this engine cannot load."""
-    check_bias(resolve_bias(parse_request_args(params.extra_args)))
-
-
-class TunedProcessor:
-    """What the two runners' processors share around their `SlotTuning` (``tuning``)."""
-
-    tuning: SlotTuning
-    capture: LogitCapture
-
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid."""
-        validate_request(sampling_params)
-
-    @property
-    def bad_rows(self) -> int:
-        """Bad rows (NaN or +inf logits, or all masked) of tuned requests, as reported so far;
-        rules that read the served row sampled them at T* = 1, step-only rules at their T*."""
-        reporter = self.tuning.reporter
-        return 0 if reporter is None else reporter.bad_rows
-
-
-def build_slot_tuning(
-    owner: object,
-    vllm_config: VllmConfig,
-    capacity: int,
-    device: torch.device,
-    *,
-    logits_scaled: bool,
-    registry: CollectorRegistry | None,
-    keep_last: bool = False,
-    vocab_size: int | None = None,
-) -> tuple[bool, SlotTuning, LogitCapture]:
-    """(duplicate, tuning, capture) for a processor ``owner`` of ``vllm_config``: checks the
-    default policy (ValueError at startup when ``NTS_POLICY_FILE`` is invalid), marks a second
-    instance for the same config as a duplicate, and reports (and captures, `capture`) only on
-    the first tensor-parallel rank. ``vocab_size``: the logits' width, for the per-token bias."""
-    default_policy_json()
-    duplicate = _INSTANCES.setdefault(id(vllm_config), owner) is not owner
-    if duplicate:
-        _LOGGER.warning(
-            "%s is loaded twice into one engine (it is an installed entry point; do not also "
-            "pass it in logits_processors). The second instance does nothing.",
-            type(owner).__name__,
-        )
-    device = torch.device(device)
-    reporter = None
-    bounds = CaptureBounds.from_settings()
-    if not duplicate and reports_on_this_rank(vllm_config):
-        reporter = Reporter(
-            TraceSender.from_env(),
-            step_temperature_metrics(registry),
-            slots=capacity + 1,
-            capture_queue_rows=bounds.queue_rows,
-        )
-    tuning = SlotTuning(
-        capacity,
-        device,
-        logits_scaled=logits_scaled,
-        reporter=reporter,
-        pin_memory=device.type == "cuda",
-        keep_last=keep_last,
-        vocab_size=vocab_size,
-    )
-    capture = LogitCapture(capacity, reporter, bounds, logits_scaled=logits_scaled)
-    return duplicate, tuning, capture

@@ -17,8 +17,9 @@ from vllm import SamplingParams
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.metrics import step_temperature_metrics
+from noisy_temp_server.vllm_plugin.processor_common import request_tuning
 from noisy_temp_server.vllm_plugin.reports import Reporter
-from noisy_temp_server.vllm_plugin.slot_tuning import STEP_STRIDE, SlotTuning, request_tuning
+from noisy_temp_server.vllm_plugin.slot_tuning import STEP_STRIDE, SlotTuning
 
 SLOTS = 5
 VOCAB = 7

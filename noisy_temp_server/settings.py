@@ -100,8 +100,9 @@ class Settings(BaseSettings):
         default=None,
         description="Folder of the per-token logit bias files (bias-<sha256>.safetensors) a "
         "policy may name; the engine loads each once. Unset: the profile's folder (where "
-        "`calibrate` writes them), or none without a profile (a policy naming a bias is then "
-        "refused with HTTP 400).",
+        "`calibrate` writes them) when the profile serves a bias, else none (the V1 processor "
+        "then stays argmax-invariant). Biases refined online are written to the server's "
+        "runtime folder, never here, and looked up there too.",
     )
 
     # --- temperature defaults (per-request nts_* keys override them) ---

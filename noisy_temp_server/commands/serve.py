@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from noisy_temp_server.estimation.profile import ModelIdentity, Profile
     from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
+    from noisy_temp_server.server.engine import EngineEnvironment
     from noisy_temp_server.server.metrics import ApiMetrics
     from noisy_temp_server.server.policy_source import PolicySource
     from noisy_temp_server.server.shadow import ShadowScorer
@@ -359,9 +360,13 @@ def _shadow(
     profile: Profile | None,
     metrics: ApiMetrics,
     rows: TraceCollector,
+    *,
+    online_bias_dir: Path,
 ) -> tuple[PolicySource | None, ShadowScorer | None]:
     """The online estimator and its shadow scorer, or (None, None) when scoring is off; the
-    scorer takes the engine's captured served rows from `rows`."""
+    scorer takes the engine's captured served rows from `rows`; the estimator finds the
+    profile's bias in the engine's bias directories and publishes online biases to
+    `online_bias_dir` (one of them, `server.engine.publish_bias_directories`)."""
     if settings.shadow_fraction == 0.0:
         return None, None
     if pair.clean is None and settings.clean_backend == "in_process":
@@ -369,7 +374,7 @@ def _shadow(
     from noisy_temp_server.estimation.heap import fix_mmap_threshold  # noqa: PLC0415
     from noisy_temp_server.estimation.online import OnlineEstimator  # noqa: PLC0415
     from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
-    from noisy_temp_server.vllm_plugin.logit_bias import bias_directory  # noqa: PLC0415
+    from noisy_temp_server.vllm_plugin.logit_bias import bias_directories  # noqa: PLC0415
 
     fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
     scorer = pair_scorer(settings, pair)
@@ -378,7 +383,8 @@ def _shadow(
         min_positions=settings.shadow_min_positions,
         refit_every=settings.shadow_min_positions,
         window_positions=settings.shadow_window_positions,
-        bias_dir=bias_directory(),
+        bias_dirs=bias_directories(),
+        online_bias_dir=online_bias_dir,
         head_basis=scorer.clean_head(),
     )
     shadow = ShadowScorer(
@@ -441,14 +447,17 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(environment.cleanup)
         try:
-            return _serve(settings, environment.trace_endpoint, args.log_level, stack)
+            return _serve(settings, environment, args.log_level, stack)
         except ProfileError as error:
             _LOGGER.error("Refusing to serve: %s", error)
             return 1
 
 
 def _serve(
-    settings: Settings, trace_endpoint: str, log_level: str, stack: contextlib.ExitStack[Any]
+    settings: Settings,
+    environment: EngineEnvironment,
+    log_level: str,
+    stack: contextlib.ExitStack[Any],
 ) -> int:
     """Start everything, registering its teardown on `stack`, and serve until stopped. The
     app's lifespan closes `stack` (see `create_app`'s `on_shutdown`)."""
@@ -457,7 +466,10 @@ def _serve(
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
-    from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
+    from noisy_temp_server.server.engine import (  # noqa: PLC0415
+        publish_bias_directories,
+        start_engine,
+    )
     from noisy_temp_server.server.engine_watchdog import EngineWatchedServer  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
     from noisy_temp_server.server.policy_source import StaticPolicySource  # noqa: PLC0415
@@ -468,13 +480,15 @@ def _serve(
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
     profile, profile_source = startup_profile(settings, pair)
-    if profile is not None:
-        check_served_bias(profile.to_policy(), pair)
+    startup_policy = None if profile is None else profile.to_policy()
+    publish_bias_directories(settings, environment, startup_policy)
+    if startup_policy is not None:
+        check_served_bias(startup_policy, pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     collector = stack.enter_context(
         TraceCollector(
-            trace_endpoint,
+            environment.trace_endpoint,
             max_row_bytes=settings.capture_buffer_mib << 20,
             on_rows_dropped=lambda reason, n: metrics.capture_dropped_rows.labels(reason).inc(n),
         )
@@ -482,9 +496,11 @@ def _serve(
     with _phase("Starting the vLLM engine"):
         engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
     stack.callback(engine.shutdown)
-    estimator, shadow = _shadow(settings, pair, profile, metrics, collector)
+    estimator, shadow = _shadow(
+        settings, pair, profile, metrics, collector, online_bias_dir=environment.online_bias_dir
+    )
     policy_source: PolicySource = estimator or StaticPolicySource(
-        TemperaturePolicy.identity() if profile is None else profile.to_policy(),
+        TemperaturePolicy.identity() if startup_policy is None else startup_policy,
         profile_source,
     )
     initial = policy_source.current_policy()

@@ -16,13 +16,19 @@ with the profile's table: that table is significance-gated (all ones where nothi
 so it serves T = 1 until the live evidence says otherwise instead of pinning the server at
 T = 1 for good. A profile (or policy) that serves the per-token bias keeps its T as calibrated
 (the records cannot refit a T that was fitted jointly with the bias); alpha / sigma2 are
-refitted as always. Given the bias directory (`bias_dir`) and a profile that serves a bias, the
-bias and its T are refined online from the shadow scorer's paired rows (`add(records, rows)`;
+refitted as always. Given a folder to publish biases to (`online_bias_dir`, writable) and a
+profile that serves a bias (its file found in `bias_dirs`), the bias and its T are refined
+online from the shadow scorer's paired rows (`add(records, rows)`;
 `estimation.online_bias.OnlineBias`: a streaming fit with the profile's penalty, a held-out
 reservoir) and, at a refit, published in the new policy version when they beat the published
-ones on the held-out rows by more than two standard errors: the vector is written once to
-the bias directory (`bias-<sha256>.safetensors`, one small file per published version), and
-the policy names it by hash.
+ones on the held-out rows by more than two standard errors: the vector is written once
+(atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy names it by
+hash, so the engine must look for bias files there too. Only the files of the last
+`kept_bias_files` published biases stay (requests admitted with a recent version may still
+load or be scored with its vector); older ones are deleted, never the profile's. A write that
+fails (OSError: a read-only or full folder) publishes the version without the new bias (the
+served bias and its T stay, alpha / sigma2 are new), is counted and marks the estimator
+unhealthy until a bias is written.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -36,7 +42,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +53,12 @@ from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile, StepBucketNoise
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.bias import LogitBias, PairedRows
-from noisy_temp_server.temperature.bias_files import bias_sha256, load_bias_file, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_file_name,
+    bias_sha256,
+    find_bias_file,
+    save_bias_file,
+)
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -78,8 +89,12 @@ class OnlineEstimator:
         settings: fit settings (step buckets, entropy buckets, evidence per cell); default: the
             profile's, else `CalibrationSettings()` with the initial policy's bounds.
         clock: returns the wall time in seconds (injectable for tests).
-        bias_dir: the bias directory; with a profile that serves a bias, the bias is refined
-            online (see the module docstring). ValueError when its file is not there.
+        bias_dirs: the folders the profile's bias file is looked up in, in order.
+        online_bias_dir: where published online biases are written; with it and a profile that
+            serves a bias, the bias is refined online (see the module docstring). ValueError
+            when the profile's bias file is in none of `bias_dirs`.
+        kept_bias_files: files of the most recent published online biases kept in
+            `online_bias_dir`.
         head_basis: the clean model's output head [V, d]; when the profile's bias has a part
             in its span, the online refinement steps in that span too (`StreamingBias`).
     """
@@ -93,13 +108,17 @@ class OnlineEstimator:
         window_positions: int = 50_000,
         settings: CalibrationSettings | None = None,
         clock: Callable[[], float] = time.time,
-        bias_dir: Path | None = None,
+        bias_dirs: Sequence[Path] = (),
+        online_bias_dir: Path | None = None,
+        kept_bias_files: int = 4,
         head_basis: torch.Tensor | None = None,
     ) -> None:
         if min_positions < 1 or refit_every < 1 or window_positions < min_positions:
             raise ValueError(
                 "need min_positions >= 1, refit_every >= 1 and window_positions >= min_positions"
             )
+        if kept_bias_files < 1:
+            raise ValueError("need kept_bias_files >= 1 (the served bias's file)")
         if isinstance(initial, Profile) and initial.to_policy().bias is not None:
             policy = initial.to_policy()  # the bias with its T, kept as calibrated
             settings = settings or initial.settings
@@ -137,11 +156,16 @@ class OnlineEstimator:
         self._last_error: str | None = None
         self._lock = threading.Lock()
         self._refit_lock = threading.Lock()
-        self._bias_dir = bias_dir
+        self._online_bias_dir = online_bias_dir
+        self._kept_bias_files = kept_bias_files
+        self._written_biases: deque[str] = deque()  # sha256 of our files, oldest first
+        self._profile_bias = policy.bias
+        self._bias_error: str | None = None
+        self._bias_write_failures = 0
         self._bias: OnlineBias | None = None
         summary = initial.bias if isinstance(initial, Profile) else None
-        if bias_dir is not None and policy.bias is not None and summary and summary.penalty:
-            vector = load_bias_file(bias_dir, policy.bias)
+        if online_bias_dir is not None and policy.bias and summary and summary.penalty:
+            vector = find_bias_file(bias_dirs, policy.bias)
             self._bias = OnlineBias.refining(
                 LogitBias(bias=vector, temperature=policy.fixed_temperature),
                 summary,
@@ -222,17 +246,55 @@ class OnlineEstimator:
 
     def _bias_update(self) -> dict[str, Any]:
         """The policy fields of the online bias for the next version when it is significantly
-        better on the held-out rows (its vector written to the bias directory first), else
-        none."""
-        if self._bias is None or self._bias_dir is None:
+        better on the held-out rows and its vector was written to `online_bias_dir`, else none
+        (a failed write is recorded, see the module docstring)."""
+        if self._bias is None or self._online_bias_dir is None:
             return {}
         candidate = self._bias.candidate()
         if candidate is None:
             return {}
-        save_bias_file(self._bias_dir, candidate.bias)
+        sha256 = bias_sha256(candidate.bias)
+        try:
+            save_bias_file(self._online_bias_dir, candidate.bias)
+        except OSError as error:
+            with self._lock:
+                self._bias_write_failures += 1
+                self._bias_error = (
+                    f"cannot write the online bias to {self._online_bias_dir}: {error}; "
+                    "the published bias stays"
+                )
+            logger.error("%s", self._bias_error)
+            return {}
+        with self._lock:
+            self._bias_error = None
         self._bias.published = candidate
+        self._forget_old_bias_files(sha256)
         logger.info("the online bias beats the published one on held-out rows: publishing it")
-        return {"bias": bias_sha256(candidate.bias), "fixed_temperature": candidate.temperature}
+        return {"bias": sha256, "fixed_temperature": candidate.temperature}
+
+    def _forget_old_bias_files(self, written: str) -> None:
+        """Record the file of `written` and delete those of older published biases beyond
+        `kept_bias_files` (never the profile's, nor one published again since)."""
+        assert self._online_bias_dir is not None
+        self._written_biases.append(written)
+        while len(self._written_biases) > self._kept_bias_files:
+            stale = self._written_biases.popleft()
+            if stale == self._profile_bias or stale in self._written_biases:
+                continue
+            try:
+                (self._online_bias_dir / bias_file_name(stale)).unlink(missing_ok=True)
+            except OSError as error:
+                logger.warning("cannot delete the old online bias %s: %s", stale[:16], error)
+
+    def _bias_status(self) -> dict[str, Any]:
+        """The online bias's state (`OnlineBias.status`), where it publishes, and how many of
+        its writes failed."""
+        assert self._bias is not None
+        return {
+            **self._bias.status(),
+            "folder": str(self._online_bias_dir),
+            "write_failures": self._bias_write_failures,
+        }
 
     def current_policy(self) -> TemperaturePolicy:
         """The latest published policy (an immutable snapshot)."""
@@ -252,9 +314,9 @@ class OnlineEstimator:
                 "window_positions": self._window_size,
                 "window_requests": len(self._window),
                 "last_refit_time": self._last_refit,
-                "healthy": self._last_error is None,
-                "last_error": self._last_error,
-                "bias": None if self._bias is None else self._bias.status(),
+                "healthy": self._last_error is None and self._bias_error is None,
+                "last_error": self._last_error or self._bias_error,
+                "bias": None if self._bias is None else self._bias_status(),
                 "mean_window_kl_at_one": (
                     float(torch.cat([r.kl_at_one for r in self._window]).double().mean())
                     if self._window

@@ -4,9 +4,12 @@ Order matters, because vLLM and prometheus_client read their environment when fi
 
 1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) settles
    the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
-   trace channel's address as `NTS_TRACE_ENDPOINT` and the folder of the per-token bias files
-   as `NTS_BIAS_DIR` (`Settings.bias_dir`, else the profile's folder) for the engine process;
-2. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
+   trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
+2. `publish_bias_directories` (once the startup policy is known, before the engine starts)
+   sets `NTS_BIAS_DIR` to the folders of the per-token bias files, only when a policy can name
+   a bias (a bias directory makes the V1 processor non-argmax-invariant, see
+   `vllm_plugin.processor_v1`);
+3. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
    `logprobs_mode="processed_logprobs"`, unless `tuned_logprobs` is off; the temperature
    processor is loaded once, from its entry point when the package is installed, else by its
    `<module>:<type>` name) and starts
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
+    from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
     "PROCESSOR_CLASS_PATH",
@@ -59,6 +63,7 @@ __all__ = [
     "GenerationEngine",
     "build_engine_args",
     "prepare_environment",
+    "publish_bias_directories",
     "start_engine",
 ]
 
@@ -89,11 +94,18 @@ class GenerationEngine(Protocol):
 @dataclass(frozen=True)
 class EngineEnvironment:
     """What `prepare_environment` set up; `cleanup` removes the runtime directory (which holds
-    `prometheus_dir` unless the deployment chose that directory)."""
+    `prometheus_dir` unless the deployment chose that directory, and `online_bias_dir`)."""
 
     runtime_dir: Path
     prometheus_dir: Path
     trace_endpoint: str
+
+    @property
+    def online_bias_dir(self) -> Path:
+        """Where the online refinement writes the per-token biases it publishes: a folder of
+        this server's runtime directory (writable, unshared, removed at shutdown; the server
+        restarts from its profile, so they are not needed after it)."""
+        return self.runtime_dir / "biases"
 
     def cleanup(self) -> None:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -120,12 +132,32 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     cpu_kv_cache_gib = engine_settings(settings, on_cpu=True).kv_cache_gib
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
-    bias_dir = settings.bias_dir or (settings.profile.parent if settings.profile else None)
-    if bias_dir is not None:  # also makes the V1 processor non-argmax-invariant
-        os.environ[BIAS_DIR_ENV] = str(bias_dir)
     for name in ("capture_rows_per_step", "capture_positions", "capture_queue_rows"):
         os.environ[f"NTS_{name.upper()}"] = str(getattr(settings, name))  # for the engine
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
+
+
+def publish_bias_directories(
+    settings: Settings, environment: EngineEnvironment, policy: TemperaturePolicy | None
+) -> tuple[Path, ...]:
+    """The folders the engine looks per-token bias files up in, in order, also set as
+    `NTS_BIAS_DIR` (joined by `os.pathsep`, `vllm_plugin.logit_bias.bias_directories`) for the
+    engine process and this one: `settings.bias_dir` when given; when the startup `policy` names
+    a bias, the profile's folder (unless `bias_dir` is given) and then
+    `environment.online_bias_dir`, where the online refinement publishes its biases (it starts
+    only from a policy that names one, so without one nothing is ever published). Empty, with
+    `NTS_BIAS_DIR` removed, when no policy can name a bias: the V1 processor then stays
+    argmax-invariant (skipped on greedy-only batches, after penalties)."""
+    folders: list[Path] = [] if settings.bias_dir is None else [settings.bias_dir]
+    if policy is not None and policy.bias is not None:
+        if settings.bias_dir is None and settings.profile is not None:
+            folders.append(settings.profile.parent)
+        folders.append(environment.online_bias_dir)
+    if folders:
+        os.environ[BIAS_DIR_ENV] = os.pathsep.join(str(folder) for folder in folders)
+    else:
+        os.environ.pop(BIAS_DIR_ENV, None)
+    return tuple(folders)
 
 
 def _multiprocess_directory(runtime_dir: Path) -> Path:

@@ -1,10 +1,15 @@
-"""A bias vector's identity and storage: its content hash, the safetensors file named by it,
-and the check that it fits a model's vocabulary.
+"""A bias vector's identity and storage: its content hash, the safetensors file named by it
+(written atomically, found in a search path of folders), and the check that it fits a model's
+vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +20,7 @@ __all__ = [
     "bias_file_name",
     "bias_sha256",
     "check_bias_vocabulary",
+    "find_bias_file",
     "load_bias_file",
     "save_bias_file",
 ]
@@ -43,9 +49,22 @@ def bias_file_name(sha256: str) -> str:
 
 
 def save_bias_file(folder: Path, bias: Tensor) -> Path:
-    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path."""
-    path = Path(folder) / bias_file_name(bias_sha256(bias))
-    save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(path))
+    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)` (`folder` created if
+    missing); returns the path. Atomic: written to a temporary file in `folder`, then renamed
+    over the path, so a reader never sees a partial file and a failed write (OSError) leaves
+    none behind."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / bias_file_name(bias_sha256(bias))
+    # one staging name per writing thread; created with the umask's permissions, like the path
+    staging = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(staging))
+        os.replace(staging, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -63,3 +82,14 @@ def load_bias_file(folder: Path, sha256: str) -> Tensor:
     if bias_sha256(bias) != sha256:
         raise ValueError(f"bias file {path} does not hold the bias with sha256 {sha256[:16]}...")
     return bias
+
+
+def find_bias_file(folders: Sequence[Path], sha256: str) -> Tensor:
+    """`load_bias_file` from the first of `folders` that has the file of `sha256` (a search
+    path: the name is the content hash, so any folder's copy is the same vector); ValueError
+    naming the folders when none has it."""
+    for folder in folders:
+        if (Path(folder) / bias_file_name(sha256)).is_file():
+            return load_bias_file(folder, sha256)
+    searched = ", ".join(str(folder) for folder in folders) or "no folder"
+    raise ValueError(f"no bias file {bias_file_name(sha256)} in {searched}")

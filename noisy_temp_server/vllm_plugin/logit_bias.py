@@ -2,12 +2,15 @@
 adds them.
 
 A policy names its bias by content hash (`TemperaturePolicy.bias`); the vector is the file
-``bias_file_name(sha256)`` (`temperature.bias.save_bias_file`) in the engine's *bias directory*:
-``$NTS_BIAS_DIR``, else the folder of ``$NTS_POLICY_FILE`` when that policy names a bias
-(`calibrate` writes the two side by side). Without either no bias is possible, and a request
-whose policy names one is refused (`check_bias`, run by the processors' ``validate_params``:
-HTTP 400). ``noisy-temp-server serve`` sets ``NTS_BIAS_DIR`` for its engine
-(`Settings.bias_dir`, by default the profile's folder).
+``bias_file_name(sha256)`` (`temperature.bias_files.save_bias_file`) in one of the engine's
+*bias directories*: ``$NTS_BIAS_DIR``, a search path of folders separated by ``os.pathsep``
+(``:``) looked up in order (safe, since the name is the content hash), else the folder of
+``$NTS_POLICY_FILE`` when that policy names a bias (`calibrate` writes the two side by side).
+Without either no bias is possible, and a request whose policy names one is refused
+(`check_bias`, run by the processors' ``validate_params``: HTTP 400). ``noisy-temp-server
+serve`` sets ``NTS_BIAS_DIR`` for its engine only when its policy can name a bias
+(`server.engine.publish_bias_directories`: the profile's folder, then the folder the online
+refinement publishes to).
 
 `SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 stands
 for "no bias", each bias a slot holds (one per policy version that has one) is loaded once, on
@@ -36,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from noisy_temp_server.temperature.bias_files import check_bias_vocabulary, load_bias_file
+from noisy_temp_server.temperature.bias_files import check_bias_vocabulary, find_bias_file
 from noisy_temp_server.vllm_plugin.request_args import (
     KEY_BIAS,
     KEY_POLICY,
@@ -45,7 +48,7 @@ from noisy_temp_server.vllm_plugin.request_args import (
     parse_policy_json,
 )
 
-__all__ = ["BIAS_DIR_ENV", "SlotBias", "bias_directory", "check_bias", "load_bias"]
+__all__ = ["BIAS_DIR_ENV", "SlotBias", "bias_directories", "check_bias", "load_bias"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -53,37 +56,40 @@ BIAS_DIR_ENV = "NTS_BIAS_DIR"
 _LOADED_SIZE = 8
 
 
-def bias_directory() -> Path | None:
-    """Where the engine finds bias files: ``$NTS_BIAS_DIR``, else the folder of
-    ``$NTS_POLICY_FILE`` when that policy names a bias, else None (no bias possible). Raises
-    ValueError when the policy file is needed and invalid."""
-    directory = os.environ.get(BIAS_DIR_ENV, "").strip()
-    if directory:
-        return Path(directory)
+def bias_directories() -> tuple[Path, ...]:
+    """Where the engine finds bias files, in order: the folders of ``$NTS_BIAS_DIR``
+    (``os.pathsep``-separated), else the folder of ``$NTS_POLICY_FILE`` when that policy names
+    a bias, else none (no bias possible). Raises ValueError when the policy file is needed and
+    invalid."""
+    listed = os.environ.get(BIAS_DIR_ENV, "").split(os.pathsep)
+    directories = tuple(Path(entry.strip()) for entry in listed if entry.strip())
+    if directories:
+        return directories
     policy_file = os.environ.get(POLICY_FILE_ENV, "").strip()
     if policy_file and parse_policy_json(default_policy_json()).bias is not None:
-        return Path(policy_file).parent
-    return None
+        return (Path(policy_file).parent,)
+    return ()
 
 
 @lru_cache(maxsize=_LOADED_SIZE)
-def _load(directory: Path, sha256: str) -> torch.Tensor:
-    return load_bias_file(directory, sha256)
+def _load(directories: tuple[Path, ...], sha256: str) -> torch.Tensor:
+    return find_bias_file(directories, sha256)
 
 
 def load_bias(sha256: str) -> torch.Tensor:
-    """The bias vector (float32 [V] on the CPU) with content hash ``sha256`` from the bias
-    directory; read once per (directory, hash) while recently used. ValueError (a 400 at
-    admission) when there is no bias directory, no such file, or the file does not hold it."""
-    directory = bias_directory()
-    if directory is None:
+    """The bias vector (float32 [V] on the CPU) with content hash ``sha256`` from the first bias
+    directory that has it; read once per (directories, hash) while recently used. ValueError
+    (a 400 at admission) when there is no bias directory, no such file, or the file does not
+    hold it."""
+    directories = bias_directories()
+    if not directories:
         raise ValueError(
             f"the policy ({KEY_POLICY}) names the per-token bias {sha256[:16]}..., but this "
             f"engine has no bias directory ({BIAS_DIR_ENV}); send {KEY_BIAS}=false or a policy "
             "without a bias."
         )
     try:
-        return _load(directory, sha256)
+        return _load(directories, sha256)
     except ValueError as error:
         raise ValueError(
             f"the per-token bias {sha256[:16]}... of the policy is not available to this "

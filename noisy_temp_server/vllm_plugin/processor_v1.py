@@ -16,7 +16,7 @@ Where V1 runs the processor depends on `is_argmax_invariant`, fixed at construct
 argmax-invariant processor runs only for sampled rows, after penalties, the request temperature
 and min-p (logits z̃/T_req); the others run for every row, greedy ones included, before
 penalties and the request temperature (logits z̃). A per-token bias changes greedy output, so
-when a bias is possible (the engine has a bias directory, `logit_bias.bias_directory`) the
+when a bias is possible (the engine has a bias directory, `logit_bias.bias_directories`) the
 processor is not argmax-invariant: it sees z̃ as under Model Runner V2, adds b and divides by
 T*, and the sampler's division by T_req gives softmax((z̃ + b)/(T_req·T*)), min-p included.
 Frequency and presence penalties then act on (z̃ + b)/T* (on z̃ + b under V2, where they run
@@ -34,7 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from noisy_temp_server.vllm_plugin.logit_bias import bias_directory
+from noisy_temp_server.vllm_plugin.logit_bias import bias_directories
 from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,
     build_slot_tuning,
@@ -70,7 +70,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         """vLLM's V1 constructor; ValueError when ``NTS_POLICY_FILE`` is set but invalid."""
         capacity = vllm_config.scheduler_config.max_num_seqs
         self._vllm_config = vllm_config  # keeps id(vllm_config) unique while self lives
-        self._argmax_invariant = bias_directory() is None
+        self._argmax_invariant = not bias_directories()
         vocab_size = None if self._argmax_invariant else vllm_config.model_config.get_vocab_size()
         self.duplicate, self.tuning, self.capture = build_slot_tuning(
             self,

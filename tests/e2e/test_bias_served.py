@@ -1,7 +1,8 @@
 """End to end: `serve --profile` with a profile that recommends the per-token bias. The bias
 file beside the profile reaches the engine (its bias directory), greedy requests are served
 with it, `nts.bias` says so, `nts_bias: false` turns it off, /v1/nts/status names it, and the
-shadow scorer feeds paired rows of sampled requests to the online bias."""
+shadow scorer feeds paired rows of sampled requests to the online bias, which publishes to a
+folder of its own."""
 
 from __future__ import annotations
 
@@ -91,5 +92,8 @@ def test_a_recommended_bias_is_served_to_greedy_requests(
                 break
             time.sleep(1)
         assert status["estimator"]["bias"]["requests"] == 1
+        online = Path(status["estimator"]["bias"]["folder"])  # writable, not the profile's
+        assert online.name == "biases"
+        assert not online.is_relative_to(profile.parent)
     finally:
         stop(server.process)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate
 from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directory
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directories, load_bias
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
@@ -95,7 +96,22 @@ def _logits(rows: int, seed: int = 7) -> torch.Tensor:
 
 def test_v1_is_argmax_invariant_only_without_a_bias_directory(bias_dir: Path) -> None:
     assert not _v1().is_argmax_invariant()
-    assert bias_directory() == bias_dir
+    assert bias_directories() == (bias_dir,)
+
+
+def test_the_bias_directory_is_a_search_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile's folder, then the online biases' one: a vector is found in either."""
+    profiles, online = tmp_path / "profiles", tmp_path / "online"
+    monkeypatch.setenv(BIAS_DIR_ENV, f"{profiles}{os.pathsep}{online}{os.pathsep}")
+    assert bias_directories() == (profiles, online)
+    first, sha_first = _bias(profiles, seed=1)
+    second, sha_second = _bias(online, seed=2)
+    assert torch.equal(load_bias(sha_first), first)
+    assert torch.equal(load_bias(sha_second), second)
+    with pytest.raises(ValueError, match="not available to this engine: no bias file"):
+        load_bias("ab" * 32)
 
 
 def test_policy_file_folder_is_the_bias_directory_only_when_it_names_a_bias(
@@ -104,7 +120,7 @@ def test_policy_file_folder_is_the_bias_directory_only_when_it_names_a_bias(
     policy_file = tmp_path / "policy.json"
     policy_file.write_text(LINEAR.to_json())
     monkeypatch.setenv(POLICY_FILE_ENV, str(policy_file))
-    assert bias_directory() is None
+    assert bias_directories() == ()
     assert _v1().is_argmax_invariant()
 
 

@@ -3,23 +3,34 @@ by the online estimator in versioned policies."""
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from profile_helpers import sample_profile
 
+from noisy_temp_server.estimation import online
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.temperature import bias_files
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
     evaluate_bias,
     fit_bias_at_penalty,
 )
-from noisy_temp_server.temperature.bias_files import bias_sha256, load_bias_file, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_file_name,
+    bias_sha256,
+    find_bias_file,
+    load_bias_file,
+    save_bias_file,
+)
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.streaming_bias import StreamingBias
 
@@ -197,26 +208,45 @@ def _biased_profile(folder: Path) -> tuple[Profile, str]:
     return profile.model_copy(update={"bias": summary}), summary.sha256
 
 
-def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) -> None:
-    profile, first_sha = _biased_profile(tmp_path)
-    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
-    estimator = OnlineEstimator(
-        profile, settings=settings, min_positions=480, refit_every=480, bias_dir=tmp_path
+SETTINGS = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+
+
+def _estimator(profile: Profile, folder: Path, **options: Any) -> OnlineEstimator:
+    """The online estimator of `profile`, its bias file in `folder`, refitting every 20
+    requests of `_feed`, publishing online biases to `folder / "online"`."""
+    return OnlineEstimator(
+        profile,
+        settings=SETTINGS,
+        min_positions=480,
+        refit_every=480,
+        bias_dirs=(folder,),
+        online_bias_dir=folder / "online",
+        **options,
     )
-    assert estimator.refines_bias
-    assert not OnlineEstimator(profile, settings=settings).refines_bias  # no bias directory
-    for request in range(60):
+
+
+def _feed(estimator: OnlineEstimator, requests: range) -> None:
+    for request in requests:
         clean, served = _logits(request)
         records = PositionRecords.from_logits(
             clean, served, step=torch.arange(len(clean)), sequence_id=request
         )
         estimator.add(records, PairedRows.from_logits(clean, served, request))
+
+
+def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) -> None:
+    profile, first_sha = _biased_profile(tmp_path)
+    estimator = _estimator(profile, tmp_path)
+    assert estimator.refines_bias
+    assert not OnlineEstimator(profile, bias_dirs=(tmp_path,)).refines_bias  # nowhere to publish
+    _feed(estimator, range(60))
     policy = estimator.current_policy()
     assert policy.version >= 1
     assert policy.rule is Rule.FIXED
     assert policy.bias not in (None, first_sha)
     assert policy.bias is not None
-    served_bias = load_bias_file(tmp_path, policy.bias)
+    served_bias = load_bias_file(tmp_path / "online", policy.bias)
+    assert [p.name for p in tmp_path.glob("bias-*")] == [bias_file_name(first_sha)]
     held_out = PairedRows.concat([_rows(1000 + i) for i in range(4)])
     published = LogitBias(bias=served_bias, temperature=policy.fixed_temperature)
     assert _mean_kl(held_out, published) < 0.5 * _mean_kl(held_out, LogitBias.identity(VOCAB))
@@ -230,7 +260,9 @@ def test_the_estimator_refines_in_the_span_of_a_clean_head_that_fits(tmp_path: P
     )
 
     def head_span(head: torch.Tensor | None) -> int:
-        estimator = OnlineEstimator(profile, bias_dir=tmp_path, head_basis=head)
+        estimator = OnlineEstimator(
+            profile, bias_dirs=(tmp_path,), online_bias_dir=tmp_path, head_basis=head
+        )
         return int(estimator.status()["bias"]["head_span"])
 
     assert head_span(torch.randn(VOCAB, 4)) == 1
@@ -256,3 +288,105 @@ def test_refining_keeps_what_the_start_already_corrects() -> None:
         stream.update(_rows(request))
     drift = (stream.correction.bias - start.bias).norm() / start.bias.norm()
     assert drift < 0.05
+
+
+def test_a_bias_that_cannot_be_written_still_publishes_the_version_and_shows_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only folder (EROFS, as a ConfigMap mount): the refit publishes its version
+    without the new bias, the estimator says why and counts it; once a write succeeds it is
+    healthy again. (The failed write escaped `add`, and no version was published.)"""
+    profile, first_sha = _biased_profile(tmp_path)
+    estimator = _estimator(profile, tmp_path)
+
+    def read_only(folder: Path, bias: torch.Tensor) -> Path:
+        raise OSError(errno.EROFS, "Read-only file system", str(folder))
+
+    monkeypatch.setattr(online, "save_bias_file", read_only)
+    _feed(estimator, range(60))
+    policy, status = estimator.current_policy(), estimator.status()
+    assert policy.version == 3  # one per 20 requests
+    assert policy.bias == first_sha
+    assert policy.fixed_temperature == profile.bias.temperature
+    assert policy.alpha_by_step != profile.to_policy().alpha_by_step  # refitted
+    assert not status["healthy"]
+    assert "cannot write the online bias" in status["last_error"]
+    assert "Read-only file system" in status["last_error"]
+    assert status["bias"]["write_failures"] == 2  # the first refit had too few held-out rows
+    monkeypatch.undo()
+    _feed(estimator, range(60, 80))
+    policy, status = estimator.current_policy(), estimator.status()
+    assert policy.version == 4
+    assert policy.bias not in (None, first_sha)
+    assert (status["healthy"], status["last_error"]) == (True, None)
+    assert status["bias"]["folder"] == str(tmp_path / "online")
+
+
+def _published(vectors: list[torch.Tensor]) -> Iterator[LogitBias]:
+    for vector in vectors:
+        yield LogitBias(bias=vector, temperature=1.0)
+
+
+def test_only_the_last_published_bias_files_are_kept_never_the_profiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every refit publishes a new bias (the candidates are given): the folder keeps the files
+    of the last two, and the profile's own file even when it is published again in between."""
+    profile, first_sha = _biased_profile(tmp_path)
+    vectors = [torch.full((VOCAB,), float(k)) for k in (1, 2)]
+    vectors += [torch.zeros(VOCAB)]  # the profile's vector, published again
+    vectors += [torch.full((VOCAB,), float(k)) for k in (3, 4, 5)]
+    candidates = _published(vectors)
+    monkeypatch.setattr(OnlineBias, "candidate", lambda self: next(candidates))
+    estimator = OnlineEstimator(
+        profile,
+        settings=SETTINGS,
+        min_positions=480,
+        refit_every=10**6,
+        bias_dirs=(tmp_path,),
+        online_bias_dir=tmp_path,  # the profile's folder itself
+        kept_bias_files=2,
+    )
+    _feed(estimator, range(20))
+    published = []
+    for _ in vectors:
+        assert estimator.refit()
+        published.append(estimator.current_policy().bias)
+        files = {p.name for p in tmp_path.glob("bias-*")}
+        assert bias_file_name(first_sha) in files
+        assert len(files - {bias_file_name(first_sha)}) <= 2
+    assert published == [bias_sha256(vector) for vector in vectors]
+    expected = {bias_file_name(sha) for sha in (first_sha, *published[-2:])}
+    assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+def test_a_bias_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half way leaves no file (a reader would take a partial file for a
+    corrupt bias); one that succeeds leaves only the bias file."""
+    vector = torch.randn(VOCAB)
+
+    def fails_half_way(tensors: dict[str, torch.Tensor], filename: str) -> None:
+        Path(filename).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bias_files, "save_file", fails_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        save_bias_file(tmp_path, vector)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    written = save_bias_file(tmp_path / "new", vector)
+    assert list((tmp_path / "new").iterdir()) == [written]
+    assert torch.equal(load_bias_file(tmp_path / "new", bias_sha256(vector)), vector)
+
+
+def test_a_bias_file_is_found_in_the_first_folder_of_a_search_path_that_has_it(
+    tmp_path: Path,
+) -> None:
+    vector = torch.randn(VOCAB)
+    save_bias_file(tmp_path / "second", vector)
+    folders = (tmp_path / "first", tmp_path / "second")
+    assert torch.equal(find_bias_file(folders, bias_sha256(vector)), vector)
+    with pytest.raises(ValueError, match=r"no bias file bias-.* in .*first, .*second"):
+        find_bias_file(folders, "ab" * 32)
+    with pytest.raises(ValueError, match="in no folder"):
+        find_bias_file((), bias_sha256(vector))

@@ -3,6 +3,7 @@ started)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from importlib.metadata import EntryPoint
@@ -16,7 +17,8 @@ from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
 from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
 from noisy_temp_server.server import engine
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directories
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.runtime_noise import (
     RUNTIME_NOISE_SEED_ENV,
@@ -154,17 +156,36 @@ def test_a_given_metrics_directory_that_does_not_exist_is_created(
     assert given.is_dir()
 
 
+_BIASED = dataclasses.replace(TemperaturePolicy.identity(), bias="ab" * 32)
+_ONLINE = "<online>"  # stands for the environment's online_bias_dir
+
+
 @pytest.mark.parametrize(
-    ("settings", "expected"),
+    ("settings", "policy", "expected"),
     [
-        ({"profile": "/profiles/int4.json"}, "/profiles"),
-        ({"profile": "/profiles/int4.json", "bias_dir": "/biases"}, "/biases"),
-        ({}, ""),
+        ({"profile": "/profiles/int4.json"}, _BIASED, ["/profiles", _ONLINE]),
+        ({"profile": "/p/int4.json", "bias_dir": "/biases"}, _BIASED, ["/biases", _ONLINE]),
+        ({"profile": "/profiles/int4.json"}, TemperaturePolicy.identity(), []),
+        ({"bias_dir": "/biases"}, TemperaturePolicy.identity(), ["/biases"]),
+        ({}, None, []),
     ],
 )
-def test_the_engine_finds_bias_files_in_the_bias_dir_or_beside_the_profile(
-    clean_process_environment: pytest.MonkeyPatch, settings: dict[str, str], expected: str
+def test_the_engine_gets_bias_directories_only_when_a_policy_can_name_a_bias(
+    clean_process_environment: pytest.MonkeyPatch,
+    settings: dict[str, str],
+    policy: TemperaturePolicy | None,
+    expected: list[str],
 ) -> None:
-    environment = engine.prepare_environment(Settings(**settings))  # type: ignore[arg-type]
+    """The profile's folder, then the writable folder of the online biases, when the startup
+    policy names a bias (or the folder given); none for a profile without a bias, so that the
+    V1 processor stays argmax-invariant (a variable left from before is removed)."""
+    given = Settings(**settings)  # type: ignore[arg-type]
+    environment = engine.prepare_environment(given)
     environment.cleanup()
-    assert os.environ.get(BIAS_DIR_ENV, "") == expected
+    clean_process_environment.setenv(BIAS_DIR_ENV, "/stale")
+    folders = engine.publish_bias_directories(given, environment, policy)
+    wanted = tuple(environment.online_bias_dir if f == _ONLINE else Path(f) for f in expected)
+    assert folders == wanted
+    assert bias_directories() == wanted
+    listed = os.pathsep.join(str(folder) for folder in wanted) if wanted else None
+    assert os.environ.get(BIAS_DIR_ENV) == listed

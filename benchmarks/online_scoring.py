@@ -133,7 +133,11 @@ def main() -> int:
     for kl_curve in (True, False):
         rates[kl_curve], live_tokens = _tokens_per_second(
             lambda s, curve=kl_curve: live_scorer.score_live(
-                s, [1.0] * positions, captured[s.sequence_id], kl_curve=curve
+                s,
+                [1.0] * positions,
+                captured[s.sequence_id],
+                request_temperature=1.0,
+                kl_curve=curve,
             ),
             live_set,
             args.repeats,
@@ -154,7 +158,9 @@ def main() -> int:
     for sequence in sequences:
         if estimator.current_policy().version > 0 or fed >= args.online_positions:
             break
-        live = live_scorer.score_live(sequence, [], captured[sequence.sequence_id])
+        live = live_scorer.score_live(
+            sequence, [], captured[sequence.sequence_id], request_temperature=1.0
+        )
         estimator.add(live.records)
         fed += len(live.records)
     policy = estimator.current_policy()

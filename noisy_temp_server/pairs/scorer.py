@@ -8,7 +8,9 @@ get the runtime noise of the pair, if any (`add_runtime_logit_noise`, the servin
 
 Online (`PairScorer.score_live`) the served side is not run here: the engine captured the rows
 it sampled from (`vllm_plugin.capture`, `ServedRows`), noise and rounding included, and only the
-clean side is computed, teacher-forced over the same tokens.
+clean side is computed, teacher-forced over the same tokens. Its scoreboard scores judge each
+request against what its client asked for, the clean model at the request's temperature T_r;
+its records and paired rows measure the pair at T_r = 1, as the fits they feed expect.
 
 `PositionRecords` is the columnar result: every statistic a rule needs to be fitted or
 evaluated later, including a compact KL curve over `KL_CURVE_TEMPERATURES` (read off at any T by
@@ -88,6 +90,16 @@ class ServedRows:
             raise ValueError(
                 f"served rows {tuple(self.rows.shape)} do not match {self.steps.shape[0]} steps"
             )
+
+
+def _at_request_temperature(pair: PairTerms, request_temperature: float) -> PairTerms:
+    """The terms of `pair` measured against softmax(z / T_r): those of (z / T_r, z~ / T_r),
+    whose KL at T is KL(softmax(z / T_r) || softmax(z~ / (T_r T))); `pair` itself at T_r = 1."""
+    if request_temperature == 1.0:
+        return pair
+    return PairTerms.from_logits(
+        pair.clean / request_temperature, pair.served / request_temperature
+    )
 
 
 @dataclass(frozen=True)
@@ -171,11 +183,7 @@ class PositionRecords:
         grid = curve_temperatures.to(pair.clean.device)
         stats = pair.statistics()
         features = pair.served_features
-        at_request = pair
-        if request_temperature != 1.0:
-            at_request = PairTerms.from_logits(
-                pair.clean / request_temperature, pair.served / request_temperature
-            )
+        at_request = _at_request_temperature(pair, request_temperature)
         curve = kl_curve_of_terms(at_request.kl, grid) if len(grid) else grid.new_zeros(count, 0)
         if with_oracle:
             oracle = oracle_temperature(at_request.clean, at_request.served)
@@ -265,13 +273,15 @@ class PositionRecords:
 
 @dataclass(frozen=True)
 class LiveScores:
-    """What the shadow scorer makes of one finished request (`PairScorer.score_live`).
+    """What the shadow scorer makes of one finished request (`PairScorer.score_live`), whose
+    client asked for temperature T_r.
 
-    records: the online estimator's records, without the oracle (`oracle_t`, `oracle_kl` NaN);
-    at_one: the scoreboard's per-position scores of the served model at T = 1, every position;
-    at_served: the same at the T* the engine applied, for the positions whose T* is known;
-    rows: paired rows of an evenly spaced share of the positions, for the online bias (None
-    unless asked for).
+    records: the online estimator's records at T_r = 1, without the oracle (`oracle_t`,
+    `oracle_kl` NaN); at_one: the scoreboard's per-position scores of the served model untuned,
+    softmax(z~ / T_r), against the clean model at the request's temperature, softmax(z / T_r),
+    every position; at_served: the same as served, softmax((z~ [+ b]) / (T_r T*)) at the T* the
+    engine applied, for the positions whose T* is known; rows: paired rows (z, z~) of an evenly
+    spaced share of the positions, for the online bias (None unless asked for).
     """
 
     records: PositionRecords
@@ -434,18 +444,29 @@ class PairScorer:
         served: ServedRows,
         max_rows: int = 0,
         *,
+        request_temperature: float,
         kl_curve: bool = True,
         bias: Tensor | None = None,
     ) -> LiveScores:
         """`LiveScores` of the positions of one finished request that have a captured served
         row (`served`; the clean side runs teacher-forced over the completion up to the last
-        of them): lean records plus the scoreboard's scores at T = 1 and at
+        of them): lean records plus the scoreboard's scores at T* = 1 and at
         `served_temperatures` (the T* of generated step s at index s; positions past its end
-        are scored at T = 1 only), and the paired rows of at most `max_rows` evenly spaced of
-        them, for the online bias (0: none). `kl_curve` False leaves the records' KL curves
-        out (an empty grid), for an estimator that refits no rule that reads them. `bias`: the
-        per-token bias b the request was served with (float [V]; None: none): its scores at T*
-        are then those of softmax((z~ + b) / T*); the records and rows stay those of z~."""
+        are scored at T* = 1 only), and the paired rows of at most `max_rows` evenly spaced of
+        them, for the online bias (0: none).
+
+        `request_temperature`: the temperature T_r the request was sampled at (> 0; greedy
+        requests are never captured): the scores are KL(softmax(z / T_r) || softmax(z~ / T_r))
+        untuned and KL(softmax(z / T_r) || softmax(z~ / (T_r T*))) as served (and the same-top,
+        delta-p and log-ratio of those distributions), so every request is judged against
+        the clean model sampled at the temperature its client asked for. The records and the
+        paired rows measure the pair at T_r = 1 whatever T_r was (`LiveScores`). ValueError
+        when it is not > 0. `kl_curve` False leaves the records' KL curves out (an empty
+        grid), for an estimator that refits no rule that reads them. `bias`: the per-token
+        bias b the request was served with (float [V]; None: none): its scores as served are
+        then those of softmax((z~ + b) / (T_r T*)); the records and rows stay those of z~."""
+        if not request_temperature > 0:
+            raise ValueError(f"request_temperature must be > 0, got {request_temperature!r}")
         ids = list(sequence.token_ids)
         steps_wanted = served.steps.to(torch.int64)
         if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:
@@ -464,7 +485,14 @@ class PairScorer:
                 clean = clean_rows[steps - first].to(self.device)
                 rows = served.rows[inside].to(self.device, torch.float32)
                 one, starred, record = self._live_chunk(
-                    sequence, steps, clean, rows, served_temperatures, grid=grid, bias=bias
+                    sequence,
+                    steps,
+                    clean,
+                    rows,
+                    served_temperatures,
+                    request_temperature=request_temperature,
+                    grid=grid,
+                    bias=bias,
                 )
                 records.append(record)
                 if max_rows:
@@ -490,13 +518,14 @@ class PairScorer:
         served: Tensor,
         served_temperatures: Sequence[float],
         *,
+        request_temperature: float,
         grid: Tensor,
         bias: Tensor | None,
     ) -> tuple[PositionScores, PositionScores, PositionRecords]:
-        """One chunk of `score_live`: scores at T = 1, as served at the known T* (the rows whose
-        step has one; with `bias` added first), and the lean records with KL curves on `grid`
-        (empty: none)."""
-        pair = PairTerms.from_logits(clean, served)  # shared by the records and the scores
+        """One chunk of `score_live`: scores against softmax(z / T_r) at T* = 1 and as served at
+        the known T* (the rows whose step has one; with `bias` added first), and the lean
+        records at T_r = 1 with KL curves on `grid` (empty: none)."""
+        pair = PairTerms.from_logits(clean, served)  # the records' (and at T_r = 1 the scores')
         record = PositionRecords.from_terms(
             pair,
             step=steps,
@@ -511,9 +540,18 @@ class PairScorer:
         if known.any():
             values = torch.tensor([served_temperatures[s] for s in steps[known].tolist()])
             t_star[known.to(self.device)] = values.to(self.device)
-        biased = None if bias is None else PairTerms.from_logits(clean, served + bias.to(served))
+        at_request = _at_request_temperature(pair, request_temperature)
+        biased = None
+        if bias is not None:  # softmax((z~ + b) / (T_r T*)) as served
+            biased_served = (served + bias.to(served)) / request_temperature
+            biased = PairTerms.from_logits(at_request.clean, biased_served)
         one, starred = scores_as_served(
-            pair, next_tokens, t_star, biased=biased, sequence_id=sequence.sequence_id, step=steps
+            at_request,
+            next_tokens,
+            t_star,
+            biased=biased,
+            sequence_id=sequence.sequence_id,
+            step=steps,
         )
         return one, starred.select(known), record
 

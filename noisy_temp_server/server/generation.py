@@ -323,7 +323,12 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
     if state.shadow is not None and choice.shadow_sampled:
         state.shadow.submit(
-            prepared.prompt_ids, choice.token_ids, trace, choice.trace_id, prepared.bias
+            prepared.prompt_ids,
+            choice.token_ids,
+            trace,
+            choice.trace_id,
+            request_temperature=prepared.params[choice.index].temperature,  # as vLLM samples
+            bias=prepared.bias,
         )
     return summary
 

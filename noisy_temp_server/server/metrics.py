@@ -119,7 +119,8 @@ class ApiMetrics:
         )
         self.shadow_kl = Histogram(
             "nts_shadow_kl_nats",
-            "Per scored position KL(clean || served) at T = 1 (one) and at the served T* (served).",
+            "Per scored position KL(clean || served), the clean model at the request's "
+            "temperature, at T = 1 (one) and at the served T* (served).",
             ["temperature"],
             buckets=_KL_BUCKETS,
             registry=registry,
@@ -170,7 +171,8 @@ class ApiMetrics:
             name: Gauge(
                 f"nts_scoreboard_{name}",
                 f"Live KL scoreboard of recent shadow-scored positions: {description}, at T = 1 "
-                "(one) and at the T* the engine applied (served).",
+                "(one) and at the T* the engine applied (served), against the clean model at "
+                "the request's temperature.",
                 ["temperature", *extra],
                 registry=registry,
                 multiprocess_mode="mostrecent",

@@ -11,12 +11,14 @@ thread takes items off the queue, takes the item's captured rows (`rows`, the tr
 ``not_captured``), runs only the clean model teacher-forced over the same tokens and scores the
 pair (`pairs.scorer.PairScorer.score_live`: only what the live metrics and the online estimator
 need: no per-position oracle, and no KL curves when the estimator refits no rule that reads
-them, `OnlineEstimator.reads_kl_curves`), feeds the per-position records to the online
-estimator and the per-position scores (T = 1 and the T* the engine applied) to the live
-scoreboard (`estimation.scoreboard.LiveScoreboard`, published on the status endpoint and as
-`nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates
-the policy gauges. New requests pick the new version up from the estimator; requests in
-flight keep the version they were admitted with.
+them, `OnlineEstimator.reads_kl_curves`), feeds the per-position records (measured at request
+temperature 1, what the estimator's fits read) to the online estimator and the per-position
+scores against the clean model at the choice's own temperature T_r, softmax(z / T_r), untuned
+(T* = 1: softmax(z~ / T_r)) and as served (softmax((z~ [+ b]) / (T_r T*)), at the T* the engine
+applied), to the live scoreboard (`estimation.scoreboard.LiveScoreboard`, published on the
+status endpoint and as `nts_scoreboard_*` gauges) and, when the estimator publishes a new
+policy version, updates the policy gauges. New requests pick the new version up from the
+estimator; requests in flight keep the version they were admitted with.
 
 Cost: the scorer runs teacher-forced passes per scored request on `shadow_device`. On the CPU
 it shares the cores with the engine, so it keeps to a budget (`CpuBudget`): at most
@@ -80,6 +82,7 @@ class SequenceScorer(Protocol):
         served: ServedRows,
         max_rows: int = 0,
         *,
+        request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
     ) -> LiveScores: ...
@@ -182,6 +185,7 @@ class _Item:
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     served_temperatures: tuple[float, ...]
+    request_temperature: float
     sequence_id: int
     trace_id: str
     reserved_s: float
@@ -298,6 +302,8 @@ class ShadowScorer:
         completion_ids: Sequence[int],
         served_temperatures: Sequence[float],
         trace_id: str,
+        *,
+        request_temperature: float,
         bias: str | None = None,
     ) -> bool:
         """Queue a finished choice that `admit` sampled; never blocks. Returns whether it was
@@ -306,9 +312,13 @@ class ShadowScorer:
 
         `served_temperatures`: the T* of each generated step (may be shorter than the
         completion, or empty, when the trace is incomplete); `trace_id`: the choice's key on
-        the trace channel, under which the engine captured its served rows; `bias`: the sha256
-        of the per-token bias it was served with (None: none), added before T* in its scores
-        as served (loaded from the bias directory, `vllm_plugin.logit_bias.load_bias`).
+        the trace channel, under which the engine captured its served rows;
+        `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
+        greedy choices are never sampled, `capture.capturable`), whose target
+        softmax(z / T_r) its scores are measured against (`PairScorer.score_live`); `bias`:
+        the sha256 of the per-token bias it was served with (None: none), added before T* in
+        its scores as served (loaded from the bias directory,
+        `vllm_plugin.logit_bias.load_bias`).
         """
         if not completion_ids:
             self.cancel(trace_id)
@@ -321,6 +331,7 @@ class ShadowScorer:
             tuple(prompt_ids),
             tuple(completion_ids),
             tuple(served_temperatures),
+            request_temperature,
             sequence_id,
             trace_id,
             reserved,
@@ -491,6 +502,7 @@ class ShadowScorer:
             item.served_temperatures,
             served,
             self._bias_rows,
+            request_temperature=item.request_temperature,
             kl_curve=self._estimator.reads_kl_curves,
             bias=None if item.bias is None else load_bias(item.bias),
         )

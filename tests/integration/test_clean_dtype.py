@@ -45,7 +45,8 @@ def _live(
 ) -> dict[str, float]:
     scorer = PairScorer(clean)
     lives = [
-        scorer.score_live(s, [1.1] * 64, rows) for s, rows in zip(sequences, served, strict=True)
+        scorer.score_live(s, [1.1] * 64, rows, request_temperature=1.0)
+        for s, rows in zip(sequences, served, strict=True)
     ]
     sigma2 = torch.cat([live.records.sigma2 for live in lives])
     tau2 = torch.cat([live.records.tau2 for live in lives])

@@ -78,8 +78,12 @@ def test_remote_clean_gives_the_in_process_statistics(
             trace = [1.2] * 10
             rows = torch.cat(list(InProcessModel(served).completion_rows(sequence, 64)))
             captured = ServedRows(torch.arange(rows.shape[0]), rows)
-            local = PairScorer(clean, chunk_positions=16).score_live(sequence, trace, captured)
-            far = PairScorer(remote, chunk_positions=16).score_live(sequence, trace, captured)
+            local = PairScorer(clean, chunk_positions=16).score_live(
+                sequence, trace, captured, request_temperature=1.0
+            )
+            far = PairScorer(remote, chunk_positions=16).score_live(
+                sequence, trace, captured, request_temperature=1.0
+            )
             for name in PositionRecords._row_fields():
                 if name in ("oracle_t", "oracle_kl"):
                     continue

@@ -244,6 +244,7 @@ class FakeScorer:
         self.sequences: list[ScoringSequence] = []
         self.kl_curves: list[bool] = []
         self.biases: list[torch.Tensor | None] = []
+        self.request_temperatures: list[float] = []
 
     def score_live(
         self,
@@ -252,9 +253,11 @@ class FakeScorer:
         served: ServedRows,
         max_rows: int = 0,
         *,
+        request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
     ) -> LiveScores:
+        self.request_temperatures.append(request_temperature)
         self.kl_curves.append(kl_curve)
         self.biases.append(bias)
         if self.gate is not None:

@@ -20,6 +20,7 @@ from noisy_temp_server.pairs.perturb import (
 )
 from noisy_temp_server.pairs.scorer import (
     KL_CURVE_TEMPERATURES,
+    LiveScores,
     PairScorer,
     PositionRecords,
     ScoringSequence,
@@ -179,18 +180,19 @@ def test_live_scores_of_some_captured_steps_are_those_steps_of_the_full_scores(
     subset = ServedRows(captured.steps[kept], captured.rows[kept])
     trace = [1.2] * 10
     scorer = PairScorer(clean, chunk_positions=4)
-    some = scorer.score_live(sequence, trace, subset)
-    every = scorer.score_live(sequence, trace, captured)
+    some = scorer.score_live(sequence, trace, subset, request_temperature=1.0)
+    every = scorer.score_live(sequence, trace, captured, request_temperature=1.0)
     assert some.records.step.tolist() == kept.tolist()
     for name in PositionRecords._row_fields():
         actual, expected = getattr(some.records, name), getattr(every.records, name)[kept]
         torch.testing.assert_close(actual, expected, equal_nan=True)
     assert some.at_served.step.tolist() == [0, 1, 2, 4, 5, 9]  # T* known for steps < 10
     torch.testing.assert_close(some.at_one.kld, every.at_one.kld[kept])
+    beyond = ServedRows(torch.tensor([21]), captured.rows[:1])
     with pytest.raises(ValueError, match="beyond"):
-        scorer.score_live(sequence, trace, ServedRows(torch.tensor([21]), captured.rows[:1]))
+        scorer.score_live(sequence, trace, beyond, request_temperature=1.0)
     assert every.rows is None  # paired rows only when asked for (the online bias)
-    paired = scorer.score_live(sequence, trace, captured, max_rows=5).rows
+    paired = scorer.score_live(sequence, trace, captured, max_rows=5, request_temperature=1.0).rows
     assert paired is not None
     assert paired.sequence_id.tolist() == [sequence.sequence_id] * 5  # steps 0, 5, 10, 15, 20
     reference = PairScorer(clean, served, chunk_positions=64)
@@ -207,8 +209,10 @@ def test_live_records_without_kl_curves_are_the_same_records_less_the_curves(
     sequence = _sequences()[0]
     captured = _captured(served, sequence)
     scorer = PairScorer(clean, chunk_positions=4)
-    full = scorer.score_live(sequence, [1.2] * 21, captured)
-    lean = scorer.score_live(sequence, [1.2] * 21, captured, kl_curve=False)
+    full = scorer.score_live(sequence, [1.2] * 21, captured, request_temperature=1.0)
+    lean = scorer.score_live(
+        sequence, [1.2] * 21, captured, request_temperature=1.0, kl_curve=False
+    )
     assert lean.records.kl_curve.shape == (21, 0)
     assert lean.records.curve_temperatures.shape == (0,)
     for name in PositionRecords._row_fields():
@@ -218,14 +222,18 @@ def test_live_records_without_kl_curves_are_the_same_records_less_the_curves(
     torch.testing.assert_close(lean.at_served.kld, full.at_served.kld)
 
 
+@pytest.mark.parametrize("request_temperature", [1.0, 0.5])
 def test_live_scores_match_the_reference_without_the_oracle(
-    pair: tuple[PreTrainedModel, PreTrainedModel],
+    pair: tuple[PreTrainedModel, PreTrainedModel], request_temperature: float
 ) -> None:
+    """A request sampled at T_r is judged against the clean model at T_r: untuned
+    KL(softmax(z/T_r) || softmax(z~/T_r)), as served KL(softmax(z/T_r) || softmax(z~/(T_r T*)));
+    its records stay those of T_r = 1 (what the estimator's fits read)."""
     clean, served = pair
     sequence = _sequences()[0]  # 21 completion positions
     trace = [1.0 + 0.05 * s for s in range(15)]  # the engine's T* of the first 15 steps
     live = PairScorer(clean, chunk_positions=4).score_live(
-        sequence, trace, _captured(served, sequence)
+        sequence, trace, _captured(served, sequence), request_temperature=request_temperature
     )
     full = PairScorer(clean, served, chunk_positions=4).score_sequence(sequence)
     for name in PositionRecords._row_fields():
@@ -234,38 +242,61 @@ def test_live_scores_match_the_reference_without_the_oracle(
             assert bool(actual.isnan().all()), name  # not computed online
         else:
             assert torch.allclose(actual.double(), expected.double(), rtol=1e-5, atol=1e-6), name
-    reference = _reference(clean, served, sequence)
     assert len(live.at_one) == 21
     assert len(live.at_served) == 15
-    torch.testing.assert_close(live.at_one.kld, reference["kl_at_one"], rtol=1e-4, atol=1e-5)
     assert live.at_served.step.tolist() == list(range(15))
     ids = torch.tensor([list(sequence.token_ids)])
-    rows = slice(sequence.prompt_length - 1, sequence.prompt_length - 1 + 15)
+    rows = slice(sequence.prompt_length - 1, len(sequence.token_ids) - 1)
     with torch.no_grad():
-        z = copy.deepcopy(clean).double()(ids).logits[0, rows]
-        zs = copy.deepcopy(served).double()(ids).logits[0, rows]
+        z = copy.deepcopy(clean).double()(ids).logits[0, rows] / request_temperature
+        zs = copy.deepcopy(served).double()(ids).logits[0, rows] / request_temperature
+    torch.testing.assert_close(live.at_one.kld, kl_to_clean(z, zs, 1.0), rtol=1e-4, atol=1e-5)
+    z, zs = z[:15], zs[:15]
     t = torch.tensor(trace, dtype=torch.float64)
     torch.testing.assert_close(live.at_served.kld, kl_to_clean(z, zs, t), rtol=1e-4, atol=1e-5)
     tokens = ids[0, sequence.prompt_length : sequence.prompt_length + 15]
+    log_q = (zs / t[:, None]).log_softmax(-1)
     log_ratio = (
-        z.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-        - (zs / t[:, None]).log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        z.log_softmax(-1).gather(1, tokens[:, None])[:, 0] - log_q.gather(1, tokens[:, None])[:, 0]
     )
     torch.testing.assert_close(live.at_served.log_ratio, log_ratio, rtol=1e-4, atol=1e-5)
+    top = z.argmax(-1, keepdim=True)
+    delta_p = log_q.exp().gather(1, top)[:, 0] - z.softmax(-1).gather(1, top)[:, 0]
+    torch.testing.assert_close(live.at_served.delta_p, delta_p, rtol=1e-4, atol=1e-6)
 
 
-def test_live_scores_with_a_bias_are_those_of_the_biased_served_logits(
+def test_a_live_request_temperature_must_be_positive(
     pair: tuple[PreTrainedModel, PreTrainedModel],
 ) -> None:
+    clean, served = pair
+    sequence = _sequences()[0]
+    with pytest.raises(ValueError, match="request_temperature"):
+        PairScorer(clean).score_live(
+            sequence, [], _captured(served, sequence), request_temperature=0.0
+        )
+
+
+@pytest.mark.parametrize("request_temperature", [1.0, 0.5])
+def test_live_scores_with_a_bias_are_those_of_the_biased_served_logits(
+    pair: tuple[PreTrainedModel, PreTrainedModel], request_temperature: float
+) -> None:
+    """As served: softmax((z~ + b) / (T_r T*)); untuned (the T* = 1 baseline) stays
+    softmax(z~ / T_r), without the bias, as the records and rows do."""
     clean, served = pair
     sequence = _sequences()[0]
     captured = _captured(served, sequence)
     bias = torch.randn(captured.rows.shape[1], generator=torch.Generator().manual_seed(4))
     trace = [1.3] * 21
     scorer = PairScorer(clean, chunk_positions=4)
-    plain = scorer.score_live(sequence, trace, captured)
-    biased = scorer.score_live(sequence, trace, captured, bias=bias)
-    reference = scorer.score_live(sequence, trace, ServedRows(captured.steps, captured.rows + bias))
+
+    def score(rows: ServedRows, bias: torch.Tensor | None = None) -> LiveScores:
+        return scorer.score_live(
+            sequence, trace, rows, request_temperature=request_temperature, bias=bias
+        )
+
+    plain = score(captured)
+    biased = score(captured, bias)
+    reference = score(ServedRows(captured.steps, captured.rows + bias))
     for name in ("kld", "delta_p", "log_ratio", "same_top"):
         torch.testing.assert_close(
             getattr(biased.at_served, name), getattr(reference.at_served, name)

@@ -65,11 +65,15 @@ class Setup:
 
 
 def _offer(
-    shadow: ShadowScorer, prompt: list[int], completion: list[int], temperatures: list[float]
+    shadow: ShadowScorer,
+    prompt: list[int],
+    completion: list[int],
+    temperatures: list[float],
+    request_temperature: float = 1.0,
 ) -> bool:
     """Admit a choice and, when sampled, submit it finished: whether it was queued."""
     return shadow.admit("trace", len(completion)) and shadow.submit(
-        prompt, completion, temperatures, "trace"
+        prompt, completion, temperatures, "trace", request_temperature=request_temperature
     )
 
 
@@ -185,7 +189,7 @@ def test_scoring_errors_are_counted_and_the_loop_survives() -> None:
 def test_sampling_is_drawn_at_admission_and_empty_completions_are_not_queued() -> None:
     setup = Setup(FakeScorer())
     assert setup.shadow.admit("trace", 16)
-    assert not setup.shadow.submit([1, 2], [], [], "trace")
+    assert not setup.shadow.submit([1, 2], [], [], "trace", request_temperature=1.0)
     status = setup.shadow.status()
     assert (status["offered"], status["sampled"], status["queue_depth"]) == (1, 1, 0)
 
@@ -241,12 +245,15 @@ class BudgetProbe(FakeScorer):
         served: ServedRows,
         max_rows: int = 0,
         *,
+        request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))
-        return super().score_live(sequence, served_temperatures, served)
+        return super().score_live(
+            sequence, served_temperatures, served, request_temperature=request_temperature
+        )
 
 
 def test_the_scoring_thread_runs_with_its_own_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,7 +343,7 @@ def test_sampling_keeps_to_the_cpu_budget_and_settles_what_scoring_cost() -> Non
     assert status["budget"] == {**status["budget"], "cpu_share": 0.005, "warm_up": True}
     shadow.start()
     try:
-        assert shadow.submit([1], list(range(2, 12)), [1.0] * 10, "d")
+        assert shadow.submit([1], list(range(2, 12)), [1.0] * 10, "d", request_temperature=1.0)
         assert shadow.wait_idle(5)
     finally:
         shadow.close()
@@ -373,7 +380,9 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     setup.shadow.start()
     try:
         assert setup.shadow.admit("trace", 3)
-        assert setup.shadow.submit([1, 2], [3, 4, 5], [1.0] * 3, "trace", bias_sha256(vector))
+        assert setup.shadow.submit(
+            [1, 2], [3, 4, 5], [1.0] * 3, "trace", request_temperature=0.7, bias=bias_sha256(vector)
+        )
         assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
         assert setup.shadow.wait_idle(5)
     finally:
@@ -382,3 +391,4 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     assert with_bias is not None
     assert torch.equal(with_bias, vector)
     assert without is None
+    assert setup.scorer.request_temperatures == [0.7, 1.0]  # each choice's own T_r

@@ -67,12 +67,15 @@ class HungScorer(FakeScorer):
         served: ServedRows,
         max_rows: int = 0,
         *,
+        request_temperature: float,
         kl_curve: bool = True,
         bias: object = None,
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)
-        return super().score_live(sequence, served_temperatures, served)
+        return super().score_live(
+            sequence, served_temperatures, served, request_temperature=request_temperature
+        )
 
 
 class FailingEstimator(FakeEstimator):
@@ -202,10 +205,14 @@ def test_a_full_queue_drops_without_blocking_the_submit() -> None:
     scorer = HungScorer()
     served = Served(scorer, FakeEstimator(every=4), queue_size=1)
     try:
-        assert served.shadow.submit([1, 2], [3], [1.0], "t")  # taken by the (hung) scorer
+
+        def submit() -> bool:
+            return served.shadow.submit([1, 2], [3], [1.0], "t", request_temperature=1.0)
+
+        assert submit()  # taken by the (hung) scorer
         assert scorer.entered.wait(10)
-        assert served.shadow.submit([1, 2], [3], [1.0], "t")  # fills the queue
-        assert [served.shadow.submit([1, 2], [3], [1.0], "t") for _ in range(5)] == [False] * 5
+        assert submit()  # fills the queue
+        assert [submit() for _ in range(5)] == [False] * 5
         assert served.dropped("queue_full") == 5
         assert served.status()["dropped_queue_full"] == 5
     finally:
@@ -363,6 +370,26 @@ def test_a_sampled_tuned_request_runs_traced_and_its_full_trace_is_scored() -> N
     assert served.value("nts_shadow_kl_nats_count", temperature="served") == 5
     status = served.status()
     assert (status["offered"], status["sampled"], status["scored"]) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "scored_at"),
+    [({}, 1.0), ({"temperature": 0.5}, 0.5), ({"temperature": 1.3, "n": 2}, 1.3)],
+    ids=["default", "0.5", "two choices at 1.3"],
+)
+def test_a_sampled_choice_is_scored_at_its_own_request_temperature(
+    extra: dict[str, Any], scored_at: float
+) -> None:
+    scorer = FakeScorer()
+    served = Served(scorer, FakeEstimator(every=100), queue_size=8, fraction=1.0)
+    try:
+        response = served.client.post("/v1/completions", json={**BODY, **extra})
+        assert response.status_code == 200, response.text
+        assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    choices = extra.get("n", 1)
+    assert scorer.request_temperatures == pytest.approx([scored_at] * choices)
 
 
 def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:

@@ -15,7 +15,8 @@ serving default ``shadow_threads``):
   that refits a rule's T reads) and without (what ``serve`` computes when its estimator refits
   only alpha / sigma2, e.g. from the shipped default-pair profile, whose banded calibrated
   table is kept: reported as ``serve_reads_kl_curves``), each the median of ``--repeats``
-  passes over the same sequences;
+  passes over the same sequences; the last also at request temperature 0.7 (its scores
+  against softmax(z/0.7) need one more softmax pass per side of each position);
 - accuracy: alpha of the online estimator (`OnlineEstimator`, fed request by request until
   its first published policy, after at most ``--online-positions`` positions) against the
   offline alpha of the same pair (`noise_by_step` on the records of every sampled position),
@@ -130,23 +131,24 @@ def main() -> int:
     captured = {s.sequence_id: _captured(scorer, s, positions) for s in sequences}
     live_set = [s for s in speed_set if len(s.token_ids) - s.prompt_length <= positions]
     rates = {}
-    for kl_curve in (True, False):
-        rates[kl_curve], live_tokens = _tokens_per_second(
-            lambda s, curve=kl_curve: live_scorer.score_live(
+    variants = {  # name: (KL curves, request temperature)
+        "online_live_captured": (True, 1.0),
+        "online_live_without_kl_curves": (False, 1.0),
+        "online_live_without_kl_curves_at_request_temperature_0.7": (False, 0.7),
+    }
+    for name, (kl_curve, request_temperature) in variants.items():
+        rates[name], live_tokens = _tokens_per_second(
+            lambda s, curve=kl_curve, t_r=request_temperature: live_scorer.score_live(
                 s,
                 [1.0] * positions,
                 captured[s.sequence_id],
-                request_temperature=1.0,
+                request_temperature=t_r,
                 kl_curve=curve,
             ),
             live_set,
             args.repeats,
         )
-    per_core = {
-        "offline_records": offline_rate,
-        "online_live_captured": rates[True],
-        "online_live_without_kl_curves": rates[False],
-    }
+    per_core = {"offline_records": offline_rate, **rates}
     profile, _ = startup_profile(settings, pair)
     serve_reads_kl_curves = OnlineEstimator(profile).reads_kl_curves
 

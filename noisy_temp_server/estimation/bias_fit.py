@@ -35,12 +35,7 @@ from noisy_temp_server.temperature.bias import (
     fit_bias_at_penalty,
     fit_logit_bias,
 )
-from noisy_temp_server.temperature.bias_files import (
-    bias_file_name,
-    bias_sha256,
-    load_bias_file,
-    save_bias_file,
-)
+from noisy_temp_server.temperature.bias_files import bias_sha256
 from noisy_temp_server.temperature.oracle import oracle_temperature
 
 __all__ = [
@@ -48,14 +43,10 @@ __all__ = [
     "BiasCalibration",
     "BiasQuality",
     "ScoredSet",
-    "bias_file_name",
     "bias_quality",
-    "bias_sha256",
     "calibrate_bias",
     "fit_bias_for_serving",
-    "load_bias_file",
     "penalties_text",
-    "save_bias_file",
     "score_with_rows",
 ]
 
@@ -218,7 +209,8 @@ class BiasCalibration:
         return "\n".join(lines) + "\n"
 
     def summary(self) -> BiasSummary:
-        """What the profile records (the vector itself goes to `save_bias_file`)."""
+        """What the profile records (the vector itself is written by
+        `temperature.bias_files.save_bias_file`)."""
         head_penalty = self.path.chosen.head_penalty
         return BiasSummary(
             sha256=bias_sha256(self.correction.bias),

@@ -30,14 +30,14 @@ class StreamingBias:
         c = c_start + W g + r,    x = (u, c) = (1/T, b/T),
         x <- x - w * dF/dx / h,    w = rows / min(prior_rows + seen, memory_rows),
 
-    where h is the mean over the rows seen of the Hessian's diagonal at p (Var_p(s) for u,
-    mean p + penalty for c; `_diagonal_curvature`) and `seen` counts the rows so far, this
-    batch's included. The step shrinks as 1/seen, so x tends to the optimum over all rows seen
-    and the start's `prior_rows` (the rows it was fitted on), as a batch fit would: a constant
-    step instead follows each small batch's noise, and on rows as peaked as a language model's
-    (a token carries mass in one batch and none in the next) it walks off, far worse than its
-    start. Past `memory_rows` the weights stop shrinking: the fit then follows the most recent
-    rows of that order, so a change of traffic is learnt.
+    where h is the mean over the rows seen of the Hessian's diagonal at p (Var_p(s) for u, mean
+    p + penalty for c; `temperature.bias.diagonal_curvature`) and `seen` counts the rows so far,
+    this batch's included. The step shrinks as 1/seen, so x tends to the optimum over all rows
+    seen and the start's `prior_rows` (the rows it was fitted on), as a batch fit would: a
+    constant step instead follows each small batch's noise, and on rows as peaked as a language
+    model's (a token carries mass in one batch and none in the next) it walks off, far worse
+    than its start. Past `memory_rows` the weights stop shrinking: the fit then follows the most
+    recent rows of that order, so a change of traffic is learnt.
 
     With a `basis` W [V, d] (the clean output head) and a `head_penalty`, each batch first takes
     a step in W's span (`_HeadSpanSteps`: d numbers learnt from every token's gradient, where

@@ -325,15 +325,15 @@ def resolve_request(keys: TuningKeys, request_temperature: float) -> RequestTuni
     when ``nts_t`` is given but the rule in force (``nts_rule``, else the policy's) is not
     ``fixed``: a T that would be ignored.
     """
-    if not keys.tune or request_temperature < GREEDY_TEMPERATURE:
+    if not keys.tune:
         return None
     policy = _policy_with_rule(keys.policy_json or default_policy_json(), keys.rule)
-    if keys.fixed_t is not None and policy.rule is not Rule.FIXED:
+    if keys.fixed_t is not None and policy.rule is not Rule.FIXED:  # greedy requests too
         raise ValueError(
             f"{KEY_T} only applies to the fixed rule, and the policy in force has rule "
             f"{policy.rule.value!r}; send {KEY_RULE}=fixed with it, or drop {KEY_T}."
         )
-    if policy.rule is Rule.OFF:
+    if request_temperature < GREEDY_TEMPERATURE or policy.rule is Rule.OFF:
         return None
     bounds = policy.bounds
     return RequestTuning(

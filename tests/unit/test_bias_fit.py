@@ -14,12 +14,8 @@ from safetensors.torch import save_file
 
 from noisy_temp_server.estimation.bias_fit import (
     BIAS_ROW_NAME,
-    bias_file_name,
     bias_quality,
-    bias_sha256,
     calibrate_bias,
-    load_bias_file,
-    save_bias_file,
     score_with_rows,
 )
 from noisy_temp_server.estimation.calibration import calibrate_records
@@ -33,6 +29,12 @@ from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation, output_head
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import LogitBias, evaluate_bias, fit_logit_bias
+from noisy_temp_server.temperature.bias_files import (
+    bias_file_name,
+    bias_sha256,
+    load_bias_file,
+    save_bias_file,
+)
 from noisy_temp_server.temperature.rules import Rule
 
 

@@ -125,8 +125,10 @@ def test_nts_t_without_a_rule_applies_to_a_fixed_policy_and_is_refused_otherwise
     )
     assert resolved is not None
     assert (resolved.rule, resolved.fixed_t) == (Rule.FIXED, 1.2)
-    with pytest.raises(ValueError, match=r"nts_t only applies to the fixed rule.*'sqrt'"):
-        resolve_request(parse_request_args({"nts_policy": SQRT.to_json(), "nts_t": 1.2}), 1.0)
+    keys = parse_request_args({"nts_policy": SQRT.to_json(), "nts_t": 1.2})
+    for request_temperature in (1.0, 0.0):  # a greedy request's keys are checked too
+        with pytest.raises(ValueError, match=r"nts_t only applies to the fixed rule.*'sqrt'"):
+            resolve_request(keys, request_temperature)
 
 
 @pytest.mark.parametrize(

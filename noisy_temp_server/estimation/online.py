@@ -23,16 +23,19 @@ online from the shadow scorer's paired rows (`add(records, rows)`;
 reservoir) and, at a refit, published in the new policy version when they beat the published
 ones on the held-out rows by more than two standard errors: the vector is written once
 (atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy names it by
-hash, so the engine must look for bias files there too. Only the files of the last
-`kept_bias_files` published biases stay (requests admitted with a recent version may still
-load or be scored with its vector); older ones are deleted, never the profile's. A write that
+hash, so the engine must look for bias files there too. A published bias's file is deleted
+only once it is beyond the last `kept_bias_files` published and the next one was published
+`kept_bias_seconds` ago or more (a request pins its policy when it is prepared and the engine
+loads the bias when it admits it, maybe after a wait in its queue; a file missing then would
+serve the request its T without the bias that T was fitted with); never the profile's. A write that
 fails (OSError: a read-only or full folder) publishes the version without the new bias (the
 served bias and its T stay, alpha / sigma2 are new), is counted and marks the estimator
 unhealthy until a bias is written.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
-in the calling thread (the shadow loop's background thread) without blocking `current_policy`.
+in the calling thread (the shadow loop's background thread) without blocking `current_policy`
+(its step of the online bias waits for a refit running in another thread).
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ class OnlineEstimator:
             when the profile's bias file is in none of `bias_dirs`.
         kept_bias_files: files of the most recent published online biases kept in
             `online_bias_dir`.
+        kept_bias_seconds: a published online bias's file is kept at least this long after the
+            next one was published (by `clock`), whatever `kept_bias_files` says: longer than
+            any request waits between its preparation and its admission by the engine.
         head_basis: the clean model's output head [V, d]; when the profile's bias has a part
             in its span, the online refinement steps in that span too (`StreamingBias`).
     """
@@ -111,6 +117,7 @@ class OnlineEstimator:
         bias_dirs: Sequence[Path] = (),
         online_bias_dir: Path | None = None,
         kept_bias_files: int = 4,
+        kept_bias_seconds: float = 600.0,
         head_basis: torch.Tensor | None = None,
     ) -> None:
         if min_positions < 1 or refit_every < 1 or window_positions < min_positions:
@@ -158,7 +165,9 @@ class OnlineEstimator:
         self._refit_lock = threading.Lock()
         self._online_bias_dir = online_bias_dir
         self._kept_bias_files = kept_bias_files
-        self._written_biases: deque[str] = deque()  # sha256 of our files, oldest first
+        self._kept_bias_seconds = kept_bias_seconds
+        # (sha256, publication time) of our files, oldest first
+        self._written_biases: deque[tuple[str, float]] = deque()
         self._profile_bias = policy.bias
         self._bias_error: str | None = None
         self._bias_write_failures = 0
@@ -189,7 +198,8 @@ class OnlineEstimator:
         """Add one finished request's records (and, when `refines_bias`, paired rows of some
         of its positions); refits (in this thread) when it is due."""
         if self._bias is not None and rows is not None:
-            self._bias.add(rows)
+            with self._refit_lock:  # a refit in another thread reads the fit and reservoir
+                self._bias.add(rows)
         if len(records) == 0:
             return
         with self._lock:
@@ -274,12 +284,17 @@ class OnlineEstimator:
 
     def _forget_old_bias_files(self, written: str) -> None:
         """Record the file of `written` and delete those of older published biases beyond
-        `kept_bias_files` (never the profile's, nor one published again since)."""
+        `kept_bias_files` whose successor was published `kept_bias_seconds` ago or more (never
+        the profile's, nor one published again since)."""
         assert self._online_bias_dir is not None
-        self._written_biases.append(written)
-        while len(self._written_biases) > self._kept_bias_files:
-            stale = self._written_biases.popleft()
-            if stale == self._profile_bias or stale in self._written_biases:
+        now = self._clock()
+        self._written_biases.append((written, now))
+        while (
+            len(self._written_biases) > self._kept_bias_files
+            and now - self._written_biases[1][1] >= self._kept_bias_seconds
+        ):
+            stale, _ = self._written_biases.popleft()
+            if stale == self._profile_bias or any(s == stale for s, _ in self._written_biases):
                 continue
             try:
                 (self._online_bias_dir / bias_file_name(stale)).unlink(missing_ok=True)

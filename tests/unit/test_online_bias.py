@@ -4,6 +4,7 @@ by the online estimator in versioned policies."""
 from __future__ import annotations
 
 import errno
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,43 @@ def test_refining_keeps_what_the_start_already_corrects() -> None:
     assert drift < 0.05
 
 
+def test_a_bias_step_waits_for_a_refit_reading_the_fit_in_another_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`refit` called from another thread reads the streaming fit and the held-out reservoir
+    (`OnlineBias.candidate`); the shadow thread's `add` must not change them meanwhile. (The
+    step ran outside any lock.)"""
+    profile, _ = _biased_profile(tmp_path)
+    estimator = _estimator(profile, tmp_path)
+    _feed(estimator, range(10))  # below the first refit
+    reading, release = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+
+    def slow_candidate(self: OnlineBias) -> None:
+        reading.set()
+        release.wait(5.0)
+
+    original_add = OnlineBias.add
+
+    def recorded_add(self: OnlineBias, rows: PairedRows) -> None:
+        overlapped.append(reading.is_set() and not release.is_set())
+        original_add(self, rows)
+
+    monkeypatch.setattr(OnlineBias, "candidate", slow_candidate)
+    monkeypatch.setattr(OnlineBias, "add", recorded_add)
+    refit = threading.Thread(target=estimator.refit)
+    refit.start()
+    assert reading.wait(5.0)
+    adding = threading.Thread(target=_feed, args=(estimator, range(10, 11)))
+    adding.start()
+    adding.join(0.3)
+    assert adding.is_alive()  # waits for the refit
+    release.set()
+    refit.join(5.0)
+    adding.join(5.0)
+    assert overlapped == [False]
+
+
 def test_a_bias_that_cannot_be_written_still_publishes_the_version_and_shows_the_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -330,14 +368,16 @@ def _published(vectors: list[torch.Tensor]) -> Iterator[LogitBias]:
 def test_only_the_last_published_bias_files_are_kept_never_the_profiles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every refit publishes a new bias (the candidates are given): the folder keeps the files
-    of the last two, and the profile's own file even when it is published again in between."""
+    """Every refit publishes a new bias (the candidates are given), a minute apart: the folder
+    keeps the files of the last two (their successors are older than `kept_bias_seconds`), and
+    the profile's own file even when it is published again in between."""
     profile, first_sha = _biased_profile(tmp_path)
     vectors = [torch.full((VOCAB,), float(k)) for k in (1, 2)]
     vectors += [torch.zeros(VOCAB)]  # the profile's vector, published again
     vectors += [torch.full((VOCAB,), float(k)) for k in (3, 4, 5)]
     candidates = _published(vectors)
     monkeypatch.setattr(OnlineBias, "candidate", lambda self: next(candidates))
+    now = [0.0]
     estimator = OnlineEstimator(
         profile,
         settings=SETTINGS,
@@ -346,10 +386,13 @@ def test_only_the_last_published_bias_files_are_kept_never_the_profiles(
         bias_dirs=(tmp_path,),
         online_bias_dir=tmp_path,  # the profile's folder itself
         kept_bias_files=2,
+        kept_bias_seconds=30.0,
+        clock=lambda: now[0],
     )
     _feed(estimator, range(20))
     published = []
     for _ in vectors:
+        now[0] += 60.0
         assert estimator.refit()
         published.append(estimator.current_policy().bias)
         files = {p.name for p in tmp_path.glob("bias-*")}
@@ -358,6 +401,40 @@ def test_only_the_last_published_bias_files_are_kept_never_the_profiles(
     assert published == [bias_sha256(vector) for vector in vectors]
     expected = {bias_file_name(sha) for sha in (first_sha, *published[-2:])}
     assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+def test_a_bias_file_stays_while_a_request_may_still_wait_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of versions published within `kept_bias_seconds` deletes none of their files (a
+    request that pinned the first may still be waiting for the engine); once the next version
+    is that old, the files beyond `kept_bias_files` go. (Files were deleted by count alone.)"""
+    profile, _ = _biased_profile(tmp_path)
+    vectors = [torch.full((VOCAB,), float(k)) for k in range(1, 8)]
+    candidates = _published(vectors)
+    monkeypatch.setattr(OnlineBias, "candidate", lambda self: next(candidates))
+    now = [0.0]
+    estimator = OnlineEstimator(
+        profile,
+        settings=SETTINGS,
+        min_positions=480,
+        refit_every=10**6,  # refits only when called
+        bias_dirs=(tmp_path,),
+        online_bias_dir=tmp_path / "online",
+        kept_bias_files=2,
+        kept_bias_seconds=600.0,
+        clock=lambda: now[0],
+    )
+    _feed(estimator, range(20))
+    for _ in range(6):
+        now[0] += 10.0
+        assert estimator.refit()
+    online_files = {p.name for p in (tmp_path / "online").iterdir()}
+    assert online_files == {bias_file_name(bias_sha256(v)) for v in vectors[:6]}
+    now[0] += 600.0
+    assert estimator.refit()
+    online_files = {p.name for p in (tmp_path / "online").iterdir()}
+    assert online_files == {bias_file_name(bias_sha256(v)) for v in vectors[5:]}
 
 
 def test_a_bias_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

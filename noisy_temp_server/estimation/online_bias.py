@@ -1,9 +1,11 @@
 """The served per-token bias, refined online from shadow-scored rows, published only when it
 is significantly better on rows it never trained on.
 
-`OnlineBias` receives the paired rows of each shadow-scored request (a bounded, evenly spaced
-share of its positions). Every `holdout_every`-th request goes to a held-out reservoir (the most
-recent `holdout_rows` rows, whole requests); the others update a `StreamingBias` (O(V) state,
+`OnlineBias` receives the paired rows of each shadow-scored choice (a bounded, evenly spaced
+share of its positions). The requests whose sequence id is a multiple of `holdout_every` (one
+in `holdout_every`: the shadow scorer's ids are hashes of the request id) go to a held-out
+reservoir (the most recent `holdout_rows` rows, whole choices); the others update a
+`StreamingBias` (O(V) state,
 the same objective and penalty as calibration's fit). `candidate` compares the streaming fit
 with the published correction on the reservoir, position by position: it is offered for
 publication only when its paired KL gain exceeds two standard errors clustered by request
@@ -102,15 +104,18 @@ class OnlineBias:
         )
 
     def add(self, rows: PairedRows) -> None:
-        """One request's rows: to the reservoir (every `holdout_every`-th request) or a step of
-        the streaming fit. ValueError when their vocabulary is not the published bias's (a
-        bias fitted for another model must not be refined, let alone published, for this one).
+        """One choice's rows (one sequence id: its request's): to the reservoir when the id is a
+        multiple of `holdout_every`, else a step of the streaming fit. All choices of a request
+        share its id, so they fall on the same side: a held-out row never has a twin (the n
+        choices' identical first rows) that the fit trained on. ValueError when their
+        vocabulary is not the published bias's (a bias fitted for another model must not be
+        refined, let alone published, for this one).
         """
         if not len(rows):
             return
         check_bias_vocabulary(self.published.bias, rows.vocab_size, "the shadow-scored model")
         self.requests += 1
-        if self.requests % self._holdout_every:
+        if int(rows.sequence_id[0]) % self._holdout_every:
             self.fit.update(rows)
             return
         self._holdout.append(rows)
@@ -121,7 +126,7 @@ class OnlineBias:
     def candidate(self) -> LogitBias | None:
         """The streaming fit, when its held-out gain over the published correction is
         significant; else None."""
-        if len(self._holdout) < self._min_requests or not self.fit.rows_seen:
+        if self._held_requests() < self._min_requests or not self.fit.rows_seen:
             return None
         rows = PairedRows.concat(list(self._holdout))
         proposed = self.fit.correction
@@ -133,13 +138,17 @@ class OnlineBias:
         stderr = cluster_stderr(gain, rows.sequence_id.cpu())
         return proposed if is_significant(mean_gain, stderr) else None
 
+    def _held_requests(self) -> int:
+        """The distinct requests in the reservoir."""
+        return len({int(rows.sequence_id[0]) for rows in self._holdout})
+
     def status(self) -> dict[str, int]:
-        """Requests seen, rows the fit stepped on, whether it steps in the output head's span
-        (1) or per token only (0), held-out requests and rows."""
+        """Choices seen (`requests`), rows the fit stepped on, whether it steps in the output
+        head's span (1) or per token only (0), held-out requests and rows."""
         return {
             "requests": self.requests,
             "rows_fitted": self.fit.rows_seen,
             "head_span": int(self.fit.steps_in_head_span),
-            "holdout_requests": len(self._holdout),
+            "holdout_requests": self._held_requests(),
             "holdout_rows": self._held_rows,
         }

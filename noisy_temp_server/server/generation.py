@@ -327,6 +327,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
             choice.token_ids,
             trace,
             choice.trace_id,
+            request_id=prepared.request_id,
             request_temperature=prepared.params[choice.index].temperature,  # as vLLM samples
             bias=prepared.bias,
         )

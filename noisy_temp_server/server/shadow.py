@@ -44,6 +44,7 @@ if there were no scorer.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -67,7 +68,14 @@ from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.vllm_plugin.logit_bias import load_bias
 
-__all__ = ["CapturedRowsSource", "CpuBudget", "PolicyEstimator", "SequenceScorer", "ShadowScorer"]
+__all__ = [
+    "CapturedRowsSource",
+    "CpuBudget",
+    "PolicyEstimator",
+    "SequenceScorer",
+    "ShadowScorer",
+    "request_sequence_id",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -111,6 +119,13 @@ class PolicyEstimator(Protocol):
     def current_policy(self) -> Any: ...
 
     def status(self) -> dict[str, Any]: ...
+
+
+def request_sequence_id(request_id: str) -> int:
+    """The sequence id of every choice of request `request_id`: 56 bits of its blake2b hash
+    (non-negative, fits int64; evenly spread, so `id % k` picks about one request in k)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
 
 
 WARMUP_HORIZON_S = 10.0
@@ -256,7 +271,6 @@ class ShadowScorer:
         self._bias_rows = bias_rows
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._next_sequence_id = 0
         self._counts = {"offered": 0, "sampled": 0, "scored": 0, "dropped_queue_full": 0}
         self._counts |= {"dropped_error": 0, "dropped_not_captured": 0, "tokens": 0}
         self._counts |= {"skipped_budget": 0}
@@ -303,6 +317,7 @@ class ShadowScorer:
         served_temperatures: Sequence[float],
         trace_id: str,
         *,
+        request_id: str,
         request_temperature: float,
         bias: str | None = None,
     ) -> bool:
@@ -312,7 +327,10 @@ class ShadowScorer:
 
         `served_temperatures`: the T* of each generated step (may be shorter than the
         completion, or empty, when the trace is incomplete); `trace_id`: the choice's key on
-        the trace channel, under which the engine captured its served rows;
+        the trace channel, under which the engine captured its served rows; `request_id`: the
+        request the choice is one of (its n choices share the prompt, so their positions are
+        one cluster for the standard errors and one unit of the online bias's held-out split:
+        they are scored as one sequence, `request_sequence_id`);
         `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
         greedy choices are never sampled, `capture.capturable`), whose target
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`); `bias`:
@@ -324,15 +342,13 @@ class ShadowScorer:
             self.cancel(trace_id)
             return False
         with self._lock:
-            sequence_id = self._next_sequence_id
-            self._next_sequence_id += 1
             reserved = self._reserved.pop(trace_id, 0.0)
         item = _Item(
             tuple(prompt_ids),
             tuple(completion_ids),
             tuple(served_temperatures),
             request_temperature,
-            sequence_id,
+            request_sequence_id(request_id),
             trace_id,
             reserved,
             bias,

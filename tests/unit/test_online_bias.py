@@ -182,6 +182,21 @@ def test_a_candidate_needs_significance_on_held_out_requests() -> None:
     assert online.candidate() is None  # no better than itself
 
 
+def test_the_choices_of_a_request_are_held_out_together() -> None:
+    """Three choices per request (one sequence id): whole requests are held out, those whose id
+    is a multiple of `holdout_every`. (Every 3rd choice was held out: each request's third,
+    whose twins the fit had trained on.)"""
+    online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=3, holdout_rows=10**4)
+    for request in range(9):
+        for choice in range(3):
+            online.add(PairedRows.from_logits(*_logits(10 * request + choice), request))
+    status = online.status()
+    assert status["holdout_requests"] == 3  # requests 0, 3 and 6
+    assert status["holdout_rows"] == 3 * 3 * 24
+    assert status["rows_fitted"] == 6 * 3 * 24
+    assert status["requests"] == 27
+
+
 def test_no_candidate_when_there_is_nothing_to_learn() -> None:
     online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2)
     for request in range(40):

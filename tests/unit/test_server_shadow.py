@@ -21,7 +21,7 @@ from server_fakes import (
 
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer
+from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer, request_sequence_id
 from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
@@ -69,11 +69,18 @@ def _offer(
     prompt: list[int],
     completion: list[int],
     temperatures: list[float],
+    *,
     request_temperature: float = 1.0,
+    request_id: str = "request",
 ) -> bool:
     """Admit a choice and, when sampled, submit it finished: whether it was queued."""
     return shadow.admit("trace", len(completion)) and shadow.submit(
-        prompt, completion, temperatures, "trace", request_temperature=request_temperature
+        prompt,
+        completion,
+        temperatures,
+        "trace",
+        request_id=request_id,
+        request_temperature=request_temperature,
     )
 
 
@@ -103,6 +110,24 @@ def test_scored_requests_feed_the_estimator_and_publish_versions() -> None:
     assert status["capture_dropped_rows"] == {"rows_per_step": 0}  # the rows source's counts
     assert status["cpu_seconds_total"] > 0
     assert status["estimation_seconds_total"] > 0
+
+
+def test_the_choices_of_one_request_are_scored_as_one_sequence() -> None:
+    """The n choices of a request share its prompt (their first rows are identical): one
+    cluster for the standard errors and one unit of the held-out split. (Each choice was a
+    sequence of its own.)"""
+    setup = Setup(FakeScorer(), every=100)
+    setup.shadow.start()
+    try:
+        for request_id in ("a", "a", "b", "a"):
+            assert _offer(setup.shadow, [1, 2], [3, 4], [1.0] * 2, request_id=request_id)
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    ids = [sequence.sequence_id for sequence in setup.scorer.sequences]
+    assert ids[0] == ids[1] == ids[3] == request_sequence_id("a")
+    assert ids[2] == request_sequence_id("b") != ids[0]
+    assert ids[0] >= 0
 
 
 @pytest.mark.parametrize("reads", [True, False])
@@ -189,7 +214,7 @@ def test_scoring_errors_are_counted_and_the_loop_survives() -> None:
 def test_sampling_is_drawn_at_admission_and_empty_completions_are_not_queued() -> None:
     setup = Setup(FakeScorer())
     assert setup.shadow.admit("trace", 16)
-    assert not setup.shadow.submit([1, 2], [], [], "trace", request_temperature=1.0)
+    assert not setup.shadow.submit([1, 2], [], [], "trace", request_id="r", request_temperature=1.0)
     status = setup.shadow.status()
     assert (status["offered"], status["sampled"], status["queue_depth"]) == (1, 1, 0)
 
@@ -343,7 +368,9 @@ def test_sampling_keeps_to_the_cpu_budget_and_settles_what_scoring_cost() -> Non
     assert status["budget"] == {**status["budget"], "cpu_share": 0.005, "warm_up": True}
     shadow.start()
     try:
-        assert shadow.submit([1], list(range(2, 12)), [1.0] * 10, "d", request_temperature=1.0)
+        assert shadow.submit(
+            [1], list(range(2, 12)), [1.0] * 10, "d", request_id="r", request_temperature=1.0
+        )
         assert shadow.wait_idle(5)
     finally:
         shadow.close()
@@ -381,7 +408,13 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     try:
         assert setup.shadow.admit("trace", 3)
         assert setup.shadow.submit(
-            [1, 2], [3, 4, 5], [1.0] * 3, "trace", request_temperature=0.7, bias=bias_sha256(vector)
+            [1, 2],
+            [3, 4, 5],
+            [1.0] * 3,
+            "trace",
+            request_id="r",
+            request_temperature=0.7,
+            bias=bias_sha256(vector),
         )
         assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
         assert setup.shadow.wait_idle(5)

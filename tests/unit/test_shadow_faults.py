@@ -207,7 +207,9 @@ def test_a_full_queue_drops_without_blocking_the_submit() -> None:
     try:
 
         def submit() -> bool:
-            return served.shadow.submit([1, 2], [3], [1.0], "t", request_temperature=1.0)
+            return served.shadow.submit(
+                [1, 2], [3], [1.0], "t", request_id="r", request_temperature=1.0
+            )
 
         assert submit()  # taken by the (hung) scorer
         assert scorer.entered.wait(10)
@@ -390,6 +392,22 @@ def test_a_sampled_choice_is_scored_at_its_own_request_temperature(
         served.shadow.close()
     choices = extra.get("n", 1)
     assert scorer.request_temperatures == pytest.approx([scored_at] * choices)
+    assert len({sequence.sequence_id for sequence in scorer.sequences}) == 1  # one request
+
+
+def test_the_choices_of_two_requests_are_two_sequences() -> None:
+    scorer = FakeScorer()
+    served = Served(scorer, FakeEstimator(every=100), queue_size=8, fraction=1.0)
+    try:
+        for _ in range(2):
+            response = served.client.post("/v1/completions", json={**BODY, "n": 2})
+            assert response.status_code == 200, response.text
+        assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    ids = [sequence.sequence_id for sequence in scorer.sequences]
+    assert len(ids) == 4
+    assert len(set(ids)) == 2
 
 
 def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:

@@ -94,8 +94,11 @@ class OnlineEstimator:
         clock: returns the wall time in seconds (injectable for tests).
         bias_dirs: the folders the profile's bias file is looked up in, in order.
         online_bias_dir: where published online biases are written; with it and a profile that
-            serves a bias, the bias is refined online (see the module docstring). ValueError
-            when the profile's bias file is in none of `bias_dirs`.
+            serves a bias, the bias is refined online (see the module docstring) and the folder
+            is created here if missing (its parent must exist: FileNotFoundError), never
+            later, so a write after the server removed it fails (counted, see above) rather
+            than create it again. ValueError when the profile's bias file is in none of
+            `bias_dirs`.
         kept_bias_files: files of the most recent published online biases kept in
             `online_bias_dir`.
         kept_bias_seconds: a published online bias's file is kept at least this long after the
@@ -182,6 +185,7 @@ class OnlineEstimator:
                 fallback_prior_rows=self._settings.bias_rows,
                 bounds=policy.bounds,
             )
+            online_bias_dir.mkdir(exist_ok=True)
 
     @property
     def reads_kl_curves(self) -> bool:

@@ -103,8 +103,9 @@ class EngineEnvironment:
     @property
     def online_bias_dir(self) -> Path:
         """Where the online refinement writes the per-token biases it publishes: a folder of
-        this server's runtime directory (writable, unshared, removed at shutdown; the server
-        restarts from its profile, so they are not needed after it)."""
+        this server's runtime directory (writable, unshared, created by the online estimator
+        when it starts, removed at shutdown; the server restarts from its profile, so they are
+        not needed after it)."""
         return self.runtime_dir / "biases"
 
     def cleanup(self) -> None:

@@ -372,10 +372,13 @@ class ShadowScorer:
         self._thread.start()
         return self
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop after the item being scored; items still queued are discarded."""
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop after the item being scored; items still queued are discarded. Waits up to
+        `timeout` seconds for the thread; returns whether it ended (False, logged as a warning:
+        it is still scoring, a daemon that may outlive the server's cleanup; what it writes
+        then, e.g. an online bias, fails as its folder is gone). True when it never started."""
         if self._thread is None:
-            return
+            return True
         while True:
             try:
                 self._queue.get_nowait()
@@ -383,7 +386,14 @@ class ShadowScorer:
                 break
         self._queue.put(None)
         self._thread.join(timeout)
+        ended = not self._thread.is_alive()
+        if not ended:
+            _LOGGER.warning(
+                "The shadow scorer is still scoring %.0f s after close; it is left to end alone",
+                timeout,
+            )
         self._thread = None
+        return ended
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until every queued item has been handled (tests, benchmarks)."""

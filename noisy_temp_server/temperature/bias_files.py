@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -49,17 +50,20 @@ def bias_file_name(sha256: str) -> str:
 
 
 def save_bias_file(folder: Path, bias: Tensor) -> Path:
-    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)` (`folder` created if
-    missing); returns the path. Atomic: written to a temporary file in `folder`, then renamed
-    over the path, so a reader never sees a partial file and a failed write (OSError) leaves
-    none behind."""
+    """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path.
+    `folder` must exist (a late write after its owner removed it must fail, not create it
+    again); any failure to write (no folder, a read-only or full disk) is an OSError. Atomic:
+    written to a temporary file in `folder`, then renamed over the path, so a reader never sees
+    a partial file and a failed write leaves none behind."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / bias_file_name(bias_sha256(bias))
     # one staging name per writing thread; created with the umask's permissions, like the path
     staging = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(staging))
+        try:
+            save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(staging))
+        except SafetensorError as error:  # its I/O errors (no folder, a full disk) are no OSError
+            raise OSError(f"cannot write {staging}: {error}") from error
         os.replace(staging, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -106,6 +106,8 @@ def test_the_bias_directory_is_a_search_path(
     profiles, online = tmp_path / "profiles", tmp_path / "online"
     monkeypatch.setenv(BIAS_DIR_ENV, f"{profiles}{os.pathsep}{online}{os.pathsep}")
     assert bias_directories() == (profiles, online)
+    profiles.mkdir()
+    online.mkdir()
     first, sha_first = _bias(profiles, seed=1)
     second, sha_second = _bias(online, seed=2)
     assert torch.equal(load_bias(sha_first), first)

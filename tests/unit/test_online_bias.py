@@ -4,6 +4,7 @@ by the online estimator in versioned policies."""
 from __future__ import annotations
 
 import errno
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -466,15 +467,49 @@ def test_a_bias_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.M
         save_bias_file(tmp_path, vector)
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
-    written = save_bias_file(tmp_path / "new", vector)
-    assert list((tmp_path / "new").iterdir()) == [written]
-    assert torch.equal(load_bias_file(tmp_path / "new", bias_sha256(vector)), vector)
+    written = save_bias_file(tmp_path, vector)
+    assert list(tmp_path.iterdir()) == [written]
+    assert torch.equal(load_bias_file(tmp_path, bias_sha256(vector)), vector)
+
+
+def test_a_bias_is_never_written_to_a_folder_that_is_gone(tmp_path: Path) -> None:
+    """The server removes its runtime folder at shutdown while a late refit may still write: the
+    write fails with an OSError (as the estimator expects of a failed write) and the folder
+    stays gone. (It was created again, parents and all.)"""
+    with pytest.raises(OSError, match="No such file or directory"):
+        save_bias_file(tmp_path / "runtime" / "biases", torch.randn(VOCAB))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_refit_after_the_online_folder_was_removed_counts_a_failed_write(
+    tmp_path: Path,
+) -> None:
+    """The estimator creates its folder once, at construction; a refit after the server's
+    cleanup removed it fails to write (counted) and creates nothing."""
+    profile, first_sha = _biased_profile(tmp_path)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    estimator = OnlineEstimator(
+        profile,
+        settings=SETTINGS,
+        min_positions=480,
+        refit_every=480,
+        bias_dirs=(tmp_path,),
+        online_bias_dir=runtime / "biases",
+    )
+    assert (runtime / "biases").is_dir()
+    shutil.rmtree(runtime)
+    _feed(estimator, range(60))
+    assert not runtime.exists()
+    assert estimator.status()["bias"]["write_failures"] >= 1
+    assert estimator.current_policy().bias == first_sha
 
 
 def test_a_bias_file_is_found_in_the_first_folder_of_a_search_path_that_has_it(
     tmp_path: Path,
 ) -> None:
     vector = torch.randn(VOCAB)
+    (tmp_path / "second").mkdir()
     save_bias_file(tmp_path / "second", vector)
     folders = (tmp_path / "first", tmp_path / "second")
     assert torch.equal(find_bias_file(folders, bias_sha256(vector)), vector)

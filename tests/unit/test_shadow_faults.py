@@ -201,6 +201,18 @@ def test_a_hung_clean_model_fills_the_queue_and_serving_is_untouched(
     assert after["scored"] == 3
 
 
+def test_close_says_whether_the_scoring_thread_ended(
+    hung: tuple[Served, HungScorer], caplog: pytest.LogCaptureFixture
+) -> None:
+    served, scorer = hung
+    served.client.post("/v1/completions", json=BODY)
+    assert scorer.entered.wait(10)
+    assert served.shadow.close(timeout=0.1) is False  # still scoring
+    assert "still scoring" in caplog.text
+    scorer.release.set()
+    assert served.shadow.close() is True  # closed already: nothing runs
+
+
 def test_a_full_queue_drops_without_blocking_the_submit() -> None:
     scorer = HungScorer()
     served = Served(scorer, FakeEstimator(every=4), queue_size=1)

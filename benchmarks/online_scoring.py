@@ -149,7 +149,7 @@ def main() -> int:
             args.repeats,
         )
     per_core = {"offline_records": offline_rate, **rates}
-    profile, _ = startup_profile(settings, pair)
+    profile = startup_profile(settings, pair).profile
     serve_reads_kl_curves = OnlineEstimator(profile).reads_kl_curves
 
     records = scorer.score(sequences)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from noisy_temp_server.settings import (
     Settings,
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HELP",
     "ServedPair",
+    "StartupProfile",
     "add_arguments",
     "ensure_perturbed_checkpoint",
     "listens_beyond_loopback",
@@ -60,6 +61,7 @@ __all__ = [
     "pair_scorer",
     "resolve_pair",
     "run",
+    "startup_profile",
     "warn_if_open_without_api_key",
 ]
 
@@ -275,25 +277,35 @@ def serves_default_pair(settings: Settings) -> bool:
     )
 
 
-def startup_profile(settings: Settings, pair: ServedPair) -> tuple[Profile | None, str]:
-    """(profile, where it came from) for the initial policy: `--profile` when given (a profile
-    that does not fit the pair raises ProfileError); else, for the default pair, the shipped
+class StartupProfile(NamedTuple):
+    """The profile the server starts from (None: none), the file it was loaded from (its
+    folder holds the profile's bias file) and where it came from, in words."""
+
+    profile: Profile | None
+    path: Path | None
+    source: str
+
+
+def startup_profile(settings: Settings, pair: ServedPair) -> StartupProfile:
+    """The profile for the initial policy: `--profile` when given (a profile that does not fit
+    the pair raises ProfileError); else, for the default pair, the shipped
     `DEFAULT_PAIR_PROFILE` (if it does not fit, e.g. a differently converted default model,
     a warning and no profile); else none ("identity": T = 1 until the estimator learns)."""
     from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
 
     if settings.profile is not None:
-        return load_profile_for_pair(settings.profile, pair), f"profile {settings.profile}"
+        profile = load_profile_for_pair(settings.profile, pair)
+        return StartupProfile(profile, settings.profile, f"profile {settings.profile}")
     if not serves_default_pair(settings):
-        return None, "identity"
+        return StartupProfile(None, None, "identity")
     try:
         profile = load_profile_for_pair(DEFAULT_PAIR_PROFILE, pair)
     except ProfileError as error:
         _LOGGER.warning(
             "Starting at T = 1: the shipped default-pair profile does not fit (%s)", error
         )
-        return None, "identity"
-    return profile, "the shipped profile of the default pair"
+        return StartupProfile(None, None, "identity")
+    return StartupProfile(profile, DEFAULT_PAIR_PROFILE, "the shipped profile of the default pair")
 
 
 def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
@@ -479,9 +491,14 @@ def _serve(
     started = time.perf_counter()
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
-    profile, profile_source = startup_profile(settings, pair)
+    profile, profile_path, profile_source = startup_profile(settings, pair)
     startup_policy = None if profile is None else profile.to_policy()
-    publish_bias_directories(settings, environment, startup_policy)
+    publish_bias_directories(
+        settings,
+        environment,
+        startup_policy,
+        profile_dir=None if profile_path is None else profile_path.parent,
+    )
     if startup_policy is not None:
         check_served_bias(startup_policy, pair)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory

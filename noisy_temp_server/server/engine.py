@@ -139,20 +139,25 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
 
 
 def publish_bias_directories(
-    settings: Settings, environment: EngineEnvironment, policy: TemperaturePolicy | None
+    settings: Settings,
+    environment: EngineEnvironment,
+    policy: TemperaturePolicy | None,
+    *,
+    profile_dir: Path | None,
 ) -> tuple[Path, ...]:
     """The folders the engine looks per-token bias files up in, in order, also set as
     `NTS_BIAS_DIR` (joined by `os.pathsep`, `vllm_plugin.logit_bias.bias_directories`) for the
     engine process and this one: `settings.bias_dir` when given; when the startup `policy` names
-    a bias, the profile's folder (unless `bias_dir` is given) and then
+    a bias, `profile_dir`, the folder the startup profile was loaded from (unless `bias_dir` is
+    given; None: no profile), and then
     `environment.online_bias_dir`, where the online refinement publishes its biases (it starts
     only from a policy that names one, so without one nothing is ever published). Empty, with
     `NTS_BIAS_DIR` removed, when no policy can name a bias: the V1 processor then stays
     argmax-invariant (skipped on greedy-only batches, after penalties)."""
     folders: list[Path] = [] if settings.bias_dir is None else [settings.bias_dir]
     if policy is not None and policy.bias is not None:
-        if settings.bias_dir is None and settings.profile is not None:
-            folders.append(settings.profile.parent)
+        if settings.bias_dir is None and profile_dir is not None:
+            folders.append(profile_dir)
         folders.append(environment.online_bias_dir)
     if folders:
         os.environ[BIAS_DIR_ENV] = os.pathsep.join(str(folder) for folder in folders)

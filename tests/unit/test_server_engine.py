@@ -161,29 +161,34 @@ _ONLINE = "<online>"  # stands for the environment's online_bias_dir
 
 
 @pytest.mark.parametrize(
-    ("settings", "policy", "expected"),
+    ("settings", "profile_dir", "policy", "expected"),
     [
-        ({"profile": "/profiles/int4.json"}, _BIASED, ["/profiles", _ONLINE]),
-        ({"profile": "/p/int4.json", "bias_dir": "/biases"}, _BIASED, ["/biases", _ONLINE]),
-        ({"profile": "/profiles/int4.json"}, TemperaturePolicy.identity(), []),
-        ({"bias_dir": "/biases"}, TemperaturePolicy.identity(), ["/biases"]),
-        ({}, None, []),
+        ({"profile": "/profiles/int4.json"}, "/profiles", _BIASED, ["/profiles", _ONLINE]),
+        ({}, "/package/data", _BIASED, ["/package/data", _ONLINE]),  # the shipped profile
+        ({"bias_dir": "/biases"}, "/p", _BIASED, ["/biases", _ONLINE]),
+        ({"profile": "/profiles/int4.json"}, "/profiles", TemperaturePolicy.identity(), []),
+        ({"bias_dir": "/biases"}, None, TemperaturePolicy.identity(), ["/biases"]),
+        ({}, None, None, []),
     ],
 )
 def test_the_engine_gets_bias_directories_only_when_a_policy_can_name_a_bias(
     clean_process_environment: pytest.MonkeyPatch,
     settings: dict[str, str],
+    profile_dir: str | None,
     policy: TemperaturePolicy | None,
     expected: list[str],
 ) -> None:
-    """The profile's folder, then the writable folder of the online biases, when the startup
-    policy names a bias (or the folder given); none for a profile without a bias, so that the
-    V1 processor stays argmax-invariant (a variable left from before is removed)."""
+    """The folder the profile was loaded from (given, or the shipped default-pair profile's),
+    then the writable folder of the online biases, when the startup policy names a bias (or
+    the folder given); none for a profile without a bias, so that the V1 processor stays
+    argmax-invariant (a variable left from before is removed)."""
     given = Settings(**settings)  # type: ignore[arg-type]
     environment = engine.prepare_environment(given)
     environment.cleanup()
     clean_process_environment.setenv(BIAS_DIR_ENV, "/stale")
-    folders = engine.publish_bias_directories(given, environment, policy)
+    folders = engine.publish_bias_directories(
+        given, environment, policy, profile_dir=None if profile_dir is None else Path(profile_dir)
+    )
     wanted = tuple(environment.online_bias_dir if f == _ONLINE else Path(f) for f in expected)
     assert folders == wanted
     assert bias_directories() == wanted

@@ -242,16 +242,19 @@ def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
     )
     pair = ServedPair(tiny_model_dir, tiny_model_dir, DEFAULT_NOISE)
     monkeypatch.setattr(serve, "DEFAULT_PAIR_PROFILE", fitting)
-    profile, source = startup_profile(Settings(), pair)
+    profile, path, source = startup_profile(Settings(), pair)
     assert profile is not None
+    assert path == fitting  # its folder holds its bias file (not that of `--profile`: none)
     assert source == "the shipped profile of the default pair"
     # another pair: no shipped profile; an explicit one is loaded (or refused) as before
     int4 = QuantizationSpec(format="int4", group_size=64)
     assert startup_profile(Settings(perturbation=int4.model_dump_json()), pair) == (
         None,
+        None,
         "identity",
     )
-    assert startup_profile(Settings(profile=fitting), pair)[1] == f"profile {fitting}"
+    explicit = startup_profile(Settings(profile=fitting), pair)
+    assert (explicit.path, explicit.source) == (fitting, f"profile {fitting}")
     # a shipped profile that does not fit (another conversion of the default model): T = 1
     other = ModelIdentity(name="other", weights_sha256="c" * 64)
     monkeypatch.setattr(
@@ -260,7 +263,7 @@ def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
         _profile_for(other, ModelIdentity.perturbed(other, DEFAULT_NOISE), tmp_path / "o.json"),
     )
     with caplog.at_level(logging.WARNING):
-        assert startup_profile(Settings(), pair) == (None, "identity")
+        assert startup_profile(Settings(), pair) == (None, None, "identity")
     assert "shipped default-pair profile does not fit" in caplog.text
 
 

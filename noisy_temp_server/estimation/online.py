@@ -10,25 +10,28 @@ the metrics), plus the best shared T for `fixed`, the floor for `fisher`, (t_max
 split). It publishes a new `TemperaturePolicy` whose version is one higher, in which the other
 rules' parameters (which a request may select by override) stay as they were. A calibrated table
 with request-temperature bands (from a profile) is kept as it is: the shadow records are
-measured at request temperature 1 and cannot refit the other bands. The rule served
-stays the one it started with, except that a profile recommending `off` starts on `calibrated`
-with the profile's table: that table is significance-gated (all ones where nothing beat T = 1),
-so it serves T = 1 until the live evidence says otherwise instead of pinning the server at
-T = 1 for good. A profile (or policy) that serves the per-token bias keeps its T as calibrated
-(the records cannot refit a T that was fitted jointly with the bias); alpha / sigma2 are
-refitted as always. Given a folder to publish biases to (`online_bias_dir`, writable) and a
-profile that serves a bias (its file found in `bias_dirs`), the bias and its T are refined
-online from the shadow scorer's paired rows (`add(records, rows)`;
-`estimation.online_bias.OnlineBias`: a streaming fit with the profile's penalty, a held-out
-reservoir) and, at a refit, published in the new policy version when they beat the published
-ones on the held-out rows by more than two standard errors: the vector is written once
+measured at request temperature 1 and cannot refit the other bands. The rule served stays the
+one it started with, except that a profile recommending `off` starts on `calibrated`, so that
+the live evidence can still move T away from 1 instead of pinning the server at T = 1 for good:
+with the profile's table when it has one request-temperature band (it is significance-gated, all
+ones where nothing beat T = 1), else (calibration's default makes 4 bands, which the online
+refit cannot refit) with a one-band all-ones table, i.e. T = 1, as the profile recommends, until
+the online refit, on the records at T_r = 1, finds a split that beats it; that table then serves
+every request temperature alike, as without a profile. A profile (or policy) that serves the
+per-token bias keeps its T as calibrated (the records cannot refit a T that was fitted jointly
+with the bias); alpha / sigma2 are refitted as always. Given a folder to publish biases to
+(`online_bias_dir`, writable) and a profile that serves a bias (its file found in `bias_dirs`),
+the bias and its T are refined online from the shadow scorer's paired rows (`add(records,
+rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the profile's penalty, a
+held-out reservoir) and, at a refit, published in the new policy version when they beat the
+published ones on the held-out rows by more than two standard errors: the vector is written once
 (atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy names it by
-hash, so the engine must look for bias files there too. A published bias's file is deleted
-only once it is beyond the last `kept_bias_files` published and the next one was published
+hash, so the engine must look for bias files there too. A published bias's file is deleted only
+once it is beyond the last `kept_bias_files` published and the next one was published
 `kept_bias_seconds` ago or more (a request pins its policy when it is prepared and the engine
 loads the bias when it admits it, maybe after a wait in its queue; a file missing then would
-serve the request its T without the bias that T was fitted with); never the profile's. A write that
-fails (OSError: a read-only or full folder) publishes the version without the new bias (the
+serve the request its T without the bias that T was fitted with); never the profile's. A write
+that fails (OSError: a read-only or full folder) publishes the version without the new bias (the
 served bias and its T stay, alpha / sigma2 are new), is counted and marks the estimator
 unhealthy until a bias is written.
 
@@ -62,7 +65,7 @@ from noisy_temp_server.temperature.bias_files import (
     find_bias_file,
     save_bias_file,
 )
-from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
 __all__ = ["OnlineEstimator"]
@@ -82,9 +85,9 @@ class OnlineEstimator:
     """Refits the temperature policy from a window of recent pair records (see module doc).
 
     Args:
-        initial: a `Profile` (its recommended rule, `calibrated` when that is `off`; its
-            parameters and fit settings), a `TemperaturePolicy` (its rule and bounds are kept),
-            or None (calibrated rule, T = 1).
+        initial: a `Profile` (its recommended rule, `calibrated` when that is `off`, see the
+            module docstring; its parameters and fit settings), a `TemperaturePolicy` (its
+            rule and bounds are kept), or None (calibrated rule, T = 1).
         min_positions: positions needed in the window before the first refit.
         refit_every: new positions needed between refits.
         window_positions: the window keeps at least the most recent this-many positions
@@ -132,9 +135,13 @@ class OnlineEstimator:
         if isinstance(initial, Profile) and initial.to_policy().bias is not None:
             policy = initial.to_policy()  # the bias with its T, kept as calibrated
             settings = settings or initial.settings
+        elif isinstance(initial, Profile) and initial.recommended_rule is Rule.OFF:
+            policy = initial.to_policy(Rule.CALIBRATED)
+            if len(policy.calibrated.request_temperature_edges) > 1:  # not refittable online
+                policy = dataclasses.replace(policy, calibrated=CalibratedTable())
+            settings = settings or initial.settings
         elif isinstance(initial, Profile):
-            recommended = initial.recommended_rule
-            policy = initial.to_policy(Rule.CALIBRATED if recommended is Rule.OFF else recommended)
+            policy = initial.to_policy()
             settings = settings or initial.settings
         elif isinstance(initial, TemperaturePolicy):
             policy = initial

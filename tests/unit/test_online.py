@@ -10,11 +10,16 @@ import torch
 from profile_helpers import sample_profile
 from spy_helpers import record_calls
 
+from noisy_temp_server.commands.serve import DEFAULT_PAIR_PROFILE
 from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
+    TemperaturePolicy,
+    policy_temperature,
+)
 from noisy_temp_server.temperature.rules import Rule
 
 
@@ -72,6 +77,21 @@ def test_a_profile_recommending_off_learns_with_its_calibrated_table() -> None:
     policy = estimator.current_policy()
     assert (policy.rule, policy.version) == (Rule.CALIBRATED, 1)
     assert max(t for band in policy.calibrated.temperatures for row in band for t in row) > 1.2
+
+
+def test_a_banded_profile_recommending_off_starts_at_one_and_learns_online() -> None:
+    """The shipped default-pair profile, recommending `off`: its table has request-temperature
+    bands, which the online refit cannot refit, so the server starts on an all-ones one-band
+    table (T = 1, as the profile recommends) that the refit may move. (It served the banded
+    table, pinned for good.)"""
+    profile = Profile.load(DEFAULT_PAIR_PROFILE).model_copy(update={"recommended_rule": Rule.OFF})
+    assert len(profile.to_policy(Rule.CALIBRATED).calibrated.request_temperature_edges) > 1
+    estimator = OnlineEstimator(profile, min_positions=400, refit_every=400)
+    policy = estimator.current_policy()
+    assert policy.rule is Rule.CALIBRATED
+    assert policy.calibrated == CalibratedTable()  # T = 1 everywhere
+    assert policy.alpha_by_step == profile.to_policy().alpha_by_step
+    assert estimator.reads_kl_curves  # the calibrated table is refitted online
 
 
 def test_keeps_a_rule_the_profile_recommends() -> None:

@@ -26,8 +26,8 @@ from noisy_temp_server.estimation.profile import (
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
     cluster_stderr,
+    is_material_gain,
     is_not_worse,
-    is_significant,
     split_by_sequence,
 )
 from noisy_temp_server.pairs.scorer import KLCurveInterpolant, PositionRecords, interpolate_kl
@@ -214,15 +214,25 @@ def _entropy_bucket(entropy: Tensor, edges: Sequence[float]) -> Tensor:
     return bucket_index(entropy.float(), torch.tensor(edges, dtype=torch.float32))
 
 
-def _validation_gain(validation: PositionRecords, parent: float, candidate: float) -> Tensor:
-    """Per-position KL(parent) - KL(candidate) on `validation` -> float64 [N] (both constant)."""
+def _validation_gain(
+    validation: PositionRecords, parent: float, candidate: float
+) -> tuple[Tensor, float]:
+    """Per-position KL(parent) - KL(candidate) on `validation` -> (float64 [N], the mean
+    KL(parent)), both constant T read off the KL curves."""
     at_parent, at_candidate = (
         interpolate_kl(
             validation.kl_curve, validation.curve_temperatures, torch.full((len(validation),), t)
         ).double()
         for t in (parent, candidate)
     )
-    return at_parent - at_candidate
+    return at_parent - at_candidate, float(at_parent.mean())
+
+
+def _beats(gain: Tensor, reference_kl: float, sequence_ids: Tensor) -> bool:
+    """Whether per-position `gain` [N] over a reference of mean KL `reference_kl` is a material
+    gain (`is_material_gain`: significant, clustered by `sequence_ids`, and above the floor
+    the curves' interpolation error calls for)."""
+    return is_material_gain(float(gain.mean()), cluster_stderr(gain, sequence_ids), reference_kl)
 
 
 def _refined_temperature(
@@ -232,14 +242,13 @@ def _refined_temperature(
     bounds: TemperatureBounds,
     min_positions: int,
 ) -> float:
-    """The best shared T of `fit`, if it beats `parent` significantly on `validation`; else
+    """The best shared T of `fit`, if it beats `parent` on `validation` (`_beats`); else
     `parent`. Cells with fewer than `min_positions` positions in either set keep `parent`."""
     if min(len(fit), len(validation)) < min_positions:
         return parent
     candidate = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
-    gain = _validation_gain(validation, parent, candidate)
-    significant = is_significant(float(gain.mean()), cluster_stderr(gain, validation.sequence_id))
-    return candidate if significant else parent
+    gain, parent_kl = _validation_gain(validation, parent, candidate)
+    return candidate if _beats(gain, parent_kl, validation.sequence_id) else parent
 
 
 def _band_roots(
@@ -254,27 +263,29 @@ def _band_roots(
     T = 1 jointly: the paired gain KL(1) - KL(candidate) on the validation positions of all
     bands pooled, with standard errors clustered by prompt (one prompt's positions at every
     request temperature form one cluster, as they share a completion). A band serves its
-    candidate when its own validation gain is significant, or when the joint gain is
-    significant and the band's own gain is not significantly negative (`is_not_worse`); else
-    it serves T = 1. Pooling lends the bands each other's strength: a constant that helps at
-    every request temperature by a little is served even when no band alone has the prompts
-    to show it, while a band whose constant its own prompts show to be harmful still gets 1.
+    candidate when its own validation gain beats T = 1 (`_beats`: significant and above the
+    interpolation floor), or when the joint gain does and the band's own gain is not
+    significantly negative (`is_not_worse`); else it serves T = 1. Pooling lends the bands
+    each other's strength: a constant that helps at every request temperature by a little is
+    served even when no band alone has the prompts to show it, while a band whose constant its
+    own prompts show to be harmful still gets 1.
     """
     roots = [1.0] * len(bands)
-    checks: dict[int, tuple[float, Tensor, Tensor]] = {}
+    checks: dict[int, tuple[float, Tensor, float, Tensor]] = {}
     for index, (fit, validation) in enumerate(bands):
         if min(len(fit), len(validation)) >= min_positions:
             candidate = best_curve_temperature(fit.kl_curve, fit.curve_temperatures, bounds)
-            gain = _validation_gain(validation, 1.0, candidate)
-            checks[index] = (candidate, gain, validation.sequence_id)
+            gain, kl_one = _validation_gain(validation, 1.0, candidate)
+            checks[index] = (candidate, gain, kl_one, validation.sequence_id)
     if not checks:
         return tuple(roots)
-    pooled = torch.cat([gain for _, gain, _ in checks.values()])
-    pooled_ids = torch.cat([ids for _, _, ids in checks.values()])
-    joint = is_significant(float(pooled.mean()), cluster_stderr(pooled, pooled_ids))
-    for index, (candidate, gain, ids) in checks.items():
-        mean, stderr = float(gain.mean()), cluster_stderr(gain, ids)
-        if is_significant(mean, stderr) or (joint and is_not_worse(mean, stderr)):
+    pooled = torch.cat([gain for _, gain, _, _ in checks.values()])
+    pooled_ids = torch.cat([ids for _, _, _, ids in checks.values()])
+    pooled_kl_one = sum(kl * len(gain) for _, gain, kl, _ in checks.values()) / len(pooled)
+    joint = _beats(pooled, pooled_kl_one, pooled_ids)
+    for index, (candidate, gain, kl_one, ids) in checks.items():
+        own_not_worse = is_not_worse(float(gain.mean()), cluster_stderr(gain, ids))
+        if _beats(gain, kl_one, ids) or (joint and own_not_worse):
             roots[index] = candidate
     return tuple(roots)
 

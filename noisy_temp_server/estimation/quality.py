@@ -32,7 +32,7 @@ from noisy_temp_server.estimation.profile import QualityRow, QualityTable
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
     cluster_stderr,
-    is_significant,
+    is_material_gain,
 )
 from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.policy import TemperaturePolicy
@@ -138,18 +138,21 @@ def quality_table(
 
 def recommend_rule(quality: QualityTable, rules: Sequence[Rule] = FITTED_RULES) -> Rule:
     """The rule to serve: among `rules` (rows of `quality`, the validation split), the one with
-    the lowest mean KL among those whose paired gain over T = 1 is significant; `Rule.OFF` when
-    none is.
+    the lowest mean KL among those whose paired gain over T = 1 is material (`is_material_gain`:
+    significant, and above `MIN_RELATIVE_GAIN` of KL(T = 1), since a rule's KL is read off the
+    KL curves and T = 1's is exact); `Rule.OFF` when none is.
 
-    A rule that looks better than T = 1 only by noise is never recommended, so the served rule
-    is not worse than T = 1 beyond statistical noise. (Six rules are tested at about 2 standard
+    A rule that looks better than T = 1 only by noise, or by the curves' interpolation error,
+    is never recommended, so the served rule is not worse than T = 1 beyond statistical
+    noise. (Six rules are tested at about 2 standard
     errors each; the choice favours the rule that got lucky on these prompts, which is why the
     quality reported for it comes from a test split that took no part in it.)
     """
+    kl_one = quality.row("T=1").mean_kl
     significant = [
         row
         for row in (quality.row(rule.value) for rule in rules)
-        if is_significant(row.gain, row.gain_stderr)
+        if is_material_gain(row.gain, row.gain_stderr, kl_one)
     ]
     if not significant:
         return Rule.OFF

@@ -12,11 +12,16 @@ from typing import Any
 import pytest
 import torch
 from kl_reference import kl_to_clean
+from profile_helpers import CLEAN, SERVED
 from spy_helpers import record_calls
 
 from noisy_temp_server.estimation import calibration as calibration_module
 from noisy_temp_server.estimation import fitting
-from noisy_temp_server.estimation.calibration import CalibrationResult, calibrate
+from noisy_temp_server.estimation.calibration import (
+    CalibrationResult,
+    calibrate,
+    calibrate_records,
+)
 from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
     best_curve_temperature,
@@ -34,7 +39,9 @@ from noisy_temp_server.estimation.profile import (
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_table, recommend_rule
 from noisy_temp_server.estimation.significance import (
+    MIN_RELATIVE_GAIN,
     InsufficientDataError,
+    is_significant,
     split_by_sequence,
     split_fit_validation_test,
 )
@@ -45,6 +52,7 @@ from noisy_temp_server.pairs.scorer import (
     PositionRecords,
     interpolate_kl,
 )
+from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     TemperaturePolicy,
@@ -705,3 +713,44 @@ def test_rules_are_fitted_on_fit_chosen_on_validation_and_reported_on_test(
     assert not validation_ids & test_ids
     assert result.profile.test_quality.sequences == len(test_ids)
     assert result.profile.validation_quality.sequences == len(validation_ids)
+
+
+def _null_records(seed: int, sequences: int = 40, positions: int = 48) -> PositionRecords:
+    """Records of synthetic logits whose every row's exact KL-optimal T is 1 (the served row is
+    rescaled by its own oracle T): no temperature can gain anything over T = 1."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for sequence in range(sequences):
+        spread = torch.rand(positions, 1, generator=generator).mul(4).add(0.5)
+        clean = torch.randn(positions, 256, generator=generator) * spread
+        served = clean + 0.7 * torch.randn(positions, 256, generator=generator)
+        served = served / oracle_temperature(clean, served, rtol=1e-7).temperature.unsqueeze(1)
+        parts.append(
+            PositionRecords.from_logits(
+                clean, served, step=torch.arange(positions), sequence_id=sequence
+            )
+        )
+    return PositionRecords.concat(parts)
+
+
+def test_the_curves_interpolation_error_alone_is_never_recommended() -> None:
+    # Near the minimum, the cubic interpolation of the KL curves dips below the exact KL by a
+    # consistent few 1e-5 of it: the validation gain of the constant fitted on the curves is
+    # many standard errors "significant" while its true gain over T = 1 is negative. The gates
+    # must not take it (they did, in 12 seeds out of 12, before the floor).
+    records = _null_records(seed=0)
+    settings = CalibrationSettings(
+        prompts=40,
+        request_temperatures=(1.0,),
+        step_edges=(0, 8, 24),
+        entropy_buckets=3,
+        min_cell_positions=40,
+        bias_rows=0,
+    )
+    profile = calibrate_records(records, (CLEAN, SERVED), None, settings).profile
+    fixed, one = profile.validation_quality.row("fixed"), profile.validation_quality.row("T=1")
+    assert is_significant(fixed.gain, fixed.gain_stderr)  # what the old gate took
+    assert fixed.gain < MIN_RELATIVE_GAIN * one.mean_kl
+    assert profile.recommended_rule is Rule.OFF
+    table = profile.parameters.calibrated_temperatures
+    assert {t for band in table for row in band for t in row} == {1.0}

@@ -7,33 +7,36 @@ least `refit_every` new ones arrived since the last fit, refits with the calibra
 (`fit_rules`) what the served rule needs: alpha / sigma2 by step bucket always (they also feed
 the metrics), plus the best shared T for `fixed`, the floor for `fisher`, (t_max, beta) for
 `schedule`, or the table for `calibrated` (fitted top-down with a significance check at every
-split). It publishes a new `TemperaturePolicy` whose version is one higher, in which the other
-rules' parameters (which a request may select by override) stay as they were. A calibrated table
-with request-temperature bands (from a profile) is kept as it is: the shadow records are
-measured at request temperature 1 and cannot refit the other bands. The rule served stays the
-one it started with, except that a profile recommending `off` starts on `calibrated`, so that
-the live evidence can still move T away from 1 instead of pinning the server at T = 1 for good:
-with the profile's table when it has one request-temperature band (it is significance-gated, all
-ones where nothing beat T = 1), else (calibration's default makes 4 bands, which the online
-refit cannot refit) with a one-band all-ones table, i.e. T = 1, as the profile recommends, until
-the online refit, on the records at T_r = 1, finds a split that beats it; that table then serves
-every request temperature alike, as without a profile. A profile (or policy) that serves the
-per-token bias keeps its T as calibrated (the records cannot refit a T that was fitted jointly
-with the bias); alpha / sigma2 are refitted as always. Given a folder to publish biases to
-(`online_bias_dir`, writable) and a profile that serves a bias (its file found in `bias_dirs`),
-the bias and its T are refined online from the shadow scorer's paired rows (`add(records,
-rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the profile's penalty, a
-held-out reservoir) and, at a refit, published in the new policy version when they beat the
-published ones on the held-out rows by more than two standard errors: the vector is written once
-(atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy names it by
-hash, so the engine must look for bias files there too. A published bias's file is deleted only
-once it is beyond the last `kept_bias_files` published and the next one was published
-`kept_bias_seconds` ago or more (a request pins its policy when it is prepared and the engine
-loads the bias when it admits it, maybe after a wait in its queue; a file missing then would
-serve the request its T without the bias that T was fitted with); never the profile's. A write
-that fails (OSError: a read-only or full folder) publishes the version without the new bias (the
-served bias and its T stay, alpha / sigma2 are new), is counted and marks the estimator
-unhealthy until a bias is written.
+split); a refit of the first three is fitted on all but `settings.validation_fraction` of the
+window's requests and published only when it is not significantly worse than T = 1 on those
+(`is_not_worse`), else the rule keeps its previous parameters (`status()`'s
+`refits_kept_previous` counts it). It publishes a new `TemperaturePolicy` whose version is one
+higher, in which the other rules' parameters (which a request may select by override) stay as
+they were. A calibrated table with request-temperature bands (from a profile) is kept as it is:
+the shadow records are measured at request temperature 1 and cannot refit the other bands. The
+rule served stays the one it started with, except that a profile recommending `off` starts on
+`calibrated`, so that the live evidence can still move T away from 1 instead of pinning the
+server at T = 1 for good: with the profile's table when it has one request-temperature band (it
+is significance-gated, all ones where nothing beat T = 1), else (calibration's default makes 4
+bands, which the online refit cannot refit) with a one-band all-ones table, i.e. T = 1, as the
+profile recommends, until the online refit, on the records at T_r = 1, finds a split that beats
+it; that table then serves every request temperature alike, as without a profile. A profile (or
+policy) that serves the per-token bias keeps its T as calibrated (the records cannot refit a T
+that was fitted jointly with the bias); alpha / sigma2 are refitted as always. Given a folder to
+publish biases to (`online_bias_dir`, writable) and a profile that serves a bias (its file found
+in `bias_dirs`), the bias and its T are refined online from the shadow scorer's paired rows
+(`add(records, rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the profile's
+penalty, a held-out reservoir) and, at a refit, published in the new policy version when they
+beat the published ones on the held-out rows by more than two standard errors: the vector is
+written once (atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy
+names it by hash, so the engine must look for bias files there too. A published bias's file is
+deleted only once it is beyond the last `kept_bias_files` published and the next one was
+published `kept_bias_seconds` ago or more (a request pins its policy when it is prepared and the
+engine loads the bias when it admits it, maybe after a wait in its queue; a file missing then
+would serve the request its T without the bias that T was fitted with); never the profile's. A
+write that fails (OSError: a read-only or full folder) publishes the version without the new
+bias (the served bias and its T stay, alpha / sigma2 are new), is counted and marks the
+estimator unhealthy until a bias is written.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -54,10 +57,15 @@ from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.fitting import fit_rules
+from noisy_temp_server.estimation.fitting import finite_positions, fit_rules, rule_temperatures
 from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile, StepBucketNoise
-from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.estimation.significance import (
+    cluster_stderr,
+    is_not_worse,
+    split_by_sequence,
+)
+from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.bias import LogitBias, PairedRows
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,
@@ -79,6 +87,22 @@ _PARAMETERS_OF_RULE: dict[Rule, tuple[str, ...]] = {
     Rule.CALIBRATED: ("calibrated",),
 }
 """`TemperaturePolicy` fields fitted for one rule only (alpha / sigma2 are always fitted)."""
+_GATED_RULES = frozenset({Rule.FIXED, Rule.FISHER, Rule.SCHEDULE})
+"""Rules whose online refit is published only when it is not significantly worse than T = 1 on
+held-out requests of the window (`calibrated` checks every split of its table itself)."""
+
+
+def _not_worse_than_one(policy: TemperaturePolicy, held_out: PositionRecords) -> bool:
+    """Whether `policy`'s rule is not significantly worse than T = 1 on `held_out` (its mean
+    paired KL gain over T = 1 plus two standard errors clustered by request is >= 0,
+    `significance.is_not_worse`); True when nothing is held out."""
+    if not len(held_out):
+        return True
+    served = interpolate_kl(
+        held_out.kl_curve, held_out.curve_temperatures, rule_temperatures(policy, held_out)
+    )
+    gain = held_out.kl_at_one.double() - served.double()
+    return is_not_worse(float(gain.mean()), cluster_stderr(gain, held_out.sequence_id))
 
 
 class OnlineEstimator:
@@ -171,6 +195,7 @@ class OnlineEstimator:
         self._since_refit = 0
         self._last_refit: float | None = None
         self._last_error: str | None = None
+        self._gate_refusals = 0
         self._lock = threading.Lock()
         self._refit_lock = threading.Lock()
         self._online_bias_dir = online_bias_dir
@@ -239,7 +264,8 @@ class OnlineEstimator:
                 window = PositionRecords.concat(list(self._window))
                 self._since_refit = 0
             try:
-                parameters, noise = fit_rules(window, self._settings, self._fitted_rules)
+                fit_on, check = self._split_for_the_gate(window)
+                parameters, noise = fit_rules(fit_on, self._settings, self._fitted_rules)
             except ValueError as error:
                 with self._lock:
                     self._last_error = f"refit on {len(window)} positions failed: {error}"
@@ -249,10 +275,19 @@ class OnlineEstimator:
             with self._lock:
                 previous = self._policy
                 fitted = parameters.to_policy(previous.rule, previous.version + 1)
+                refitted = self._fitted_rules
+                if check is not None and not _not_worse_than_one(fitted, check):
+                    refitted = refitted - _GATED_RULES
+                    self._gate_refusals += 1
+                    logger.info(
+                        "the refitted %s is worse than T = 1 on held-out requests: "
+                        "keeping its previous parameters",
+                        previous.rule.value,
+                    )
                 kept = {
                     name: getattr(previous, name)
                     for rule, names in _PARAMETERS_OF_RULE.items()
-                    if rule not in self._fitted_rules
+                    if rule not in refitted
                     for name in names
                 }
                 kept = {"bias": previous.bias, **kept, **bias_update}
@@ -264,6 +299,20 @@ class OnlineEstimator:
             return True
         finally:
             self._refit_lock.release()
+
+    def _split_for_the_gate(
+        self, window: PositionRecords
+    ) -> tuple[PositionRecords, PositionRecords | None]:
+        """(the records to fit on, the held-out ones to gate the refit against T = 1 with):
+        when a rule of `_GATED_RULES` is refitted, `settings.validation_fraction` of the
+        window's requests are held out (InsufficientDataError, a ValueError, with fewer than
+        two); else the whole window and None (`calibrated` gates each split itself)."""
+        if not self._fitted_rules & _GATED_RULES:
+            return window, None
+        fit_on, held_out = split_by_sequence(
+            window.sequence_id, self._settings.validation_fraction, self._settings.seed
+        )
+        return window.select(fit_on), finite_positions(window.select(held_out))
 
     def _bias_update(self) -> dict[str, Any]:
         """The policy fields of the online bias for the next version when it is significantly
@@ -340,6 +389,7 @@ class OnlineEstimator:
                 "window_positions": self._window_size,
                 "window_requests": len(self._window),
                 "last_refit_time": self._last_refit,
+                "refits_kept_previous": self._gate_refusals,
                 "healthy": self._last_error is None and self._bias_error is None,
                 "last_error": self._last_error or self._bias_error,
                 "bias": None if self._bias is None else self._bias_status(),

@@ -14,6 +14,7 @@ from noisy_temp_server.commands.serve import DEFAULT_PAIR_PROFILE
 from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
+from noisy_temp_server.estimation.significance import split_by_sequence
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
@@ -92,6 +93,32 @@ def test_a_banded_profile_recommending_off_starts_at_one_and_learns_online() -> 
     assert policy.calibrated == CalibratedTable()  # T = 1 everywhere
     assert policy.alpha_by_step == profile.to_policy().alpha_by_step
     assert estimator.reads_kl_curves  # the calibrated table is refitted online
+
+
+def _flattened(request_id: int, rows: int = 40) -> PositionRecords:
+    """A request whose served logits are the clean ones halved: it wants T = 0.5."""
+    generator = torch.Generator().manual_seed(request_id)
+    clean = torch.randn(rows, 200, generator=generator) * 2.5
+    return PositionRecords.from_logits(
+        clean, 0.5 * clean, step=torch.arange(rows), sequence_id=request_id
+    )
+
+
+def test_a_refit_worse_than_one_on_held_out_requests_keeps_the_previous_value() -> None:
+    """The requests the refit holds out want T = 0.5, those it fits on T > 1: the refitted
+    fixed T is significantly worse than T = 1 on the held-out ones, so the previous T stays
+    (alpha / sigma2 are new). (The in-sample best was published unchecked.)"""
+    profile = sample_profile(Rule.FIXED)
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    fit_on, _ = split_by_sequence(torch.arange(20), settings.validation_fraction, settings.seed)
+    estimator = OnlineEstimator(profile, settings=settings, min_positions=800, refit_every=800)
+    for request in range(20):
+        estimator.add(_request(request) if fit_on[request] else _flattened(request))
+    policy, initial = estimator.current_policy(), profile.to_policy()
+    assert policy.version == 1
+    assert policy.fixed_temperature == initial.fixed_temperature
+    assert policy.alpha_by_step != initial.alpha_by_step
+    assert estimator.status()["refits_kept_previous"] == 1
 
 
 def test_keeps_a_rule_the_profile_recommends() -> None:

@@ -381,6 +381,36 @@ def _published(vectors: list[torch.Tensor]) -> Iterator[LogitBias]:
         yield LogitBias(bias=vector, temperature=1.0)
 
 
+def _publishing(
+    profile: Profile,
+    folder: Path,
+    online_bias_dir: Path,
+    *,
+    vectors: list[torch.Tensor],
+    kept_bias_seconds: float,
+    now: list[float],
+    monkeypatch: pytest.MonkeyPatch,
+) -> OnlineEstimator:
+    """An estimator of `profile` (its bias in `folder`) whose refits, only when called, each
+    publish the next of `vectors` to `online_bias_dir`, keeping 2 files, at the time `now[0]`;
+    fed 20 requests."""
+    candidates = _published(vectors)
+    monkeypatch.setattr(OnlineBias, "candidate", lambda self: next(candidates))
+    estimator = OnlineEstimator(
+        profile,
+        settings=SETTINGS,
+        min_positions=480,
+        refit_every=10**6,
+        bias_dirs=(folder,),
+        online_bias_dir=online_bias_dir,
+        kept_bias_files=2,
+        kept_bias_seconds=kept_bias_seconds,
+        clock=lambda: now[0],
+    )
+    _feed(estimator, range(20))
+    return estimator
+
+
 def test_only_the_last_published_bias_files_are_kept_never_the_profiles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -391,21 +421,17 @@ def test_only_the_last_published_bias_files_are_kept_never_the_profiles(
     vectors = [torch.full((VOCAB,), float(k)) for k in (1, 2)]
     vectors += [torch.zeros(VOCAB)]  # the profile's vector, published again
     vectors += [torch.full((VOCAB,), float(k)) for k in (3, 4, 5)]
-    candidates = _published(vectors)
-    monkeypatch.setattr(OnlineBias, "candidate", lambda self: next(candidates))
     now = [0.0]
-    estimator = OnlineEstimator(
+    # the profile's folder itself
+    estimator = _publishing(
         profile,
-        settings=SETTINGS,
-        min_positions=480,
-        refit_every=10**6,
-        bias_dirs=(tmp_path,),
-        online_bias_dir=tmp_path,  # the profile's folder itself
-        kept_bias_files=2,
+        tmp_path,
+        tmp_path,
+        vectors=vectors,
         kept_bias_seconds=30.0,
-        clock=lambda: now[0],
+        now=now,
+        monkeypatch=monkeypatch,
     )
-    _feed(estimator, range(20))
     published = []
     for _ in vectors:
         now[0] += 60.0
@@ -427,21 +453,17 @@ def test_a_bias_file_stays_while_a_request_may_still_wait_for_it(
     is that old, the files beyond `kept_bias_files` go. (Files were deleted by count alone.)"""
     profile, _ = _biased_profile(tmp_path)
     vectors = [torch.full((VOCAB,), float(k)) for k in range(1, 8)]
-    candidates = _published(vectors)
-    monkeypatch.setattr(OnlineBias, "candidate", lambda self: next(candidates))
     now = [0.0]
-    estimator = OnlineEstimator(
+    online_dir = tmp_path / "online"
+    estimator = _publishing(
         profile,
-        settings=SETTINGS,
-        min_positions=480,
-        refit_every=10**6,  # refits only when called
-        bias_dirs=(tmp_path,),
-        online_bias_dir=tmp_path / "online",
-        kept_bias_files=2,
+        tmp_path,
+        online_dir,
+        vectors=vectors,
         kept_bias_seconds=600.0,
-        clock=lambda: now[0],
+        now=now,
+        monkeypatch=monkeypatch,
     )
-    _feed(estimator, range(20))
     for _ in range(6):
         now[0] += 10.0
         assert estimator.refit()
@@ -487,20 +509,11 @@ def test_a_refit_after_the_online_folder_was_removed_counts_a_failed_write(
     """The estimator creates its folder once, at construction; a refit after the server's
     cleanup removed it fails to write (counted) and creates nothing."""
     profile, first_sha = _biased_profile(tmp_path)
-    runtime = tmp_path / "runtime"
-    runtime.mkdir()
-    estimator = OnlineEstimator(
-        profile,
-        settings=SETTINGS,
-        min_positions=480,
-        refit_every=480,
-        bias_dirs=(tmp_path,),
-        online_bias_dir=runtime / "biases",
-    )
-    assert (runtime / "biases").is_dir()
-    shutil.rmtree(runtime)
+    estimator = _estimator(profile, tmp_path)
+    assert (tmp_path / "online").is_dir()
+    shutil.rmtree(tmp_path / "online")
     _feed(estimator, range(60))
-    assert not runtime.exists()
+    assert not (tmp_path / "online").exists()
     assert estimator.status()["bias"]["write_failures"] >= 1
     assert estimator.current_policy().bias == first_sha
 

@@ -7,10 +7,13 @@
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
 scored, and the prompts are split three ways: every rule is fitted on the fit split, the
-recommended rule is chosen on the validation split (the lowest-KL rule whose gain over T = 1 is
-significant there, else `off`) and measured on the test split. The profile
+validation split is halved by prompt, the calibrated table's cells are chosen on its selection
+half and the recommended rule on its gate half (the lowest-KL rule whose gain over T = 1 is
+material there: over 2 s.e. and 0.1 % of KL(T = 1), else `off`), and it is measured on the
+test split. The profile
 (`noisy_temp_server.estimation.profile`) is written to --out and the quality tables printed,
-each headed by its split and request temperatures: validation and test pooled over the request
+each headed by its split and request temperatures: validation (its gate half) and test pooled
+over the request
 temperatures, then the test split at each. The per-token bias + T is fitted too, on the full
 rows of up to `--bias-rows` positions (its table is printed); its vector is written beside the
 profile (`bias-<sha256>.safetensors`), and so is the recommended policy
@@ -118,10 +121,11 @@ def run(args: argparse.Namespace) -> int:
                 print(table.to_markdown())
             rule = result.profile.recommended_rule.value
             why = (
-                "no rule's validation gain over T=1 exceeds 2 standard errors"
+                "no rule's gain over T=1 on the validation gate half exceeds 2 standard errors "
+                "and 0.1% of KL(T=1)"
                 if rule == "off"
-                else "the lowest validation KL among rules whose gain over T=1 exceeds 2 s.e.; "
-                "its test row is the figure to quote"
+                else "the lowest validation KL among rules whose gain over T=1 exceeds 2 s.e. "
+                "and 0.1% of KL(T=1); its test row is the figure to quote"
             )
             print(f"recommended rule: {rule} ({why}); profile: {args.out}")
             if result.bias is not None:

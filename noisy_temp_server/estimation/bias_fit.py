@@ -1,5 +1,6 @@
 """The per-token logit bias on calibration data: paired rows from the scorer, the fit with its
-penalty chosen on validation prompts, and its held-out quality row.
+penalty chosen on the selection half of the validation prompts, and its quality rows on the
+gate half (the recommendation) and on the test prompts.
 
 The temperature rules are fitted on stored KL curves (`PositionRecords`); a bias cannot be, it
 needs the full served and clean rows (`PairedRows`), so `score_with_rows` keeps them next to
@@ -24,6 +25,7 @@ from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
     is_significant,
     split_fit_validation_test,
+    split_selection_gate,
 )
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 from noisy_temp_server.temperature.bias import (
@@ -165,8 +167,9 @@ def _oracle(rows: PairedRows) -> tuple[Tensor, Tensor]:
 @dataclass(frozen=True)
 class BiasCalibration:
     """The bias as calibration fits it (`calibrate_bias`): `path` holds the served fit (on the
-    fit and validation prompts, at the penalty chosen on validation); `validation` measures
-    the fit-prompts-only fit that chose it (the recommendation), `test` the served one;
+    fit and validation prompts, at the penalties chosen on the validation prompts' selection
+    half); `validation` measures the fit-prompts-only fit at those penalties on the gate half
+    (the recommendation: rows that took no part in choosing them), `test` the served one;
     `fitted_rows`: the rows the served fit saw."""
 
     path: BiasPath
@@ -180,8 +183,8 @@ class BiasCalibration:
 
     @property
     def recommended(self) -> bool:
-        """Whether a bias won on validation (not the T-only fit) and its validation gain over
-        T = 1 is significant (gain - 2 s.e. > 0)."""
+        """Whether a bias won on the selection half (not the T-only fit) and its gain over T = 1
+        on the gate half is significant (gain - 2 s.e. > 0)."""
         row = self.validation.row
         return self.path.chosen.has_bias and is_significant(row.gain, row.gain_stderr)
 
@@ -191,14 +194,14 @@ class BiasCalibration:
         lines = [
             f"Per-token bias + T: T = {self.correction.temperature:.3f}, "
             f"{penalties_text(self.path.chosen)}"
-            f"; {'recommended' if self.recommended else 'not recommended'} (validation gain "
+            f"; {'recommended' if self.recommended else 'not recommended'} (gate-half gain "
             f"{'>' if self.recommended else '<='} 2 s.e.). It changes greedy output and logprobs.",
             "",
             "| split | positions | KL(T=1) | KL(bias + T) | gain ± s.e. | share removed "
             "| KL(oracle T) | same top T=1 → bias |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name, quality in (("validation", self.validation), ("test", self.test)):
+        for name, quality in (("validation (gate half)", self.validation), ("test", self.test)):
             row = quality.row
             lines.append(
                 f"| {name} | {quality.positions} | {1e3 * quality.t_one.mean_kl:.3f} "
@@ -230,7 +233,7 @@ class BiasCalibration:
 def penalties_text(fit: BiasFit) -> str:
     """The penalties of a fit in words: its head-span and per-token parts, or T only."""
     if not fit.has_bias:
-        return "no bias (T only won on validation)"
+        return "no bias (T only won on the selection half)"
     parts = [f"head-span penalty {fit.head_penalty:.1e}"] if math.isfinite(fit.head_penalty) else []
     if math.isfinite(fit.penalty):
         parts.append(f"per-token penalty {fit.penalty:.1e}")
@@ -241,10 +244,10 @@ def calibrate_bias(
     rows: PairedRows, settings: CalibrationSettings, basis: Tensor | None = None
 ) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
-    `calibrate_records` splits the records (same fractions and seed): `fit_bias_for_serving`
-    (with the output head's `basis`, if given) on the fit and validation prompts, measured on
-    the test prompts. Raises `InsufficientDataError` when a split is too small (see
-    `bias_quality`)."""
+    `calibrate_records` splits the records (same fractions and seed, the validation prompts
+    halved alike): `fit_bias_for_serving` (with the output head's `basis`, if given) on the
+    fit and validation prompts, measured on the test prompts. Raises `InsufficientDataError`
+    when a split is too small (see `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
     )
@@ -267,15 +270,17 @@ def fit_bias_for_serving(
     settings: CalibrationSettings,
     basis: Tensor | None = None,
 ) -> tuple[BiasPath, BiasQuality]:
-    """The bias to serve from fit and validation rows: the penalties are chosen on
-    `validation` with fits on `fit` (`fit_logit_bias`, with the output head's `basis` if
-    given), and that fit's validation quality is returned (it decides the recommendation); the
-    bias served is then refitted at those penalties on both together (more data, no further
-    choice; warm start). Raises `InsufficientDataError` when `validation` is too small (see
-    `bias_quality`)."""
-    path = fit_logit_bias(fit, validation, basis=basis, bounds=settings.bounds)
-    validation_quality = bias_quality(
-        validation, path.chosen.correction, settings.min_quality_positions
+    """The bias to serve from fit and validation rows. The validation rows are halved by prompt
+    (`split_selection_gate`, as `calibrate_records` halves its records): the penalties are
+    chosen on the selection half with fits on `fit` (`fit_logit_bias`, with the output head's
+    `basis` if given), and that fit's quality on the gate half is returned (it decides the
+    recommendation, on rows that took no part in the choice); the bias served is then refitted
+    at those penalties on all of `fit` and `validation` (more data, no further choice; warm
+    start). Raises `InsufficientDataError` when a half is too small (see `bias_quality`)."""
+    selection, gate = split_selection_gate(validation.sequence_id.cpu(), settings.seed)
+    path = fit_logit_bias(fit, validation.select(selection), basis=basis, bounds=settings.bounds)
+    gate_quality = bias_quality(
+        validation.select(gate), path.chosen.correction, settings.min_quality_positions
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(
@@ -287,4 +292,4 @@ def fit_bias_for_serving(
         start=chosen,
         fit_bias=math.isfinite(chosen.penalty),
     )
-    return replace(path, chosen=refit), validation_quality
+    return replace(path, chosen=refit), gate_quality

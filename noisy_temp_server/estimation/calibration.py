@@ -7,24 +7,28 @@ The pipeline (`calibrate`):
 2. the pair scorer turns prompt + completion into per-position records (`pairs.scorer`), each
    position measured at every request temperature of the settings (KL to softmax(z/T_r));
 3. prompts (not positions) are split three ways: fit, validation and test
-   (`split_fit_validation_test`);
+   (`split_fit_validation_test`), and the validation prompts in two halves, selection and
+   gate (`split_selection_gate`): every choice made from data is made on the selection half
+   and judged on the gate half, never on the rows it was chosen on;
 4. every rule is fitted on the fit split (`estimation.fitting.fit_rules`); the calibrated
    table has one band per request temperature, each starting from its best constant where
-   the bands' constants jointly beat T = 1 on the validation split and the band's own
-   validation positions do not show its constant worse than 1 (else from 1), and departs from
-   it only where the validation split shows a significant gain;
-5. quality tables compare T = 1, every rule, calibrated and the oracle on the validation and
-   on the test split (`estimation.quality.quality_table`), pooled over the request
-   temperatures, and on the test split at each request temperature;
-6. the recommended rule (`recommend_rule`) is chosen on the validation table: the lowest-KL
-   rule whose paired gain over T = 1 is significant (mean minus 2 cluster-robust standard
-   errors > 0), else `off`: no rule is served on the strength of noise. The test table, on
-   prompts that took part in neither fitting nor choosing, reports it;
+   the bands' constants jointly beat T = 1 on the selection half and the band's own
+   selection positions do not show its constant worse than 1 (else from 1), and departs from
+   it only where the selection half shows a material gain (`is_material_gain`);
+5. quality tables compare T = 1, every rule, calibrated and the oracle on the gate half (the
+   profile's `validation_quality`) and on the test split (`estimation.quality.quality_table`),
+   pooled over the request temperatures, and on the test split at each request temperature;
+6. the recommended rule (`recommend_rule`) is chosen on the gate half's table: the lowest-KL
+   rule whose paired gain over T = 1 is material (mean minus 2 cluster-robust standard
+   errors > 0, and above 0.1 % of KL(T = 1)), else `off`: no rule is served on the strength
+   of noise. The test table, on prompts that took part in neither fitting nor choosing,
+   reports it;
 7. the per-token logit bias + T (`estimation.bias_fit.calibrate_bias`) is fitted on the full
    rows of the fit split's positions (up to `bias_rows` positions in all), first in the span
    of the clean model's output head, then per token on top, its penalties chosen on the
-   validation split, and measured on both; it is recommended only where its validation
-   gain over T = 1 is significant, and its test row is the figure to quote.
+   selection half, and measured on the gate half and the test split; it is recommended only
+   where its gate-half gain over T = 1 is significant, and its test row is the figure to
+   quote.
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ from noisy_temp_server.estimation.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.estimation.profile import CalibrationSettings, ModelIdentity, Profile
 from noisy_temp_server.estimation.prompts import Prompt, encode_prompt
 from noisy_temp_server.estimation.quality import quality_table, recommend_rule
-from noisy_temp_server.estimation.significance import split_fit_validation_test
+from noisy_temp_server.estimation.significance import (
+    split_fit_validation_test,
+    split_selection_gate,
+)
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturb import PerturbationSpec
@@ -66,15 +73,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """The profile, and the records of its three splits: rules were fitted on `fit`, the
-    recommended rule chosen on `validation`, and the reported quality measured on `test`; the
-    bias fitted on the same splits, with its vector (None without rows)."""
+    """The profile, and the records of its splits: rules were fitted on `fit`, the calibrated
+    table's cells chosen on `selection`, the recommended rule gated on `gate` (the two halves
+    of the validation prompts), and the reported quality measured on `test`; the bias fitted
+    on the same splits, with its vector (None without rows)."""
 
     profile: Profile
     fit: PositionRecords
-    validation: PositionRecords
+    selection: PositionRecords
+    gate: PositionRecords
     test: PositionRecords
     bias: BiasCalibration | None = None
+
+    @property
+    def validation(self) -> PositionRecords:
+        """The validation prompts' records: the selection half, then the gate half."""
+        return PositionRecords.concat([self.selection, self.gate])
 
 
 def _log_progress(label: str) -> Callable[[int, int], None]:
@@ -145,8 +159,10 @@ def calibrate_records(
     *,
     basis: torch.Tensor | None = None,
 ) -> CalibrationResult:
-    """Split `records` by prompt into fit / validation / test, fit every rule on the first,
-    choose the recommended rule on the second (`recommend_rule`), report on the third. With
+    """Split `records` by prompt into fit / validation / test and the validation prompts into
+    selection / gate halves; fit every rule on fit, choose the calibrated table's cells on the
+    selection half, the recommended rule on the gate half (`recommend_rule`), report on test.
+    With
     `rows` (of some of the same positions) the per-token bias is fitted and measured on the
     same splits (`calibrate_bias`, with the clean output head's `basis` if given).
 
@@ -156,10 +172,12 @@ def calibrate_records(
         records.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
     )
     fit, validation, test = (records.select(m) for m in (fit_mask, validation_mask, test_mask))
-    parameters, noise = fit_rules(fit, settings, validation=validation)
+    selection_mask, gate_mask = split_selection_gate(validation.sequence_id, settings.seed)
+    selection, gate = validation.select(selection_mask), validation.select(gate_mask)
+    parameters, noise = fit_rules(fit, settings, validation=selection)
     policies = [parameters.to_policy(rule) for rule in FITTED_RULES]
     minimum = settings.min_quality_positions
-    validation_quality = quality_table(validation, policies, minimum, split="validation")
+    validation_quality = quality_table(gate, policies, minimum, split="validation")
     test_quality = quality_table(test, policies, minimum, split="test")
     by_request_temperature = tuple(
         quality_table(test.select(test.request_temperature == t), policies, minimum, split="test")
@@ -179,7 +197,9 @@ def calibrate_records(
         test_quality_by_request_temperature=by_request_temperature,
         bias=None if bias is None else bias.summary(),
     )
-    return CalibrationResult(profile=profile, fit=fit, validation=validation, test=test, bias=bias)
+    return CalibrationResult(
+        profile=profile, fit=fit, selection=selection, gate=gate, test=test, bias=bias
+    )
 
 
 def calibrate(

@@ -5,9 +5,9 @@ name and weights sha256 of both models, and for a perturbed one the clean weight
 the spec, so a profile calibrated with the perturbation applied in memory is accepted for the
 checkpoint `perturb` or `serve` writes for the same spec), the perturbation spec, the calibration
 settings, alpha / sigma2 / tau2 by generation-step bucket, the fitted parameters of every rule
-(the calibrated table among them) and the quality tables of the validation split (which chose
-the recommended rule) and of the test split (which reports it). `Profile.to_policy(rule)`
-turns it into the `TemperaturePolicy` the server applies.
+(the calibrated table among them) and the quality tables of the validation prompts' gate half
+(which gated the recommended rule) and of the test split (which reports it).
+`Profile.to_policy(rule)` turns it into the `TemperaturePolicy` the server applies.
 
 `schema_version` is checked on load: a profile written by another schema is refused, not
 guessed at. Every failure to use a profile (unreadable file, bad JSON, wrong schema version,
@@ -58,8 +58,10 @@ class CalibrationSettings(_Frozen):
     """How the calibration data were made and the rules fitted (recorded for reproduction).
 
     Prompts are split three ways (`split_fit_validation_test`): `test_fraction` of them
-    for the reported quality, `validation_fraction` for the choices (the calibrated table's
-    departures from its global T, the recommended rule), the rest to fit the rules on.
+    for the reported quality, `validation_fraction` for the choices, the rest to fit the rules
+    on. The validation prompts are halved (`split_selection_gate`): the selection half chooses
+    (the calibrated table's departures from T = 1 and from its constants, the bias's
+    penalties), the gate half judges what was chosen (the recommended rule, the bias).
     Every position is measured at each of `request_temperatures` (KL to softmax(z/T_r), the
     clean model at the client's temperature): the calibrated table gets one band per request
     temperature, the other rules are fitted at T_r = 1, which must be among them.
@@ -210,7 +212,8 @@ class QualityRow(_Frozen):
 class QualityTable(_Frozen):
     """Quality of T = 1, every rule, calibrated and the oracle on one split of the prompts.
 
-    `split` says which: "validation" (the prompts the recommended rule was chosen on) or
+    `split` says which: "validation" (the validation prompts' gate half, where the recommended
+    rule was chosen, on rows that chose nothing else) or
     "test" (prompts used for nothing else: the honest figure). `request_temperatures`: the
     request temperatures T_r its positions were measured at (KL to softmax(z/T_r)); with
     several, each position counts once per T_r and the standard errors stay clustered by
@@ -270,7 +273,7 @@ class BiasSummary(_Frozen):
     of its part in the span of the clean model's output head (None: no such part);
     `penalty` the per-token L2 penalty of its free part, or, when it has none, the one best on
     validation, which the online refinement uses (both None: the T-only fit won on
-    validation, the bias is 0). `recommended` when it is a bias and its validation gain over
+    validation, the bias is 0). `recommended` when it is a bias and its gain over
     T = 1 is significant; then
     `Profile.to_policy()` serves it. Quality rows as in `QualityTable`, on the rows
     kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top token, so
@@ -296,9 +299,11 @@ class Profile(_Frozen):
     """Everything calibration learnt about one pair (see the module docstring).
 
     Rules are fitted on the fit split. `recommended_rule` (what `to_policy()` serves by
-    default) is chosen on `validation_quality`: the fitted rule with the lowest validation mean
-    KL among those whose paired gain over T = 1 is significant (gain - 2 s.e. > 0), `off` when
-    none is (`noisy_temp_server.estimation.quality.recommend_rule`). `test_quality`, on prompts
+    default) is chosen on `validation_quality`, the validation prompts' gate half (the
+    selection half chose the calibrated table's cells): the fitted rule with the lowest mean
+    KL there among those whose paired gain over T = 1 is material (gain - 2 s.e. > 0 and
+    gain > 0.1 % of KL(T = 1)), `off` when none is
+    (`noisy_temp_server.estimation.quality.recommend_rule`). `test_quality`, on prompts
     used for neither, is the figure to report. Both pool the calibration's request
     temperatures; `test_quality_by_request_temperature` has one test table per temperature.
     """

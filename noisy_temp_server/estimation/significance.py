@@ -29,6 +29,7 @@ __all__ = [
     "is_significant",
     "split_by_sequence",
     "split_fit_validation_test",
+    "split_selection_gate",
 ]
 
 SIGNIFICANCE_STDERRS = 2.0
@@ -91,6 +92,24 @@ def split_fit_validation_test(
     validation = torch.zeros_like(rest)
     validation[rest.nonzero().squeeze(1)] = validation_part
     return rest & ~validation, validation, test
+
+
+def split_selection_gate(sequence_ids: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """Split the validation split's `sequence_ids` [N] into halves: (selection, gate) bool masks.
+
+    Calibration makes its choices from data (the calibrated table's cells, the bias's
+    penalties) on the selection half and gates the recommendation (beats T = 1, the bias not
+    behind the rule) on the gate half: a choice made on the same rows as its gate would be
+    favoured by their noise (the winner's curse). Deterministic in `seed` and in the set of ids,
+    so the records and the bias rows of one calibration split alike. Raises
+    `InsufficientDataError` with fewer than two sequences.
+    """
+    if torch.unique(sequence_ids).numel() < 2:
+        raise InsufficientDataError(
+            "the validation split needs at least 2 prompts (a selection and a gate half); use "
+            "more prompts or a larger validation_fraction"
+        )
+    return split_by_sequence(sequence_ids, 0.5, seed + 2)
 
 
 def cluster_stderr(values: Tensor, sequence_ids: Tensor) -> float:

@@ -112,7 +112,7 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
         max_new_tokens=32,
         request_temperatures=(1.0,),
         min_cell_positions=10,
-        min_quality_positions=40,
+        min_quality_positions=30,
     )
     result = calibrate_records(scored.records, (CLEAN, SERVED), None, settings, scored.rows)
     assert result.bias is not None
@@ -122,7 +122,12 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
         scored.rows.sequence_id, settings.validation_fraction, settings.test_fraction, 0
     )
     assert set(scored.rows.sequence_id[test].tolist()) == set(result.test.sequence_id.tolist())
-    assert result.bias.validation.positions == int(validation.sum())
+    # the bias is recommended on the rows of the validation prompts' gate half, as the rules
+    # are, not on the selection half its penalties were chosen on
+    gate_ids = set(result.gate.sequence_id.tolist())
+    gate = torch.tensor([i in gate_ids for i in scored.rows.sequence_id.tolist()])
+    assert gate_ids < set(scored.rows.sequence_id[validation].tolist())
+    assert result.bias.validation.positions == int(gate.sum())
     assert summary.test == result.bias.test.row
     served_on = torch.tensor([i not in set(result.test.sequence_id.tolist()) for i in range(12)])
     assert result.bias.path.chosen.fit_kl == pytest.approx(
@@ -177,7 +182,7 @@ def test_calibration_with_the_clean_head_fits_in_its_span_first(
     scored = score_with_rows(scorer, _sequences(12), max_rows=300)
     basis = output_head(models[0])
     assert basis is not None
-    settings = CalibrationSettings(prompts=12, max_new_tokens=32, min_quality_positions=40)
+    settings = CalibrationSettings(prompts=12, max_new_tokens=32, min_quality_positions=30)
     calibration = calibrate_bias(scored.rows, settings, basis.detach())
     path, summary = calibration.path, calibration.summary()
     assert path.head_validation_kl  # the head-span path was walked before the per-token one

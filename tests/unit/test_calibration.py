@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ from noisy_temp_server.estimation.significance import (
     is_significant,
     split_by_sequence,
     split_fit_validation_test,
+    split_selection_gate,
 )
 from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
@@ -700,19 +702,39 @@ def test_calibration_end_to_end_on_the_tiny_model(calibrated: _Calibrated, tmp_p
     assert Profile.load(tmp_path / "profile.json") == profile
 
 
-def test_rules_are_fitted_on_fit_chosen_on_validation_and_reported_on_test(
+def test_rules_are_fitted_on_fit_chosen_on_selection_gated_on_gate_and_reported_on_test(
     calibrated: _Calibrated,
 ) -> None:
+    # The calibrated table's cells are chosen on one half of the validation prompts and the
+    # recommendation judged on the other: judged on the rows that chose them, the cells' gains
+    # would be inflated by those rows' noise (the winner's curse).
     result = calibrated.result
-    ((fit_ids, validation_ids),) = calibrated.fitted_on
+    ((fit_ids, selection_ids),) = calibrated.fitted_on
+    gate_ids = set(result.gate.sequence_id.tolist())
     test_ids = set(result.test.sequence_id.tolist())
     assert fit_ids == set(result.fit.sequence_id.tolist())
-    assert validation_ids == set(result.validation.sequence_id.tolist())
-    assert not fit_ids & validation_ids
-    assert not fit_ids & test_ids
-    assert not validation_ids & test_ids
+    assert selection_ids == set(result.selection.sequence_id.tolist())
+    assert selection_ids
+    assert gate_ids
+    assert selection_ids | gate_ids == set(result.validation.sequence_id.tolist())
+    for first, second in itertools.combinations((fit_ids, selection_ids, gate_ids, test_ids), 2):
+        assert not first & second
     assert result.profile.test_quality.sequences == len(test_ids)
-    assert result.profile.validation_quality.sequences == len(validation_ids)
+    assert result.profile.validation_quality.sequences == len(gate_ids)
+    assert result.profile.validation_quality.positions == len(result.gate)
+
+
+def test_the_validation_halves_are_deterministic_and_need_two_prompts() -> None:
+    ids = torch.arange(40) // 4
+    selection, gate = split_selection_gate(ids, seed=3)
+    assert not (selection & gate).any()
+    assert (selection | gate).all()
+    assert set(ids[selection].tolist()).isdisjoint(ids[gate].tolist())
+    assert int(torch.unique(ids[gate]).numel()) == 5
+    again = split_selection_gate(ids.flip(0), seed=3)
+    assert set(ids.flip(0)[again[1]].tolist()) == set(ids[gate].tolist())  # by the set of ids
+    with pytest.raises(InsufficientDataError, match="selection and a gate half"):
+        split_selection_gate(torch.zeros(5, dtype=torch.int64), seed=0)
 
 
 def _null_records(seed: int, sequences: int = 40, positions: int = 48) -> PositionRecords:

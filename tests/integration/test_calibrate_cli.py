@@ -46,6 +46,8 @@ def test_perturb_then_calibrate(
         "24",
         "--max-new-tokens",
         "20",
+        "--validation-fraction",  # halved into selection and gate: 6 gate prompts, 120 rows
+        "0.5",
         "--bias-rows",
         "1000",
         "--records",
@@ -84,7 +86,8 @@ def test_profile_calibrated_in_memory_serves_the_perturbed_checkpoint(
     spec = '{"kind": "weight_noise", "scale": 0.1, "seed": 3}'
     profile_path = tmp_path / "profile.json"
     argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(profile_path)]
-    assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--max-new-tokens", "20"]) == 0
+    sizes = ["--num-prompts", "24", "--max-new-tokens", "20", "--validation-fraction", "0.5"]
+    assert _run(calibrate_command, [*argv, *sizes]) == 0
     for name, written_spec in (("same", spec), ("other", spec.replace('"seed": 3', '"seed": 4'))):
         argv = [
             "--spec",
@@ -115,7 +118,7 @@ def test_calibrate_refuses_too_few_positions(
         "--out",
         str(tmp_path / "p.json"),
         "--num-prompts",
-        "4",
+        "8",
         "--max-new-tokens",
         "4",
     ]

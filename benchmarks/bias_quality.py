@@ -204,7 +204,13 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     identity = (pair.clean, pair.served)
     basis = None if args.per_token_only else pair.head_basis(scored_a.rows.vocab_size)
     result = calibrate_records(
-        scored_a.records, identity, None, settings, scored_a.rows, basis=basis
+        scored_a.records,
+        identity,
+        None,
+        settings,
+        scored_a.rows,
+        row_records=scored_a.row_records,
+        basis=basis,
     )
     calibration = result.bias
     assert calibration is not None  # rows were given

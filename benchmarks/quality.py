@@ -215,8 +215,9 @@ def _bias_at_one(result: CalibrationResult, settings: CalibrationSettings) -> tu
     )
     penalty, head_penalty = calibration.path.chosen.penalty, calibration.path.chosen.head_penalty
     head = (
-        f"bias: {'recommended' if calibration.recommended else 'not recommended'} (validation "
-        f"gain {'>' if calibration.recommended else '<='} 2 s.e.), "
+        f"bias: {'recommended' if calibration.recommended else 'not recommended'} (gate half: "
+        "gain over T=1 > 2 s.e. and not behind the recommended rule, "
+        f"{'met' if calibration.recommended else 'not met'}), "
         f"{penalties_text(calibration.path.chosen)}, "
         f"T {calibration.correction.temperature:.3f}"
     )

@@ -19,10 +19,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from noisy_temp_server.estimation.fitting import finite_positions
+from noisy_temp_server.estimation.fitting import rule_temperatures as rule_temperatures_of
 from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, QualityRow
 from noisy_temp_server.estimation.quality import quality_row
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
+    cluster_stderr,
+    is_not_worse,
     is_significant,
     split_fit_validation_test,
     split_selection_gate,
@@ -39,6 +43,9 @@ from noisy_temp_server.temperature.bias import (
 )
 from noisy_temp_server.temperature.bias_files import bias_sha256
 from noisy_temp_server.temperature.oracle import oracle_temperature
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [
     "BIAS_ROW_NAME",
@@ -48,6 +55,7 @@ __all__ = [
     "bias_quality",
     "calibrate_bias",
     "fit_bias_for_serving",
+    "kl_at_temperatures",
     "penalties_text",
     "score_with_rows",
 ]
@@ -58,10 +66,13 @@ BIAS_ROW_NAME = "bias"
 
 @dataclass(frozen=True)
 class ScoredSet:
-    """Records of every scored position, and the paired rows of (a subset of) them."""
+    """Records of every scored position, the paired rows of (a subset of) them, and
+    `row_records`: the records at request temperature 1 of the positions of `rows`, row for row
+    (what a temperature rule reads there, to compare it with the bias on the same rows)."""
 
     records: PositionRecords
     rows: PairedRows
+    row_records: PositionRecords
 
 
 def score_with_rows(
@@ -82,29 +93,45 @@ def score_with_rows(
         keep_every = 1
     else:
         keep_every = math.ceil(total / max_rows) if max_rows > 0 else total + 1
-    records, rows = [], []
+    records: list[PositionRecords] = []
+    rows: list[PairedRows] = []
+    row_records: list[PositionRecords] = []
     for done, sequence in enumerate(sequences, start=1):
         if progress is not None and (done % 8 == 0 or done == len(sequences)):
             progress(done, len(sequences))
         for steps, clean, served in scorer.logit_chunks(sequence):
-            records += [
-                scorer.chunk_records(
+            chunk = {
+                temperature: scorer.chunk_records(
                     steps, clean, served, sequence.sequence_id, request_temperature=temperature
                 )
                 for temperature in request_temperatures
-            ]
+            }
+            records += chunk.values()
             kept = steps % keep_every == 0
             rows.append(PairedRows.from_logits(clean[kept], served[kept], sequence.sequence_id))
+            at_one = (
+                chunk[1.0]
+                if 1.0 in chunk
+                else scorer.chunk_records(steps, clean, served, sequence.sequence_id)
+            )
+            # PairedRows leaves out the rows whose KL is infinite, as finite_positions does
+            row_records.append(finite_positions(at_one.select(kept.to(at_one.step.device))))
     if not rows:
         raise InsufficientDataError("no sequences to score")
-    return ScoredSet(PositionRecords.concat(records), PairedRows.concat(rows))
+    return ScoredSet(
+        PositionRecords.concat(records),
+        PairedRows.concat(rows),
+        PositionRecords.concat(row_records),
+    )
 
 
 @dataclass(frozen=True)
 class BiasQuality:
     """A correction measured on held-out rows, beside T = 1 and the per-row oracle T on the
     same rows: its quality row (named `BIAS_ROW_NAME`), the T = 1 and oracle rows, and the
-    same-top rates (a bias can change the top token; a temperature cannot)."""
+    same-top rates (a bias can change the top token; a temperature cannot). `over_rule`: when
+    the correction was measured against a temperature rule on the same rows, the mean paired
+    gain KL(rule) - KL(correction) and its clustered standard error (else None)."""
 
     row: QualityRow
     t_one: QualityRow
@@ -113,6 +140,7 @@ class BiasQuality:
     same_top_rate_t_one: float
     positions: int
     sequences: int
+    over_rule: tuple[float, float] | None = None
 
     @property
     def share_removed(self) -> float:
@@ -120,8 +148,16 @@ class BiasQuality:
         return self.row.gain / self.t_one.mean_kl if self.t_one.mean_kl > 0 else 0.0
 
 
-def bias_quality(rows: PairedRows, correction: LogitBias, min_positions: int = 100) -> BiasQuality:
-    """`correction` on held-out `rows`, paired with T = 1 and the per-row oracle T there.
+def bias_quality(
+    rows: PairedRows,
+    correction: LogitBias,
+    min_positions: int = 100,
+    *,
+    rule_temperatures: Tensor | None = None,
+) -> BiasQuality:
+    """`correction` on held-out `rows`, paired with T = 1 and the per-row oracle T there, and
+    with a temperature rule serving `rule_temperatures` [N] (one T per row) when given
+    (`BiasQuality.over_rule`; exact KL at those T, `kl_at_temperatures`).
 
     Raises `InsufficientDataError` below `min_positions` rows.
     """
@@ -143,6 +179,10 @@ def bias_quality(rows: PairedRows, correction: LogitBias, min_positions: int = 1
         kl_fixed=None,
     )
     ones = torch.ones(len(rows), dtype=torch.float64)
+    over_rule = None
+    if rule_temperatures is not None:
+        gain = kl_at_temperatures(rows, rule_temperatures) - corrected.kl.double().cpu()
+        over_rule = (float(gain.mean()), cluster_stderr(gain, ids))
     return BiasQuality(
         row=row(BIAS_ROW_NAME, kl=corrected.kl.cpu(), temperatures=ones * correction.temperature),
         t_one=row("T=1", kl=kl_one, temperatures=ones),
@@ -151,7 +191,19 @@ def bias_quality(rows: PairedRows, correction: LogitBias, min_positions: int = 1
         same_top_rate_t_one=float(one.same_top.double().mean()),
         positions=len(rows),
         sequences=int(torch.unique(ids).numel()),
+        over_rule=over_rule,
     )
+
+
+def kl_at_temperatures(rows: PairedRows, temperatures: Tensor) -> Tensor:
+    """Exact per-row KL(p || softmax(z~ / T_i)) of `rows` at their own `temperatures` [N]
+    (> 0) -> float64 [N] on the CPU (clean log-probabilities are valid clean logits)."""
+    kls = []
+    for chunk in rows.chunks():
+        terms = KLTerms.from_logits(rows.clean_prob[chunk].log(), rows.served_shifted[chunk])
+        u = temperatures[chunk].to(rows.served_shifted.device).reciprocal()
+        kls.append(terms.kl(u).double().cpu())
+    return torch.cat(kls) if kls else torch.zeros(0, dtype=torch.float64)
 
 
 def _oracle(rows: PairedRows) -> tuple[Tensor, Tensor]:
@@ -176,6 +228,9 @@ class BiasCalibration:
     validation: BiasQuality
     test: BiasQuality
     fitted_rows: int
+    rule: Rule | None = None
+    """The temperature rule `validation` compared the bias with (the profile's recommended
+    rule), if any."""
 
     @property
     def correction(self) -> LogitBias:
@@ -183,10 +238,16 @@ class BiasCalibration:
 
     @property
     def recommended(self) -> bool:
-        """Whether a bias won on the selection half (not the T-only fit) and its gain over T = 1
-        on the gate half is significant (gain - 2 s.e. > 0)."""
-        row = self.validation.row
-        return self.path.chosen.has_bias and is_significant(row.gain, row.gain_stderr)
+        """Whether a bias won on the selection half (not the T-only fit), its gain over T = 1
+        on the gate half is significant (gain - 2 s.e. > 0), and, when it was measured
+        against the recommended temperature rule there (`BiasQuality.over_rule`), it is not
+        significantly worse than that rule (gain + 2 s.e. >= 0): served, it replaces it."""
+        row, over_rule = self.validation.row, self.validation.over_rule
+        return (
+            self.path.chosen.has_bias
+            and is_significant(row.gain, row.gain_stderr)
+            and (over_rule is None or is_not_worse(*over_rule))
+        )
 
     def to_markdown(self) -> str:
         """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), and
@@ -194,8 +255,9 @@ class BiasCalibration:
         lines = [
             f"Per-token bias + T: T = {self.correction.temperature:.3f}, "
             f"{penalties_text(self.path.chosen)}"
-            f"; {'recommended' if self.recommended else 'not recommended'} (gate-half gain "
-            f"{'>' if self.recommended else '<='} 2 s.e.). It changes greedy output and logprobs.",
+            f"; {'recommended' if self.recommended else 'not recommended'} (on the gate half: "
+            f"gain over T = 1 > 2 s.e.{self._over_rule_text()}). It changes greedy output and "
+            "logprobs.",
             "",
             "| split | positions | KL(T=1) | KL(bias + T) | gain ± s.e. | share removed "
             "| KL(oracle T) | same top T=1 → bias |",
@@ -211,10 +273,21 @@ class BiasCalibration:
             )
         return "\n".join(lines) + "\n"
 
+    def _over_rule_text(self) -> str:
+        over_rule = self.validation.over_rule
+        if self.rule is None or over_rule is None:
+            return ""
+        gain, stderr = over_rule
+        return (
+            f", not behind the `{self.rule.value}` rule it would replace: "
+            f"{1e3 * gain:+.3f} ± {1e3 * stderr:.3f} (1e-3 nats)"
+        )
+
     def summary(self) -> BiasSummary:
         """What the profile records (the vector itself is written by
         `temperature.bias_files.save_bias_file`)."""
         head_penalty = self.path.chosen.head_penalty
+        over_rule = self.validation.over_rule
         return BiasSummary(
             sha256=bias_sha256(self.correction.bias),
             vocab_size=int(self.correction.bias.numel()),
@@ -227,6 +300,9 @@ class BiasCalibration:
             test=self.test.row,
             validation_same_top_rate=self.validation.same_top_rate,
             test_same_top_rate=self.test.same_top_rate,
+            rule=self.rule,
+            gain_over_rule=None if over_rule is None else over_rule[0],
+            gain_over_rule_stderr=None if over_rule is None else over_rule[1],
         )
 
 
@@ -241,18 +317,38 @@ def penalties_text(fit: BiasFit) -> str:
 
 
 def calibrate_bias(
-    rows: PairedRows, settings: CalibrationSettings, basis: Tensor | None = None
+    rows: PairedRows,
+    settings: CalibrationSettings,
+    basis: Tensor | None = None,
+    *,
+    rule: TemperaturePolicy | None = None,
+    row_records: PositionRecords | None = None,
 ) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
     `calibrate_records` splits the records (same fractions and seed, the validation prompts
     halved alike): `fit_bias_for_serving` (with the output head's `basis`, if given) on the
-    fit and validation prompts, measured on the test prompts. Raises `InsufficientDataError`
-    when a split is too small (see `bias_quality`)."""
+    fit and validation prompts, measured on the test prompts. With `rule` (the recommended
+    temperature rule) and `row_records` (the records at request temperature 1 of the positions
+    of `rows`, row for row), the bias is also measured against that rule on the gate half, and
+    recommended only if not significantly worse than it (`BiasCalibration.recommended`).
+    Raises `InsufficientDataError` when a split is too small (see `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
-        rows.sequence_id, settings.validation_fraction, settings.test_fraction, settings.seed
+        rows.sequence_id.cpu(),
+        settings.validation_fraction,
+        settings.test_fraction,
+        settings.seed,
     )
+    rule_temperatures = None
+    if rule is not None and row_records is not None:
+        if len(row_records) != len(rows):
+            raise ValueError(f"{len(row_records)} row records for {len(rows)} rows")
+        rule_temperatures = rule_temperatures_of(rule, row_records.select(validation))
     path, validation_quality = fit_bias_for_serving(
-        rows.select(fit), rows.select(validation), settings, basis
+        rows.select(fit),
+        rows.select(validation),
+        settings,
+        basis,
+        rule_temperatures=rule_temperatures,
     )
     return BiasCalibration(
         path=path,
@@ -261,6 +357,7 @@ def calibrate_bias(
         test=bias_quality(
             rows.select(test), path.chosen.correction, settings.min_quality_positions
         ),
+        rule=None if rule_temperatures is None or rule is None else rule.rule,
     )
 
 
@@ -269,6 +366,8 @@ def fit_bias_for_serving(
     validation: PairedRows,
     settings: CalibrationSettings,
     basis: Tensor | None = None,
+    *,
+    rule_temperatures: Tensor | None = None,
 ) -> tuple[BiasPath, BiasQuality]:
     """The bias to serve from fit and validation rows. The validation rows are halved by prompt
     (`split_selection_gate`, as `calibrate_records` halves its records): the penalties are
@@ -276,11 +375,16 @@ def fit_bias_for_serving(
     `basis` if given), and that fit's quality on the gate half is returned (it decides the
     recommendation, on rows that took no part in the choice); the bias served is then refitted
     at those penalties on all of `fit` and `validation` (more data, no further choice; warm
-    start). Raises `InsufficientDataError` when a half is too small (see `bias_quality`)."""
+    start). With `rule_temperatures` (a temperature rule's T at each validation row), the gate
+    half's quality also compares the bias with that rule (`BiasQuality.over_rule`). Raises
+    `InsufficientDataError` when a half is too small (see `bias_quality`)."""
     selection, gate = split_selection_gate(validation.sequence_id.cpu(), settings.seed)
     path = fit_logit_bias(fit, validation.select(selection), basis=basis, bounds=settings.bounds)
     gate_quality = bias_quality(
-        validation.select(gate), path.chosen.correction, settings.min_quality_positions
+        validation.select(gate),
+        path.chosen.correction,
+        settings.min_quality_positions,
+        rule_temperatures=None if rule_temperatures is None else rule_temperatures[gate],
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(

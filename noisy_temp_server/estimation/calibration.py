@@ -27,8 +27,9 @@ The pipeline (`calibrate`):
    rows of the fit split's positions (up to `bias_rows` positions in all), first in the span
    of the clean model's output head, then per token on top, its penalties chosen on the
    selection half, and measured on the gate half and the test split; it is recommended only
-   where its gate-half gain over T = 1 is significant, and its test row is the figure to
-   quote.
+   where its gate-half gain over T = 1 is significant and it is not significantly worse than
+   the recommended rule on the same gate rows (it replaces that rule when served), and its
+   test row is the figure to quote.
 """
 
 from __future__ import annotations
@@ -157,14 +158,17 @@ def calibrate_records(
     settings: CalibrationSettings,
     rows: PairedRows | None = None,
     *,
+    row_records: PositionRecords | None = None,
     basis: torch.Tensor | None = None,
 ) -> CalibrationResult:
     """Split `records` by prompt into fit / validation / test and the validation prompts into
     selection / gate halves; fit every rule on fit, choose the calibrated table's cells on the
     selection half, the recommended rule on the gate half (`recommend_rule`), report on test.
-    With
-    `rows` (of some of the same positions) the per-token bias is fitted and measured on the
-    same splits (`calibrate_bias`, with the clean output head's `basis` if given).
+    With `rows` (of some of the same positions) the per-token bias is fitted and measured on
+    the same splits (`calibrate_bias`, with the clean output head's `basis` if given), and,
+    given `row_records` (the records at request temperature 1 of the positions of `rows`, row
+    for row: `ScoredSet.row_records`), recommended only if not significantly worse than the
+    recommended rule on the same gate rows.
 
     Raises `InsufficientDataError` when a split is too small to fit or report on.
     """
@@ -183,7 +187,18 @@ def calibrate_records(
         quality_table(test.select(test.request_temperature == t), policies, minimum, split="test")
         for t in settings.request_temperatures
     )
-    bias = calibrate_bias(rows, settings, basis) if rows is not None and len(rows) else None
+    recommended_rule = recommend_rule(validation_quality)
+    bias = (
+        calibrate_bias(
+            rows,
+            settings,
+            basis,
+            rule=parameters.to_policy(recommended_rule),
+            row_records=row_records,
+        )
+        if rows is not None and len(rows)
+        else None
+    )
     profile = Profile(
         clean=pair_identity[0],
         served=pair_identity[1],
@@ -191,7 +206,7 @@ def calibrate_records(
         settings=settings,
         noise_by_step=tuple(noise),
         parameters=parameters,
-        recommended_rule=recommend_rule(validation_quality),
+        recommended_rule=recommended_rule,
         validation_quality=validation_quality,
         test_quality=test_quality,
         test_quality_by_request_temperature=by_request_temperature,
@@ -217,5 +232,11 @@ def calibrate(
     identity = (pair.clean, pair.served)
     basis = pair.head_basis(scored.rows.vocab_size)
     return calibrate_records(
-        scored.records, identity, pair.perturbation, settings, scored.rows, basis=basis
+        scored.records,
+        identity,
+        pair.perturbation,
+        settings,
+        scored.rows,
+        row_records=scored.row_records,
+        basis=basis,
     )

@@ -273,13 +273,16 @@ class BiasSummary(_Frozen):
     of its part in the span of the clean model's output head (None: no such part);
     `penalty` the per-token L2 penalty of its free part, or, when it has none, the one best on
     validation, which the online refinement uses (both None: the T-only fit won on
-    validation, the bias is 0). `recommended` when it is a bias and its gain over
-    T = 1 is significant; then
-    `Profile.to_policy()` serves it. Quality rows as in `QualityTable`, on the rows
-    kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top token, so
-    its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted on (the
-    online refinement counts them as already seen; None in profiles written before it was
-    recorded, when the refinement counts `CalibrationSettings.bias_rows`).
+    validation, the bias is 0). `recommended` when it is a bias, its gain over T = 1 on the
+    validation prompts' gate half is significant, and it is not significantly worse there
+    than `rule`, the recommended temperature rule it was compared with on the same rows
+    (`gain_over_rule` ± `gain_over_rule_stderr`: KL(rule) - KL(bias), both exact, at request
+    temperature 1; all three None in profiles written before the comparison); then
+    `Profile.to_policy()` serves it in place of that rule. Quality rows as in `QualityTable`, on
+    the rows kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top
+    token, so its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted
+    on (the online refinement counts them as already seen; None in profiles written before it
+    was recorded, when the refinement counts `CalibrationSettings.bias_rows`).
     """
 
     sha256: str
@@ -293,6 +296,9 @@ class BiasSummary(_Frozen):
     test_same_top_rate: float
     head_penalty: float | None = None
     fitted_rows: int | None = Field(default=None, ge=0)
+    rule: Rule | None = None
+    gain_over_rule: float | None = None
+    gain_over_rule_stderr: float | None = None
 
 
 class Profile(_Frozen):
@@ -324,7 +330,11 @@ class Profile(_Frozen):
     def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
         """The policy for `rule` with the fitted parameters. By default the recommendation:
         the per-token bias with the T fitted jointly with it (rule `fixed`) when the bias is
-        recommended (the combination calibration measured), else `recommended_rule`."""
+        recommended (the combination calibration measured: it beat T = 1 and was not behind
+        `recommended_rule` on the same rows), else `recommended_rule`. The bias replaces the
+        rule at every request temperature, calibrated bands included: it was fitted and
+        compared at request temperature 1, and a band's T, fitted without it, does not
+        apply on top of it."""
         if rule is None and self.bias is not None and self.bias.recommended:
             policy = self.parameters.to_policy(Rule.FIXED, version)
             return dataclasses.replace(

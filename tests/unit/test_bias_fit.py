@@ -4,6 +4,7 @@ prompts, and its held-out quality row beside T = 1 and the oracle."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from pathlib import Path
 
@@ -16,19 +17,26 @@ from noisy_temp_server.estimation.bias_fit import (
     BIAS_ROW_NAME,
     bias_quality,
     calibrate_bias,
+    kl_at_temperatures,
     score_with_rows,
 )
 from noisy_temp_server.estimation.calibration import calibrate_records
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
+    is_not_worse,
     is_significant,
     split_fit_validation_test,
 )
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation, output_head
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.temperature.bias import LogitBias, evaluate_bias, fit_logit_bias
+from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.temperature.bias import (
+    LogitBias,
+    PairedRows,
+    evaluate_bias,
+    fit_logit_bias,
+)
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,
     bias_sha256,
@@ -72,10 +80,29 @@ def test_rows_are_scored_beside_the_records_of_the_same_positions(scorer: PairSc
 
 
 def test_max_rows_keeps_an_even_share_of_every_sequence(scorer: PairScorer) -> None:
-    scored = score_with_rows(scorer, _sequences(3), max_rows=40)
-    assert len(scored.records) == 96
+    scored = score_with_rows(scorer, _sequences(3), max_rows=40, request_temperatures=(0.5, 1.0))
+    assert len(scored.records) == 2 * 96
     assert len(scored.rows) <= 40
     assert torch.unique(scored.rows.sequence_id).tolist() == [0, 1, 2]
+    # the rows' own records at request temperature 1, row for row: a rule's T there, exactly
+    rows, row_records = scored.rows, scored.row_records
+    assert len(row_records) == len(rows)
+    assert torch.equal(row_records.sequence_id, rows.sequence_id)
+    assert (row_records.request_temperature == 1.0).all()
+    assert (row_records.step % (row_records.step[1] - row_records.step[0]) == 0).all()
+    ones = torch.ones(len(rows))
+    torch.testing.assert_close(
+        kl_at_temperatures(rows, ones), row_records.kl_at_one.double(), rtol=1e-4, atol=1e-6
+    )
+    t = torch.linspace(0.5, 2.0, len(rows))
+    zero = torch.zeros(rows.vocab_size)
+    by_row = torch.cat(
+        [
+            evaluate_bias(rows.select(torch.tensor([i])), LogitBias(zero, float(t[i]))).kl
+            for i in range(len(rows))
+        ]
+    )
+    torch.testing.assert_close(kl_at_temperatures(rows, t), by_row.double(), rtol=1e-4, atol=1e-6)
 
 
 def test_the_held_out_quality_row_is_paired_with_t_one_and_the_oracle(scorer: PairScorer) -> None:
@@ -114,7 +141,14 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
         min_cell_positions=10,
         min_quality_positions=30,
     )
-    result = calibrate_records(scored.records, (CLEAN, SERVED), None, settings, scored.rows)
+    result = calibrate_records(
+        scored.records,
+        (CLEAN, SERVED),
+        None,
+        settings,
+        scored.rows,
+        row_records=scored.row_records,
+    )
     assert result.bias is not None
     summary = result.profile.bias
     assert summary is not None
@@ -138,9 +172,13 @@ def test_calibration_fits_the_bias_on_the_rules_splits(scorer: PairScorer, tmp_p
         ),
         rel=1e-4,
     )  # the served bias is refitted on the fit and validation prompts
+    assert summary.rule == result.profile.recommended_rule
+    assert summary.gain_over_rule is not None
+    assert summary.gain_over_rule_stderr is not None
     assert summary.recommended == (
         (summary.penalty is not None or summary.head_penalty is not None)
         and is_significant(summary.validation.gain, summary.validation.gain_stderr)
+        and is_not_worse(summary.gain_over_rule, summary.gain_over_rule_stderr)
     )
     for recommended in (True, False):
         bias = summary.model_copy(update={"recommended": recommended})
@@ -189,3 +227,45 @@ def test_calibration_with_the_clean_head_fits_in_its_span_first(
     head_penalty = path.chosen.head_penalty
     assert summary.head_penalty == (head_penalty if math.isfinite(head_penalty) else None)
     assert summary.penalty == path.refine_penalty
+
+
+def test_a_bias_behind_the_recommended_rule_does_not_replace_it() -> None:
+    # The served rows are 3x as sharp as the clean ones in the first 8 steps (best T 3) and
+    # right after (best T 1), plus a small per-token offset. The calibrated table serves both
+    # T; a bias with one T removes the offset but not the early sharpening: it beats T = 1
+    # clearly, and is far behind the rule it would replace.
+    generator = torch.Generator().manual_seed(0)
+    offset = 0.15 * torch.randn(64, generator=generator)
+    records, rows = [], []
+    step = torch.arange(48)
+    for sequence in range(40):
+        clean = 2.5 * torch.randn(48, 64, generator=generator)
+        sharpening = torch.where(step < 8, 3.0, 1.0).unsqueeze(1)
+        served = clean * sharpening + offset + 0.3 * torch.randn(48, 64, generator=generator)
+        records.append(PositionRecords.from_logits(clean, served, step=step, sequence_id=sequence))
+        rows.append(PairedRows.from_logits(clean, served, sequence))
+    settings = CalibrationSettings(
+        prompts=40, request_temperatures=(1.0,), step_edges=(0, 8), entropy_buckets=1
+    )
+    calibrate = functools.partial(
+        calibrate_records,
+        PositionRecords.concat(records),
+        (CLEAN, SERVED),
+        None,
+        settings,
+        PairedRows.concat(rows),
+    )
+    profile = calibrate(row_records=PositionRecords.concat(records)).profile
+    bias = profile.bias
+    assert bias is not None
+    assert profile.recommended_rule is Rule.CALIBRATED
+    assert is_significant(bias.validation.gain, bias.validation.gain_stderr)
+    assert bias.rule is Rule.CALIBRATED
+    assert bias.gain_over_rule is not None
+    assert bias.gain_over_rule_stderr is not None
+    assert bias.gain_over_rule < -10 * bias.gain_over_rule_stderr
+    assert not bias.recommended
+    assert profile.to_policy() == profile.to_policy(Rule.CALIBRATED)
+    unchecked = calibrate().profile.bias  # no rows' records: compared with T = 1 only
+    assert unchecked is not None
+    assert unchecked.recommended

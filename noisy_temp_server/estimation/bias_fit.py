@@ -255,9 +255,9 @@ class BiasCalibration:
         lines = [
             f"Per-token bias + T: T = {self.correction.temperature:.3f}, "
             f"{penalties_text(self.path.chosen)}"
-            f"; {'recommended' if self.recommended else 'not recommended'} (on the gate half: "
-            f"gain over T = 1 > 2 s.e.{self._over_rule_text()}). It changes greedy output and "
-            "logprobs.",
+            f"; {'recommended' if self.recommended else 'not recommended'} (it needs, on the "
+            f"gate half, a gain over T = 1 above 2 s.e.{self._over_rule_text()}). It changes "
+            "greedy output and logprobs.",
             "",
             "| split | positions | KL(T=1) | KL(bias + T) | gain ± s.e. | share removed "
             "| KL(oracle T) | same top T=1 → bias |",
@@ -279,8 +279,8 @@ class BiasCalibration:
             return ""
         gain, stderr = over_rule
         return (
-            f", not behind the `{self.rule.value}` rule it would replace: "
-            f"{1e3 * gain:+.3f} ± {1e3 * stderr:.3f} (1e-3 nats)"
+            f" and to be ahead of the `{self.rule.value}` rule it would replace or within 2 s.e. "
+            f"of it: {1e3 * gain:+.3f} ± {1e3 * stderr:.3f} (1e-3 nats)"
         )
 
     def summary(self) -> BiasSummary:

@@ -255,9 +255,12 @@ def test_a_bias_behind_the_recommended_rule_does_not_replace_it() -> None:
         settings,
         PairedRows.concat(rows),
     )
-    profile = calibrate(row_records=PositionRecords.concat(records)).profile
-    bias = profile.bias
+    result = calibrate(row_records=PositionRecords.concat(records))
+    profile, bias = result.profile, result.profile.bias
     assert bias is not None
+    assert result.bias is not None
+    assert "not recommended" in result.bias.to_markdown()
+    assert "`calibrated` rule it would replace" in result.bias.to_markdown()
     assert profile.recommended_rule is Rule.CALIBRATED
     assert is_significant(bias.validation.gain, bias.validation.gain_stderr)
     assert bias.rule is Rule.CALIBRATED

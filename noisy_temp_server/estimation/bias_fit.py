@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +24,7 @@ from noisy_temp_server.estimation.fitting import rule_temperatures as rule_tempe
 from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, QualityRow
 from noisy_temp_server.estimation.quality import quality_row
 from noisy_temp_server.estimation.significance import (
+    SIGNIFICANCE_STDERRS,
     InsufficientDataError,
     cluster_stderr,
     is_not_worse,
@@ -52,6 +53,7 @@ __all__ = [
     "BiasCalibration",
     "BiasQuality",
     "ScoredSet",
+    "at_request_temperature",
     "bias_quality",
     "calibrate_bias",
     "fit_bias_for_serving",
@@ -130,8 +132,10 @@ class BiasQuality:
     """A correction measured on held-out rows, beside T = 1 and the per-row oracle T on the
     same rows: its quality row (named `BIAS_ROW_NAME`), the T = 1 and oracle rows, and the
     same-top rates (a bias can change the top token; a temperature cannot). `over_rule`: when
-    the correction was measured against a temperature rule on the same rows, the mean paired
-    gain KL(rule) - KL(correction) and its clustered standard error (else None)."""
+    the correction was measured against a temperature rule on the same rows, at every request
+    temperature the rule was given for, the mean paired gain KL(rule) - KL(correction) and its
+    clustered standard error where the correction is furthest behind (lowest gain + 2 s.e.),
+    at request temperature `over_rule_request_temperature` (else both None)."""
 
     row: QualityRow
     t_one: QualityRow
@@ -141,6 +145,7 @@ class BiasQuality:
     positions: int
     sequences: int
     over_rule: tuple[float, float] | None = None
+    over_rule_request_temperature: float | None = None
 
     @property
     def share_removed(self) -> float:
@@ -153,11 +158,13 @@ def bias_quality(
     correction: LogitBias,
     min_positions: int = 100,
     *,
-    rule_temperatures: Tensor | None = None,
+    rule_temperatures: Mapping[float, Tensor] | None = None,
 ) -> BiasQuality:
     """`correction` on held-out `rows`, paired with T = 1 and the per-row oracle T there, and
-    with a temperature rule serving `rule_temperatures` [N] (one T per row) when given
-    (`BiasQuality.over_rule`; exact KL at those T, `kl_at_temperatures`).
+    with a temperature rule when `rule_temperatures` is given: per request temperature T_r,
+    the rule's T at each row [N] there (`BiasQuality.over_rule`: the rule's softmax(z~/(T_r T))
+    against the correction's softmax((z~ + b)/(T_r T_b)), both against softmax(z/T_r), exact
+    KL; `at_request_temperature`).
 
     Raises `InsufficientDataError` below `min_positions` rows.
     """
@@ -179,10 +186,11 @@ def bias_quality(
         kl_fixed=None,
     )
     ones = torch.ones(len(rows), dtype=torch.float64)
-    over_rule = None
-    if rule_temperatures is not None:
-        gain = kl_at_temperatures(rows, rule_temperatures) - corrected.kl.double().cpu()
-        over_rule = (float(gain.mean()), cluster_stderr(gain, ids))
+    over_rule, over_rule_at = None, None
+    for request_temperature, temperatures in (rule_temperatures or {}).items():
+        gain = _gain_over_rule(rows, correction, request_temperature, temperatures)
+        if over_rule is None or _margin(gain) < _margin(over_rule):
+            over_rule, over_rule_at = gain, request_temperature
     return BiasQuality(
         row=row(BIAS_ROW_NAME, kl=corrected.kl.cpu(), temperatures=ones * correction.temperature),
         t_one=row("T=1", kl=kl_one, temperatures=ones),
@@ -192,7 +200,43 @@ def bias_quality(
         positions=len(rows),
         sequences=int(torch.unique(ids).numel()),
         over_rule=over_rule,
+        over_rule_request_temperature=over_rule_at,
     )
+
+
+def _gain_over_rule(
+    rows: PairedRows, correction: LogitBias, request_temperature: float, temperatures: Tensor
+) -> tuple[float, float]:
+    """Mean paired gain KL(rule) - KL(correction) at `request_temperature` and its standard
+    error clustered by sequence, the rule serving `temperatures` [N]."""
+    at_t_r = at_request_temperature(rows, request_temperature)
+    if len(at_t_r) != len(rows):
+        raise ValueError(f"{len(rows) - len(at_t_r)} rows lost at T_r = {request_temperature}")
+    scaled = LogitBias(correction.bias / request_temperature, correction.temperature)
+    kl_correction = evaluate_bias(at_t_r, scaled).kl.double().cpu()
+    gain = kl_at_temperatures(at_t_r, temperatures) - kl_correction
+    return float(gain.mean()), cluster_stderr(gain, rows.sequence_id.cpu())
+
+
+def _margin(gain_and_stderr: tuple[float, float]) -> float:
+    gain, stderr = gain_and_stderr
+    return gain + SIGNIFICANCE_STDERRS * stderr
+
+
+def at_request_temperature(rows: PairedRows, request_temperature: float) -> PairedRows:
+    """`rows` as a request at temperature T_r sees them: clean softmax(z/T_r) (= p^(1/T_r),
+    normalised), served z~/T_r; exact, row for row (`rows` itself at T_r = 1)."""
+    if request_temperature == 1.0:
+        return rows
+    parts = [
+        PairedRows.from_logits(
+            rows.clean_prob[chunk].log() / request_temperature,
+            rows.served_shifted[chunk] / request_temperature,
+            rows.sequence_id[chunk],
+        )
+        for chunk in rows.chunks()
+    ]
+    return PairedRows.concat(parts)
 
 
 def kl_at_temperatures(rows: PairedRows, temperatures: Tensor) -> Tensor:
@@ -280,7 +324,9 @@ class BiasCalibration:
         gain, stderr = over_rule
         return (
             f" and to be ahead of the `{self.rule.value}` rule it would replace or within 2 s.e. "
-            f"of it: {1e3 * gain:+.3f} ± {1e3 * stderr:.3f} (1e-3 nats)"
+            "of it at every request temperature: where it is furthest behind, T_r = "
+            f"{self.validation.over_rule_request_temperature:g}, "
+            f"{1e3 * gain:+.3f} ± {1e3 * stderr:.3f} (1e-3 nats)"
         )
 
     def summary(self) -> BiasSummary:
@@ -303,6 +349,7 @@ class BiasCalibration:
             rule=self.rule,
             gain_over_rule=None if over_rule is None else over_rule[0],
             gain_over_rule_stderr=None if over_rule is None else over_rule[1],
+            gain_over_rule_request_temperature=self.validation.over_rule_request_temperature,
         )
 
 
@@ -342,7 +389,9 @@ def calibrate_bias(
     if rule is not None and row_records is not None:
         if len(row_records) != len(rows):
             raise ValueError(f"{len(row_records)} row records for {len(rows)} rows")
-        rule_temperatures = rule_temperatures_of(rule, row_records.select(validation))
+        rule_temperatures = _rule_temperatures_by_request_temperature(
+            rule, row_records.select(validation), settings.request_temperatures
+        )
     path, validation_quality = fit_bias_for_serving(
         rows.select(fit),
         rows.select(validation),
@@ -361,13 +410,28 @@ def calibrate_bias(
     )
 
 
+def _rule_temperatures_by_request_temperature(
+    rule: TemperaturePolicy, records: PositionRecords, request_temperatures: Sequence[float]
+) -> dict[float, Tensor]:
+    """The rule's T at every position of `records` (measured at T_r = 1) for each request
+    temperature: what the rule reads of a position does not depend on T_r (the served row's
+    own features), only the band it picks does."""
+    return {
+        t_r: rule_temperatures_of(
+            rule,
+            replace(records, request_temperature=torch.full_like(records.request_temperature, t_r)),
+        )
+        for t_r in request_temperatures
+    }
+
+
 def fit_bias_for_serving(
     fit: PairedRows,
     validation: PairedRows,
     settings: CalibrationSettings,
     basis: Tensor | None = None,
     *,
-    rule_temperatures: Tensor | None = None,
+    rule_temperatures: Mapping[float, Tensor] | None = None,
 ) -> tuple[BiasPath, BiasQuality]:
     """The bias to serve from fit and validation rows. The validation rows are halved by prompt
     (`split_selection_gate`, as `calibrate_records` halves its records): the penalties are
@@ -384,7 +448,9 @@ def fit_bias_for_serving(
         validation.select(gate),
         path.chosen.correction,
         settings.min_quality_positions,
-        rule_temperatures=None if rule_temperatures is None else rule_temperatures[gate],
+        rule_temperatures=None
+        if rule_temperatures is None
+        else {t_r: temperatures[gate] for t_r, temperatures in rule_temperatures.items()},
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(

@@ -276,8 +276,10 @@ class BiasSummary(_Frozen):
     validation, the bias is 0). `recommended` when it is a bias, its gain over T = 1 on the
     validation prompts' gate half is significant, and it is not significantly worse there
     than `rule`, the recommended temperature rule it was compared with on the same rows
-    (`gain_over_rule` ± `gain_over_rule_stderr`: KL(rule) - KL(bias), both exact, at request
-    temperature 1; all three None in profiles written before the comparison); then
+    (`gain_over_rule` ± `gain_over_rule_stderr`: KL(rule) - KL(bias), both exact, at the
+    request temperature `gain_over_rule_request_temperature` where the bias is furthest behind
+    the rule among the profile's request temperatures; None in profiles written before the
+    comparison); then
     `Profile.to_policy()` serves it in place of that rule. Quality rows as in `QualityTable`, on
     the rows kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top
     token, so its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted
@@ -299,6 +301,7 @@ class BiasSummary(_Frozen):
     rule: Rule | None = None
     gain_over_rule: float | None = None
     gain_over_rule_stderr: float | None = None
+    gain_over_rule_request_temperature: float | None = None
 
 
 class Profile(_Frozen):

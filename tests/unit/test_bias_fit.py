@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from noisy_temp_server.estimation.bias_fit import (
     BIAS_ROW_NAME,
+    at_request_temperature,
     bias_quality,
     calibrate_bias,
     kl_at_temperatures,
@@ -227,6 +228,59 @@ def test_calibration_with_the_clean_head_fits_in_its_span_first(
     head_penalty = path.chosen.head_penalty
     assert summary.head_penalty == (head_penalty if math.isfinite(head_penalty) else None)
     assert summary.penalty == path.refine_penalty
+
+
+def test_a_bias_ahead_at_t_r_one_but_behind_the_bands_elsewhere_does_not_replace_them() -> None:
+    # Fresh noise on every logit plus a small per-token offset: at T_r = 1 a bias with its one T
+    # is ahead of the calibrated table (it also removes the offset); at T_r = 0.5 the table's
+    # band serves a far larger T than the bias's, which served at every T_r falls behind there.
+    generator = torch.Generator().manual_seed(1)
+    offset = 0.3 * torch.randn(64, generator=generator)
+    records, row_records, rows = [], [], []
+    step = torch.arange(48)
+    for sequence in range(40):
+        clean = 2.5 * torch.randn(48, 64, generator=generator)
+        served = clean + offset + 2.0 * torch.randn(48, 64, generator=generator)
+        for t_r in (0.5, 1.0):
+            at_t_r = PositionRecords.from_logits(
+                clean, served, step=step, sequence_id=sequence, request_temperature=t_r
+            )
+            records.append(at_t_r)
+        row_records.append(records[-1])
+        rows.append(PairedRows.from_logits(clean, served, sequence))
+    settings = CalibrationSettings(
+        prompts=40, request_temperatures=(0.5, 1.0), step_edges=(0,), entropy_buckets=1
+    )
+    result = calibrate_records(
+        PositionRecords.concat(records),
+        (CLEAN, SERVED),
+        None,
+        settings,
+        PairedRows.concat(rows),
+        row_records=PositionRecords.concat(row_records),
+    )
+    bias = result.profile.bias
+    assert bias is not None
+    assert result.profile.recommended_rule is Rule.CALIBRATED
+    assert is_significant(bias.validation.gain, bias.validation.gain_stderr)
+    assert bias.gain_over_rule_request_temperature == 0.5
+    assert bias.gain_over_rule is not None
+    assert bias.gain_over_rule_stderr is not None
+    assert bias.gain_over_rule < -2 * bias.gain_over_rule_stderr
+    assert not bias.recommended
+    assert "at every request temperature" in result.bias.to_markdown()  # type: ignore[union-attr]
+
+
+def test_rows_at_a_request_temperature_are_those_of_the_scaled_logits() -> None:
+    generator = torch.Generator().manual_seed(2)
+    clean, served = torch.randn(6, 20, generator=generator), torch.randn(6, 20, generator=generator)
+    rows = PairedRows.from_logits(clean, served, 3)
+    expected = PairedRows.from_logits(clean / 0.7, served / 0.7, 3)
+    at_t_r = at_request_temperature(rows, 0.7)
+    torch.testing.assert_close(at_t_r.clean_prob, expected.clean_prob)
+    torch.testing.assert_close(at_t_r.served_shifted, expected.served_shifted)
+    torch.testing.assert_close(at_t_r.served_mean, expected.served_mean)
+    assert at_request_temperature(rows, 1.0) is rows
 
 
 def test_a_bias_behind_the_recommended_rule_does_not_replace_it() -> None:

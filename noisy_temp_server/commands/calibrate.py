@@ -61,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--test-fraction", type=float, default=0.3, help="share of the prompts that report"
     )
     parser.add_argument(
+        "--request-temperatures",
+        type=_temperatures,
+        default=None,
+        help="comma-separated request temperatures T_r every position is measured at, one "
+        "calibrated band each, 1.0 included (default: CalibrationSettings, 0.5,0.7,1.0,1.2); "
+        "a recommended bias must hold against the rule at each, so traffic at T_r = 1 alone "
+        "calibrates with 1.0",
+    )
+    parser.add_argument(
         "--bias-rows",
         type=int,
         default=None,
@@ -99,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
                 validation_fraction=args.validation_fraction,
                 test_fraction=args.test_fraction,
                 **({} if args.bias_rows is None else {"bias_rows": args.bias_rows}),
+                **(
+                    {}
+                    if args.request_temperatures is None
+                    else {"request_temperatures": args.request_temperatures}
+                ),
             )
             spec = read_spec_argument(args.spec) if args.spec else None
             pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
@@ -139,3 +153,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    """`--request-temperatures`: comma-separated positive numbers (argparse reports a
+    ValueError as a usage error); `CalibrationSettings` checks the rest."""
+    return tuple(float(part) for part in text.split(",") if part.strip())

@@ -109,7 +109,7 @@ def score_with_rows(
                 for temperature in request_temperatures
             }
             records += chunk.values()
-            kept = steps % keep_every == 0
+            kept = steps % keep_every == 0 if max_rows != 0 else torch.zeros_like(steps).bool()
             rows.append(PairedRows.from_logits(clean[kept], served[kept], sequence.sequence_id))
             at_one = (
                 chunk[1.0]

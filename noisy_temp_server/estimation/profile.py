@@ -334,10 +334,10 @@ class Profile(_Frozen):
         """The policy for `rule` with the fitted parameters. By default the recommendation:
         the per-token bias with the T fitted jointly with it (rule `fixed`) when the bias is
         recommended (the combination calibration measured: it beat T = 1 and was not behind
-        `recommended_rule` on the same rows), else `recommended_rule`. The bias replaces the
-        rule at every request temperature, calibrated bands included: it was fitted and
-        compared at request temperature 1, and a band's T, fitted without it, does not
-        apply on top of it."""
+        `recommended_rule` on the same rows at any of the profile's request temperatures),
+        else `recommended_rule`. The bias replaces the rule at every request temperature,
+        calibrated bands included: a band's T, fitted without it, does not apply on top of
+        it."""
         if rule is None and self.bias is not None and self.bias.recommended:
             policy = self.parameters.to_policy(Rule.FIXED, version)
             return dataclasses.replace(

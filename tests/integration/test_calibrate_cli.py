@@ -125,3 +125,33 @@ def test_calibrate_refuses_too_few_positions(
     assert _run(calibrate_command, argv) == 1
     assert "at least 100" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_measures_the_request_temperatures_it_is_given(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [
+        "--clean",
+        str(tiny_model_dir),
+        "--spec",
+        '{"kind": "weight_noise", "scale": 0.1}',
+        "--out",
+        str(tmp_path / "p.json"),
+        "--num-prompts",
+        "24",
+        "--max-new-tokens",
+        "20",
+        "--validation-fraction",
+        "0.5",
+        "--bias-rows",
+        "1000",
+    ]
+    assert _run(calibrate_command, [*base, "--request-temperatures", "0.5,0.8"]) == 1
+    assert "include 1.0" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+    assert _run(calibrate_command, [*base, "--request-temperatures", "0.8,1.0"]) == 0
+    printed = capsys.readouterr().out
+    assert "Test split at request temperature 0.8: " in printed
+    assert "Test split at request temperature 0.5: " not in printed
+    profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
+    assert profile.settings.request_temperatures == (0.8, 1.0)

@@ -106,6 +106,12 @@ def test_max_rows_keeps_an_even_share_of_every_sequence(scorer: PairScorer) -> N
     torch.testing.assert_close(kl_at_temperatures(rows, t), by_row.double(), rtol=1e-4, atol=1e-6)
 
 
+def test_max_rows_zero_keeps_no_rows(scorer: PairScorer) -> None:
+    scored = score_with_rows(scorer, _sequences(2), max_rows=0)
+    assert len(scored.records) == 2 * 32
+    assert len(scored.rows) == len(scored.row_records) == 0
+
+
 def test_the_held_out_quality_row_is_paired_with_t_one_and_the_oracle(scorer: PairScorer) -> None:
     scored = score_with_rows(scorer, _sequences(12))
     fit_mask = scored.rows.sequence_id < 8

@@ -110,18 +110,7 @@ def test_profile_calibrated_in_memory_serves_the_perturbed_checkpoint(
 def test_calibrate_refuses_too_few_positions(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        "--clean",
-        str(tiny_model_dir),
-        "--spec",
-        '{"kind": "weight_noise", "scale": 0.1}',
-        "--out",
-        str(tmp_path / "p.json"),
-        "--num-prompts",
-        "8",
-        "--max-new-tokens",
-        "4",
-    ]
+    argv = _noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=8, tokens=4)
     assert _run(calibrate_command, argv) == 1
     assert "at least 100" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
@@ -131,16 +120,7 @@ def test_calibrate_measures_the_request_temperatures_it_is_given(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = [
-        "--clean",
-        str(tiny_model_dir),
-        "--spec",
-        '{"kind": "weight_noise", "scale": 0.1}',
-        "--out",
-        str(tmp_path / "p.json"),
-        "--num-prompts",
-        "24",
-        "--max-new-tokens",
-        "20",
+        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
         "--validation-fraction",
         "0.5",
         "--bias-rows",
@@ -155,3 +135,10 @@ def test_calibrate_measures_the_request_temperatures_it_is_given(
     assert "Test split at request temperature 0.5: " not in printed
     profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
     assert profile.settings.request_temperatures == (0.8, 1.0)
+
+
+def _noisy_pair(clean: Path, out: Path, *, prompts: int, tokens: int) -> list[str]:
+    """`calibrate` arguments for the tiny model under weight noise, written to `out`."""
+    spec = '{"kind": "weight_noise", "scale": 0.1}'
+    pair = ["--clean", str(clean), "--spec", spec, "--out", str(out)]
+    return [*pair, "--num-prompts", str(prompts), "--max-new-tokens", str(tokens)]

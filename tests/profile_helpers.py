@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from noisy_temp_server.estimation.profile import (
+    BiasSummary,
     CalibrationSettings,
     ModelIdentity,
     Profile,
@@ -14,7 +17,7 @@ from noisy_temp_server.estimation.profile import (
 from noisy_temp_server.pairs.perturb import QuantizationSpec
 from noisy_temp_server.temperature.rules import Rule
 
-__all__ = ["CLEAN", "SERVED", "sample_profile"]
+__all__ = ["CLEAN", "SERVED", "sample_bias", "sample_profile"]
 
 CLEAN = ModelIdentity(name="clean", weights_sha256="a" * 64)
 SERVED = ModelIdentity(name="served", weights_sha256="b" * 64)
@@ -85,3 +88,19 @@ def sample_profile(recommended_rule: Rule = Rule.CALIBRATED) -> Profile:
             test.model_copy(update={"request_temperatures": (1.0,), "positions": 140}),
         ),
     )
+
+
+def sample_bias(profile: Profile, sha256: str, vocab_size: int, **fields: Any) -> BiasSummary:
+    """A recommended bias for `profile` (its first validation row as both quality rows), T 1
+    and penalty 1e-3 unless `fields` say otherwise."""
+    row = profile.validation_quality.rows[0]
+    defaults: dict[str, Any] = {
+        "temperature": 1.0,
+        "penalty": 1e-3,
+        "recommended": True,
+        "validation": row,
+        "test": row,
+        "validation_same_top_rate": 0.9,
+        "test_same_top_rate": 0.9,
+    }
+    return BiasSummary(sha256=sha256, vocab_size=vocab_size, **{**defaults, **fields})

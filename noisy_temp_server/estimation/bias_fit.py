@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ from noisy_temp_server.temperature.bias import (
     BiasPath,
     LogitBias,
     PairedRows,
+    best_temperature,
     evaluate_bias,
     fit_bias_at_penalty,
     fit_logit_bias,
@@ -45,7 +46,7 @@ from noisy_temp_server.temperature.bias import (
 from noisy_temp_server.temperature.bias_files import bias_sha256
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "at_request_temperature",
     "bias_quality",
     "calibrate_bias",
+    "fit_band_temperatures",
     "fit_bias_for_serving",
     "kl_at_temperatures",
     "penalties_text",
@@ -159,12 +161,14 @@ def bias_quality(
     min_positions: int = 100,
     *,
     rule_temperatures: Mapping[float, Tensor] | None = None,
+    band_temperatures: Mapping[float, float] | None = None,
 ) -> BiasQuality:
     """`correction` on held-out `rows`, paired with T = 1 and the per-row oracle T there, and
     with a temperature rule when `rule_temperatures` is given: per request temperature T_r,
     the rule's T at each row [N] there (`BiasQuality.over_rule`: the rule's softmax(z~/(T_r T))
     against the correction's softmax((z~ + b)/(T_r T_b)), both against softmax(z/T_r), exact
-    KL; `at_request_temperature`).
+    KL; `at_request_temperature`), T_b being the correction's T at T_r in `band_temperatures`
+    (`fit_band_temperatures`), else its own.
 
     Raises `InsufficientDataError` below `min_positions` rows.
     """
@@ -188,7 +192,11 @@ def bias_quality(
     ones = torch.ones(len(rows), dtype=torch.float64)
     over_rule, over_rule_at = None, None
     for request_temperature, temperatures in (rule_temperatures or {}).items():
-        gain = _gain_over_rule(rows, correction, request_temperature, temperatures)
+        served = LogitBias(
+            correction.bias,
+            (band_temperatures or {}).get(request_temperature, correction.temperature),
+        )
+        gain = _gain_over_rule(rows, served, request_temperature, temperatures)
         if over_rule is None or _margin(gain) < _margin(over_rule):
             over_rule, over_rule_at = gain, request_temperature
     return BiasQuality(
@@ -216,6 +224,24 @@ def _gain_over_rule(
     kl_correction = evaluate_bias(at_t_r, scaled).kl.double().cpu()
     gain = kl_at_temperatures(at_t_r, temperatures) - kl_correction
     return float(gain.mean()), cluster_stderr(gain, rows.sequence_id.cpu())
+
+
+def fit_band_temperatures(
+    rows: PairedRows,
+    correction: LogitBias,
+    request_temperatures: Sequence[float],
+    bounds: TemperatureBounds | None = None,
+) -> dict[float, float]:
+    """The T to serve `correction`'s bias with at each request temperature: at T_r = 1 its own
+    (fitted jointly with the bias), elsewhere the T in `bounds` minimising the mean over `rows`
+    of KL(softmax(z/T_r) || softmax((z~ + b)/(T_r T))) (`best_temperature` on the rows taken to
+    T_r): the bias under the request-temperature bands a temperature rule has."""
+    return {
+        t_r: correction.temperature
+        if t_r == 1.0
+        else best_temperature(at_request_temperature(rows, t_r), correction.bias / t_r, bounds)
+        for t_r in request_temperatures
+    }
 
 
 def _margin(gain_and_stderr: tuple[float, float]) -> float:
@@ -275,6 +301,9 @@ class BiasCalibration:
     rule: Rule | None = None
     """The temperature rule `validation` compared the bias with (the profile's recommended
     rule), if any."""
+    band_temperatures: Mapping[float, float] = field(default_factory=dict)
+    """The T served with the bias at each request temperature (`fit_band_temperatures`, on the
+    rows the served fit saw); empty: its own T at every one."""
 
     @property
     def correction(self) -> LogitBias:
@@ -350,6 +379,7 @@ class BiasCalibration:
             gain_over_rule=None if over_rule is None else over_rule[0],
             gain_over_rule_stderr=None if over_rule is None else over_rule[1],
             gain_over_rule_request_temperature=self.validation.over_rule_request_temperature,
+            band_temperatures=tuple(self.band_temperatures.values()) or None,
         )
 
 
@@ -378,6 +408,9 @@ def calibrate_bias(
     temperature rule) and `row_records` (the records at request temperature 1 of the positions
     of `rows`, row for row), the bias is also measured against that rule on the gate half, and
     recommended only if not significantly worse than it (`BiasCalibration.recommended`).
+    The bias is served with a T of its own at every request temperature of `settings`
+    (`fit_band_temperatures` on the fit and validation rows, as the served fit), and compared
+    with the rule so.
     Raises `InsufficientDataError` when a split is too small (see `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id.cpu(),
@@ -399,9 +432,13 @@ def calibrate_bias(
         basis,
         rule_temperatures=rule_temperatures,
     )
+    fitted = rows.select(fit | validation)
     return BiasCalibration(
         path=path,
-        fitted_rows=int(fit.sum() + validation.sum()),
+        fitted_rows=len(fitted),
+        band_temperatures=fit_band_temperatures(
+            fitted, path.chosen.correction, settings.request_temperatures, settings.bounds
+        ),
         validation=validation_quality,
         test=bias_quality(
             rows.select(test), path.chosen.correction, settings.min_quality_positions
@@ -439,8 +476,10 @@ def fit_bias_for_serving(
     `basis` if given), and that fit's quality on the gate half is returned (it decides the
     recommendation, on rows that took no part in the choice); the bias served is then refitted
     at those penalties on all of `fit` and `validation` (more data, no further choice; warm
-    start). With `rule_temperatures` (a temperature rule's T at each validation row), the gate
-    half's quality also compares the bias with that rule (`BiasQuality.over_rule`). Raises
+    start). With `rule_temperatures` (a temperature rule's T at each validation row, by request
+    temperature), the gate half's quality also compares the bias with that rule
+    (`BiasQuality.over_rule`), the bias served at each request temperature with its T fitted
+    there on `fit` (`fit_band_temperatures`). Raises
     `InsufficientDataError` when a half is too small (see `bias_quality`)."""
     selection, gate = split_selection_gate(validation.sequence_id.cpu(), settings.seed)
     path = fit_logit_bias(fit, validation.select(selection), basis=basis, bounds=settings.bounds)
@@ -451,6 +490,11 @@ def fit_bias_for_serving(
         rule_temperatures=None
         if rule_temperatures is None
         else {t_r: temperatures[gate] for t_r, temperatures in rule_temperatures.items()},
+        band_temperatures=None
+        if rule_temperatures is None
+        else fit_band_temperatures(
+            fit, path.chosen.correction, list(rule_temperatures), settings.bounds
+        ),
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(

@@ -28,8 +28,9 @@ The pipeline (`calibrate`):
    of the clean model's output head, then per token on top, its penalties chosen on the
    selection half, and measured on the gate half and the test split; it is recommended only
    where its gate-half gain over T = 1 is significant and it is not significantly worse than
-   the recommended rule on the same gate rows (it replaces that rule when served), and its
-   test row is the figure to quote.
+   the recommended rule on the same gate rows at any request temperature (it replaces that
+   rule when served, with a T of its own at each request temperature), and its test row is the
+   figure to quote.
 """
 
 from __future__ import annotations

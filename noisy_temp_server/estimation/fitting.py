@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 
@@ -37,6 +36,7 @@ from noisy_temp_server.temperature.policy import (
     TemperaturePolicy,
     bucket_index,
     policy_temperature,
+    request_temperature_band_edges,
 )
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import ServedRowFeatures
@@ -290,12 +290,6 @@ def _band_roots(
     return tuple(roots)
 
 
-def _band_edges(request_temperatures: Sequence[float]) -> tuple[float, ...]:
-    """Band edges (from 0) with each of the ascending `request_temperatures` in its own band:
-    the boundaries are the midpoints between neighbours."""
-    return (0.0, *((a + b) / 2 for a, b in itertools.pairwise(request_temperatures)))
-
-
 def fit_calibrated_table(
     fit: PositionRecords,
     validation: PositionRecords,
@@ -349,7 +343,7 @@ def fit_calibrated_table(
             )
             for root, (band_fit, band_validation) in zip(roots, bands, strict=True)
         ),
-        request_temperature_edges=_band_edges(request_temperatures),
+        request_temperature_edges=request_temperature_band_edges(request_temperatures),
     )
 
 

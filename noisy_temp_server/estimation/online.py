@@ -24,10 +24,12 @@ it; that table then serves every request temperature alike, as without a profile
 policy) that serves the per-token bias keeps its T as calibrated (the records cannot refit a T
 that was fitted jointly with the bias); alpha / sigma2 are refitted as always. Given a folder to
 publish biases to (`online_bias_dir`, writable) and a profile that serves a bias (its file found
-in `bias_dirs`), the bias and its T are refined online from the shadow scorer's paired rows
-(`add(records, rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the profile's
-penalty, a held-out reservoir) and, at a refit, published in the new policy version when they
-beat the published ones on the held-out rows by more than two standard errors: the vector is
+in `bias_dirs`), the bias and its T at T_r = 1 are refined online from the shadow scorer's
+paired rows (`add(records, rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the
+profile's penalty, a held-out reservoir) and, at a refit, published in the new policy version
+when they beat the published ones on the held-out rows by more than two standard errors (the
+T served with the bias at every request temperature moves by the factor its T_r = 1 T moved:
+the rows are at T_r = 1 and cannot refit the other bands): the vector is
 written once (atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy
 names it by hash, so the engine must look for bias files there too. A published bias's file is
 deleted only once it is beyond the last `kept_bias_files` published and the next one was
@@ -90,6 +92,14 @@ _PARAMETERS_OF_RULE: dict[Rule, tuple[str, ...]] = {
 _GATED_RULES = frozenset({Rule.FIXED, Rule.FISHER, Rule.SCHEDULE})
 """Rules whose online refit is published only when it is not significantly worse than T = 1 on
 held-out requests of the window (`calibrated` checks every split of its table itself)."""
+
+
+def _bias_temperatures(served: TemperaturePolicy, factor: float) -> dict[str, Any]:
+    """The T fields of a bias-serving policy with every T it serves multiplied by `factor`:
+    its one `fixed` T, or its calibrated table's bands."""
+    if served.rule is Rule.FIXED:
+        return {"fixed_temperature": served.fixed_temperature * factor}
+    return {"calibrated": served.calibrated.scaled(factor)}
 
 
 def _not_worse_than_one(policy: TemperaturePolicy, held_out: PositionRecords) -> bool:
@@ -211,7 +221,7 @@ class OnlineEstimator:
         if online_bias_dir is not None and policy.bias and summary and summary.penalty:
             vector = find_bias_file(bias_dirs, policy.bias)
             self._bias = OnlineBias.refining(
-                LogitBias(bias=vector, temperature=policy.fixed_temperature),
+                LogitBias(bias=vector, temperature=summary.temperature),  # its T at T_r = 1
                 summary,
                 head_basis=head_basis,
                 fallback_prior_rows=self._settings.bias_rows,
@@ -271,7 +281,7 @@ class OnlineEstimator:
                     self._last_error = f"refit on {len(window)} positions failed: {error}"
                 logger.warning("%s", self._last_error)
                 return False
-            bias_update = self._bias_update()
+            bias_update = self._bias_update(self._policy)  # only a refit replaces the policy
             with self._lock:
                 previous = self._policy
                 fitted = parameters.to_policy(previous.rule, previous.version + 1)
@@ -314,10 +324,12 @@ class OnlineEstimator:
         )
         return window.select(fit_on), finite_positions(window.select(held_out))
 
-    def _bias_update(self) -> dict[str, Any]:
-        """The policy fields of the online bias for the next version when it is significantly
-        better on the held-out rows and its vector was written to `online_bias_dir`, else none
-        (a failed write is recorded, see the module docstring)."""
+    def _bias_update(self, served: TemperaturePolicy) -> dict[str, Any]:
+        """The policy fields of the online bias for the next version after `served` when it is
+        significantly better on the held-out rows and its vector was written to
+        `online_bias_dir`, else none (a failed write is recorded, see the module docstring).
+        Its T is fitted at T_r = 1 (the shadow rows'): the T served with it at every request
+        temperature moves by the same factor (`_bias_temperatures`)."""
         if self._bias is None or self._online_bias_dir is None:
             return {}
         candidate = self._bias.candidate()
@@ -337,10 +349,11 @@ class OnlineEstimator:
             return {}
         with self._lock:
             self._bias_error = None
+        factor = candidate.temperature / self._bias.published.temperature
         self._bias.published = candidate
         self._forget_old_bias_files(sha256)
         logger.info("the online bias beats the published one on held-out rows: publishing it")
-        return {"bias": sha256, "fixed_temperature": candidate.temperature}
+        return {"bias": sha256, **_bias_temperatures(served, factor)}
 
     def _forget_old_bias_files(self, written: str) -> None:
         """Record the file of `written` and delete those of older published biases beyond

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Self
 
@@ -280,7 +281,10 @@ class BiasSummary(_Frozen):
     request temperature `gain_over_rule_request_temperature` where the bias is furthest behind
     the rule among the profile's request temperatures; None in profiles written before the
     comparison); then
-    `Profile.to_policy()` serves it in place of that rule. Quality rows as in `QualityTable`, on
+    `Profile.to_policy()` serves it in place of that rule, at each of the settings' request
+    temperatures with its T there, `band_temperatures` (T_r = 1: `temperature`; the others
+    fitted with the bias held fixed, `bias_fit.fit_band_temperatures`; None in profiles written
+    before them, which serve `temperature` at every one). Quality rows as in `QualityTable`, on
     the rows kept for the bias (`CalibrationSettings.bias_rows`); a bias can change the top
     token, so its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted
     on (the online refinement counts them as already seen; None in profiles written before it
@@ -302,6 +306,19 @@ class BiasSummary(_Frozen):
     gain_over_rule: float | None = None
     gain_over_rule_stderr: float | None = None
     gain_over_rule_request_temperature: float | None = None
+    band_temperatures: tuple[float, ...] | None = None
+
+    def served_temperatures(self, request_temperatures: Sequence[float]) -> tuple[float, ...]:
+        """The T served with the bias at each of `request_temperatures` (the profile's):
+        `band_temperatures`, or `temperature` at every one in profiles written before them."""
+        if self.band_temperatures is None:
+            return (self.temperature,) * len(request_temperatures)
+        if len(self.band_temperatures) != len(request_temperatures):
+            raise ValueError(
+                f"{len(self.band_temperatures)} bias temperatures for "
+                f"{len(request_temperatures)} request temperatures"
+            )
+        return self.band_temperatures
 
 
 class Profile(_Frozen):
@@ -330,20 +347,34 @@ class Profile(_Frozen):
     test_quality_by_request_temperature: tuple[QualityTable, ...]
     bias: BiasSummary | None = None
 
+    @model_validator(mode="after")
+    def _check_bias_bands(self) -> Self:
+        """A bias's band temperatures, one per request temperature (ValueError otherwise)."""
+        if self.bias is not None:
+            self.bias.served_temperatures(self.settings.request_temperatures)
+        return self
+
     def to_policy(self, rule: Rule | str | None = None, version: int = 0) -> TemperaturePolicy:
         """The policy for `rule` with the fitted parameters. By default the recommendation:
-        the per-token bias with the T fitted jointly with it (rule `fixed`) when the bias is
-        recommended (the combination calibration measured: it beat T = 1 and was not behind
-        `recommended_rule` on the same rows at any of the profile's request temperatures),
-        else `recommended_rule`. The bias replaces the rule at every request temperature,
-        calibrated bands included: a band's T, fitted without it, does not apply on top of
-        it."""
+        when the bias is recommended (it beat T = 1 and was not behind `recommended_rule` on
+        the same rows at any of the profile's request temperatures), the per-token bias with
+        its own T in one band per request temperature (rule `calibrated`: the combination
+        calibration measured; `fixed` with its one T when it has no bands), else
+        `recommended_rule`. The bias's bands replace the rule's: a band's T, fitted without
+        the bias, does not apply on top of it."""
         if rule is None and self.bias is not None and self.bias.recommended:
-            policy = self.parameters.to_policy(Rule.FIXED, version)
-            return dataclasses.replace(
-                policy, fixed_temperature=self.bias.temperature, bias=self.bias.sha256
-            )
+            return self._bias_policy(self.bias, version)
         return self.parameters.to_policy(self.recommended_rule if rule is None else rule, version)
+
+    def _bias_policy(self, bias: BiasSummary, version: int) -> TemperaturePolicy:
+        request_temperatures = self.settings.request_temperatures
+        temperatures = bias.served_temperatures(request_temperatures)
+        if len(set(temperatures)) == 1:
+            policy = self.parameters.to_policy(Rule.FIXED, version)
+            return dataclasses.replace(policy, fixed_temperature=temperatures[0], bias=bias.sha256)
+        policy = self.parameters.to_policy(Rule.CALIBRATED, version)
+        table = CalibratedTable.by_request_temperature(request_temperatures, temperatures)
+        return dataclasses.replace(policy, calibrated=table, bias=bias.sha256)
 
     def save(self, path: Path) -> None:
         """Write the profile as indented JSON (written to a temporary file, then renamed)."""

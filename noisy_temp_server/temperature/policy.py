@@ -16,6 +16,7 @@ calibrated table holds one band per request temperature it was calibrated at.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ __all__ = [
     "TemperaturePolicy",
     "bucket_index",
     "policy_temperature",
+    "request_temperature_band_edges",
     "step_temperatures",
 ]
 
@@ -102,6 +104,37 @@ class CalibratedTable:
     def reads_entropy(self) -> bool:
         """Whether some (band, step bucket) holds different T for different entropies."""
         return any(len(set(row)) > 1 for band in self.temperatures for row in band)
+
+    @classmethod
+    def by_request_temperature(
+        cls, request_temperatures: Sequence[float], temperatures: Sequence[float]
+    ) -> CalibratedTable:
+        """One T per request temperature (ascending, distinct), the same at every step and
+        entropy: band i of `request_temperature_band_edges` serves `temperatures[i]`."""
+        if len(temperatures) != len(request_temperatures):
+            raise PolicyValidationError(
+                f"calibrated.temperatures: {len(temperatures)} for "
+                f"{len(request_temperatures)} request temperatures"
+            )
+        return cls(
+            temperatures=tuple(((t,),) for t in temperatures),
+            request_temperature_edges=request_temperature_band_edges(request_temperatures),
+        )
+
+    def scaled(self, factor: float) -> CalibratedTable:
+        """Every cell multiplied by `factor` (> 0)."""
+        return dataclasses.replace(
+            self,
+            temperatures=tuple(
+                tuple(tuple(t * factor for t in row) for row in band) for band in self.temperatures
+            ),
+        )
+
+
+def request_temperature_band_edges(request_temperatures: Sequence[float]) -> tuple[float, ...]:
+    """Band edges (from 0) with each of the ascending `request_temperatures` in its own band:
+    the boundaries are the midpoints between neighbours."""
+    return (0.0, *((a + b) / 2 for a, b in itertools.pairwise(request_temperatures)))
 
 
 _JSON_KEYS = (

@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from profile_helpers import sample_profile
+from profile_helpers import sample_bias, sample_profile
 from server_helpers import stop
 from tiny_serve import MODEL, SCORE_EVERY_REQUEST, TinyServer, start_tiny_server
 
-from noisy_temp_server.estimation.profile import BiasSummary
 from noisy_temp_server.pairs.identity import ModelIdentity
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
 from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
@@ -25,6 +24,7 @@ from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 pytestmark = pytest.mark.vllm
 
 LIFTED = 7  # the token the bias lifts far above every other
+BAND_TEMPERATURES = (1.25, 1.0)
 
 
 def _bias_profile(tiny_model_dir: Path, folder: Path) -> tuple[Path, str]:
@@ -36,18 +36,10 @@ def _bias_profile(tiny_model_dir: Path, folder: Path) -> tuple[Path, str]:
     folder.mkdir()
     save_bias_file(folder, bias)
     profile = sample_profile()
-    row = profile.validation_quality.rows[0]
     clean = ModelIdentity.of_checkpoint(tiny_model_dir)
-    summary = BiasSummary(
-        sha256=bias_sha256(bias),
-        vocab_size=bias.numel(),
-        temperature=1.0,
-        penalty=1e-3,
-        recommended=True,
-        validation=row,
-        test=row,
-        validation_same_top_rate=0.9,
-        test_same_top_rate=0.9,
+    # T at the sample profile's request temperatures 0.7 and 1.0
+    summary = sample_bias(
+        profile, bias_sha256(bias), bias.numel(), band_temperatures=BAND_TEMPERATURES
     )
     served = ModelIdentity.perturbed(clean, WeightNoiseSpec(scale=0.3))  # tiny_serve's pair
     path = folder / "pair.profile.json"
@@ -84,14 +76,16 @@ def test_a_recommended_bias_is_served_to_greedy_requests(
         assert len(top) == 5
         assert min(top) > -1e-3  # the lifted token, at probability ~1
         assert biased["choices"][0]["text"] != plain["choices"][0]["text"]
-        _complete(server, temperature=1.0)  # sampled: shadow-scored, its rows refine the bias
+        # sampled: T* is the bias's band's; shadow-scored, its rows refine the bias
+        assert _complete(server, temperature=1.0)["nts"]["t_mean"] == BAND_TEMPERATURES[1]
+        assert _complete(server, temperature=0.7)["nts"]["t_mean"] == BAND_TEMPERATURES[0]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             status = httpx.get(f"{server.url}/v1/nts/status", headers=server.headers).json()
-            if status["estimator"]["bias"]["requests"]:
+            if status["estimator"]["bias"]["requests"] == 2:
                 break
             time.sleep(1)
-        assert status["estimator"]["bias"]["requests"] == 1
+        assert status["estimator"]["bias"]["requests"] == 2
         online = Path(status["estimator"]["bias"]["folder"])  # writable, not the profile's
         assert online.name == "biases"
         assert not online.is_relative_to(profile.parent)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from profile_helpers import sample_profile
+from profile_helpers import sample_bias, sample_profile
 from transformers import AutoConfig
 
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.estimation.profile import BiasSummary, ModelIdentity
+from noisy_temp_server.estimation.profile import ModelIdentity
 from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
 from noisy_temp_server.temperature.rules import Rule
 
@@ -113,17 +113,7 @@ def test_kld_serves_the_profiles_bias_before_t_star(
     statistics = {}
     for name, vector in (("zero", torch.zeros(vocab)), ("random", 3 * torch.randn(vocab))):
         save_bias_file(tmp_path, vector)
-        summary = BiasSummary(
-            sha256=bias_sha256(vector),
-            vocab_size=vocab,
-            temperature=1.0,
-            penalty=1e-3,
-            recommended=True,
-            validation=base.validation_quality.rows[0],
-            test=base.test_quality.rows[0],
-            validation_same_top_rate=0.5,
-            test_same_top_rate=0.5,
-        )
+        summary = sample_bias(base, bias_sha256(vector), vocab)
         profile = tmp_path / f"{name}.profile.json"
         base.model_copy(
             update={

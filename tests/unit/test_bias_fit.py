@@ -22,6 +22,7 @@ from noisy_temp_server.estimation.bias_fit import (
     score_with_rows,
 )
 from noisy_temp_server.estimation.calibration import calibrate_records
+from noisy_temp_server.estimation.fitting import rule_temperatures
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.estimation.significance import (
     InsufficientDataError,
@@ -236,45 +237,69 @@ def test_calibration_with_the_clean_head_fits_in_its_span_first(
     assert summary.penalty == path.refine_penalty
 
 
-def test_a_bias_ahead_at_t_r_one_but_behind_the_bands_elsewhere_does_not_replace_them() -> None:
-    # Fresh noise on every logit plus a small per-token offset: at T_r = 1 a bias with its one T
+def test_the_bias_is_served_with_a_temperature_of_its_own_at_every_request_temperature() -> None:
+    # Fresh noise on every logit plus a small per-token offset: at T_r = 1 the bias with its T
     # is ahead of the calibrated table (it also removes the offset); at T_r = 0.5 the table's
-    # band serves a far larger T than the bias's, which served at every T_r falls behind there.
+    # band serves a far larger T, and the bias with its T_r = 1 T falls behind there. With a T
+    # of its own at T_r = 0.5 (fitted with the bias held fixed) it is ahead there too.
     generator = torch.Generator().manual_seed(1)
     offset = 0.3 * torch.randn(64, generator=generator)
-    records, row_records, rows = [], [], []
+    records, at_half, at_one, rows = [], [], [], []
     step = torch.arange(48)
     for sequence in range(40):
         clean = 2.5 * torch.randn(48, 64, generator=generator)
         served = clean + offset + 2.0 * torch.randn(48, 64, generator=generator)
-        for t_r in (0.5, 1.0):
-            at_t_r = PositionRecords.from_logits(
-                clean, served, step=step, sequence_id=sequence, request_temperature=t_r
+        for t_r, kept in ((0.5, at_half), (1.0, at_one)):
+            kept.append(
+                PositionRecords.from_logits(
+                    clean, served, step=step, sequence_id=sequence, request_temperature=t_r
+                )
             )
-            records.append(at_t_r)
-        row_records.append(records[-1])
+        records += [at_half[-1], at_one[-1]]
         rows.append(PairedRows.from_logits(clean, served, sequence))
     settings = CalibrationSettings(
         prompts=40, request_temperatures=(0.5, 1.0), step_edges=(0,), entropy_buckets=1
     )
+    all_rows = PairedRows.concat(rows)
     result = calibrate_records(
         PositionRecords.concat(records),
         (CLEAN, SERVED),
         None,
         settings,
-        PairedRows.concat(rows),
-        row_records=PositionRecords.concat(row_records),
+        all_rows,
+        row_records=PositionRecords.concat(at_one),
     )
-    bias = result.profile.bias
+    bias, calibration = result.profile.bias, result.bias
     assert bias is not None
+    assert calibration is not None
     assert result.profile.recommended_rule is Rule.CALIBRATED
-    assert is_significant(bias.validation.gain, bias.validation.gain_stderr)
-    assert bias.gain_over_rule_request_temperature == 0.5
-    assert bias.gain_over_rule is not None
-    assert bias.gain_over_rule_stderr is not None
-    assert bias.gain_over_rule < -2 * bias.gain_over_rule_stderr
-    assert not bias.recommended
-    assert "at every request temperature" in result.bias.to_markdown()  # type: ignore[union-attr]
+    assert bias.band_temperatures is not None
+    t_half, t_one = bias.band_temperatures
+    assert t_one == bias.temperature
+    assert t_half > 1.3 * t_one  # fresh noise needs a larger T* at a lower T_r
+    assert bias.recommended
+    policy = result.profile.to_policy()
+    assert (policy.rule, policy.bias) == (Rule.CALIBRATED, bias.sha256)
+    assert policy.calibrated.request_temperature_edges == (0.0, 0.75)
+    assert policy.calibrated.temperatures == (((t_half,),), ((t_one,),))
+
+    rule_at_half = {
+        0.5: rule_temperatures(
+            result.profile.to_policy(Rule.CALIBRATED), PositionRecords.concat(at_half)
+        )
+    }
+    correction = calibration.correction
+    with_one_t = bias_quality(all_rows, correction, rule_temperatures=rule_at_half).over_rule
+    with_bands = bias_quality(
+        all_rows,
+        correction,
+        rule_temperatures=rule_at_half,
+        band_temperatures=calibration.band_temperatures,
+    ).over_rule
+    assert with_one_t is not None
+    assert with_bands is not None
+    assert with_one_t[0] < -2 * with_one_t[1]  # served with its T_r = 1 T: behind the band
+    assert with_bands[0] > 2 * with_bands[1]  # with its own T there: ahead
 
 
 def test_rows_at_a_request_temperature_are_those_of_the_scaled_logits() -> None:

@@ -691,9 +691,12 @@ def test_calibration_end_to_end_on_the_tiny_model(calibrated: _Calibrated, tmp_p
     assert len(table.temperatures) == 4
     one, cal = test.row("T=1"), test.row("calibrated")
     assert cal.mean_kl <= one.mean_kl + 2 * one.stderr
-    served = profile.to_policy()  # a recommended per-token bias is served with its own T
+    served = profile.to_policy()  # a recommended bias: with its own T at each T_r
     if profile.bias is not None and profile.bias.recommended:
-        assert (served.rule, served.bias) == (Rule.FIXED, profile.bias.sha256)
+        assert profile.bias.band_temperatures is not None
+        assert len(profile.bias.band_temperatures) == 4
+        assert (served.rule, served.bias) == (Rule.CALIBRATED, profile.bias.sha256)
+        assert served.calibrated.temperatures[2] == ((profile.bias.temperature,),)  # T_r = 1
     else:
         assert served.rule == profile.recommended_rule
     assert profile.recommended_rule == recommend_rule(validation)

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 import torch
-from profile_helpers import sample_profile
+from profile_helpers import sample_bias, sample_profile
 from spy_helpers import record_calls
 
 from noisy_temp_server.commands.serve import DEFAULT_PAIR_PROFILE
 from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
-from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
+from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.estimation.significance import split_by_sequence
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature.policy import (
@@ -208,18 +208,7 @@ def test_concurrent_adds_and_reads() -> None:
 
 def test_a_served_bias_and_its_temperature_are_kept() -> None:
     profile = sample_profile(Rule.CALIBRATED)
-    row = profile.validation_quality.rows[0]
-    bias = BiasSummary(
-        sha256="ab" * 32,
-        vocab_size=200,
-        temperature=1.1,
-        penalty=1e-3,
-        recommended=True,
-        validation=row,
-        test=row,
-        validation_same_top_rate=0.9,
-        test_same_top_rate=0.9,
-    )
+    bias = sample_bias(profile, "ab" * 32, 200, temperature=1.1)
     served = profile.model_copy(update={"bias": bias})
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(served, settings=settings, min_positions=400, refit_every=400)

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from profile_helpers import sample_profile
+from profile_helpers import sample_bias, sample_profile
 
 from noisy_temp_server.estimation import online
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.online_bias import OnlineBias
-from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, Profile
+from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature import bias_files
 from noisy_temp_server.temperature.bias import (
@@ -210,18 +210,7 @@ def _biased_profile(folder: Path) -> tuple[Profile, str]:
     vector = torch.zeros(VOCAB)
     save_bias_file(folder, vector)
     profile = sample_profile(Rule.CALIBRATED)
-    row = profile.validation_quality.rows[0]
-    summary = BiasSummary(
-        sha256=bias_sha256(vector),
-        vocab_size=VOCAB,
-        temperature=1.0,
-        penalty=PENALTY,
-        recommended=True,
-        validation=row,
-        test=row,
-        validation_same_top_rate=0.9,
-        test_same_top_rate=0.9,
-    )
+    summary = sample_bias(profile, bias_sha256(vector), VOCAB, penalty=PENALTY)
     return profile.model_copy(update={"bias": summary}), summary.sha256
 
 
@@ -268,6 +257,30 @@ def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) 
     published = LogitBias(bias=served_bias, temperature=policy.fixed_temperature)
     assert _mean_kl(held_out, published) < 0.5 * _mean_kl(held_out, LogitBias.identity(VOCAB))
     assert estimator.status()["bias"]["requests"] == 60
+
+
+def test_a_bias_served_in_bands_moves_every_band_by_the_factor_of_its_online_t(
+    tmp_path: Path,
+) -> None:
+    profile, first_sha = _biased_profile(tmp_path)
+    request_temperatures = profile.settings.request_temperatures
+    bands = tuple(2.0 - t for t in request_temperatures)  # 1.0 at T_r = 1: the bias's own T
+    assert profile.bias is not None
+    profile = profile.model_copy(
+        update={"bias": profile.bias.model_copy(update={"band_temperatures": bands})}
+    )
+    estimator = _estimator(profile, tmp_path)
+    start = estimator.current_policy()
+    assert (start.rule, start.bias) == (Rule.CALIBRATED, first_sha)
+    _feed(estimator, range(60))
+    policy = estimator.current_policy()
+    assert policy.rule is Rule.CALIBRATED
+    assert policy.bias not in (None, first_sha)
+    assert policy.calibrated.request_temperature_edges == start.calibrated.request_temperature_edges
+    served = [band[0][0] for band in policy.calibrated.temperatures]
+    factors = [new / old for new, old in zip(served, bands, strict=True)]
+    assert factors[0] != pytest.approx(1.0, abs=1e-3)  # the online fit moved its T
+    assert factors == pytest.approx([factors[0]] * len(bands), rel=1e-9)
 
 
 def test_the_estimator_refines_in_the_span_of_a_clean_head_that_fits(tmp_path: Path) -> None:

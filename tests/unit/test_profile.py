@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from profile_helpers import CLEAN, SERVED, sample_profile
+from profile_helpers import CLEAN, SERVED, sample_bias, sample_profile
 
 from noisy_temp_server.estimation.profile import (
     ModelIdentity,
@@ -15,7 +15,7 @@ from noisy_temp_server.estimation.profile import (
     ProfileError,
 )
 from noisy_temp_server.pairs.perturb import QuantizationSpec, RuntimeLogitNoiseSpec
-from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
 
@@ -36,6 +36,27 @@ def test_to_policy_carries_every_parameter() -> None:
     linear = sample_profile().to_policy("linear", version=3)
     assert (linear.rule, linear.version, linear.alpha_by_step) == (Rule.LINEAR, 3, (0.1, 0.2))
     assert TemperaturePolicy.from_json(linear.to_json()) == linear
+
+
+def test_a_recommended_bias_is_served_with_its_t_at_each_request_temperature() -> None:
+    profile = sample_profile()
+    request_temperatures = profile.settings.request_temperatures
+    bias = sample_bias(profile, "ab" * 32, 8, temperature=1.1)
+    # written before the bands: its one T at every request temperature
+    policy = profile.model_copy(update={"bias": bias}).to_policy()
+    assert (policy.rule, policy.fixed_temperature, policy.bias) == (Rule.FIXED, 1.1, "ab" * 32)
+    bands = tuple(1.1 + 0.5 * (1.0 - t) for t in request_temperatures)
+    banded = profile.model_copy(
+        update={"bias": bias.model_copy(update={"band_temperatures": bands})}
+    ).to_policy(version=4)
+    assert (banded.rule, banded.bias, banded.version) == (Rule.CALIBRATED, "ab" * 32, 4)
+    assert banded.calibrated == CalibratedTable.by_request_temperature(request_temperatures, bands)
+    assert len(request_temperatures) > 1
+    document = profile.model_copy(
+        update={"bias": bias.model_copy(update={"band_temperatures": bands[1:]})}
+    ).model_dump(mode="json")
+    with pytest.raises(ValueError, match="bias temperatures for"):
+        Profile.model_validate(document)
 
 
 def test_mismatched_pair_names_the_model(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from kl_reference import kl_to_clean
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
+    best_temperature,
     evaluate_bias,
     fit_bias_at_penalty,
     fit_logit_bias,
@@ -126,6 +127,23 @@ def test_the_t_only_fit_is_the_best_shared_temperature() -> None:
     grid_kl = torch.stack([kl_to_clean(clean, served, float(t)).mean() for t in grid])
     assert fit.fit_kl <= float(grid_kl.min()) + 1e-7
     assert fit.correction.temperature == pytest.approx(float(grid[grid_kl.argmin()]), abs=2e-3)
+
+
+def test_the_best_temperature_with_a_bias_held_fixed_is_the_grid_minimum(
+    shift: torch.Tensor,
+) -> None:
+    clean, served = _pair(100, 13, shift, 1.0)
+    rows = PairedRows.from_logits(clean, served, 0)
+    bias = -0.5 * shift.float()  # half the systematic part removed: some T still helps
+    temperature = best_temperature(rows, bias)
+    grid = torch.linspace(0.8, 2.0, 1201, dtype=torch.float64)
+    grid_kl = torch.stack(
+        [kl_to_clean(clean, served + bias.double(), float(t)).mean() for t in grid]
+    )
+    assert temperature == pytest.approx(float(grid[grid_kl.argmin()]), abs=2e-3)
+    assert best_temperature(rows, bias, TemperatureBounds(0.5, 1.0)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="zero rows"):
+        best_temperature(rows.select(torch.zeros(len(rows), dtype=torch.bool)), bias)
 
 
 def test_the_temperature_stays_in_its_bounds() -> None:

@@ -26,7 +26,9 @@ Per family, the per-token logit bias + T (`estimation.bias_fit`, fitted by the s
 calibration on the T_r = 1 rows of the fit prompts, its penalty chosen on the validation
 prompts) on the test prompts: the share of KL(T = 1) it removes ± s.e., beside T = 1, every
 rule and the per-position oracle T at T_r = 1 (`bias_section`, which
-`benchmarks/bias_quality.py` also prints, with a cross-domain test set and more fit data).
+`benchmarks/bias_quality.py` also prints, with a cross-domain test set and more fit data);
+then at every request temperature, as it is served (with the T of its band there), beside
+the recommended rule and the oracle on the same test rows, and its paired gain over the rule.
 `--w8a8 DIR` adds a real compressed-tensors checkpoint from
 `noisy-temp-server quantize --format w8a8 --out DIR`.
 
@@ -42,13 +44,24 @@ import json
 import logging
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.bias_fit import BiasQuality, penalties_text
-from noisy_temp_server.estimation.calibration import CalibrationResult, calibrate
+from noisy_temp_server.estimation.bias_fit import (
+    BiasQuality,
+    ScoredSet,
+    at_request_temperature,
+    bias_quality,
+    penalties_text,
+)
+from noisy_temp_server.estimation.calibration import (
+    CalibrationResult,
+    calibrate_scored,
+    score_pair,
+)
 from noisy_temp_server.estimation.fitting import (
     FITTED_RULES,
     best_curve_temperature,
@@ -69,6 +82,7 @@ from noisy_temp_server.pairs.perturb import (
 )
 from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.bias import LogitBias
 from noisy_temp_server.temperature.rules import Rule
 
 FAMILIES: dict[str, PerturbationSpec] = {
@@ -230,6 +244,64 @@ def _bias_at_one(result: CalibrationResult, settings: CalibrationSettings) -> tu
     }
 
 
+def _bias_by_request_temperature(
+    result: CalibrationResult, scored: ScoredSet, settings: CalibrationSettings
+) -> tuple[str, list[dict]]:
+    """The bias as served (with its band's T) at every request temperature on the test rows,
+    beside T = 1, the recommended rule and the oracle there, as shares of KL(T = 1) removed,
+    and its paired gain over the rule ± s.e. (rows taken to T_r: `at_request_temperature`)."""
+    calibration = result.bias
+    assert calibration is not None  # calibrate keeps rows
+    test = torch.isin(scored.rows.sequence_id, torch.unique(result.test.sequence_id))
+    rows, records = scored.rows.select(test), scored.row_records.select(test)
+    rule = result.profile.to_policy(result.profile.recommended_rule)
+    lines = [
+        f"bias as served at each T_r (test rows; the rule: `{rule.rule.value}`)",
+        "",
+        "| T_r | KL T=1 | rule | bias + band T | oracle | bias − rule ± s.e. | band T |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    documents = []
+    for t_r in settings.request_temperatures:
+        at_t_r = at_request_temperature(rows, t_r)
+        band = calibration.band_temperatures.get(t_r, calibration.correction.temperature)
+        rule_t = rule_temperatures(
+            rule,
+            replace(records, request_temperature=torch.full_like(records.request_temperature, t_r)),
+        )
+        quality = bias_quality(
+            at_t_r,
+            LogitBias(calibration.correction.bias / t_r, band),
+            settings.min_quality_positions,
+            rule_temperatures={1.0: rule_t},  # the rows are at T_r already
+        )
+        assert quality.over_rule is not None
+        gain, stderr = quality.over_rule
+        kl_one = quality.t_one.mean_kl
+        kl_rule = quality.row.mean_kl + gain
+
+        def share(kl: float, kl_one: float = kl_one) -> float:
+            return (kl_one - kl) / kl_one if kl_one > 0 else math.nan
+
+        document = {
+            "request_temperature": t_r,
+            "band_temperature": band,
+            "kl_t1": kl_one,
+            "rule_share_removed": share(kl_rule),
+            "bias_share_removed": quality.share_removed,
+            "oracle_share_removed": share(quality.oracle.mean_kl),
+            "bias_minus_rule": gain,
+            "bias_minus_rule_stderr": stderr,
+        }
+        documents.append(document)
+        lines.append(
+            f"| {t_r:g} | {1e3 * kl_one:.2f} | {_percent(document['rule_share_removed'])} "
+            f"| {_percent(quality.share_removed)} | {_percent(document['oracle_share_removed'])} "
+            f"| {1e3 * gain:+.3f} ± {1e3 * stderr:.3f} | {band:.3f} |"
+        )
+    return "\n".join(lines) + "\n", documents
+
+
 def _percent(value: float) -> str:
     return f"{100 * value:+.1f}%"
 
@@ -314,12 +386,14 @@ def main() -> int:
     for name, how in pairs:
         family_started = time.monotonic()
         pair = load_pair(clean_path, device=args.device, **how)
-        result = calibrate(pair, prompts, settings, device=args.device)
+        scored = score_pair(pair, prompts, settings, device=args.device)
+        result = calibrate_scored(pair, scored, settings)
         rows = [
             _request_temperature_row(result, t, settings.bounds)
             for t in settings.request_temperatures
         ]
         bias_text, bias_document = _bias_at_one(result, settings)
+        served_text, served_bias = _bias_by_request_temperature(result, scored, settings)
         seconds = time.monotonic() - family_started
         if args.profiles is not None:
             args.profiles.mkdir(parents=True, exist_ok=True)
@@ -329,7 +403,7 @@ def main() -> int:
             for split in ("fit", "validation", "test"):
                 getattr(result, split).save(args.records / f"{name}.{split}.safetensors")
         label = how["spec"].label if "spec" in how else pair.served.describe()
-        section = _markdown(label, seconds, result, rows) + "\n" + bias_text
+        section = _markdown(label, seconds, result, rows) + "\n" + bias_text + "\n" + served_text
         print(section, flush=True)
         sections.append(section)
         documents.append(
@@ -343,7 +417,7 @@ def main() -> int:
                 "parameters": result.profile.parameters.model_dump(mode="json"),
                 "validation_quality": result.profile.validation_quality.model_dump(mode="json"),
                 "test_quality": result.profile.test_quality.model_dump(mode="json"),
-                "bias": bias_document,
+                "bias": {**bias_document, "by_request_temperature": served_bias},
             }
         )
         total = time.monotonic() - started

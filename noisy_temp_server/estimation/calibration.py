@@ -66,6 +66,7 @@ __all__ = [
     "CalibrationResult",
     "calibrate",
     "calibrate_records",
+    "calibrate_scored",
     "sample_completions",
     "score_pair",
 ]
@@ -230,14 +231,20 @@ def calibrate(
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
     scored = score_pair(pair, prompts, settings, device=device)
     logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
-    identity = (pair.clean, pair.served)
-    basis = pair.head_basis(scored.rows.vocab_size)
+    return calibrate_scored(pair, scored, settings)
+
+
+def calibrate_scored(
+    pair: LoadedPair, scored: ScoredSet, settings: CalibrationSettings
+) -> CalibrationResult:
+    """`calibrate_records` on what `score_pair` scored of `pair` (its records, rows and row
+    records, the clean output head as the bias's basis when it fits)."""
     return calibrate_records(
         scored.records,
-        identity,
+        (pair.clean, pair.served),
         pair.perturbation,
         settings,
         scored.rows,
         row_records=scored.row_records,
-        basis=basis,
+        basis=pair.head_basis(scored.rows.vocab_size),
     )

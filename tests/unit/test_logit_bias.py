@@ -17,7 +17,11 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
 from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import (
+    CalibratedTable,
+    TemperaturePolicy,
+    policy_temperature,
+)
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directories, load_bias
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
@@ -142,6 +146,25 @@ def test_v1_and_v2_serve_the_same_biased_distribution(bias_dir: Path) -> None:
     expected = (served + vector) / (0.7 * t_star)
     torch.testing.assert_close(out_v1.log_softmax(-1), expected.log_softmax(-1))
     torch.testing.assert_close(out_v2.log_softmax(-1), expected.log_softmax(-1))
+
+
+def test_both_runners_serve_the_bias_with_the_band_of_each_request_temperature(
+    bias_dir: Path,
+) -> None:
+    """How a profile serves its bias: rule `calibrated`, one band per request temperature."""
+    vector, sha = _bias(bias_dir)
+    table = CalibratedTable.by_request_temperature((0.5, 1.0), (1.6, 1.1))
+    policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table, bias=sha).to_json()
+    rows = [(0, _params(0.5, nts_policy=policy)), (1, _params(1.0, nts_policy=policy))]
+    v1, v2 = _v1(), _v2(_Batch([1] * SLOTS))
+    _add_v1(v1, *rows)
+    for slot, params in rows:
+        assert v2.add_request(slot, params)
+    v2.apply_staged_writes()
+    served = _logits(2)
+    expected = (served + vector) / torch.tensor([[1.6], [1.1]])  # vLLM then divides by T_r
+    torch.testing.assert_close(v1.apply(served.clone()), expected)
+    torch.testing.assert_close(v2.apply(served.clone(), _ctx([(0, 0), (1, 0)])), expected)
 
 
 def test_greedy_rows_get_the_bias_and_no_temperature(bias_dir: Path) -> None:

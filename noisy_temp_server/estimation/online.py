@@ -400,7 +400,8 @@ class OnlineEstimator:
                 "sigma2_by_step": list(self._policy.sigma2_by_step),
                 "positions_seen": self._positions_seen,
                 "window_positions": self._window_size,
-                "window_requests": len(self._window),
+                # the n choices of a request share its sequence id
+                "window_requests": len({int(r.sequence_id[0]) for r in self._window}),
                 "last_refit_time": self._last_refit,
                 "refits_kept_previous": self._gate_refusals,
                 "healthy": self._last_error is None and self._bias_error is None,

@@ -173,6 +173,13 @@ def test_window_is_bounded_to_recent_requests() -> None:
     assert status["window_requests"] == 3
 
 
+def test_the_choices_of_one_request_count_as_one_request_in_the_window() -> None:
+    estimator = OnlineEstimator(min_positions=100, refit_every=10_000)
+    for request in (0, 0, 0, 1):  # three choices of request 0, one of request 1
+        estimator.add(_request(request))
+    assert estimator.status()["window_requests"] == 2
+
+
 def test_failed_refit_keeps_policy_and_reports_unhealthy() -> None:
     estimator = OnlineEstimator(min_positions=40, refit_every=40)
     estimator.add(_request(0))  # one request: cannot split for the calibrated table

@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from noisy_temp_server.estimation.bias_fit import (
     at_request_temperature,
     bias_quality,
     penalties_text,
+    rule_temperatures_by_request_temperature,
 )
 from noisy_temp_server.estimation.calibration import (
     CalibrationResult,
@@ -258,22 +258,20 @@ def _bias_by_request_temperature(
     lines = [
         f"bias as served at each T_r (test rows; the rule: `{rule.rule.value}`)",
         "",
-        "| T_r | KL T=1 | rule | bias + band T | oracle | bias − rule ± s.e. | band T |",
+        "| T_r | KL T=1 (1e-3) | rule | bias + band T | oracle | bias − rule ± s.e. (1e-3) "
+        "| band T |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     documents = []
-    for t_r in settings.request_temperatures:
-        at_t_r = at_request_temperature(rows, t_r)
-        band = calibration.band_temperatures.get(t_r, calibration.correction.temperature)
-        rule_t = rule_temperatures(
-            rule,
-            replace(records, request_temperature=torch.full_like(records.request_temperature, t_r)),
-        )
+    rule_by_t_r = rule_temperatures_by_request_temperature(
+        rule, records, settings.request_temperatures
+    )
+    for t_r, band in calibration.band_temperatures.items():
         quality = bias_quality(
-            at_t_r,
+            at_request_temperature(rows, t_r),
             LogitBias(calibration.correction.bias / t_r, band),
             settings.min_quality_positions,
-            rule_temperatures={1.0: rule_t},  # the rows are at T_r already
+            rule_temperatures={1.0: rule_by_t_r[t_r]},  # the rows are at T_r already
         )
         assert quality.over_rule is not None
         gain, stderr = quality.over_rule

@@ -17,10 +17,11 @@ over the request
 temperatures, then the test split at each. The per-token bias + T is fitted too, on the full
 rows of up to `--bias-rows` positions (its table is printed); its vector is written beside the
 profile (`bias-<sha256>.safetensors`), and so is the recommended policy
-(`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias with its T when the
-bias is recommended, else the recommended rule. `--records` also saves the per-position records
-(safetensors); `--report DIR` writes the markdown + PNG report of the four reference
-experiments on the clean model (`noisy_temp_server.estimation.report`), and may be given alone.
+(`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias with its T at each
+request temperature when the bias is recommended, else the recommended rule. `--records`
+also saves the per-position records (safetensors); `--report DIR` writes the markdown + PNG
+report of the four reference experiments on the clean model
+(`noisy_temp_server.estimation.report`), and may be given alone.
 Progress goes to stderr.
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -61,6 +61,7 @@ __all__ = [
     "fit_bias_for_serving",
     "kl_at_temperatures",
     "penalties_text",
+    "rule_temperatures_by_request_temperature",
     "score_with_rows",
 ]
 
@@ -298,12 +299,12 @@ class BiasCalibration:
     validation: BiasQuality
     test: BiasQuality
     fitted_rows: int
+    band_temperatures: Mapping[float, float]
+    """The T served with the bias at each request temperature of the settings, in their order
+    (`fit_band_temperatures`, on the rows the served fit saw)."""
     rule: Rule | None = None
     """The temperature rule `validation` compared the bias with (the profile's recommended
     rule), if any."""
-    band_temperatures: Mapping[float, float] = field(default_factory=dict)
-    """The T served with the bias at each request temperature (`fit_band_temperatures`, on the
-    rows the served fit saw); empty: its own T at every one."""
 
     @property
     def correction(self) -> LogitBias:
@@ -323,10 +324,11 @@ class BiasCalibration:
         )
 
     def to_markdown(self) -> str:
-        """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), and
-        whether it is recommended."""
+        """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), the T
+        served with it at each request temperature, and whether it is recommended."""
+        bands = ", ".join(f"{t:.3f} at T_r {t_r:g}" for t_r, t in self.band_temperatures.items())
         lines = [
-            f"Per-token bias + T: T = {self.correction.temperature:.3f}, "
+            f"Per-token bias + T: T = {self.correction.temperature:.3f} ({bands}), "
             f"{penalties_text(self.path.chosen)}"
             f"; {'recommended' if self.recommended else 'not recommended'} (it needs, on the "
             f"gate half, a gain over T = 1 above 2 s.e.{self._over_rule_text()}). It changes "
@@ -379,7 +381,7 @@ class BiasCalibration:
             gain_over_rule=None if over_rule is None else over_rule[0],
             gain_over_rule_stderr=None if over_rule is None else over_rule[1],
             gain_over_rule_request_temperature=self.validation.over_rule_request_temperature,
-            band_temperatures=tuple(self.band_temperatures.values()) or None,
+            band_temperatures=tuple(self.band_temperatures.values()),
         )
 
 
@@ -422,7 +424,7 @@ def calibrate_bias(
     if rule is not None and row_records is not None:
         if len(row_records) != len(rows):
             raise ValueError(f"{len(row_records)} row records for {len(rows)} rows")
-        rule_temperatures = _rule_temperatures_by_request_temperature(
+        rule_temperatures = rule_temperatures_by_request_temperature(
             rule, row_records.select(validation), settings.request_temperatures
         )
     path, validation_quality = fit_bias_for_serving(
@@ -447,7 +449,7 @@ def calibrate_bias(
     )
 
 
-def _rule_temperatures_by_request_temperature(
+def rule_temperatures_by_request_temperature(
     rule: TemperaturePolicy, records: PositionRecords, request_temperatures: Sequence[float]
 ) -> dict[float, Tensor]:
     """The rule's T at every position of `records` (measured at T_r = 1) for each request

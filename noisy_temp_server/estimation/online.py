@@ -28,8 +28,10 @@ in `bias_dirs`), the bias and its T at T_r = 1 are refined online from the shado
 paired rows (`add(records, rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the
 profile's penalty, a held-out reservoir) and, at a refit, published in the new policy version
 when they beat the published ones on the held-out rows by more than two standard errors (the
-T served with the bias at every request temperature moves by the factor its T_r = 1 T moved:
-the rows are at T_r = 1 and cannot refit the other bands): the vector is
+T served with the bias at every other request temperature moves by the factor its T_r = 1 T
+moved, keeping the calibrated ratios between the bands: a heuristic, not a refit; the
+streaming fit keeps no rows to refit them on, and the reservoir is held out for the gate,
+which compares at T_r = 1 only): the vector is
 written once (atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy
 names it by hash, so the engine must look for bias files there too. A published bias's file is
 deleted only once it is beyond the last `kept_bias_files` published and the next one was
@@ -95,11 +97,13 @@ held-out requests of the window (`calibrated` checks every split of its table it
 
 
 def _bias_temperatures(served: TemperaturePolicy, factor: float) -> dict[str, Any]:
-    """The T fields of a bias-serving policy with every T it serves multiplied by `factor`:
-    its one `fixed` T, or its calibrated table's bands."""
-    if served.rule is Rule.FIXED:
-        return {"fixed_temperature": served.fixed_temperature * factor}
-    return {"calibrated": served.calibrated.scaled(factor)}
+    """The T fields of a bias-serving policy with every T served with the bias multiplied by
+    `factor`: its `fixed` T (the bias's own, also under `nts_rule=fixed`) and, when it serves
+    bands, its calibrated table's."""
+    scaled: dict[str, Any] = {"fixed_temperature": served.fixed_temperature * factor}
+    if served.rule is Rule.CALIBRATED:
+        scaled["calibrated"] = served.calibrated.scaled(factor)
+    return scaled
 
 
 def _not_worse_than_one(policy: TemperaturePolicy, held_out: PositionRecords) -> bool:
@@ -328,8 +332,8 @@ class OnlineEstimator:
         """The policy fields of the online bias for the next version after `served` when it is
         significantly better on the held-out rows and its vector was written to
         `online_bias_dir`, else none (a failed write is recorded, see the module docstring).
-        Its T is fitted at T_r = 1 (the shadow rows'): the T served with it at every request
-        temperature moves by the same factor (`_bias_temperatures`)."""
+        Its T is fitted at T_r = 1: the T served with it at every other request temperature
+        moves by the same factor (`_bias_temperatures`; see the module docstring)."""
         if self._bias is None or self._online_bias_dir is None:
             return {}
         candidate = self._bias.candidate()

@@ -374,7 +374,10 @@ class Profile(_Frozen):
             return dataclasses.replace(policy, fixed_temperature=temperatures[0], bias=bias.sha256)
         policy = self.parameters.to_policy(Rule.CALIBRATED, version)
         table = CalibratedTable.by_request_temperature(request_temperatures, temperatures)
-        return dataclasses.replace(policy, calibrated=table, bias=bias.sha256)
+        # `nts_rule=fixed` on it: the bias with the T fitted with it, not the rule's
+        return dataclasses.replace(
+            policy, calibrated=table, fixed_temperature=bias.temperature, bias=bias.sha256
+        )
 
     def save(self, path: Path) -> None:
         """Write the profile as indented JSON (written to a temporary file, then renamed)."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.oracle import minimise_convex
+from noisy_temp_server.temperature.oracle import inverse_bounds, minimise_convex
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms
 
@@ -419,33 +419,24 @@ def best_temperature(
 ) -> float:
     """The one T in `bounds` (default `TemperatureBounds()`) minimising the mean over `rows`
     of KL(p || softmax((z~ + bias) / T)), the bias held fixed: the mean of functions convex in
-    u = 1/T (their second derivatives are Var_q(z~ + bias)), solved by `minimise_convex`."""
+    u = 1/T (`KLTerms`), solved by `minimise_convex`."""
     if not len(rows):
         raise ValueError("cannot fit a temperature on zero rows")
-    bounds = bounds or TemperatureBounds()
     shift = bias.to(rows.served_shifted)
-    shifted_mean = rows.served_mean + (rows.clean_prob @ shift).double()  # E_p[s + b]
 
     def mean_kl(u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         sums = torch.zeros(3, dtype=torch.float64, device=u.device)
         for chunk in rows.chunks():
-            served = rows.served_shifted[chunk] + shift
-            scaled = served * float(u)
-            log_normaliser = torch.logsumexp(scaled, dim=-1)
-            q = scaled.sub_(log_normaliser.unsqueeze(-1)).exp_()
-            mean_q = torch.einsum("bv,bv->b", q, served)
-            var_q = torch.einsum("bv,bv->b", q, (served - mean_q.unsqueeze(-1)).square_())
-            kl = rows.neg_entropy[chunk] - u * shifted_mean[chunk] + log_normaliser.double()
-            sums += torch.stack(
-                [kl.sum(), (mean_q.double() - shifted_mean[chunk]).sum(), var_q.double().sum()]
+            terms = KLTerms.from_clean_prob(
+                rows.clean_prob[chunk], rows.neg_entropy[chunk], rows.served_shifted[chunk] + shift
             )
+            values = terms.kl_with_derivatives(u.expand(terms.neg_entropy_clean.shape[0]))
+            sums += torch.stack([value.double().sum() for value in values])
         mean = sums / len(rows)
         return mean[0:1], mean[1:2], mean[2:3]
 
-    device = rows.served_shifted.device
-    low = torch.tensor([1.0 / bounds.t_max], dtype=torch.float64, device=device)
-    high = torch.tensor([1.0 / bounds.t_min], dtype=torch.float64, device=device)
-    u, _ = minimise_convex(mean_kl, low, high)
+    like = torch.zeros(1, dtype=torch.float64, device=rows.served_shifted.device)
+    u, _ = minimise_convex(mean_kl, *inverse_bounds(bounds or TemperatureBounds(), like))
     return 1.0 / float(u)
 
 

@@ -87,7 +87,8 @@ def minimise_convex(
     return u, kl
 
 
-def _inverse_bounds(bounds: TemperatureBounds, like: Tensor) -> tuple[Tensor, Tensor]:
+def inverse_bounds(bounds: TemperatureBounds, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(1 / t_max, 1 / t_min), each shaped like `like`: the bounds of u = 1/T."""
     low = torch.full_like(like, 1.0 / bounds.t_max)
     high = torch.full_like(like, 1.0 / bounds.t_min)
     return low, high
@@ -111,7 +112,7 @@ def oracle_temperature(
     """
     bounds = bounds or TemperatureBounds()
     terms = KLTerms.from_logits(clean, served)
-    u_low, u_high = _inverse_bounds(bounds, terms.neg_entropy_clean)
+    u_low, u_high = inverse_bounds(bounds, terms.neg_entropy_clean)
     u, kl = minimise_convex(terms.kl_with_derivatives, u_low, u_high, rtol, max_iterations)
     return OracleResult(temperature=u.reciprocal(), kl=kl)
 

@@ -223,10 +223,12 @@ class KLTerms:
         """Validate a ``[B, V]`` pair (same shape and device) and precompute its KL terms."""
         _check_pair(clean, served)
         weights, total, neg_entropy, _ = _softmax_moments(clean)
-        return cls._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, served)
+        return cls.from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, served)
 
     @classmethod
-    def _from_clean_prob(cls, prob: Tensor, neg_entropy: Tensor, served: Tensor) -> KLTerms:
+    def from_clean_prob(cls, prob: Tensor, neg_entropy: Tensor, served: Tensor) -> KLTerms:
+        """From the clean probabilities ``[B, V]`` and E_p[log p] ``[B]`` already at hand (the
+        served row ``[B, V]`` is shifted here; not validated: `from_logits` validates)."""
         served = served.to(prob.dtype)
         shifted = served - served.amax(dim=-1, keepdim=True)
         if not _has_masked(shifted):
@@ -330,7 +332,7 @@ class PairTerms:
         z, z_served = clean.to(dtype), served.to(dtype)
         weights, total, neg_entropy, var_p = _softmax_moments(z)
         log_normaliser = total.log() + z.amax(dim=-1)
-        kl = KLTerms._from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, z_served)
+        kl = KLTerms.from_clean_prob(weights.div_(total.unsqueeze(-1)), neg_entropy, z_served)
         features = served_row_features(z_served, validate=False)  # validated above
         return cls(z, z_served, kl, log_normaliser, var_p, features)
 

@@ -18,6 +18,7 @@ from noisy_temp_server.estimation.bias_fit import (
     at_request_temperature,
     bias_quality,
     calibrate_bias,
+    fit_band_temperatures,
     kl_at_temperatures,
     score_with_rows,
 )
@@ -300,6 +301,30 @@ def test_the_bias_is_served_with_a_temperature_of_its_own_at_every_request_tempe
     assert with_bands is not None
     assert with_one_t[0] < -2 * with_one_t[1]  # served with its T_r = 1 T: behind the band
     assert with_bands[0] > 2 * with_bands[1]  # with its own T there: ahead
+
+
+def test_a_band_temperature_is_the_best_t_of_the_biased_logits_at_its_request_temperature() -> None:
+    generator = torch.Generator().manual_seed(3)
+    clean = 3.0 * torch.randn(200, 40, generator=generator, dtype=torch.float64)
+    offset = 0.5 * torch.randn(40, generator=generator, dtype=torch.float64)
+    served = clean + offset + 1.5 * torch.randn(200, 40, generator=generator, dtype=torch.float64)
+    rows = PairedRows.from_logits(clean, served, torch.arange(200) // 10)
+    correction = LogitBias(-offset.float(), 1.3)
+    bands = fit_band_temperatures(rows, correction, (0.5, 1.0))
+    assert bands[1.0] == 1.3  # at T_r = 1: the T fitted jointly with the bias
+    # independently: the exact KL(softmax(z/T_r) || softmax((z~ + b)/(T_r T))) on a grid
+    target = torch.softmax(clean / 0.5, dim=-1)
+    grid = torch.linspace(1.0, 3.0, 2001, dtype=torch.float64)
+    kl = torch.stack(
+        [
+            (target * (target.log() - torch.log_softmax((served - offset) / (0.5 * t), -1)))
+            .sum(-1)
+            .mean()
+            for t in grid
+        ]
+    )
+    assert bands[0.5] == pytest.approx(float(grid[kl.argmin()]), abs=2e-3)
+    assert bands[0.5] > 1.3  # fresh noise needs a larger T* at a lower T_r
 
 
 def test_rows_at_a_request_temperature_are_those_of_the_scaled_logits() -> None:

@@ -281,6 +281,7 @@ def test_a_bias_served_in_bands_moves_every_band_by_the_factor_of_its_online_t(
     factors = [new / old for new, old in zip(served, bands, strict=True)]
     assert factors[0] != pytest.approx(1.0, abs=1e-3)  # the online fit moved its T
     assert factors == pytest.approx([factors[0]] * len(bands), rel=1e-9)
+    assert policy.fixed_temperature == pytest.approx(start.fixed_temperature * factors[0])
 
 
 def test_the_estimator_refines_in_the_span_of_a_clean_head_that_fits(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ def test_a_recommended_bias_is_served_with_its_t_at_each_request_temperature() -
     ).to_policy(version=4)
     assert (banded.rule, banded.bias, banded.version) == (Rule.CALIBRATED, "ab" * 32, 4)
     assert banded.calibrated == CalibratedTable.by_request_temperature(request_temperatures, bands)
+    assert banded.fixed_temperature == 1.1  # nts_rule=fixed: the bias with its own T
     assert len(request_temperatures) > 1
     document = profile.model_copy(
         update={"bias": bias.model_copy(update={"band_temperatures": bands[1:]})}

@@ -52,7 +52,6 @@ import torch
 from noisy_temp_server.estimation.bias_fit import (
     BiasQuality,
     ScoredSet,
-    at_request_temperature,
     bias_quality,
     penalties_text,
     rule_temperatures_by_request_temperature,
@@ -82,7 +81,7 @@ from noisy_temp_server.pairs.perturb import (
 )
 from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import LogitBias
+from noisy_temp_server.temperature.bias import BandedBias, at_request_temperature
 from noisy_temp_server.temperature.rules import Rule
 
 FAMILIES: dict[str, PerturbationSpec] = {
@@ -266,10 +265,11 @@ def _bias_by_request_temperature(
     rule_by_t_r = rule_temperatures_by_request_temperature(
         rule, records, settings.request_temperatures
     )
-    for t_r, band in calibration.band_temperatures.items():
+    served = BandedBias(calibration.correction, calibration.band_temperatures)
+    for t_r, band in served.band_temperatures.items():
         quality = bias_quality(
             at_request_temperature(rows, t_r),
-            LogitBias(calibration.correction.bias / t_r, band),
+            served.at(t_r),
             settings.min_quality_positions,
             rule_temperatures={1.0: rule_by_t_r[t_r]},  # the rows are at T_r already
         )

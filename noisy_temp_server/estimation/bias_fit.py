@@ -38,6 +38,7 @@ from noisy_temp_server.temperature.bias import (
     BiasPath,
     LogitBias,
     PairedRows,
+    at_request_temperature,
     best_temperature,
     evaluate_bias,
     fit_bias_at_penalty,
@@ -54,7 +55,6 @@ __all__ = [
     "BiasCalibration",
     "BiasQuality",
     "ScoredSet",
-    "at_request_temperature",
     "bias_quality",
     "calibrate_bias",
     "fit_band_temperatures",
@@ -248,22 +248,6 @@ def fit_band_temperatures(
 def _margin(gain_and_stderr: tuple[float, float]) -> float:
     gain, stderr = gain_and_stderr
     return gain + SIGNIFICANCE_STDERRS * stderr
-
-
-def at_request_temperature(rows: PairedRows, request_temperature: float) -> PairedRows:
-    """`rows` as a request at temperature T_r sees them: clean softmax(z/T_r) (= p^(1/T_r),
-    normalised), served z~/T_r; exact, row for row (`rows` itself at T_r = 1)."""
-    if request_temperature == 1.0:
-        return rows
-    parts = [
-        PairedRows.from_logits(
-            rows.clean_prob[chunk].log() / request_temperature,
-            rows.served_shifted[chunk] / request_temperature,
-            rows.sequence_id[chunk],
-        )
-        for chunk in rows.chunks()
-    ]
-    return PairedRows.concat(parts)
 
 
 def kl_at_temperatures(rows: PairedRows, temperatures: Tensor) -> Tensor:

@@ -24,14 +24,12 @@ it; that table then serves every request temperature alike, as without a profile
 policy) that serves the per-token bias keeps its T as calibrated (the records cannot refit a T
 that was fitted jointly with the bias); alpha / sigma2 are refitted as always. Given a folder to
 publish biases to (`online_bias_dir`, writable) and a profile that serves a bias (its file found
-in `bias_dirs`), the bias and its T at T_r = 1 are refined online from the shadow scorer's
+in `bias_dirs`), the bias and its T are refined online from the shadow scorer's
 paired rows (`add(records, rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the
 profile's penalty, a held-out reservoir) and, at a refit, published in the new policy version
-when they beat the published ones on the held-out rows by more than two standard errors (the
-T served with the bias at every other request temperature moves by the factor its T_r = 1 T
-moved, keeping the calibrated ratios between the bands: a heuristic, not a refit; the
-streaming fit keeps no rows to refit them on, and the reservoir is held out for the gate,
-which compares at T_r = 1 only): the vector is
+when they beat the published ones on the held-out rows by more than two standard errors (a
+bias served in request-temperature bands has its bands refined on the same rows, taken to
+each T_r, and is published only if not significantly worse at any of them): the vector is
 written once (atomically) to `online_bias_dir` (`bias-<sha256>.safetensors`), and the policy
 names it by hash, so the engine must look for bias files there too. A published bias's file is
 deleted only once it is beyond the last `kept_bias_files` published and the next one was
@@ -70,7 +68,7 @@ from noisy_temp_server.estimation.significance import (
     split_by_sequence,
 )
 from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows
+from noisy_temp_server.temperature.bias import BandedBias, LogitBias, PairedRows
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,
     bias_sha256,
@@ -96,14 +94,17 @@ _GATED_RULES = frozenset({Rule.FIXED, Rule.FISHER, Rule.SCHEDULE})
 held-out requests of the window (`calibrated` checks every split of its table itself)."""
 
 
-def _bias_temperatures(served: TemperaturePolicy, factor: float) -> dict[str, Any]:
-    """The T fields of a bias-serving policy with every T served with the bias multiplied by
-    `factor`: its `fixed` T (the bias's own, also under `nts_rule=fixed`) and, when it serves
-    bands, its calibrated table's."""
-    scaled: dict[str, Any] = {"fixed_temperature": served.fixed_temperature * factor}
+def _bias_temperatures(served: TemperaturePolicy, candidate: BandedBias) -> dict[str, Any]:
+    """The T fields of the next policy serving `candidate` after `served`: `fixed_temperature`
+    its T at T_r = 1 (also under `nts_rule=fixed`) and, when `served` serves the bias in
+    bands, its bands."""
+    fields: dict[str, Any] = {"fixed_temperature": candidate.correction.temperature}
     if served.rule is Rule.CALIBRATED:
-        scaled["calibrated"] = served.calibrated.scaled(factor)
-    return scaled
+        bands = candidate.band_temperatures
+        fields["calibrated"] = CalibratedTable.by_request_temperature(
+            tuple(bands), tuple(bands.values())
+        )
+    return fields
 
 
 def _not_worse_than_one(policy: TemperaturePolicy, held_out: PositionRecords) -> bool:
@@ -221,12 +222,14 @@ class OnlineEstimator:
         self._bias_error: str | None = None
         self._bias_write_failures = 0
         self._bias: OnlineBias | None = None
-        summary = initial.bias if isinstance(initial, Profile) else None
-        if online_bias_dir is not None and policy.bias and summary and summary.penalty:
+        profile = initial if isinstance(initial, Profile) else None
+        summary = None if profile is None else profile.bias
+        if online_bias_dir is not None and policy.bias and profile and summary and summary.penalty:
             vector = find_bias_file(bias_dirs, policy.bias)
             self._bias = OnlineBias.refining(
                 LogitBias(bias=vector, temperature=summary.temperature),  # its T at T_r = 1
                 summary,
+                request_temperatures=profile.settings.request_temperatures,
                 head_basis=head_basis,
                 fallback_prior_rows=self._settings.bias_rows,
                 bounds=policy.bounds,
@@ -331,17 +334,16 @@ class OnlineEstimator:
     def _bias_update(self, served: TemperaturePolicy) -> dict[str, Any]:
         """The policy fields of the online bias for the next version after `served` when it is
         significantly better on the held-out rows and its vector was written to
-        `online_bias_dir`, else none (a failed write is recorded, see the module docstring).
-        Its T is fitted at T_r = 1: the T served with it at every other request temperature
-        moves by the same factor (`_bias_temperatures`; see the module docstring)."""
+        `online_bias_dir`, else none (a failed write is recorded, see the module docstring):
+        the bias and its T at every request temperature (`_bias_temperatures`)."""
         if self._bias is None or self._online_bias_dir is None:
             return {}
         candidate = self._bias.candidate()
         if candidate is None:
             return {}
-        sha256 = bias_sha256(candidate.bias)
+        sha256 = bias_sha256(candidate.correction.bias)
         try:
-            save_bias_file(self._online_bias_dir, candidate.bias)
+            save_bias_file(self._online_bias_dir, candidate.correction.bias)
         except OSError as error:
             with self._lock:
                 self._bias_write_failures += 1
@@ -353,11 +355,10 @@ class OnlineEstimator:
             return {}
         with self._lock:
             self._bias_error = None
-        factor = candidate.temperature / self._bias.published.temperature
         self._bias.published = candidate
         self._forget_old_bias_files(sha256)
         logger.info("the online bias beats the published one on held-out rows: publishing it")
-        return {"bias": sha256, **_bias_temperatures(served, factor)}
+        return {"bias": sha256, **_bias_temperatures(served, candidate)}
 
     def _forget_old_bias_files(self, written: str) -> None:
         """Record the file of `written` and delete those of older published biases beyond

@@ -6,24 +6,38 @@ share of its positions). The requests whose sequence id is a multiple of `holdou
 in `holdout_every`: the shadow scorer's ids are hashes of the request id) go to a held-out
 reservoir (the most recent `holdout_rows` rows, whole choices); the others update a
 `StreamingBias` (O(V) state,
-the same objective and penalty as calibration's fit). `candidate` compares the streaming fit
-with the published correction on the reservoir, position by position: it is offered for
-publication only when its paired KL gain exceeds two standard errors clustered by request
-(`significance.is_significant`) on at least `min_holdout_requests` requests, and removes at
-least `min_relative_gain` of the published correction's held-out KL and 1e-6 nats (a new
-version is a new vector to move; numerical noise must not publish one). Memory: the
-streaming state plus the reservoir, both bounded; nothing grows with the traffic.
+the same objective and penalty as calibration's fit; with the bias served in request-temperature
+bands, its bands too). `candidate` compares the streaming fit with the published correction on
+the reservoir, position by position: it is offered for publication only when its paired KL gain
+exceeds two standard errors clustered by request (`significance.is_significant`) on at least
+`min_holdout_requests` requests, and removes at least `min_relative_gain` of the published
+correction's held-out KL and 1e-6 nats (a new version is a new vector to move; numerical noise
+must not publish one); with bands, at every other request temperature too, the reservoir taken
+to it, it must not be significantly worse than the published bias with its band there
+(`significance.is_not_worse`). Memory: the streaming state plus the reservoir, both bounded;
+nothing grows with the traffic.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
 from noisy_temp_server.estimation.profile import BiasSummary
-from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.estimation.significance import (
+    cluster_stderr,
+    is_not_worse,
+    is_significant,
+)
+from noisy_temp_server.temperature.bias import (
+    BandedBias,
+    LogitBias,
+    PairedRows,
+    at_request_temperature,
+    evaluate_bias,
+)
 from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.streaming_bias import StreamingBias
@@ -35,7 +49,8 @@ _MIN_GAIN = 1e-6  # nats per position: below, a held-out gain is numerical noise
 
 class OnlineBias:
     """See the module docstring. ``published``: the correction served now (the start of the
-    streaming fit); ``penalty``: the per-token L2 penalty it was fitted with; ``basis`` and
+    streaming fit), with ``band_temperatures``, its T at other request temperatures when it is
+    served in bands; ``penalty``: the per-token L2 penalty it was fitted with; ``basis`` and
     ``head_penalty``: the clean output head and the penalty of the part in its span (both or
     neither: the streaming fit then steps in that span too); ``prior_rows``: the rows the
     published correction was fitted on (`StreamingBias`)."""
@@ -45,6 +60,7 @@ class OnlineBias:
         published: LogitBias,
         penalty: float,
         *,
+        band_temperatures: Mapping[float, float] | None = None,
         basis: Tensor | None = None,
         head_penalty: float | None = None,
         prior_rows: int = 0,
@@ -58,7 +74,6 @@ class OnlineBias:
             raise ValueError(
                 "need holdout_every >= 2, holdout_rows >= 1 and min_holdout_requests >= 2"
             )
-        self.published = published
         self.fit = StreamingBias(
             published,
             penalty,
@@ -66,7 +81,10 @@ class OnlineBias:
             head_penalty=head_penalty,
             bounds=bounds,
             prior_rows=prior_rows,
+            band_temperatures=band_temperatures,
         )
+        bands = {**(band_temperatures or {}), 1.0: published.temperature}
+        self.published = BandedBias(published, dict(sorted(bands.items())))
         self._holdout_every = holdout_every
         self._holdout_rows = holdout_rows
         self._min_requests = min_holdout_requests
@@ -81,22 +99,37 @@ class OnlineBias:
         published: LogitBias,
         summary: BiasSummary,
         *,
+        request_temperatures: Sequence[float] = (1.0,),
         head_basis: Tensor | None = None,
         fallback_prior_rows: int = 0,
         bounds: TemperatureBounds | None = None,
     ) -> OnlineBias:
         """The online refinement of the calibrated bias `summary` describes, served as
-        `published`: its per-token penalty; with a `head_basis` of the bias's vocabulary and a
-        head-span part, steps in that span too (at its penalty); as prior rows the rows it was
-        fitted on (`fallback_prior_rows` when the profile predates recording them). ValueError
-        when the summary has no per-token penalty (a T-only fit: no bias to refine)."""
+        `published`: its per-token penalty; its bands, when it has them, at
+        `request_temperatures` (the profile's); with a `head_basis` of the bias's vocabulary
+        and a head-span part, steps in that span too (at its penalty); as prior rows the rows
+        it was fitted on (`fallback_prior_rows` when the profile predates recording them).
+        ValueError when the summary has no per-token penalty (a T-only fit: no bias to
+        refine)."""
         if summary.penalty is None:
             raise ValueError("the calibrated fit is T only: there is no bias to refine")
         fits = head_basis is not None and head_basis.shape[0] == published.bias.numel()
         head_penalty = summary.head_penalty if fits else None
+        bands = (
+            None
+            if summary.band_temperatures is None
+            else dict(
+                zip(
+                    request_temperatures,
+                    summary.served_temperatures(request_temperatures),
+                    strict=True,
+                )
+            )
+        )
         return cls(
             published,
             summary.penalty,
+            band_temperatures=bands,
             basis=head_basis if head_penalty is not None else None,
             head_penalty=head_penalty,
             prior_rows=summary.fitted_rows or fallback_prior_rows,
@@ -113,7 +146,9 @@ class OnlineBias:
         """
         if not len(rows):
             return
-        check_bias_vocabulary(self.published.bias, rows.vocab_size, "the shadow-scored model")
+        check_bias_vocabulary(
+            self.published.correction.bias, rows.vocab_size, "the shadow-scored model"
+        )
         self.requests += 1
         if int(rows.sequence_id[0]) % self._holdout_every:
             self.fit.update(rows)
@@ -123,20 +158,31 @@ class OnlineBias:
         while self._held_rows - len(self._holdout[0]) >= self._holdout_rows:
             self._held_rows -= len(self._holdout.popleft())
 
-    def candidate(self) -> LogitBias | None:
+    def candidate(self) -> BandedBias | None:
         """The streaming fit, when its held-out gain over the published correction is
-        significant; else None."""
+        significant and, with bands, it is not significantly worse at any other request
+        temperature; else None."""
         if self._held_requests() < self._min_requests or not self.fit.rows_seen:
             return None
         rows = PairedRows.concat(list(self._holdout))
-        proposed = self.fit.correction
-        published_kl = evaluate_bias(rows, self.published).kl
-        gain = published_kl - evaluate_bias(rows, proposed).kl
+        proposed = self.fit.banded
+        published_kl = evaluate_bias(rows, self.published.correction).kl
+        gain = published_kl - evaluate_bias(rows, proposed.correction).kl
         mean_gain = float(gain.mean())
         if mean_gain < max(self._min_relative_gain * float(published_kl.mean()), _MIN_GAIN):
             return None
-        stderr = cluster_stderr(gain, rows.sequence_id.cpu())
-        return proposed if is_significant(mean_gain, stderr) else None
+        ids = rows.sequence_id.cpu()
+        if not is_significant(mean_gain, cluster_stderr(gain, ids)):
+            return None
+        for request_temperature in self.published.band_temperatures:
+            if request_temperature == 1.0:
+                continue
+            at_t_r = at_request_temperature(rows, request_temperature)
+            published = evaluate_bias(at_t_r, self.published.at(request_temperature)).kl
+            band_gain = published - evaluate_bias(at_t_r, proposed.at(request_temperature)).kl
+            if not is_not_worse(float(band_gain.mean()), cluster_stderr(band_gain, ids)):
+                return None
+        return proposed
 
     def _held_requests(self) -> int:
         """The distinct requests in the reservoir."""

@@ -36,7 +36,7 @@ probabilities and three scalars, all on the rows' device; the heavy loops run ov
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -48,17 +48,20 @@ from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [
     "DEFAULT_PENALTIES",
+    "BandedBias",
     "BiasEvaluation",
     "BiasFit",
     "BiasPath",
     "LogitBias",
     "PairedRows",
+    "at_request_temperature",
     "best_temperature",
     "diagonal_curvature",
     "evaluate_bias",
     "fit_bias_at_penalty",
     "fit_logit_bias",
     "kl_objective",
+    "mean_kl_terms",
 ]
 
 DEFAULT_PENALTIES: tuple[float, ...] = tuple(10.0 ** (-k / 2) for k in range(2, 15))
@@ -147,6 +150,23 @@ class LogitBias:
     def apply(self, served: Tensor) -> Tensor:
         """`[B, V]` served logits -> the corrected logits (z~ + b) / T (a new tensor)."""
         return (served + self.bias.to(served)) / self.temperature
+
+
+@dataclass(frozen=True)
+class BandedBias:
+    """A bias served with a T of its own at each request temperature T_r: `correction` (its T
+    is the one at T_r = 1) and `band_temperatures` {T_r: T}, T_r = 1 among them."""
+
+    correction: LogitBias
+    band_temperatures: Mapping[float, float]
+
+    def at(self, request_temperature: float) -> LogitBias:
+        """Its correction of rows taken to `request_temperature` (`at_request_temperature`):
+        softmax((z~ + b) / (T_r T)) = softmax((z~ / T_r + b / T_r) / T), T the band's."""
+        return LogitBias(
+            self.correction.bias / request_temperature,
+            self.band_temperatures[request_temperature],
+        )
 
 
 @dataclass(frozen=True)
@@ -413,30 +433,51 @@ def evaluate_bias(rows: PairedRows, correction: LogitBias) -> BiasEvaluation:
     return BiasEvaluation(kl=torch.cat(kls), same_top=torch.cat(tops))
 
 
+def at_request_temperature(rows: PairedRows, request_temperature: float) -> PairedRows:
+    """`rows` as a request at temperature T_r sees them: clean softmax(z/T_r) (= p^(1/T_r),
+    normalised), served z~/T_r; exact, row for row (`rows` itself at T_r = 1)."""
+    if request_temperature == 1.0:
+        return rows
+    parts = [
+        PairedRows.from_logits(
+            rows.clean_prob[chunk].log() / request_temperature,
+            rows.served_shifted[chunk] / request_temperature,
+            rows.sequence_id[chunk],
+        )
+        for chunk in rows.chunks()
+    ]
+    return PairedRows.concat(parts)
+
+
+def mean_kl_terms(rows: PairedRows, shift: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean over `rows` of KL(p || softmax(u (z~ + shift))) and its first and second
+    derivatives in u (`KLTerms`): float64 [1] each, for `u` [1]."""
+    sums = torch.zeros(3, dtype=torch.float64, device=u.device)
+    shift = shift.to(rows.served_shifted)
+    for chunk in rows.chunks():
+        terms = KLTerms.from_clean_prob(
+            rows.clean_prob[chunk], rows.neg_entropy[chunk], rows.served_shifted[chunk] + shift
+        )
+        values = terms.kl_with_derivatives(u.expand(terms.neg_entropy_clean.shape[0]))
+        sums += torch.stack([value.double().sum() for value in values])
+    mean = sums / len(rows)
+    return mean[0:1], mean[1:2], mean[2:3]
+
+
 @torch.no_grad()
 def best_temperature(
     rows: PairedRows, bias: Tensor, bounds: TemperatureBounds | None = None
 ) -> float:
     """The one T in `bounds` (default `TemperatureBounds()`) minimising the mean over `rows`
     of KL(p || softmax((z~ + bias) / T)), the bias held fixed: the mean of functions convex in
-    u = 1/T (`KLTerms`), solved by `minimise_convex`."""
+    u = 1/T (`mean_kl_terms`), solved by `minimise_convex`."""
     if not len(rows):
         raise ValueError("cannot fit a temperature on zero rows")
-    shift = bias.to(rows.served_shifted)
-
-    def mean_kl(u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        sums = torch.zeros(3, dtype=torch.float64, device=u.device)
-        for chunk in rows.chunks():
-            terms = KLTerms.from_clean_prob(
-                rows.clean_prob[chunk], rows.neg_entropy[chunk], rows.served_shifted[chunk] + shift
-            )
-            values = terms.kl_with_derivatives(u.expand(terms.neg_entropy_clean.shape[0]))
-            sums += torch.stack([value.double().sum() for value in values])
-        mean = sums / len(rows)
-        return mean[0:1], mean[1:2], mean[2:3]
-
     like = torch.zeros(1, dtype=torch.float64, device=rows.served_shifted.device)
-    u, _ = minimise_convex(mean_kl, *inverse_bounds(bounds or TemperatureBounds(), like))
+    u, _ = minimise_convex(
+        lambda u: mean_kl_terms(rows, bias, u),
+        *inverse_bounds(bounds or TemperatureBounds(), like),
+    )
     return 1.0 / float(u)
 
 

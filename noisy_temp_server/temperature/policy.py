@@ -121,15 +121,6 @@ class CalibratedTable:
             request_temperature_edges=request_temperature_band_edges(request_temperatures),
         )
 
-    def scaled(self, factor: float) -> CalibratedTable:
-        """Every cell multiplied by `factor` (> 0)."""
-        return dataclasses.replace(
-            self,
-            temperatures=tuple(
-                tuple(tuple(t * factor for t in row) for row in band) for band in self.temperatures
-            ),
-        )
-
 
 def request_temperature_band_edges(request_temperatures: Sequence[float]) -> tuple[float, ...]:
     """Band edges (from 0) with each of the ascending `request_temperatures` in its own band:

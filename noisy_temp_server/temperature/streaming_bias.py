@@ -4,15 +4,20 @@ shadow-scored row batches, with state of the vocabulary's size and never the row
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
 from noisy_temp_server.temperature.bias import (
     CHUNK_ELEMENTS,
+    BandedBias,
     LogitBias,
     PairedRows,
+    at_request_temperature,
     diagonal_curvature,
     kl_objective,
+    mean_kl_terms,
 )
 from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -44,6 +49,12 @@ class StreamingBias:
     the per-token step learns each token from its own), then the per-token step on the
     residual r. State: `x`, `c_start`, `h` (3 (V + 1) float64), with a basis also W g (V) and
     d x d float64, never the rows; T stays in `bounds`.
+
+    With `band_temperatures` (the start's T at request temperatures T_r other than 1, the bias
+    served in bands: `BandedBias`), each band's u_r = 1/T_r-band takes the same weighted Newton
+    step after (T, b)'s, on the batch taken to T_r with the new b held fixed (the objective of
+    `temperature.bias.best_temperature`; its curvature a running mean like h), so the bands
+    follow the bias on the same rows.
     """
 
     def __init__(
@@ -56,6 +67,7 @@ class StreamingBias:
         bounds: TemperatureBounds | None = None,
         prior_rows: int = 0,
         memory_rows: int = 65536,
+        band_temperatures: Mapping[float, float] | None = None,
     ) -> None:
         if not penalty > 0 or prior_rows < 0 or memory_rows < 1:
             raise ValueError(
@@ -75,6 +87,10 @@ class StreamingBias:
         if basis is not None and head_penalty is not None:
             check_bias_vocabulary(start.bias, basis.shape[0], "the head basis")
             self._head = _HeadSpanSteps(basis.to(bias.device), head_penalty, memory_rows)
+        # the bands other than T_r = 1: request temperature -> [u, curvature]
+        self._bands = {
+            t_r: [1.0 / t, 0.0] for t_r, t in (band_temperatures or {}).items() if t_r != 1.0
+        }
         self.rows_seen = 0
 
     @torch.no_grad()
@@ -98,6 +114,17 @@ class StreamingBias:
         step = torch.cat([grad_u.reshape(1), grad_c]) / self._curvature.clamp(min=1e-12)
         self._x.sub_(step * weight)
         self._x[0].clamp_(1.0 / self.bounds.t_max, 1.0 / self.bounds.t_min)
+        self._step_bands(rows, in_mean, weight)
+
+    def _step_bands(self, rows: PairedRows, in_mean: float, weight: float) -> None:
+        bias = self.correction.bias
+        for request_temperature, band in self._bands.items():
+            u = torch.tensor([band[0]], dtype=torch.float64, device=bias.device)
+            at_t_r = at_request_temperature(rows, request_temperature)
+            _, slope, curvature = mean_kl_terms(at_t_r, bias / request_temperature, u)
+            band[1] = (1 - in_mean) * band[1] + in_mean * float(curvature)
+            stepped = band[0] - weight * float(slope) / max(band[1], 1e-12)
+            band[0] = min(max(stepped, 1.0 / self.bounds.t_max), 1.0 / self.bounds.t_min)
 
     @property
     def steps_in_head_span(self) -> bool:
@@ -110,6 +137,15 @@ class StreamingBias:
         u = float(self._x[0])
         bias = (self._x[1:] / u).to(torch.float32)
         return LogitBias(bias=bias - bias.mean(), temperature=1.0 / u)
+
+    @property
+    def banded(self) -> BandedBias:
+        """The current correction with its T at every request temperature it refines (T_r = 1:
+        the correction's own)."""
+        correction = self.correction
+        bands = {t_r: 1.0 / band[0] for t_r, band in self._bands.items()}
+        bands[1.0] = correction.temperature
+        return BandedBias(correction, dict(sorted(bands.items())))
 
 
 class _HeadSpanSteps:

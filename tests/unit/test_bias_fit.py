@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 
 from noisy_temp_server.estimation.bias_fit import (
     BIAS_ROW_NAME,
-    at_request_temperature,
     bias_quality,
     calibrate_bias,
     fit_band_temperatures,
@@ -37,6 +36,7 @@ from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringS
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
+    at_request_temperature,
     evaluate_bias,
     fit_logit_bias,
 )

@@ -21,8 +21,11 @@ from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature import bias_files
 from noisy_temp_server.temperature.bias import (
+    BandedBias,
     LogitBias,
     PairedRows,
+    at_request_temperature,
+    best_temperature,
     evaluate_bias,
     fit_bias_at_penalty,
 )
@@ -259,15 +262,18 @@ def test_the_estimator_publishes_a_better_bias_in_a_new_version(tmp_path: Path) 
     assert estimator.status()["bias"]["requests"] == 60
 
 
-def test_a_bias_served_in_bands_moves_every_band_by_the_factor_of_its_online_t(
+def test_a_bias_served_in_bands_has_its_bands_refined_and_published_with_it(
     tmp_path: Path,
 ) -> None:
     profile, first_sha = _biased_profile(tmp_path)
-    request_temperatures = profile.settings.request_temperatures
-    bands = tuple(2.0 - t for t in request_temperatures)  # 1.0 at T_r = 1: the bias's own T
+    assert profile.settings.request_temperatures == (0.7, 1.0)
     assert profile.bias is not None
     profile = profile.model_copy(
-        update={"bias": profile.bias.model_copy(update={"band_temperatures": bands})}
+        update={
+            "bias": profile.bias.model_copy(
+                update={"band_temperatures": (2.0, 1.0), "fitted_rows": 24}  # a weak prior
+            )
+        }
     )
     estimator = _estimator(profile, tmp_path)
     start = estimator.current_policy()
@@ -276,12 +282,34 @@ def test_a_bias_served_in_bands_moves_every_band_by_the_factor_of_its_online_t(
     policy = estimator.current_policy()
     assert policy.rule is Rule.CALIBRATED
     assert policy.bias not in (None, first_sha)
+    assert policy.bias is not None
     assert policy.calibrated.request_temperature_edges == start.calibrated.request_temperature_edges
-    served = [band[0][0] for band in policy.calibrated.temperatures]
-    factors = [new / old for new, old in zip(served, bands, strict=True)]
-    assert factors[0] != pytest.approx(1.0, abs=1e-3)  # the online fit moved its T
-    assert factors == pytest.approx([factors[0]] * len(bands), rel=1e-9)
-    assert policy.fixed_temperature == pytest.approx(start.fixed_temperature * factors[0])
+    ((t_07,),), ((t_1,),) = policy.calibrated.temperatures
+    assert t_1 == policy.fixed_temperature  # the T fitted with the bias, under nts_rule=fixed too
+    # the T_r = 0.7 band learnt on the rows taken to 0.7: near the best T there for the
+    # published bias on unseen rows, far from its start
+    bias = load_bias_file(tmp_path / "online", policy.bias)
+    held_out = at_request_temperature(PairedRows.concat([_rows(1000 + i) for i in range(8)]), 0.7)
+    best = best_temperature(held_out, bias / 0.7)
+    assert abs(t_07 - best) < 0.2 * abs(2.0 - best)
+
+
+def test_a_candidate_worse_at_another_request_temperature_is_not_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    online = OnlineBias(
+        LogitBias.identity(VOCAB),
+        PENALTY,
+        band_temperatures={0.7: 1.0},
+        holdout_every=2,
+        holdout_rows=10**4,
+    )
+    for request in range(40):
+        online.add(_rows(request))
+    assert online.candidate() is not None
+    far_off = property(lambda fit: BandedBias(fit.correction, {0.7: 40.0, 1.0: 1.0}))
+    monkeypatch.setattr(StreamingBias, "banded", far_off)  # its T_r = 1 part is as good
+    assert online.candidate() is None
 
 
 def test_the_estimator_refines_in_the_span_of_a_clean_head_that_fits(tmp_path: Path) -> None:
@@ -390,9 +418,9 @@ def test_a_bias_that_cannot_be_written_still_publishes_the_version_and_shows_the
     assert status["bias"]["folder"] == str(tmp_path / "online")
 
 
-def _published(vectors: list[torch.Tensor]) -> Iterator[LogitBias]:
+def _published(vectors: list[torch.Tensor]) -> Iterator[BandedBias]:
     for vector in vectors:
-        yield LogitBias(bias=vector, temperature=1.0)
+        yield BandedBias(LogitBias(bias=vector, temperature=1.0), {1.0: 1.0})
 
 
 def _publishing(

@@ -129,10 +129,6 @@ def test_a_table_by_request_temperature_serves_each_its_own_t() -> None:
     request = torch.tensor([0.5, 0.7, 1.0, 1.2, 2.0])
     t = policy_temperature(policy, torch.tensor([0, 9, 3, 70, 1]), request_temperature=request)
     assert t.tolist() == pytest.approx([1.6, 1.6, 1.1, 1.0, 1.0])
-    doubled = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table.scaled(2.0))
-    assert policy_temperature(
-        doubled, torch.zeros(5, dtype=torch.long), None, request_temperature=request
-    ).tolist() == (pytest.approx([3.2, 3.2, 2.2, 2.0, 2.0]))
     with pytest.raises(PolicyValidationError, match="2 for 3 request temperatures"):
         CalibratedTable.by_request_temperature((0.5, 1.0, 1.2), (1.6, 1.1))
 

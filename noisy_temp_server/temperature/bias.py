@@ -438,14 +438,21 @@ def at_request_temperature(rows: PairedRows, request_temperature: float) -> Pair
     normalised), served z~/T_r; exact, row for row (`rows` itself at T_r = 1)."""
     if request_temperature == 1.0:
         return rows
-    parts = [
-        PairedRows.from_logits(
-            rows.clean_prob[chunk].log() / request_temperature,
-            rows.served_shifted[chunk] / request_temperature,
-            rows.sequence_id[chunk],
+    parts = []
+    for chunk in rows.chunks():
+        log_prob = torch.log_softmax(rows.clean_prob[chunk].log() / request_temperature, dim=-1)
+        prob = log_prob.exp()
+        served = rows.served_shifted[chunk] / request_temperature  # still max 0
+        parts.append(
+            PairedRows(
+                served_shifted=served,
+                clean_prob=prob,
+                neg_entropy=torch.einsum("bv,bv->b", prob, log_prob.clamp(min=-1e30)).double(),
+                served_mean=torch.einsum("bv,bv->b", prob, served).double(),
+                clean_top=rows.clean_top[chunk],  # a temperature keeps the top token
+                sequence_id=rows.sequence_id[chunk],
+            )
         )
-        for chunk in rows.chunks()
-    ]
     return PairedRows.concat(parts)
 
 

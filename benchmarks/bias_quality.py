@@ -3,7 +3,8 @@ in-domain and cross-domain, on the embedded default model.
 
     .venv/bin/python benchmarks/bias_quality.py [--num-prompts 80] [--samples 1]
         [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
-        [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K] [--threads N]
+        [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K]
+        [--request-temperatures 0.5 1.0] [--threads N]
 
 Per perturbation family: the served model writes `--samples` completions (seeds 0, 1, ...) for
 each of the first `--num-prompts` shipped prompts (domain A; default all 80) and one for each of
@@ -27,7 +28,9 @@ own: K more rounds of completions (later seeds) of every non-test shipped prompt
 completion a request of at most `Settings().shadow_bias_rows` evenly spaced rows to
 `OnlineBias.refining`, as the online estimator builds it (the calibrated penalties, the clean
 head, the rows the calibrated bias was fitted on as prior rows; every 4th request held out),
-its streaming fit measured on the in-domain test prompts after every round. `--w8a8 DIR` adds a real
+its streaming fit measured on the in-domain test prompts after every round, at every request
+temperature of `--request-temperatures` (default 1.0; the bias then has a band's T at each,
+refined online too; the rows taken to T_r exactly). `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
@@ -65,7 +68,7 @@ from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows
+from noisy_temp_server.temperature.bias import BandedBias, PairedRows, at_request_temperature
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
@@ -80,15 +83,18 @@ def _scored(
     *,
     samples: int,
     first_id: int,
+    request_temperatures: tuple[float, ...] = (1.0,),
 ) -> ScoredSet:
-    """Records and rows of `samples` completions (seeds 0, 1, ...) per prompt; the completions
-    of prompt i share the sequence id `first_id + i`."""
+    """Records (at each of `request_temperatures`) and rows of `samples` completions (seeds 0,
+    1, ...) per prompt; the completions of prompt i share the sequence id `first_id + i`."""
     sequences = [
         ScoringSequence(s.token_ids, s.prompt_length, first_id + s.sequence_id)
         for seed in range(samples)
         for s in sample_completions(pair, prompts, max_new_tokens=args.max_new_tokens, seed=seed)
     ]
-    return score_with_rows(scorer, sequences, max_rows=args.max_rows)
+    return score_with_rows(
+        scorer, sequences, request_temperatures=request_temperatures, max_rows=args.max_rows
+    )
 
 
 def _by_penalty(scores: dict[float, float]) -> str:
@@ -127,7 +133,11 @@ def _streamed(
     if calibration.path.refine_penalty is None:
         return "online refinement: none (the T-only fit won on validation, no bias to refine)", []
     online = OnlineBias.refining(
-        calibration.correction, calibration.summary(), head_basis=basis, bounds=settings.bounds
+        calibration.correction,
+        calibration.summary(),
+        request_temperatures=settings.request_temperatures,
+        head_basis=basis,
+        bounds=settings.bounds,
     )
     in_span = online.fit.steps_in_head_span
     per_request = Settings().shadow_bias_rows
@@ -137,11 +147,12 @@ def _streamed(
         f"steps in the head's span: {in_span}), measured on the {len(test_ids)} in-domain test "
         "prompts:",
         "",
-        "| after round | rows fitted | bias + T: share of KL(T=1) removed ± s.e. | oracle T | "
-        "held-out gate would publish |",
-        "|---:|---:|---:|---:|---|",
+        "| after round | rows fitted | T_r | band T | bias + T: share of KL(T=1) removed ± s.e. "
+        "| oracle T | held-out gate would publish |",
+        "|---:|---:|---:|---:|---:|---:|---|",
     ]
-    start = _round_figures(test_rows, calibration.correction, rows_fitted=0)
+    calibrated = BandedBias(calibration.correction, calibration.band_temperatures)
+    start = _round_figures(test_rows, calibrated, rows_fitted=0)
     lines.append(_round_line("0 (calibrated)", start, "(served)"))
     documents = []
     for round_index in range(args.stream_samples):
@@ -156,7 +167,7 @@ def _streamed(
         scored = score_with_rows(scorer, sequences, max_rows=per_request * len(sequences))
         for request in _requests(scored.rows, per_request):
             online.add(request)
-        figures = _round_figures(test_rows, online.fit.correction, online.fit.rows_seen)
+        figures = _round_figures(test_rows, online.fit.banded, online.fit.rows_seen)
         figures |= {"round": round_index + 1, "would_publish": online.candidate() is not None}
         lines.append(_round_line(str(round_index + 1), figures, str(figures["would_publish"])))
         print(lines[-1], flush=True)
@@ -164,24 +175,32 @@ def _streamed(
     return "\n".join(lines), documents
 
 
-def _round_figures(test_rows: PairedRows, correction: LogitBias, rows_fitted: int) -> dict:
-    """`correction` on the test rows: shares of KL(T = 1) removed by it (± s.e.) and by the
-    per-position oracle T."""
-    quality = bias_quality(test_rows, correction)
-    kl_one = quality.t_one.mean_kl
-    return {
-        "rows_fitted": rows_fitted,
-        "share_removed": quality.share_removed,
-        "share_stderr": quality.row.gain_stderr / kl_one,
-        "oracle_share": 1 - quality.oracle.mean_kl / kl_one,
-    }
+def _round_figures(test_rows: PairedRows, correction: BandedBias, rows_fitted: int) -> dict:
+    """`correction` on the test rows at each of its request temperatures (the rows taken
+    there, its band's T): shares of KL(T = 1) removed by it (± s.e.) and by the per-position
+    oracle T."""
+    by_request_temperature = []
+    for t_r, band in correction.band_temperatures.items():
+        quality = bias_quality(at_request_temperature(test_rows, t_r), correction.at(t_r))
+        kl_one = quality.t_one.mean_kl
+        by_request_temperature.append(
+            {
+                "request_temperature": t_r,
+                "band_temperature": band,
+                "share_removed": quality.share_removed,
+                "share_stderr": quality.row.gain_stderr / kl_one,
+                "oracle_share": 1 - quality.oracle.mean_kl / kl_one,
+            }
+        )
+    return {"rows_fitted": rows_fitted, "by_request_temperature": by_request_temperature}
 
 
 def _round_line(label: str, figures: dict, publish: str) -> str:
-    return (
-        f"| {label} | {figures['rows_fitted']} | {100 * figures['share_removed']:+.1f}% ± "
-        f"{100 * figures['share_stderr']:.1f} | {100 * figures['oracle_share']:+.1f}% | "
-        f"{publish} |"
+    return "\n".join(
+        f"| {label} | {figures['rows_fitted']} | {band['request_temperature']:g} "
+        f"| {band['band_temperature']:.3f} | {100 * band['share_removed']:+.1f}% ± "
+        f"{100 * band['share_stderr']:.1f} | {100 * band['oracle_share']:+.1f}% | {publish} |"
+        for band in figures["by_request_temperature"]
     )
 
 
@@ -190,14 +209,23 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     domain_a = load_prompts()[: args.num_prompts]
     domain_b = load_prompts(CROSS_PROMPTS)[: args.cross_prompts]
     scorer = PairScorer(pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise)
-    scored_a = _scored(scorer, pair, domain_a, args, samples=args.samples, first_id=0)
+    request_temperatures = tuple(sorted({1.0, *args.request_temperatures}))
+    scored_a = _scored(
+        scorer,
+        pair,
+        domain_a,
+        args,
+        samples=args.samples,
+        first_id=0,
+        request_temperatures=request_temperatures,
+    )
     scored_b = _scored(scorer, pair, domain_b, args, samples=1, first_id=len(domain_a))
     settings = CalibrationSettings(
         prompts=len(domain_a),
         max_new_tokens=args.max_new_tokens,
         validation_fraction=0.2,
         test_fraction=0.3,
-        request_temperatures=(1.0,),
+        request_temperatures=request_temperatures,
         bias_rows=args.max_rows,
     )
     fit_started = time.monotonic()
@@ -226,8 +254,9 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
 
     path, correction = calibration.path, calibration.correction
     cross = cross_path.chosen.correction
+    at_one = result.profile.test_quality_by_request_temperature[request_temperatures.index(1.0)]
     in_text, in_doc = bias_section(
-        "in-domain (test prompts of the shipped set)", result.profile.test_quality, calibration.test
+        "in-domain (test prompts of the shipped set)", at_one, calibration.test
     )
     cross_text, cross_doc = bias_section(
         "cross-domain (the formal prompt set; bias fitted on all shipped prompts; "
@@ -306,6 +335,14 @@ def main() -> int:
         type=int,
         default=0,
         help="rounds of in-domain traffic to refine the in-domain bias online with",
+    )
+    parser.add_argument(
+        "--request-temperatures",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="request temperatures the bias gets a band at (1.0 is always one); the streaming "
+        "rounds report each",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)

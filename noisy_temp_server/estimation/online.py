@@ -53,7 +53,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ from noisy_temp_server.estimation.significance import (
     split_by_sequence,
 )
 from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
-from noisy_temp_server.temperature.bias import BandedBias, LogitBias, PairedRows
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,
     bias_sha256,
@@ -92,19 +92,6 @@ _PARAMETERS_OF_RULE: dict[Rule, tuple[str, ...]] = {
 _GATED_RULES = frozenset({Rule.FIXED, Rule.FISHER, Rule.SCHEDULE})
 """Rules whose online refit is published only when it is not significantly worse than T = 1 on
 held-out requests of the window (`calibrated` checks every split of its table itself)."""
-
-
-def _bias_temperatures(served: TemperaturePolicy, candidate: BandedBias) -> dict[str, Any]:
-    """The T fields of the next policy serving `candidate` after `served`: `fixed_temperature`
-    its T at T_r = 1 (also under `nts_rule=fixed`) and, when `served` serves the bias in
-    bands, its bands."""
-    fields: dict[str, Any] = {"fixed_temperature": candidate.correction.temperature}
-    if served.rule is Rule.CALIBRATED:
-        bands = candidate.band_temperatures
-        fields["calibrated"] = CalibratedTable.by_request_temperature(
-            tuple(bands), tuple(bands.values())
-        )
-    return fields
 
 
 def _not_worse_than_one(policy: TemperaturePolicy, held_out: PositionRecords) -> bool:
@@ -288,7 +275,7 @@ class OnlineEstimator:
                     self._last_error = f"refit on {len(window)} positions failed: {error}"
                 logger.warning("%s", self._last_error)
                 return False
-            bias_update = self._bias_update(self._policy)  # only a refit replaces the policy
+            published_bias = self._publish_bias()
             with self._lock:
                 previous = self._policy
                 fitted = parameters.to_policy(previous.rule, previous.version + 1)
@@ -307,8 +294,11 @@ class OnlineEstimator:
                     if rule not in refitted
                     for name in names
                 }
-                kept = {"bias": previous.bias, **kept, **bias_update}
-                self._policy = dataclasses.replace(fitted, bounds=previous.bounds, **kept)
+                kept = {"bias": previous.bias, **kept}
+                policy = dataclasses.replace(fitted, bounds=previous.bounds, **kept)
+                if published_bias is not None:
+                    policy = policy.serving_bias(*published_bias)
+                self._policy = policy
                 self._noise = tuple(noise)
                 self._last_refit = self._clock()
                 self._last_error = None
@@ -331,16 +321,16 @@ class OnlineEstimator:
         )
         return window.select(fit_on), finite_positions(window.select(held_out))
 
-    def _bias_update(self, served: TemperaturePolicy) -> dict[str, Any]:
-        """The policy fields of the online bias for the next version after `served` when it is
-        significantly better on the held-out rows and its vector was written to
-        `online_bias_dir`, else none (a failed write is recorded, see the module docstring):
-        the bias and its T at every request temperature (`_bias_temperatures`)."""
+    def _publish_bias(self) -> tuple[str, Mapping[float, float]] | None:
+        """(sha256, its T at each request temperature) of the online bias for the next version
+        (`TemperaturePolicy.serving_bias`) when it is significantly better on the held-out rows
+        and its vector was written to `online_bias_dir`, else None (a failed write is
+        recorded, see the module docstring)."""
         if self._bias is None or self._online_bias_dir is None:
-            return {}
+            return None
         candidate = self._bias.candidate()
         if candidate is None:
-            return {}
+            return None
         sha256 = bias_sha256(candidate.correction.bias)
         try:
             save_bias_file(self._online_bias_dir, candidate.correction.bias)
@@ -352,13 +342,13 @@ class OnlineEstimator:
                     "the published bias stays"
                 )
             logger.error("%s", self._bias_error)
-            return {}
+            return None
         with self._lock:
             self._bias_error = None
         self._bias.published = candidate
         self._forget_old_bias_files(sha256)
         logger.info("the online bias beats the published one on held-out rows: publishing it")
-        return {"bias": sha256, **_bias_temperatures(served, candidate)}
+        return sha256, candidate.band_temperatures
 
     def _forget_old_bias_files(self, written: str) -> None:
         """Record the file of `written` and delete those of older published biases beyond

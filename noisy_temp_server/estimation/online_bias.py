@@ -13,14 +13,14 @@ exceeds two standard errors clustered by request (`significance.is_significant`)
 `min_holdout_requests` requests, and removes at least `min_relative_gain` of the published
 correction's held-out KL and 1e-6 nats (a new version is a new vector to move; numerical noise
 must not publish one); with bands, at every other request temperature too, the reservoir taken
-to it, it must not be significantly worse than the published bias with its band there
-(`significance.is_not_worse`). Memory: the streaming state plus the reservoir, both bounded;
-nothing grows with the traffic.
+to it, it must not be significantly worse than the published bias with its band there, nor
+than the calibrated one (`significance.is_not_worse`). Memory: the streaming state plus the
+reservoir, both bounded; nothing grows with the traffic.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 
 from torch import Tensor
@@ -53,7 +53,8 @@ class OnlineBias:
     served in bands; ``penalty``: the per-token L2 penalty it was fitted with; ``basis`` and
     ``head_penalty``: the clean output head and the penalty of the part in its span (both or
     neither: the streaming fit then steps in that span too); ``prior_rows``: the rows the
-    published correction was fitted on (`StreamingBias`)."""
+    published correction was fitted on (`StreamingBias`). A T_r = 1 entry of
+    ``band_temperatures`` is the correction's own T, whatever it says."""
 
     def __init__(
         self,
@@ -85,11 +86,13 @@ class OnlineBias:
         )
         bands = {**(band_temperatures or {}), 1.0: published.temperature}
         self.published = BandedBias(published, dict(sorted(bands.items())))
+        self._calibrated = self.published  # the bands never fall behind it, version by version
         self._holdout_every = holdout_every
         self._holdout_rows = holdout_rows
         self._min_requests = min_holdout_requests
         self._min_relative_gain = min_relative_gain
         self._holdout: deque[PairedRows] = deque()
+        self._held_ids: Counter[int] = Counter()  # read by `status` without the fit's lock
         self._held_rows = 0
         self.requests = 0
 
@@ -99,7 +102,7 @@ class OnlineBias:
         published: LogitBias,
         summary: BiasSummary,
         *,
-        request_temperatures: Sequence[float] = (1.0,),
+        request_temperatures: Sequence[float],
         head_basis: Tensor | None = None,
         fallback_prior_rows: int = 0,
         bounds: TemperatureBounds | None = None,
@@ -118,13 +121,7 @@ class OnlineBias:
         bands = (
             None
             if summary.band_temperatures is None
-            else dict(
-                zip(
-                    request_temperatures,
-                    summary.served_temperatures(request_temperatures),
-                    strict=True,
-                )
-            )
+            else summary.served_temperatures(request_temperatures)
         )
         return cls(
             published,
@@ -154,14 +151,18 @@ class OnlineBias:
             self.fit.update(rows)
             return
         self._holdout.append(rows)
+        self._held_ids[int(rows.sequence_id[0])] += 1
         self._held_rows += len(rows)
         while self._held_rows - len(self._holdout[0]) >= self._holdout_rows:
-            self._held_rows -= len(self._holdout.popleft())
+            dropped = self._holdout.popleft()
+            self._held_rows -= len(dropped)
+            self._held_ids -= Counter([int(dropped.sequence_id[0])])
 
     def candidate(self) -> BandedBias | None:
         """The streaming fit, when its held-out gain over the published correction is
         significant and, with bands, it is not significantly worse at any other request
-        temperature; else None."""
+        temperature than the published correction nor than the calibrated one (a small step
+        back each version must not add up); else None."""
         if self._held_requests() < self._min_requests or not self.fit.rows_seen:
             return None
         rows = PairedRows.concat(list(self._holdout))
@@ -178,15 +179,17 @@ class OnlineBias:
             if request_temperature == 1.0:
                 continue
             at_t_r = at_request_temperature(rows, request_temperature)
-            published = evaluate_bias(at_t_r, self.published.at(request_temperature)).kl
-            band_gain = published - evaluate_bias(at_t_r, proposed.at(request_temperature)).kl
-            if not is_not_worse(float(band_gain.mean()), cluster_stderr(band_gain, ids)):
-                return None
+            proposed_kl = evaluate_bias(at_t_r, proposed.at(request_temperature)).kl
+            for reference in (self.published, self._calibrated):
+                band_gain = evaluate_bias(at_t_r, reference.at(request_temperature)).kl
+                band_gain -= proposed_kl
+                if not is_not_worse(float(band_gain.mean()), cluster_stderr(band_gain, ids)):
+                    return None
         return proposed
 
     def _held_requests(self) -> int:
         """The distinct requests in the reservoir."""
-        return len({int(rows.sequence_id[0]) for rows in self._holdout})
+        return len(self._held_ids)
 
     def status(self) -> dict[str, int]:
         """Choices seen (`requests`), rows the fit stepped on, whether it steps in the output

@@ -17,7 +17,6 @@ names the file and what is wrong.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -308,17 +307,18 @@ class BiasSummary(_Frozen):
     gain_over_rule_request_temperature: float | None = None
     band_temperatures: tuple[float, ...] | None = None
 
-    def served_temperatures(self, request_temperatures: Sequence[float]) -> tuple[float, ...]:
-        """The T served with the bias at each of `request_temperatures` (the profile's):
-        `band_temperatures`, or `temperature` at every one in profiles written before them."""
+    def served_temperatures(self, request_temperatures: Sequence[float]) -> dict[float, float]:
+        """{T_r: the T served with the bias} at each of `request_temperatures` (the
+        profile's): `band_temperatures`, or `temperature` at every one in profiles written
+        before them."""
         if self.band_temperatures is None:
-            return (self.temperature,) * len(request_temperatures)
+            return dict.fromkeys(request_temperatures, self.temperature)
         if len(self.band_temperatures) != len(request_temperatures):
             raise ValueError(
                 f"{len(self.band_temperatures)} bias temperatures for "
                 f"{len(request_temperatures)} request temperatures"
             )
-        return self.band_temperatures
+        return dict(zip(request_temperatures, self.band_temperatures, strict=True))
 
 
 class Profile(_Frozen):
@@ -367,17 +367,8 @@ class Profile(_Frozen):
         return self.parameters.to_policy(self.recommended_rule if rule is None else rule, version)
 
     def _bias_policy(self, bias: BiasSummary, version: int) -> TemperaturePolicy:
-        request_temperatures = self.settings.request_temperatures
-        temperatures = bias.served_temperatures(request_temperatures)
-        if len(set(temperatures)) == 1:
-            policy = self.parameters.to_policy(Rule.FIXED, version)
-            return dataclasses.replace(policy, fixed_temperature=temperatures[0], bias=bias.sha256)
-        policy = self.parameters.to_policy(Rule.CALIBRATED, version)
-        table = CalibratedTable.by_request_temperature(request_temperatures, temperatures)
-        # `nts_rule=fixed` on it: the bias with the T fitted with it, not the rule's
-        return dataclasses.replace(
-            policy, calibrated=table, fixed_temperature=bias.temperature, bias=bias.sha256
-        )
+        bands = bias.served_temperatures(self.settings.request_temperatures)
+        return self.parameters.to_policy(Rule.CALIBRATED, version).serving_bias(bias.sha256, bands)
 
     def save(self, path: Path) -> None:
         """Write the profile as indented JSON (written to a temporary file, then renamed)."""

@@ -61,7 +61,6 @@ __all__ = [
     "fit_bias_at_penalty",
     "fit_logit_bias",
     "kl_objective",
-    "mean_kl_terms",
 ]
 
 DEFAULT_PENALTIES: tuple[float, ...] = tuple(10.0 ** (-k / 2) for k in range(2, 15))
@@ -162,7 +161,8 @@ class BandedBias:
 
     def at(self, request_temperature: float) -> LogitBias:
         """Its correction of rows taken to `request_temperature` (`at_request_temperature`):
-        softmax((z~ + b) / (T_r T)) = softmax((z~ / T_r + b / T_r) / T), T the band's."""
+        softmax((z~ + b) / (T_r T)) = softmax((z~ / T_r + b / T_r) / T), T the band's
+        (KeyError for a request temperature it has no band at)."""
         return LogitBias(
             self.correction.bias / request_temperature,
             self.band_temperatures[request_temperature],
@@ -442,7 +442,10 @@ def at_request_temperature(rows: PairedRows, request_temperature: float) -> Pair
     for chunk in rows.chunks():
         log_prob = torch.log_softmax(rows.clean_prob[chunk].log() / request_temperature, dim=-1)
         prob = log_prob.exp()
-        served = rows.served_shifted[chunk] / request_temperature  # still max 0
+        masked = rows.served_shifted[chunk] <= _MASKED_FLOOR  # stay at the floor, masked
+        served = (rows.served_shifted[chunk] / request_temperature).masked_fill_(
+            masked, _MASKED_FLOOR
+        )
         parts.append(
             PairedRows(
                 served_shifted=served,
@@ -456,7 +459,7 @@ def at_request_temperature(rows: PairedRows, request_temperature: float) -> Pair
     return PairedRows.concat(parts)
 
 
-def mean_kl_terms(rows: PairedRows, shift: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _mean_kl_terms(rows: PairedRows, shift: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Mean over `rows` of KL(p || softmax(u (z~ + shift))) and its first and second
     derivatives in u (`KLTerms`): float64 [1] each, for `u` [1]."""
     sums = torch.zeros(3, dtype=torch.float64, device=u.device)
@@ -477,12 +480,12 @@ def best_temperature(
 ) -> float:
     """The one T in `bounds` (default `TemperatureBounds()`) minimising the mean over `rows`
     of KL(p || softmax((z~ + bias) / T)), the bias held fixed: the mean of functions convex in
-    u = 1/T (`mean_kl_terms`), solved by `minimise_convex`."""
+    u = 1/T (`_mean_kl_terms`), solved by `minimise_convex`."""
     if not len(rows):
         raise ValueError("cannot fit a temperature on zero rows")
     like = torch.zeros(1, dtype=torch.float64, device=rows.served_shifted.device)
     u, _ = minimise_convex(
-        lambda u: mean_kl_terms(rows, bias, u),
+        lambda u: _mean_kl_terms(rows, bias, u),
         *inverse_bounds(bounds or TemperatureBounds(), like),
     )
     return 1.0 / float(u)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,6 +233,23 @@ class TemperaturePolicy:
         if self.rule is Rule.FISHER:
             return True
         return self.rule is Rule.CALIBRATED and self.calibrated.reads_entropy
+
+    def serving_bias(
+        self, sha256: str, band_temperatures: Mapping[float, float]
+    ) -> TemperaturePolicy:
+        """This policy serving the bias `sha256` with its T at each request temperature,
+        `band_temperatures` {T_r: T} (T_r = 1 among them): rule `fixed` at that T when every
+        band has the same T, else rule `calibrated` with one band per request temperature
+        (`CalibratedTable.by_request_temperature`); `fixed_temperature` is the T_r = 1 one
+        either way (what `nts_rule=fixed` serves with the bias)."""
+        temperatures = tuple(band_temperatures[t_r] for t_r in sorted(band_temperatures))
+        served = dataclasses.replace(
+            self, bias=sha256, fixed_temperature=band_temperatures[1.0], rule=Rule.FIXED
+        )
+        if len(set(temperatures)) == 1:
+            return served
+        table = CalibratedTable.by_request_temperature(sorted(band_temperatures), temperatures)
+        return dataclasses.replace(served, rule=Rule.CALIBRATED, calibrated=table)
 
     def with_overrides(
         self,

@@ -14,10 +14,8 @@ from noisy_temp_server.temperature.bias import (
     BandedBias,
     LogitBias,
     PairedRows,
-    at_request_temperature,
     diagonal_curvature,
     kl_objective,
-    mean_kl_terms,
 )
 from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
 from noisy_temp_server.temperature.rules import TemperatureBounds
@@ -117,13 +115,30 @@ class StreamingBias:
         self._step_bands(rows, in_mean, weight)
 
     def _step_bands(self, rows: PairedRows, in_mean: float, weight: float) -> None:
-        bias = self.correction.bias
+        """Each band's step: with y = s + b, the clean row at T_r p_r = softmax(log p / T_r)
+        and q = softmax(u y / T_r), the mean KL's derivatives in u are E_q[y / T_r] -
+        E_p_r[y / T_r] and Var_q(y / T_r) (`KLTerms` on the rows taken to T_r; computed from
+        log p and y once per chunk, not per band)."""
+        if not self._bands:
+            return
+        bias = self.correction.bias.to(rows.served_shifted)
+        sums = {request_temperature: [0.0, 0.0] for request_temperature in self._bands}
+        for chunk in rows.chunks():
+            log_prob = rows.clean_prob[chunk].log()
+            served = rows.served_shifted[chunk] + bias
+            for request_temperature, (u, _) in self._bands.items():
+                clean = torch.softmax(log_prob / request_temperature, dim=-1)
+                q = torch.softmax(served * (u / request_temperature), dim=-1)
+                mean_q = torch.einsum("bv,bv->b", q, served)
+                slope = mean_q - torch.einsum("bv,bv->b", clean, served)
+                spread = (served - mean_q.unsqueeze(-1)).square_()
+                curvature = torch.einsum("bv,bv->b", q, spread)
+                sums[request_temperature][0] += float(slope.sum()) / request_temperature
+                sums[request_temperature][1] += float(curvature.sum()) / request_temperature**2
         for request_temperature, band in self._bands.items():
-            u = torch.tensor([band[0]], dtype=torch.float64, device=bias.device)
-            at_t_r = at_request_temperature(rows, request_temperature)
-            _, slope, curvature = mean_kl_terms(at_t_r, bias / request_temperature, u)
-            band[1] = (1 - in_mean) * band[1] + in_mean * float(curvature)
-            stepped = band[0] - weight * float(slope) / max(band[1], 1e-12)
+            mean_slope, mean_curvature = (total / len(rows) for total in sums[request_temperature])
+            band[1] = (1 - in_mean) * band[1] + in_mean * mean_curvature
+            stepped = band[0] - weight * mean_slope / max(band[1], 1e-12)
             band[0] = min(max(stepped, 1.0 / self.bounds.t_max), 1.0 / self.bounds.t_min)
 
     @property

@@ -330,12 +330,21 @@ def test_a_band_temperature_is_the_best_t_of_the_biased_logits_at_its_request_te
 def test_rows_at_a_request_temperature_are_those_of_the_scaled_logits() -> None:
     generator = torch.Generator().manual_seed(2)
     clean, served = torch.randn(6, 20, generator=generator), torch.randn(6, 20, generator=generator)
+    clean[:, 3] = -math.inf  # a token the clean model never gives: p = 0 there
+    served[:, 3] = -math.inf  # ... which the served model masks too
     rows = PairedRows.from_logits(clean, served, 3)
-    expected = PairedRows.from_logits(clean / 0.7, served / 0.7, 3)
-    at_t_r = at_request_temperature(rows, 0.7)
-    torch.testing.assert_close(at_t_r.clean_prob, expected.clean_prob)
-    torch.testing.assert_close(at_t_r.served_shifted, expected.served_shifted)
-    torch.testing.assert_close(at_t_r.served_mean, expected.served_mean)
+    for request_temperature in (0.5, 0.7, 1.2):
+        expected = PairedRows.from_logits(
+            clean / request_temperature, served / request_temperature, 3
+        )
+        at_t_r = at_request_temperature(rows, request_temperature)
+        for name in ("clean_prob", "served_shifted", "served_mean", "neg_entropy"):
+            # float32 rows: the same to float32 rounding
+            torch.testing.assert_close(
+                getattr(at_t_r, name), getattr(expected, name), rtol=1e-5, atol=1e-6
+            )
+        assert torch.equal(at_t_r.clean_top, expected.clean_top)
+        assert torch.equal(at_t_r.sequence_id, expected.sequence_id)
     assert at_request_temperature(rows, 1.0) is rows
 
 

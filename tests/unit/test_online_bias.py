@@ -169,6 +169,24 @@ def test_the_streaming_temperature_stays_in_its_bounds() -> None:
     assert stream.correction.temperature == pytest.approx(stream.bounds.t_max)
 
 
+def test_a_streamed_band_tends_to_the_best_t_at_its_request_temperature() -> None:
+    # as served: the bias and its band calibrated on earlier rows (the prior), then streamed
+    prior = PairedRows.concat([_rows(500 + i) for i in range(20)])
+    start = fit_bias_at_penalty(prior, PENALTY).correction
+    band = best_temperature(at_request_temperature(prior, 0.5), start.bias / 0.5)
+    stream = StreamingBias(start, PENALTY, band_temperatures={0.5: band}, prior_rows=len(prior))
+    batches = [_rows(request) for request in range(120)]
+    for rows in batches:
+        stream.update(rows)
+    banded = stream.banded
+    assert list(banded.band_temperatures) == [0.5, 1.0]
+    assert banded.band_temperatures[1.0] == banded.correction.temperature
+    seen = at_request_temperature(PairedRows.concat([prior, *batches]), 0.5)
+    best = best_temperature(seen, banded.correction.bias / 0.5)
+    moved = abs(banded.band_temperatures[0.5] - best) / abs(band - best)
+    assert moved < 0.5, moved
+
+
 def test_a_candidate_needs_significance_on_held_out_requests() -> None:
     online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2, holdout_rows=240)
     for request in range(6):  # 3 held out: fewer than min_holdout_requests

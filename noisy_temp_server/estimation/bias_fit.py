@@ -300,12 +300,25 @@ class BiasCalibration:
         on the gate half is significant (gain - 2 s.e. > 0), and, when it was measured
         against the recommended temperature rule there (`BiasQuality.over_rule`), it is not
         significantly worse than that rule (gain + 2 s.e. >= 0): served, it replaces it."""
+        return not self.unmet_conditions()
+
+    def unmet_conditions(self) -> list[str]:
+        """Which conditions of `recommended` fail, in words (none: it is recommended)."""
+        if not self.path.chosen.has_bias:
+            return ["the T-only fit won on the selection half"]
         row, over_rule = self.validation.row, self.validation.over_rule
-        return (
-            self.path.chosen.has_bias
-            and is_significant(row.gain, row.gain_stderr)
-            and (over_rule is None or is_not_worse(*over_rule))
-        )
+        unmet = []
+        if not is_significant(row.gain, row.gain_stderr):
+            unmet.append(
+                f"its gain over T = 1 on the gate half, {1e3 * row.gain:+.3f} ± "
+                f"{1e3 * row.gain_stderr:.3f}, is not above 2 s.e."
+            )
+        if over_rule is not None and not is_not_worse(*over_rule):
+            unmet.append(
+                "it is more than 2 s.e. behind the rule at T_r = "
+                f"{self.validation.over_rule_request_temperature:g}"
+            )
+        return unmet
 
     def to_markdown(self) -> str:
         """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), the T
@@ -315,8 +328,9 @@ class BiasCalibration:
             f"Per-token bias + T: T = {self.correction.temperature:.3f} ({bands}), "
             f"{penalties_text(self.path.chosen)}"
             f"; {'recommended' if self.recommended else 'not recommended'} (it needs, on the "
-            f"gate half, a gain over T = 1 above 2 s.e.{self._over_rule_text()}). It changes "
-            "greedy output and logprobs.",
+            f"gate half, a gain over T = 1 above 2 s.e.{self._over_rule_text()})"
+            + "".join(f"; not met: {condition}" for condition in self.unmet_conditions())
+            + ". It changes greedy output and logprobs.",
             "",
             "| split | positions | KL(T=1) | KL(bias + T) | gain ± s.e. | share removed "
             "| KL(oracle T) | same top T=1 → bias |",

@@ -379,6 +379,11 @@ def test_a_bias_behind_the_recommended_rule_does_not_replace_it() -> None:
     assert bias is not None
     assert result.bias is not None
     assert "not recommended" in result.bias.to_markdown()
+    # the gain over T = 1 is met; the markdown names the condition that is not
+    assert result.bias.unmet_conditions() == ["it is more than 2 s.e. behind the rule at T_r = 1"]
+    assert "not met: it is more than 2 s.e. behind the rule at T_r = 1." in (
+        result.bias.to_markdown()
+    )
     assert "`calibrated` rule it would replace" in result.bias.to_markdown()
     assert profile.recommended_rule is Rule.CALIBRATED
     assert is_significant(bias.validation.gain, bias.validation.gain_stderr)

@@ -34,6 +34,7 @@ from noisy_temp_server.estimation.significance import (
 )
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 from noisy_temp_server.temperature.bias import (
+    BandedBias,
     BiasFit,
     BiasPath,
     LogitBias,
@@ -192,12 +193,15 @@ def bias_quality(
     )
     ones = torch.ones(len(rows), dtype=torch.float64)
     over_rule, over_rule_at = None, None
-    for request_temperature, temperatures in (rule_temperatures or {}).items():
-        served = LogitBias(
-            correction.bias,
-            (band_temperatures or {}).get(request_temperature, correction.temperature),
+    rule_temperatures = rule_temperatures or {}
+    served = BandedBias(
+        correction,
+        band_temperatures or dict.fromkeys(rule_temperatures, correction.temperature),
+    )
+    for request_temperature, temperatures in rule_temperatures.items():
+        gain = _gain_over_rule(
+            rows, served.at(request_temperature), request_temperature, temperatures
         )
-        gain = _gain_over_rule(rows, served, request_temperature, temperatures)
         if over_rule is None or _margin(gain) < _margin(over_rule):
             over_rule, over_rule_at = gain, request_temperature
     return BiasQuality(
@@ -217,12 +221,10 @@ def _gain_over_rule(
     rows: PairedRows, correction: LogitBias, request_temperature: float, temperatures: Tensor
 ) -> tuple[float, float]:
     """Mean paired gain KL(rule) - KL(correction) at `request_temperature` and its standard
-    error clustered by sequence, the rule serving `temperatures` [N]."""
+    error clustered by sequence, the rule serving `temperatures` [N] and `correction` being
+    that of the rows taken there (`BandedBias.at`)."""
     at_t_r = at_request_temperature(rows, request_temperature)
-    if len(at_t_r) != len(rows):
-        raise ValueError(f"{len(rows) - len(at_t_r)} rows lost at T_r = {request_temperature}")
-    scaled = LogitBias(correction.bias / request_temperature, correction.temperature)
-    kl_correction = evaluate_bias(at_t_r, scaled).kl.double().cpu()
+    kl_correction = evaluate_bias(at_t_r, correction).kl.double().cpu()
     gain = kl_at_temperatures(at_t_r, temperatures) - kl_correction
     return float(gain.mean()), cluster_stderr(gain, rows.sequence_id.cpu())
 
@@ -255,7 +257,9 @@ def kl_at_temperatures(rows: PairedRows, temperatures: Tensor) -> Tensor:
     (> 0) -> float64 [N] on the CPU (clean log-probabilities are valid clean logits)."""
     kls = []
     for chunk in rows.chunks():
-        terms = KLTerms.from_logits(rows.clean_prob[chunk].log(), rows.served_shifted[chunk])
+        terms = KLTerms.from_clean_prob(
+            rows.clean_prob[chunk], rows.neg_entropy[chunk], rows.served_shifted[chunk]
+        )
         u = temperatures[chunk].to(rows.served_shifted.device).reciprocal()
         kls.append(terms.kl(u).double().cpu())
     return torch.cat(kls) if kls else torch.zeros(0, dtype=torch.float64)

@@ -180,7 +180,8 @@ class OnlineBias:
                 continue
             at_t_r = at_request_temperature(rows, request_temperature)
             proposed_kl = evaluate_bias(at_t_r, proposed.at(request_temperature)).kl
-            for reference in (self.published, self._calibrated):
+            references = {id(r): r for r in (self.published, self._calibrated)}  # once each
+            for reference in references.values():
                 band_gain = evaluate_bias(at_t_r, reference.at(request_temperature)).kl
                 band_gain -= proposed_kl
                 if not is_not_worse(float(band_gain.mean()), cluster_stderr(band_gain, ids)):

@@ -9,7 +9,7 @@ vocabulary; the cost does not depend on their values. Per configuration: `--repe
 updates after one warm-up, min / median / max milliseconds. Saved as JSON under
 benchmarks/results/.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/streaming_bias_cost.py [--vocab 49152] [--rows 32]
+    .venv/bin/python benchmarks/streaming_bias_cost.py [--vocab 49152] [--rows 32]
         [--bands 0.5,0.7,1.2] [--repeats 10] [--threads 1]
 """
 

@@ -68,7 +68,8 @@ from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import BandedBias, PairedRows, at_request_temperature
+from noisy_temp_server.temperature.bias import PairedRows
+from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"

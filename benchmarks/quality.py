@@ -81,7 +81,7 @@ from noisy_temp_server.pairs.perturb import (
 )
 from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import BandedBias, at_request_temperature
+from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.temperature.rules import Rule
 
 FAMILIES: dict[str, PerturbationSpec] = {

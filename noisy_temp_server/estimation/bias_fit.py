@@ -34,13 +34,10 @@ from noisy_temp_server.estimation.significance import (
 )
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
 from noisy_temp_server.temperature.bias import (
-    BandedBias,
     BiasFit,
     BiasPath,
     LogitBias,
     PairedRows,
-    at_request_temperature,
-    best_temperature,
     evaluate_bias,
     fit_bias_at_penalty,
     fit_logit_bias,
@@ -48,6 +45,11 @@ from noisy_temp_server.temperature.bias import (
 from noisy_temp_server.temperature.bias_files import bias_sha256
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.request_bands import (
+    BandedBias,
+    at_request_temperature,
+    best_temperature,
+)
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms
 

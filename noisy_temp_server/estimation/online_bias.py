@@ -31,14 +31,9 @@ from noisy_temp_server.estimation.significance import (
     is_not_worse,
     is_significant,
 )
-from noisy_temp_server.temperature.bias import (
-    BandedBias,
-    LogitBias,
-    PairedRows,
-    at_request_temperature,
-    evaluate_bias,
-)
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
+from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.streaming_bias import StreamingBias
 

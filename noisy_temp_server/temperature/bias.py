@@ -36,26 +36,23 @@ probabilities and three scalars, all on the rows' device; the heavy loops run ov
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.oracle import inverse_bounds, minimise_convex
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [
     "DEFAULT_PENALTIES",
-    "BandedBias",
+    "MASKED_FLOOR",
     "BiasEvaluation",
     "BiasFit",
     "BiasPath",
     "LogitBias",
     "PairedRows",
-    "at_request_temperature",
-    "best_temperature",
     "diagonal_curvature",
     "evaluate_bias",
     "fit_bias_at_penalty",
@@ -66,7 +63,7 @@ __all__ = [
 DEFAULT_PENALTIES: tuple[float, ...] = tuple(10.0 ** (-k / 2) for k in range(2, 15))
 """The penalty path, descending: 1e-1, 3.2e-2, ..., 1e-7."""
 
-_MASKED_FLOOR = -1.0e4  # a served logit masked to -inf becomes this (exp underflows to 0)
+MASKED_FLOOR = -1.0e4  # a served logit masked to -inf becomes this (exp underflows to 0)
 CHUNK_ELEMENTS = 1 << 22  # rows per chunk * vocab for the [rows, V] temporaries
 
 
@@ -98,7 +95,7 @@ class PairedRows:
         prob = torch.softmax(clean.float(), dim=-1)
         ids = torch.as_tensor(sequence_id, dtype=torch.int64).expand(clean.shape[0])
         return cls(
-            served_shifted=terms.served_shifted[keep].clamp(min=_MASKED_FLOOR),
+            served_shifted=terms.served_shifted[keep].clamp(min=MASKED_FLOOR),
             clean_prob=prob[keep],
             neg_entropy=terms.neg_entropy_clean[keep].double(),
             served_mean=terms.served_mean_under_clean[keep].double(),
@@ -149,24 +146,6 @@ class LogitBias:
     def apply(self, served: Tensor) -> Tensor:
         """`[B, V]` served logits -> the corrected logits (z~ + b) / T (a new tensor)."""
         return (served + self.bias.to(served)) / self.temperature
-
-
-@dataclass(frozen=True)
-class BandedBias:
-    """A bias served with a T of its own at each request temperature T_r: `correction` (its T
-    is the one at T_r = 1) and `band_temperatures` {T_r: T}, T_r = 1 among them."""
-
-    correction: LogitBias
-    band_temperatures: Mapping[float, float]
-
-    def at(self, request_temperature: float) -> LogitBias:
-        """Its correction of rows taken to `request_temperature` (`at_request_temperature`):
-        softmax((z~ + b) / (T_r T)) = softmax((z~ / T_r + b / T_r) / T), T the band's
-        (KeyError for a request temperature it has no band at)."""
-        return LogitBias(
-            self.correction.bias / request_temperature,
-            self.band_temperatures[request_temperature],
-        )
 
 
 @dataclass(frozen=True)
@@ -431,64 +410,6 @@ def evaluate_bias(rows: PairedRows, correction: LogitBias) -> BiasEvaluation:
         kl = rows.neg_entropy[chunk] - u * rows.served_mean[chunk] - linear.double() + lse
         kls.append(kl.clamp(min=0.0))
     return BiasEvaluation(kl=torch.cat(kls), same_top=torch.cat(tops))
-
-
-def at_request_temperature(rows: PairedRows, request_temperature: float) -> PairedRows:
-    """`rows` as a request at temperature T_r sees them: clean softmax(z/T_r) (= p^(1/T_r),
-    normalised), served z~/T_r; exact, row for row (`rows` itself at T_r = 1)."""
-    if request_temperature == 1.0:
-        return rows
-    parts = []
-    for chunk in rows.chunks():
-        log_prob = torch.log_softmax(rows.clean_prob[chunk].log() / request_temperature, dim=-1)
-        prob = log_prob.exp()
-        masked = rows.served_shifted[chunk] <= _MASKED_FLOOR  # stay at the floor, masked
-        served = (rows.served_shifted[chunk] / request_temperature).masked_fill_(
-            masked, _MASKED_FLOOR
-        )
-        parts.append(
-            PairedRows(
-                served_shifted=served,
-                clean_prob=prob,
-                neg_entropy=torch.einsum("bv,bv->b", prob, log_prob.clamp(min=-1e30)).double(),
-                served_mean=torch.einsum("bv,bv->b", prob, served).double(),
-                clean_top=rows.clean_top[chunk],  # a temperature keeps the top token
-                sequence_id=rows.sequence_id[chunk],
-            )
-        )
-    return PairedRows.concat(parts)
-
-
-def _mean_kl_terms(rows: PairedRows, shift: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Mean over `rows` of KL(p || softmax(u (z~ + shift))) and its first and second
-    derivatives in u (`KLTerms`): float64 [1] each, for `u` [1]."""
-    sums = torch.zeros(3, dtype=torch.float64, device=u.device)
-    shift = shift.to(rows.served_shifted)
-    for chunk in rows.chunks():
-        terms = KLTerms.from_clean_prob(
-            rows.clean_prob[chunk], rows.neg_entropy[chunk], rows.served_shifted[chunk] + shift
-        )
-        values = terms.kl_with_derivatives(u.expand(terms.neg_entropy_clean.shape[0]))
-        sums += torch.stack([value.double().sum() for value in values])
-    mean = sums / len(rows)
-    return mean[0:1], mean[1:2], mean[2:3]
-
-
-@torch.no_grad()
-def best_temperature(
-    rows: PairedRows, bias: Tensor, bounds: TemperatureBounds | None = None
-) -> float:
-    """The one T in `bounds` (default `TemperatureBounds()`) minimising the mean over `rows`
-    of KL(p || softmax((z~ + bias) / T)), the bias held fixed: the mean of functions convex in
-    u = 1/T (`_mean_kl_terms`), solved by `minimise_convex`."""
-    if not len(rows):
-        raise ValueError("cannot fit a temperature on zero rows")
-    like = torch.zeros(1, dtype=torch.float64, device=rows.served_shifted.device)
-    u, _ = minimise_convex(
-        lambda u: _mean_kl_terms(rows, bias, u),
-        *inverse_bounds(bounds or TemperatureBounds(), like),
-    )
-    return 1.0 / float(u)
 
 
 def _validation_kl(rows: PairedRows, correction: LogitBias) -> float:

@@ -11,13 +11,13 @@ from torch import Tensor
 
 from noisy_temp_server.temperature.bias import (
     CHUNK_ELEMENTS,
-    BandedBias,
     LogitBias,
     PairedRows,
     diagonal_curvature,
     kl_objective,
 )
 from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
+from noisy_temp_server.temperature.request_bands import BandedBias
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["StreamingBias"]
@@ -51,7 +51,7 @@ class StreamingBias:
     With `band_temperatures` (the start's T at request temperatures T_r other than 1, the bias
     served in bands: `BandedBias`), each band's u_r = 1/T_r-band takes the same weighted Newton
     step after (T, b)'s, on the batch taken to T_r with the new b held fixed (the objective of
-    `temperature.bias.best_temperature`; its curvature a running mean like h), so the bands
+    `temperature.request_bands.best_temperature`; its curvature a running mean like h), so the bands
     follow the bias on the same rows.
     """
 

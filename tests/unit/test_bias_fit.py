@@ -33,19 +33,14 @@ from noisy_temp_server.estimation.significance import (
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation, output_head
 from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
-from noisy_temp_server.temperature.bias import (
-    LogitBias,
-    PairedRows,
-    at_request_temperature,
-    evaluate_bias,
-    fit_logit_bias,
-)
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias, fit_logit_bias
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,
     bias_sha256,
     load_bias_file,
     save_bias_file,
 )
+from noisy_temp_server.temperature.request_bands import at_request_temperature
 from noisy_temp_server.temperature.rules import Rule
 
 

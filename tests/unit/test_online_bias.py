@@ -21,11 +21,8 @@ from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
 from noisy_temp_server.temperature import bias_files
 from noisy_temp_server.temperature.bias import (
-    BandedBias,
     LogitBias,
     PairedRows,
-    at_request_temperature,
-    best_temperature,
     evaluate_bias,
     fit_bias_at_penalty,
 )
@@ -35,6 +32,11 @@ from noisy_temp_server.temperature.bias_files import (
     find_bias_file,
     load_bias_file,
     save_bias_file,
+)
+from noisy_temp_server.temperature.request_bands import (
+    BandedBias,
+    at_request_temperature,
+    best_temperature,
 )
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.streaming_bias import StreamingBias

@@ -162,7 +162,13 @@ def main() -> int:
     (args.out / "bias_data_scaling.md").write_text(text)
     (args.out / "bias_data_scaling.json").write_text(
         json.dumps(
-            {"family": args.family, "served": pair.served.describe(), "steps": steps}, indent=2
+            {
+                "family": args.family,
+                "served": pair.served.describe(),
+                "steps": steps,
+                "same_rows_every_prompt": control,
+            },
+            indent=2,
         )
     )
     print(text)

@@ -27,16 +27,18 @@ class StreamingBias:
     """Refines a correction (T, b) from a stream of row batches with O(V) state: per batch,
     one diagonally preconditioned stochastic Newton step on the objective of
     `temperature.bias.fit_bias_at_penalty` with the penalties on the change of c from the start
-    (whatever the start's fit penalised is kept, not shrunk),
+    (so what the start learnt is refined, not shrunk towards 0),
 
         F(u, c) = mean_i KL_i(u, c) + (a * penalty / 2) * |r|^2 [+ (a * head_penalty / 2) * |g|^2],
         c = c_start + W g + r,    x = (u, c) = (1/T, b/T),
         x <- x - w * dF/dx / h,    w = rows / min(prior_rows + seen, memory_rows),
-        a = prior_rows / min(prior_rows + seen, memory_rows)   (a = 1 without prior rows),
+        a = min(prior_rows, memory_rows) / min(prior_rows + seen, memory_rows)   (1 without
+        prior rows),
 
-    where h is the mean over the rows seen of the Hessian's diagonal at p (Var_p(s) for u, mean
-    p + penalty for c; `temperature.bias.diagonal_curvature`) and `seen` counts the rows so far,
-    this batch's included. The step shrinks as 1/seen, so x tends to the optimum over all rows
+    where h is the mean over the rows seen of the KL's Hessian diagonal at p (Var_p(s) for u,
+    mean p for c; `temperature.bias.diagonal_curvature`) plus a * penalty for c, and `seen`
+    counts the rows so far, this batch's included. The step shrinks as 1/seen, so x tends to
+    the optimum over all rows
     seen and the start's `prior_rows` (the rows it was fitted on), as a batch fit would: a
     constant step instead follows each small batch's noise, and on rows as peaked as a language
     model's (a token carries mass in one batch and none in the next) it walks off, far worse
@@ -46,9 +48,11 @@ class StreamingBias:
     The penalties are the start's, chosen on validation for its `prior_rows`; they weigh as
     those rows do among all the rows seen (`a`), as the start's prior would in a batch fit of
     every row (the mean objective's penalty falls as 1/rows), so the anchor to the start
-    weakens as traffic outnumbers the rows it was fitted on. Held at full strength, it kept
-    the fit near the start's penalty however many rows came (int4 in-domain: the held-out
-    share of KL removed levelled off after about 6 000 rows).
+    weakens as traffic outnumbers the rows it was fitted on (held at full strength, it kept the
+    fit at the start's penalty however many rows came: one possible reason the int4 in-domain
+    gain levelled off after about 6 000 rows, not yet measured). Since the 1/seen steps average
+    targets whose penalty fell as they came, x lags the optimum at the current `a`. A row is
+    counted as one, though rows of similar prompts carry less than rows of new ones.
 
     With a `basis` W [V, d] (the clean output head) and a `head_penalty`, each batch first takes
     a step in W's span (`_HeadSpanSteps`: d numbers learnt from every token's gradient, where
@@ -113,12 +117,12 @@ class StreamingBias:
             _, _, grad_c = kl_objective(rows, self._x[0], self._x[1:])
             self._x[1:] += self._head.step(rows, grad_c, (in_mean, weight), self.rows_seen, anchor)
             residual_anchor = self._anchor + self._head.shift
-        curvature = diagonal_curvature(rows)
+        self._curvature.mul_(1 - in_mean).add_(diagonal_curvature(rows), alpha=in_mean)
+        curvature = self._curvature.clone()
         curvature[1:] += anchor * self.penalty
-        self._curvature.mul_(1 - in_mean).add_(curvature, alpha=in_mean)
         _, grad_u, grad_c = kl_objective(rows, self._x[0], self._x[1:])
         grad_c += anchor * self.penalty * (self._x[1:] - residual_anchor)
-        step = torch.cat([grad_u.reshape(1), grad_c]) / self._curvature.clamp(min=1e-12)
+        step = torch.cat([grad_u.reshape(1), grad_c]) / curvature.clamp(min=1e-12)
         self._x.sub_(step * weight)
         self._x[0].clamp_(1.0 / self.bounds.t_max, 1.0 / self.bounds.t_min)
         self._step_bands(rows, in_mean, weight)
@@ -153,10 +157,11 @@ class StreamingBias:
     @property
     def anchor_share(self) -> float:
         """The share `a` of the start's penalties in force now: its rows' share of all the
-        rows seen (within the memory), 1 without prior rows."""
+        rows seen (within the memory; never above 1), 1 without prior rows."""
         if not self.prior_rows:
             return 1.0
-        return self.prior_rows / min(self.prior_rows + self.rows_seen, self.memory_rows)
+        remembered = min(self.prior_rows + self.rows_seen, self.memory_rows)
+        return min(self.prior_rows, self.memory_rows) / remembered
 
     @property
     def steps_in_head_span(self) -> bool:

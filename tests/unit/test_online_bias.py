@@ -184,6 +184,22 @@ def test_the_anchor_to_the_start_weakens_as_the_rows_seen_outnumber_its_own() ->
     assert full_strength - _mean_kl(held_out, stream.correction) > 0.5 * (full_strength - weakened)
 
 
+def test_the_anchor_never_weighs_more_than_the_start_s_own_penalty() -> None:
+    """A start fitted on more rows than the memory holds: its rows fill the memory, a = 1,
+    until traffic displaces them; without prior rows the penalty stays whole."""
+    long_memory = StreamingBias(LogitBias.identity(VOCAB), PENALTY, prior_rows=96, memory_rows=48)
+    long_memory.update(_rows(0))
+    assert long_memory.anchor_share == 1.0
+    no_prior = StreamingBias(LogitBias.identity(VOCAB), PENALTY)
+    no_prior.update(_rows(0))
+    assert no_prior.anchor_share == 1.0
+    seen = StreamingBias(LogitBias.identity(VOCAB), PENALTY, prior_rows=24, memory_rows=60)
+    seen.update(_rows(0))
+    assert seen.anchor_share == pytest.approx(0.5)
+    seen.update(_rows(1))
+    assert seen.anchor_share == pytest.approx(24 / 60)
+
+
 def test_the_streaming_temperature_stays_in_its_bounds() -> None:
     start = LogitBias(bias=torch.zeros(VOCAB), temperature=3.9)
     stream = StreamingBias(start, PENALTY)

@@ -29,34 +29,22 @@ import time
 from pathlib import Path
 
 import torch
+from bias_quality import scored_completions
 from quality import FAMILIES
 
-from noisy_temp_server.estimation.bias_fit import ScoredSet, bias_quality, score_with_rows
-from noisy_temp_server.estimation.calibration import sample_completions
+from noisy_temp_server.estimation.bias_fit import bias_quality
 from noisy_temp_server.estimation.profile import CalibrationSettings
-from noisy_temp_server.estimation.prompts import Prompt, load_prompts
+from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.significance import split_fit_validation_test
 from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.pairs.loading import load_pair
+from noisy_temp_server.pairs.scorer import PairScorer
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import BiasFit, PairedRows, fit_bias_at_penalty
 
 HERE = Path(__file__).resolve().parent
 EXTRA_PROMPTS = HERE / "data" / "prompts_shipped_style.jsonl"
 RESULTS = HERE / "results"
-
-
-def _scored(
-    scorer: PairScorer, pair: LoadedPair, prompts: list[Prompt], max_new_tokens: int, first_id: int
-) -> ScoredSet:
-    """Every position's row of one completion (seed 0) per prompt; prompt i is sequence
-    `first_id + i`."""
-    sequences = [
-        ScoringSequence(s.token_ids, s.prompt_length, first_id + s.sequence_id)
-        for s in sample_completions(pair, prompts, max_new_tokens=max_new_tokens, seed=0)
-    ]
-    return score_with_rows(scorer, sequences)
 
 
 def _fit(
@@ -108,8 +96,9 @@ def main() -> int:
     parser.add_argument("--family", choices=list(FAMILIES), default="int4")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--extra-steps", type=int, nargs="+", default=[0, 79, 158])
-    parser.add_argument("--head-penalty", type=float, default=1e-3)
-    parser.add_argument("--penalty", type=float, default=3.2e-4)
+    fixed = "default: what int4's calibration chose in bias_quality.py; give a family's own"
+    parser.add_argument("--head-penalty", type=float, default=1e-3, help=fixed)
+    parser.add_argument("--penalty", type=float, default=3.2e-4, help=fixed)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args()
@@ -121,8 +110,18 @@ def main() -> int:
     shipped_prompts, extra_prompts = load_prompts(), load_prompts(EXTRA_PROMPTS)
     if max(args.extra_steps) > len(extra_prompts):
         parser.error(f"--extra-steps: at most {len(extra_prompts)} extra prompts")
-    shipped = _scored(scorer, pair, shipped_prompts, args.max_new_tokens, 0).rows
-    extra = _scored(scorer, pair, extra_prompts, args.max_new_tokens, len(shipped_prompts)).rows
+    shipped, extra = (
+        scored_completions(
+            scorer,
+            pair,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            max_rows=None,
+            samples=1,
+            first_id=first_id,
+        ).rows
+        for prompts, first_id in ((shipped_prompts, 0), (extra_prompts, len(shipped_prompts)))
+    )
     settings = CalibrationSettings(  # the split of bias_quality.py's in-domain figures
         prompts=len(shipped_prompts), validation_fraction=0.2, test_fraction=0.3
     )

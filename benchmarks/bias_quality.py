@@ -76,25 +76,27 @@ CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
 RESULTS = HERE / "results"
 
 
-def _scored(
+def scored_completions(
     scorer: PairScorer,
     pair: LoadedPair,
     prompts: list,
-    args: argparse.Namespace,
     *,
+    max_new_tokens: int,
+    max_rows: int | None,
     samples: int,
     first_id: int,
     request_temperatures: tuple[float, ...] = (1.0,),
 ) -> ScoredSet:
-    """Records (at each of `request_temperatures`) and rows of `samples` completions (seeds 0,
-    1, ...) per prompt; the completions of prompt i share the sequence id `first_id + i`."""
+    """Records (at each of `request_temperatures`) and rows (at most `max_rows`, None: all) of
+    `samples` completions (seeds 0, 1, ...) per prompt; the completions of prompt i share the
+    sequence id `first_id + i`."""
     sequences = [
         ScoringSequence(s.token_ids, s.prompt_length, first_id + s.sequence_id)
         for seed in range(samples)
-        for s in sample_completions(pair, prompts, max_new_tokens=args.max_new_tokens, seed=seed)
+        for s in sample_completions(pair, prompts, max_new_tokens=max_new_tokens, seed=seed)
     ]
     return score_with_rows(
-        scorer, sequences, request_temperatures=request_temperatures, max_rows=args.max_rows
+        scorer, sequences, request_temperatures=request_temperatures, max_rows=max_rows
     )
 
 
@@ -211,16 +213,25 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     domain_b = load_prompts(CROSS_PROMPTS)[: args.cross_prompts]
     scorer = PairScorer(pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise)
     request_temperatures = tuple(sorted({1.0, *args.request_temperatures}))
-    scored_a = _scored(
+    scored_a = scored_completions(
         scorer,
         pair,
         domain_a,
-        args,
+        max_new_tokens=args.max_new_tokens,
+        max_rows=args.max_rows,
         samples=args.samples,
         first_id=0,
         request_temperatures=request_temperatures,
     )
-    scored_b = _scored(scorer, pair, domain_b, args, samples=1, first_id=len(domain_a))
+    scored_b = scored_completions(
+        scorer,
+        pair,
+        domain_b,
+        max_new_tokens=args.max_new_tokens,
+        max_rows=args.max_rows,
+        samples=1,
+        first_id=len(domain_a),
+    )
     settings = CalibrationSettings(
         prompts=len(domain_a),
         max_new_tokens=args.max_new_tokens,

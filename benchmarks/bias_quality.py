@@ -147,6 +147,7 @@ def _streamed(
     lines = [
         f"**online refinement on in-domain traffic** ({len(prompts)} non-test shipped prompts "
         f"per round, at most {per_request} rows per request, every 4th request held out; "
+        f"the calibrated fit's {online.fit.prior_rows} rows counted as seen; "
         f"steps in the head's span: {in_span}), measured on the {len(test_ids)} in-domain test "
         "prompts:",
         "",

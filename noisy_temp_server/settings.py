@@ -201,6 +201,13 @@ class Settings(BaseSettings):
         "served per-token bias online (evenly spaced; 8 bytes per vocabulary entry each, "
         "while the request is scored). Used only when the policy serves a bias.",
     )
+    shadow_bias_keep_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Seconds a superseded online bias file is kept after its successor was "
+        "published (beyond the 4 most recent): longer than any request waits in the engine's "
+        "queue, which loads its policy's bias when it admits the request.",
+    )
     shadow_window_positions: int = Field(
         default=50_000,
         ge=1,

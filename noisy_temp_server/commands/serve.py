@@ -397,6 +397,7 @@ def _shadow(
         window_positions=settings.shadow_window_positions,
         bias_dirs=bias_directories(),
         online_bias_dir=online_bias_dir,
+        kept_bias_seconds=settings.shadow_bias_keep_s,
         head_basis=scorer.clean_head(),
     )
     shadow = ShadowScorer(

@@ -89,6 +89,7 @@ class OnlineBias:
         self._holdout: deque[PairedRows] = deque()
         self._held_ids: Counter[int] = Counter()  # read by `status` without the fit's lock
         self._held_rows = 0
+        self._change_from_calibrated = 0.0  # read by `status` without the fit's lock
         self.requests = 0
 
     @classmethod
@@ -144,6 +145,7 @@ class OnlineBias:
         self.requests += 1
         if int(rows.sequence_id[0]) % self._holdout_every:
             self.fit.update(rows)
+            self._change_from_calibrated = self._largest_change_from_calibrated()
             return
         self._holdout.append(rows)
         self._held_ids[int(rows.sequence_id[0])] += 1
@@ -183,17 +185,30 @@ class OnlineBias:
                     return None
         return proposed
 
+    def _largest_change_from_calibrated(self) -> float:
+        """max_v |b_v - b_calibrated,v| of the streaming fit, both centred (softmax ignores a
+        constant), in logits."""
+        current = self.fit.correction.bias
+        change = current - self._calibrated.correction.bias.to(current.device)
+        return float((change - change.mean()).abs().max())
+
     def _held_requests(self) -> int:
         """The distinct requests in the reservoir."""
         return len(self._held_ids)
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, int | float]:
         """Choices seen (`requests`), rows the fit stepped on, whether it steps in the output
-        head's span (1) or per token only (0), held-out requests and rows."""
+        head's span (1) or per token only (0), held-out requests and rows; the share of the
+        calibrated start's penalty in force (`StreamingBias.anchor_share`) and how far the fit
+        has moved from the calibrated bias (`max_change_from_calibrated`, the largest change of
+        one token's bias, in logits, as of the last step): a fit that stays at 0 while rows
+        come, or one the gate never publishes, is visible here."""
         return {
             "requests": self.requests,
             "rows_fitted": self.fit.rows_seen,
             "head_span": int(self.fit.steps_in_head_span),
             "holdout_requests": self._held_requests(),
             "holdout_rows": self._held_rows,
+            "anchor_share": self.fit.anchor_share,
+            "max_change_from_calibrated": self._change_from_calibrated,
         }

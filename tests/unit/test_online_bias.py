@@ -229,6 +229,7 @@ def test_a_streamed_band_tends_to_the_best_t_at_its_request_temperature() -> Non
 
 def test_a_candidate_needs_significance_on_held_out_requests() -> None:
     online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2, holdout_rows=240)
+    assert online.status()["max_change_from_calibrated"] == 0.0
     for request in range(6):  # 3 held out: fewer than min_holdout_requests
         online.add(_rows(request))
     assert online.candidate() is None
@@ -238,6 +239,13 @@ def test_a_candidate_needs_significance_on_held_out_requests() -> None:
     assert status["holdout_rows"] <= 240 + 24  # bounded: whole requests, the most recent
     assert status["holdout_requests"] == status["holdout_rows"] // 24
     assert status["rows_fitted"] == 20 * 24
+    assert status["anchor_share"] == 1.0  # no prior rows: the penalty stays whole
+    current = online.fit.correction.bias
+    assert status["max_change_from_calibrated"] == pytest.approx(
+        float((current - current.mean()).abs().max())  # the start is all zeros
+    )
+    largest_shift = float((SHIFT - SHIFT.mean()).abs().max())
+    assert status["max_change_from_calibrated"] > 0.5 * largest_shift  # the shift is learned
     candidate = online.candidate()
     assert candidate is not None
     online.published = candidate

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor
 
 from noisy_temp_server.estimation.scoreboard import PositionScores, scores_as_served
@@ -254,9 +254,10 @@ class PositionRecords:
         return PositionRecords(**columns, curve_temperatures=self.curve_temperatures)
 
     def save(self, path: Path) -> None:
-        """Write all columns to a safetensors file."""
+        """Write all columns to a safetensors file (with the umask's permissions; safetensors'
+        `save_file` would make it 0600)."""
         columns = {n: getattr(self, n).contiguous() for n in self._row_fields()}
-        save_file({**columns, "curve_temperatures": self.curve_temperatures}, str(path))
+        Path(path).write_bytes(save({**columns, "curve_temperatures": self.curve_temperatures}))
 
     @classmethod
     def load(cls, path: Path) -> PositionRecords:

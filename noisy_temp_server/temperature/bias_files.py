@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor
 
 __all__ = [
@@ -54,16 +53,16 @@ def save_bias_file(folder: Path, bias: Tensor) -> Path:
     `folder` must exist (a late write after its owner removed it must fail, not create it
     again); any failure to write (no folder, a read-only or full disk) is an OSError. Atomic:
     written to a temporary file in `folder`, then renamed over the path, so a reader never sees
-    a partial file and a failed write leaves none behind."""
+    a partial file and a failed write leaves none behind. The file has the umask's permissions,
+    like any file Python creates (safetensors' own `save_file` makes it 0600, which a server
+    running as another user, as the Docker image does, could not read)."""
     folder = Path(folder)
     path = folder / bias_file_name(bias_sha256(bias))
-    # one staging name per writing thread; created with the umask's permissions, like the path
+    data = save({"bias": bias.detach().to("cpu", torch.float32).contiguous()})
+    # one staging name per writing thread
     staging = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        try:
-            save_file({"bias": bias.detach().to("cpu", torch.float32).contiguous()}, str(staging))
-        except SafetensorError as error:  # its I/O errors (no folder, a full disk) are no OSError
-            raise OSError(f"cannot write {staging}: {error}") from error
+        staging.write_bytes(data)
         os.replace(staging, path)
     except BaseException:
         with contextlib.suppress(OSError):

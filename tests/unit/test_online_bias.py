@@ -4,7 +4,9 @@ by the online estimator in versioned policies."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,6 @@ from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.pairs.scorer import PositionRecords
-from noisy_temp_server.temperature import bias_files
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,
@@ -588,11 +589,12 @@ def test_a_bias_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.M
     corrupt bias); one that succeeds leaves only the bias file."""
     vector = torch.randn(VOCAB)
 
-    def fails_half_way(tensors: dict[str, torch.Tensor], filename: str) -> None:
-        Path(filename).write_bytes(b"partial")
+    def fails_half_way(staging: Path, data: bytes) -> None:
+        with open(staging, "wb") as file:
+            file.write(data[:100])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bias_files, "save_file", fails_half_way)
+    monkeypatch.setattr(Path, "write_bytes", fails_half_way)
     with pytest.raises(OSError, match="No space left"):
         save_bias_file(tmp_path, vector)
     assert list(tmp_path.iterdir()) == []
@@ -600,6 +602,21 @@ def test_a_bias_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.M
     written = save_bias_file(tmp_path, vector)
     assert list(tmp_path.iterdir()) == [written]
     assert torch.equal(load_bias_file(tmp_path, bias_sha256(vector)), vector)
+
+
+def test_a_bias_file_is_readable_as_any_file_the_process_creates(tmp_path: Path) -> None:
+    """The umask's permissions (safetensors' `save_file` made it 0600: a calibrated bias in a
+    folder mounted into the Docker image, whose user is not the file's owner, was unreadable)."""
+    reference = tmp_path / "reference"
+    reference.write_bytes(b"")
+    written = save_bias_file(tmp_path, torch.randn(VOCAB))
+    assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(reference.stat().st_mode)
+    old_umask = os.umask(0o022)
+    try:
+        written = save_bias_file(tmp_path, torch.randn(VOCAB))
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(written.stat().st_mode) == 0o644
 
 
 def test_a_bias_is_never_written_to_a_folder_that_is_gone(tmp_path: Path) -> None:

@@ -81,11 +81,13 @@ def test_a_profile_recommending_off_learns_with_its_calibrated_table() -> None:
 
 
 def test_a_banded_profile_recommending_off_starts_at_one_and_learns_online() -> None:
-    """The shipped default-pair profile, recommending `off`: its table has request-temperature
-    bands, which the online refit cannot refit, so the server starts on an all-ones one-band
-    table (T = 1, as the profile recommends) that the refit may move. (It served the banded
-    table, pinned for good.)"""
-    profile = Profile.load(DEFAULT_PAIR_PROFILE).model_copy(update={"recommended_rule": Rule.OFF})
+    """The shipped default-pair profile without its bias, recommending `off`: its table has
+    request-temperature bands, which the online refit cannot refit, so the server starts on an
+    all-ones one-band table (T = 1, as the profile recommends) that the refit may move. (It
+    served the banded table, pinned for good.)"""
+    profile = Profile.load(DEFAULT_PAIR_PROFILE).model_copy(
+        update={"recommended_rule": Rule.OFF, "bias": None}
+    )
     assert len(profile.to_policy(Rule.CALIBRATED).calibrated.request_temperature_edges) > 1
     estimator = OnlineEstimator(profile, min_positions=400, refit_every=400)
     policy = estimator.current_policy()

@@ -37,7 +37,7 @@ from noisy_temp_server.pairs.perturb import (
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import bias_sha256, load_bias_file, save_bias_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
@@ -274,6 +274,17 @@ def test_the_shipped_default_pair_profile_tunes_every_request_temperature() -> N
     assert profile.test_quality.row(profile.recommended_rule.value).gain > 0
     table = profile.to_policy(Rule.CALIBRATED).calibrated
     assert len(table.temperatures) == len(profile.settings.request_temperatures) == 4
+
+
+def test_the_shipped_default_pair_profile_ships_the_bias_it_recommends() -> None:
+    """Its bias file lies beside it (the folder serve makes a bias directory), holds the vector
+    it names, one entry per token of the embedded model, and beat T = 1 on test prompts."""
+    profile = Profile.load(DEFAULT_PAIR_PROFILE)
+    assert profile.bias is not None and profile.bias.recommended
+    assert profile.to_policy().bias == profile.bias.sha256
+    vector = load_bias_file(DEFAULT_PAIR_PROFILE.parent, profile.bias.sha256)
+    assert vector.numel() == profile.bias.vocab_size == 49152
+    assert profile.bias.test.gain > 2 * profile.bias.test.gain_stderr
 
 
 def test_a_bias_that_does_not_fit_the_served_vocabulary_is_refused_at_startup(

@@ -82,6 +82,8 @@ class OnlineBias:
         bands = {**(band_temperatures or {}), 1.0: published.temperature}
         self.published = BandedBias(published, dict(sorted(bands.items())))
         self._calibrated = self.published  # the bands never fall behind it, version by version
+        calibrated_bias = published.bias.detach()
+        self._calibrated_centred = calibrated_bias - calibrated_bias.mean()
         self._holdout_every = holdout_every
         self._holdout_rows = holdout_rows
         self._min_requests = min_holdout_requests
@@ -187,10 +189,9 @@ class OnlineBias:
 
     def _largest_change_from_calibrated(self) -> float:
         """max_v |b_v - b_calibrated,v| of the streaming fit, both centred (softmax ignores a
-        constant), in logits."""
-        current = self.fit.correction.bias
-        change = current - self._calibrated.correction.bias.to(current.device)
-        return float((change - change.mean()).abs().max())
+        constant), in logits (b is stored as u·b, so a step of T alone moves it too)."""
+        current = self.fit.correction.bias  # centred
+        return float((current - self._calibrated_centred.to(current)).abs().max())
 
     def _held_requests(self) -> int:
         """The distinct requests in the reservoir."""

@@ -148,15 +148,16 @@ def publish_bias_directories(
     """The folders the engine looks per-token bias files up in, in order, also set as
     `NTS_BIAS_DIR` (joined by `os.pathsep`, `vllm_plugin.logit_bias.bias_directories`) for the
     engine process and this one: `settings.bias_dir` when given; when the startup `policy` names
-    a bias, `profile_dir`, the folder the startup profile was loaded from (unless `bias_dir` is
-    given; None: no profile), and then
-    `environment.online_bias_dir`, where the online refinement publishes its biases (it starts
-    only from a policy that names one, so without one nothing is ever published). Empty, with
+    a bias, then `profile_dir`, the folder the startup profile was loaded from (None: no
+    profile; its own bias file lies there, so setting `bias_dir` for other biases cannot hide
+    it), and then `environment.online_bias_dir`, where the online refinement publishes its
+    biases (it starts only from a policy that names one, so without one nothing is ever
+    published). Empty, with
     `NTS_BIAS_DIR` removed, when no policy can name a bias: the V1 processor then stays
     argmax-invariant (skipped on greedy-only batches, after penalties)."""
     folders: list[Path] = [] if settings.bias_dir is None else [settings.bias_dir]
     if policy is not None and policy.bias is not None:
-        if settings.bias_dir is None and profile_dir is not None:
+        if profile_dir is not None and profile_dir not in folders:
             folders.append(profile_dir)
         folders.append(environment.online_bias_dir)
     if folders:

@@ -253,6 +253,13 @@ def test_a_candidate_needs_significance_on_held_out_requests() -> None:
     assert online.candidate() is None  # no better than itself
 
 
+def test_the_status_shows_the_anchor_weakening_as_rows_come() -> None:
+    online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, prior_rows=48, holdout_every=2)
+    for request in range(1, 6, 2):  # odd ids: three fitted requests of 24 rows
+        online.add(_rows(request))
+    assert online.status()["anchor_share"] == pytest.approx(48 / (48 + 72))
+
+
 def test_the_choices_of_a_request_are_held_out_together() -> None:
     """Three choices per request (one sequence id): whole requests are held out, those whose id
     is a multiple of `holdout_every`. (Every 3rd choice was held out: each request's third,

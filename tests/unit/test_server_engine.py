@@ -165,7 +165,8 @@ _ONLINE = "<online>"  # stands for the environment's online_bias_dir
     [
         ({"profile": "/profiles/int4.json"}, "/profiles", _BIASED, ["/profiles", _ONLINE]),
         ({}, "/package/data", _BIASED, ["/package/data", _ONLINE]),  # the shipped profile
-        ({"bias_dir": "/biases"}, "/p", _BIASED, ["/biases", _ONLINE]),
+        ({"bias_dir": "/biases"}, "/p", _BIASED, ["/biases", "/p", _ONLINE]),
+        ({"bias_dir": "/p"}, "/p", _BIASED, ["/p", _ONLINE]),  # listed once
         ({"profile": "/profiles/int4.json"}, "/profiles", TemperaturePolicy.identity(), []),
         ({"bias_dir": "/biases"}, None, TemperaturePolicy.identity(), ["/biases"]),
         ({}, None, None, []),
@@ -178,9 +179,9 @@ def test_the_engine_gets_bias_directories_only_when_a_policy_can_name_a_bias(
     policy: TemperaturePolicy | None,
     expected: list[str],
 ) -> None:
-    """The folder the profile was loaded from (given, or the shipped default-pair profile's),
-    then the writable folder of the online biases, when the startup policy names a bias (or
-    the folder given); none for a profile without a bias, so that the V1 processor stays
+    """The folder given, then the one the profile was loaded from (given, or the shipped
+    default-pair profile's) and the writable folder of the online biases, when the startup
+    policy names a bias; none for a profile without a bias, so that the V1 processor stays
     argmax-invariant (a variable left from before is removed)."""
     given = Settings(**settings)  # type: ignore[arg-type]
     environment = engine.prepare_environment(given)

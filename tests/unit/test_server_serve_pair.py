@@ -280,7 +280,8 @@ def test_the_shipped_default_pair_profile_ships_the_bias_it_recommends() -> None
     """Its bias file lies beside it (the folder serve makes a bias directory), holds the vector
     it names, one entry per token of the embedded model, and beat T = 1 on test prompts."""
     profile = Profile.load(DEFAULT_PAIR_PROFILE)
-    assert profile.bias is not None and profile.bias.recommended
+    assert profile.bias is not None
+    assert profile.bias.recommended
     assert profile.to_policy().bias == profile.bias.sha256
     vector = load_bias_file(DEFAULT_PAIR_PROFILE.parent, profile.bias.sha256)
     assert vector.numel() == profile.bias.vocab_size == 49152

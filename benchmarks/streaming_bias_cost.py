@@ -1,16 +1,19 @@
 """CPU time of one online bias step (`StreamingBias.update`) per shadow-scored request, with and
-without request-temperature bands.
+without request-temperature bands, and with the step in the output head's span too.
 
 The shadow scorer hands the online bias the paired rows of each scored request (at most
-`Settings().shadow_bias_rows`, 32); each is one `update`: the per-token stochastic Newton step,
-then, when the bias is served in bands, one step per band other than T_r = 1. The rows here
+`Settings().shadow_bias_rows`, 32); each is one `update`: the step in the head's span when the
+bias has a part there (as calibration fits it, and the shipped default-pair profile's has; here
+a random orthonormal basis of `--head-dim` columns, the embedded model's hidden size), the
+per-token stochastic Newton step, then, when the bias is served in bands, one step per band
+other than T_r = 1. The rows here
 are synthetic (clean logits of scale 3, served = clean + unit noise) at the embedded model's
 vocabulary; the cost does not depend on their values. Per configuration: `--repeats` timed
 updates after one warm-up, min / median / max milliseconds. Saved as JSON under
 benchmarks/results/.
 
     .venv/bin/python benchmarks/streaming_bias_cost.py [--vocab 49152] [--rows 32]
-        [--bands 0.5,0.7,1.2] [--repeats 10] [--threads 1]
+        [--bands 0.5,0.7,1.2] [--head-dim 576] [--repeats 10] [--threads 1]
 """
 
 from __future__ import annotations
@@ -39,11 +42,19 @@ def _batches(count: int, rows: int, vocab: int) -> list[PairedRows]:
     return batches
 
 
-def _milliseconds(bands: dict[float, float], batches: list[PairedRows]) -> list[float]:
-    """Wall time of each update after the first (a warm-up), in ms."""
+def _milliseconds(
+    bands: dict[float, float], batches: list[PairedRows], basis: torch.Tensor | None
+) -> list[float]:
+    """Wall time of each update after the first (a warm-up), in ms; with `basis`, each steps in
+    its span too."""
     vocab = batches[0].vocab_size
     stream = StreamingBias(
-        LogitBias.identity(vocab), 1e-3, band_temperatures=bands, prior_rows=2048
+        LogitBias.identity(vocab),
+        1e-3,
+        band_temperatures=bands,
+        prior_rows=2048,
+        basis=basis,
+        head_penalty=None if basis is None else 1e-3,
     )
     stream.update(batches[0])
     times = []
@@ -61,6 +72,9 @@ def main() -> int:
     parser.add_argument(
         "--bands", default="0.5,0.7,1.2", help="request temperatures other than 1 with a band"
     )
+    parser.add_argument(
+        "--head-dim", type=int, default=576, help="columns of the head basis (0: no head span)"
+    )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -68,13 +82,19 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     batches = _batches(args.repeats + 1, args.rows, args.vocab)
     band_temperatures = [float(t) for t in args.bands.split(",") if t.strip()]
-    configurations = {
-        "per-token step only": {},
-        f"with {len(band_temperatures)} bands": dict.fromkeys(band_temperatures, 1.2),
+    bands = dict.fromkeys(band_temperatures, 1.2)
+    configurations: dict[str, tuple[dict[float, float], torch.Tensor | None]] = {
+        "per-token step only": ({}, None),
+        f"with {len(bands)} bands": (bands, None),
     }
+    if args.head_dim:
+        generator = torch.Generator().manual_seed(1)
+        gaussian = torch.randn(args.vocab, args.head_dim, generator=generator)
+        basis = torch.linalg.qr(gaussian).Q
+        configurations[f"head span ({args.head_dim}) and {len(bands)} bands"] = (bands, basis)
     results = []
-    for name, bands in configurations.items():
-        times = _milliseconds(bands, batches)
+    for name, (bands_of_run, basis_of_run) in configurations.items():
+        times = _milliseconds(bands_of_run, batches, basis_of_run)
         figures = {
             "configuration": name,
             "min_ms": min(times),

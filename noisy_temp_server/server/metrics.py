@@ -14,6 +14,7 @@ bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route tem
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -244,7 +245,9 @@ class HttpMetricsMiddleware:
     and later a failed `send` surfaces as Starlette's `ClientDisconnect`, which is counted as
     499 (nginx's "client closed request"), logged at INFO and not raised on, so no server logs
     it as a fault. (Under spec 2.3, uvicorn's, Starlette's own disconnect listener ends the
-    stream instead and the status counted is the one sent.) Pure ASGI, not Starlette's
+    stream instead and the status counted is the one sent.) A call cancelled before it sent a
+    status (the server shutting down, a timeout) is counted as 499 too, and the cancellation
+    goes on: no response was made, and no fault of the app's. Pure ASGI, not Starlette's
     `BaseHTTPMiddleware`, so `send` reaches the response unwrapped and no task group stands
     between the handler and its cancellation.
     """
@@ -261,11 +264,12 @@ class HttpMetricsMiddleware:
         route = _route_template(scope)
         method = scope["method"] if scope["method"] in _KNOWN_METHODS else "other"
         status = "500"
+        sent_status = False
 
         async def send_recording_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, sent_status
             if message["type"] == "http.response.start":
-                status = str(message["status"])
+                status, sent_status = str(message["status"]), True
             await send(message)
 
         try:
@@ -273,6 +277,10 @@ class HttpMetricsMiddleware:
         except ClientDisconnect:  # sending found the client gone: nobody to answer, no fault
             status = "499"
             _LOGGER.info("The client of %s %s disconnected", method, route)
+        except asyncio.CancelledError:
+            if not sent_status:
+                status = "499"
+            raise
         finally:
             self.metrics.http_requests.labels(method, route, status).inc()
             self.metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)

@@ -364,6 +364,16 @@ def test_a_sampled_request_cancelled_before_its_first_output_lets_everything_go(
         assert forgotten == [trace_id]
         assert served.status()["sampled"] == 1
         assert served.shadow.status()["scored"] == 0
+        # no response, no fault of the app's: counted as the client-closed 499, not as 500
+        labels = {"method": "POST", "route": "/v1/completions"}
+        assert (
+            served.registry.get_sample_value("nts_http_requests_total", {**labels, "status": "499"})
+            == 1
+        )
+        assert (
+            served.registry.get_sample_value("nts_http_requests_total", {**labels, "status": "500"})
+            is None
+        )
     finally:
         served.shadow.close()
 

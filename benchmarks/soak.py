@@ -20,7 +20,8 @@ or tokens, a chunk that is not JSON, a missing ``[DONE]``, a trace of the wrong 
 *completed* otherwise; cancelled requests are counted apart. Reported: those counts, generated
 tokens per second, and the resident memory (RSS) of the API process and of vLLM's engine core
 every ``--sample-every`` seconds from the start (after a warm-up request), each sample with the
-online estimator's window (positions seen, positions held) from ``/v1/nts/status``. The growth
+online estimator's window (positions seen, positions held), policy version and online bias
+(rows fitted, largest change from the calibrated bias) from ``/v1/nts/status``. The growth
 per 1 000 requests is given from the middle to the end, and from the first sample where the
 estimator's window had stopped growing (it is full: what is left is what serving leaks) to the
 end. Printed, and saved as JSON + markdown under ``benchmarks/results/``.
@@ -202,15 +203,20 @@ def _rss_mib(pid: int) -> dict[str, float]:
     }
 
 
-async def _estimator_window(client: httpx.AsyncClient) -> dict[str, int | None]:
-    """The online estimator's positions seen and held (None where the server has none)."""
+async def _estimator_window(client: httpx.AsyncClient) -> dict[str, Any]:
+    """The online estimator's positions seen and held, its policy version, and the rows its
+    online bias has fitted and the largest change it made (None where the server has none)."""
     try:
-        estimator = (await client.get("/v1/nts/status")).json().get("estimator", {})
+        estimator = (await client.get("/v1/nts/status")).json().get("estimator") or {}
     except (httpx.HTTPError, json.JSONDecodeError):
         estimator = {}
+    bias = estimator.get("bias") or {}
     return {
         "positions_seen": estimator.get("positions_seen"),
         "window_positions": estimator.get("window_positions"),
+        "policy_version": estimator.get("policy_version"),
+        "bias_rows_fitted": bias.get("rows_fitted"),
+        "bias_max_change": bias.get("max_change_from_calibrated"),
     }
 
 
@@ -348,6 +354,10 @@ def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None
     raise SystemExit("server not healthy in 15 minutes")
 
 
+def _logits(value: float | None) -> str:
+    return "None" if value is None else f"{value:.3f}"
+
+
 def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.2f} MiB"
 
@@ -355,7 +365,8 @@ def _mib(value: float | None) -> str:
 def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = "\n".join(
         f"| {m['t_s']:.0f} | {m['requests']} | {m['api_mib']:.0f} | {m['engine_mib']:.0f} | "
-        f"{m['positions_seen']} | {m['window_positions']} |"
+        f"{m['positions_seen']} | {m['window_positions']} | {m.get('policy_version')} | "
+        f"{m.get('bias_rows_fitted')} | {_logits(m.get('bias_max_change'))} |"
         for m in result["memory"]
     )
     full_at = result["window_full_at_s"]
@@ -369,9 +380,11 @@ def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         f"{result['completed']} | {result['failed']} | {result['garbled']} | "
         f"{result['cancelled']} | {result['tokens_per_s']:.1f} |\n\n"
         f"Resident memory (MiB) from the start (after warm-up), with the online estimator's "
-        f"positions seen and held:\n\n"
-        f"| s | requests | API | engine core | positions seen | window |\n"
-        f"|---:|---:|---:|---:|---:|---:|\n{rows}\n\n"
+        f"positions seen and held, its policy version, and its online bias's rows fitted and "
+        f"largest change from the calibrated bias (logits; None: the policy serves no bias):\n\n"
+        f"| s | requests | API | engine core | positions seen | window | policy | bias rows "
+        f"| bias change |\n"
+        f"|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n{rows}\n\n"
         f"Growth middle → end per 1 000 requests: API "
         f"{_mib(result['api_growth_mib_per_1000_requests'])}, engine core "
         f"{_mib(result['engine_growth_mib_per_1000_requests'])}\n\n"

@@ -263,13 +263,12 @@ class HttpMetricsMiddleware:
         start = time.perf_counter()
         route = _route_template(scope)
         method = scope["method"] if scope["method"] in _KNOWN_METHODS else "other"
-        status = "500"
-        sent_status = False
+        status: str | None = None  # the status sent, None until then
 
         async def send_recording_status(message: Message) -> None:
-            nonlocal status, sent_status
+            nonlocal status
             if message["type"] == "http.response.start":
-                status, sent_status = str(message["status"]), True
+                status = str(message["status"])
             await send(message)
 
         try:
@@ -278,9 +277,8 @@ class HttpMetricsMiddleware:
             status = "499"
             _LOGGER.info("The client of %s %s disconnected", method, route)
         except asyncio.CancelledError:
-            if not sent_status:
-                status = "499"
+            status = status or "499"
             raise
         finally:
-            self.metrics.http_requests.labels(method, route, status).inc()
+            self.metrics.http_requests.labels(method, route, status or "500").inc()
             self.metrics.http_request_duration.labels(route).observe(time.perf_counter() - start)

@@ -25,6 +25,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.identity import ModelIdentity
 from noisy_temp_server.pairs.perturb import PerturbationSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
@@ -371,11 +372,8 @@ class Profile(_Frozen):
         return self.parameters.to_policy(Rule.CALIBRATED, version).serving_bias(bias.sha256, bands)
 
     def save(self, path: Path) -> None:
-        """Write the profile as indented JSON (written to a temporary file, then renamed)."""
-        path = Path(path)
-        staging = path.with_name(f".{path.name}.tmp")
-        staging.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
-        staging.replace(path)
+        """Write the profile as indented JSON (`write_atomically`)."""
+        write_atomically(path, (self.model_dump_json(indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path) -> Profile:

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save
 from torch import Tensor
 
 from noisy_temp_server.estimation.scoreboard import PositionScores, scores_as_served
+from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturb import (
     RuntimeLogitNoiseSpec,
@@ -254,10 +255,10 @@ class PositionRecords:
         return PositionRecords(**columns, curve_temperatures=self.curve_temperatures)
 
     def save(self, path: Path) -> None:
-        """Write all columns to a safetensors file (with the umask's permissions; safetensors'
-        `save_file` would make it 0600)."""
+        """Write all columns to a safetensors file (`write_atomically`: never a partial file,
+        the umask's permissions)."""
         columns = {n: getattr(self, n).contiguous() for n in self._row_fields()}
-        Path(path).write_bytes(save({**columns, "curve_temperatures": self.curve_temperatures}))
+        write_atomically(path, save({**columns, "curve_temperatures": self.curve_temperatures}))
 
     @classmethod
     def load(cls, path: Path) -> PositionRecords:

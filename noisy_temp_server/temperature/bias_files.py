@@ -5,16 +5,15 @@ vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
 from torch import Tensor
+
+from noisy_temp_server.files import write_atomically
 
 __all__ = [
     "bias_file_name",
@@ -51,23 +50,10 @@ def bias_file_name(sha256: str) -> str:
 def save_bias_file(folder: Path, bias: Tensor) -> Path:
     """Write `bias` (float32 [V]) to `folder / bias_file_name(sha256)`; returns the path.
     `folder` must exist (a late write after its owner removed it must fail, not create it
-    again); any failure to write (no folder, a read-only or full disk) is an OSError. Atomic:
-    written to a temporary file in `folder`, then renamed over the path, so a reader never sees
-    a partial file and a failed write leaves none behind. The file has the umask's permissions,
-    like any file Python creates (safetensors' own `save_file` makes it 0600, which a server
-    running as another user, as the Docker image does, could not read)."""
-    folder = Path(folder)
-    path = folder / bias_file_name(bias_sha256(bias))
-    data = save({"bias": bias.detach().to("cpu", torch.float32).contiguous()})
-    # one staging name per writing thread
-    staging = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        staging.write_bytes(data)
-        os.replace(staging, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            staging.unlink(missing_ok=True)
-        raise
+    again); any failure to write (no folder, a read-only or full disk) is an OSError. Written
+    atomically, readable by any user the umask allows (`write_atomically`)."""
+    path = Path(folder) / bias_file_name(bias_sha256(bias))
+    write_atomically(path, save({"bias": bias.detach().to("cpu", torch.float32).contiguous()}))
     return path
 
 

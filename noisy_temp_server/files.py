@@ -1,0 +1,31 @@
+"""Writing files so that a reader never sees a partial one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["write_atomically"]
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path`: to a temporary file beside it, then renamed over it, so a reader
+    sees the old file or the whole new one and a failed write leaves nothing behind.
+
+    The folder must exist; any failure to write (no folder, a read-only or full disk) is an
+    OSError. The file gets the umask's permissions, like any file Python creates (safetensors'
+    own `save_file` makes its files 0600, which a server running as another user, as the Docker
+    image does, could not read). Safe from several threads and processes at once: each writer
+    stages under its own name, and the last rename wins.
+    """
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        staging.write_bytes(data)
+        os.replace(staging, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)
+        raise

@@ -228,9 +228,24 @@ def test_a_streamed_band_tends_to_the_best_t_at_its_request_temperature() -> Non
     assert moved < 0.5, moved
 
 
+def test_the_change_is_measured_from_the_calibrated_bias_up_to_a_constant() -> None:
+    """A calibrated start that already undoes `SHIFT` (stored with an offset softmax ignores)
+    reports no change at first and little after traffic agrees with it; the identity start
+    reports the shift it learns."""
+    calibrated = LogitBias(bias=-SHIFT + 3.0, temperature=1.0)
+    agreeing = OnlineBias(calibrated, PENALTY, holdout_every=2)
+    learning = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2)
+    assert agreeing.status()["max_change_from_calibrated"] == 0.0
+    for request in range(30):
+        agreeing.add(_rows(request))
+        learning.add(_rows(request))
+    largest_shift = float((SHIFT - SHIFT.mean()).abs().max())
+    assert agreeing.status()["max_change_from_calibrated"] < 0.2 * largest_shift
+    assert learning.status()["max_change_from_calibrated"] > 0.5 * largest_shift
+
+
 def test_a_candidate_needs_significance_on_held_out_requests() -> None:
     online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2, holdout_rows=240)
-    assert online.status()["max_change_from_calibrated"] == 0.0
     for request in range(6):  # 3 held out: fewer than min_holdout_requests
         online.add(_rows(request))
     assert online.candidate() is None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+import noisy_temp_server
 from noisy_temp_server.settings import (
     DEFAULT_PERTURBATION,
     Settings,
@@ -81,3 +84,16 @@ def test_bad_values_fail_at_startup(fields: dict[str, object], message: str) -> 
 def test_bad_flag_value_names_the_field() -> None:
     with pytest.raises(ValidationError, match="port"):
         _parse(["--port", "eighty"])
+
+
+def test_every_field_is_read_by_the_package() -> None:
+    """A setting nobody reads would take an operator's value and do nothing with it: each
+    field is read as `<settings>.<field>` somewhere outside the settings module."""
+    package = Path(noisy_temp_server.__file__).parent
+    sources = "\n".join(
+        path.read_text(encoding="utf-8")
+        for path in package.rglob("*.py")
+        if path.name != "settings.py"
+    )
+    unread = [name for name in Settings.model_fields if not re.search(rf"\.{name}\b", sources)]
+    assert unread == []

@@ -43,6 +43,7 @@ from noisy_temp_server.temperature.bias import (
     fit_logit_bias,
 )
 from noisy_temp_server.temperature.bias_files import bias_sha256
+from noisy_temp_server.temperature.head_map import HeadMapFit, fit_head_map
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.request_bands import (
@@ -166,13 +167,16 @@ def bias_quality(
     *,
     rule_temperatures: Mapping[float, Tensor] | None = None,
     band_temperatures: Mapping[float, float] | None = None,
+    unmapped: PairedRows | None = None,
 ) -> BiasQuality:
     """`correction` on held-out `rows`, paired with T = 1 and the per-row oracle T there, and
     with a temperature rule when `rule_temperatures` is given: per request temperature T_r,
     the rule's T at each row [N] there (`BiasQuality.over_rule`: the rule's softmax(z~/(T_r T))
     against the correction's softmax((z~ + b)/(T_r T_b)), both against softmax(z/T_r), exact
     KL; `at_request_temperature`), T_b being the correction's T at T_r in `band_temperatures`
-    (`fit_band_temperatures`), else its own.
+    (`fit_band_temperatures`), else its own. When `rows` were mapped (`HeadMap.mapped`), the
+    correction is the map and the bias together: `unmapped` are the same rows as served, where
+    T = 1, the oracle and the rule are measured.
 
     Raises `InsufficientDataError` below `min_positions` rows.
     """
@@ -181,10 +185,11 @@ def bias_quality(
             f"only {len(rows)} held-out rows; the bias quality row needs at least {min_positions}"
         )
     ids = rows.sequence_id.cpu()
+    served = rows if unmapped is None else unmapped
     corrected = evaluate_bias(rows, correction)
-    one = evaluate_bias(rows, LogitBias.identity(rows.vocab_size, rows.served_shifted.device))
+    one = evaluate_bias(served, LogitBias.identity(rows.vocab_size, rows.served_shifted.device))
     kl_one = one.kl.double().cpu()
-    oracle_t, oracle_kl = _oracle(rows)
+    oracle_t, oracle_kl = _oracle(served)
     row = functools.partial(
         quality_row,
         sequence_ids=ids,
@@ -196,13 +201,13 @@ def bias_quality(
     ones = torch.ones(len(rows), dtype=torch.float64)
     over_rule, over_rule_at = None, None
     rule_temperatures = rule_temperatures or {}
-    served = BandedBias(
+    banded = BandedBias(
         correction,
         band_temperatures or dict.fromkeys(rule_temperatures, correction.temperature),
     )
     for request_temperature, temperatures in rule_temperatures.items():
         gain = _gain_over_rule(
-            rows, served.at(request_temperature), request_temperature, temperatures
+            rows, served, banded.at(request_temperature), request_temperature, temperatures
         )
         if over_rule is None or _margin(gain) < _margin(over_rule):
             over_rule, over_rule_at = gain, request_temperature
@@ -220,13 +225,21 @@ def bias_quality(
 
 
 def _gain_over_rule(
-    rows: PairedRows, correction: LogitBias, request_temperature: float, temperatures: Tensor
+    rows: PairedRows,
+    served: PairedRows,
+    correction: LogitBias,
+    request_temperature: float,
+    temperatures: Tensor,
 ) -> tuple[float, float]:
     """Mean paired gain KL(rule) - KL(correction) at `request_temperature` and its standard
-    error clustered by sequence, the rule serving `temperatures` [N] and `correction` being
-    that of the rows taken there (`BandedBias.at`)."""
-    at_t_r = at_request_temperature(rows, request_temperature)
-    kl_correction = evaluate_bias(at_t_r, correction).kl.double().cpu()
+    error clustered by sequence, the rule serving `temperatures` [N] on the `served` rows and
+    `correction` being that of `rows` (the same, or mapped) taken there (`BandedBias.at`)."""
+    kl_correction = (
+        evaluate_bias(at_request_temperature(rows, request_temperature), correction)
+        .kl.double()
+        .cpu()
+    )
+    at_t_r = at_request_temperature(served, request_temperature)
     gain = kl_at_temperatures(at_t_r, temperatures) - kl_correction
     return float(gain.mean()), cluster_stderr(gain, rows.sequence_id.cpu())
 
@@ -295,6 +308,10 @@ class BiasCalibration:
     rule: Rule | None = None
     """The temperature rule `validation` compared the bias with (the profile's recommended
     rule), if any."""
+    head_map: HeadMapFit | None = None
+    """The head map the bias was fitted on top of (`calibrate_bias`'s `head_map_rank`), if any:
+    the correction measured is the two together. The processors do not apply a map yet, so
+    such a calibration is measured, not served (`summary` refuses it)."""
 
     @property
     def correction(self) -> LogitBias:
@@ -330,8 +347,14 @@ class BiasCalibration:
         """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), the T
         served with it at each request temperature, and whether it is recommended."""
         bands = ", ".join(f"{t:.3f} at T_r {t_r:g}" for t_r, t in self.band_temperatures.items())
+        mapped = self.head_map
         lines = [
-            f"Per-token bias + T: T = {self.correction.temperature:.3f} ({bands}), "
+            (
+                ""
+                if mapped is None
+                else f"Head map (rank {mapped.head_map.rank}, penalty {mapped.penalty:.1e}) + "
+            )
+            + f"Per-token bias + T: T = {self.correction.temperature:.3f} ({bands}), "
             f"{penalties_text(self.path.chosen)}"
             f"; {'recommended' if self.recommended else 'not recommended'} (it needs, on the "
             f"gate half, a gain over T = 1 above 2 s.e.{self._over_rule_text()})"
@@ -366,7 +389,9 @@ class BiasCalibration:
 
     def summary(self) -> BiasSummary:
         """What the profile records (the vector itself is written by
-        `temperature.bias_files.save_bias_file`)."""
+        `temperature.bias_files.save_bias_file`); ValueError with a head map (not servable)."""
+        if self.head_map is not None:
+            raise ValueError("a bias fitted on top of a head map cannot be served yet")
         head_penalty = self.path.chosen.head_penalty
         over_rule = self.validation.over_rule
         return BiasSummary(
@@ -406,6 +431,7 @@ def calibrate_bias(
     *,
     rule: TemperaturePolicy | None = None,
     row_records: PositionRecords | None = None,
+    head_map_rank: int = 0,
 ) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
     `calibrate_records` splits the records (same fractions and seed, the validation prompts
@@ -417,6 +443,9 @@ def calibrate_bias(
     The bias is served with a T of its own at every request temperature of `settings`
     (`fit_band_temperatures` on the fit and validation rows, as the served fit), and compared
     with the rule so.
+    With `head_map_rank` > 0 (and a `basis`), a `HeadMap` of that rank is fitted first on the
+    fit prompts (its penalty chosen on the validation prompts' selection half) and the bias is
+    fitted and measured on top of it: the correction is then the map and the bias together.
     Raises `InsufficientDataError` when a split is too small (see `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id.cpu(),
@@ -431,14 +460,24 @@ def calibrate_bias(
         rule_temperatures = rule_temperatures_by_request_temperature(
             rule, row_records.select(validation), settings.request_temperatures
         )
+    head_map = None
+    if head_map_rank:
+        if basis is None:
+            raise ValueError("a head map needs the output head's weights (basis)")
+        selection, _ = split_selection_gate(rows.sequence_id[validation].cpu(), settings.seed)
+        head_map = fit_head_map(
+            rows.select(fit), rows.select(validation).select(selection), basis, head_map_rank
+        )
+    mapped = rows if head_map is None else head_map.head_map.mapped(rows)
     path, validation_quality = fit_bias_for_serving(
-        rows.select(fit),
-        rows.select(validation),
+        mapped.select(fit),
+        mapped.select(validation),
         settings,
         basis,
         rule_temperatures=rule_temperatures,
+        unmapped_validation=None if head_map is None else rows.select(validation),
     )
-    fitted = rows.select(fit | validation)
+    fitted = mapped.select(fit | validation)
     return BiasCalibration(
         path=path,
         fitted_rows=len(fitted),
@@ -447,9 +486,13 @@ def calibrate_bias(
         ),
         validation=validation_quality,
         test=bias_quality(
-            rows.select(test), path.chosen.correction, settings.min_quality_positions
+            mapped.select(test),
+            path.chosen.correction,
+            settings.min_quality_positions,
+            unmapped=None if head_map is None else rows.select(test),
         ),
         rule=None if rule_temperatures is None or rule is None else rule.rule,
+        head_map=head_map,
     )
 
 
@@ -475,6 +518,7 @@ def fit_bias_for_serving(
     basis: Tensor | None = None,
     *,
     rule_temperatures: Mapping[float, Tensor] | None = None,
+    unmapped_validation: PairedRows | None = None,
 ) -> tuple[BiasPath, BiasQuality]:
     """The bias to serve from fit and validation rows. The validation rows are halved by prompt
     (`split_selection_gate`, as `calibrate_records` halves its records): the penalties are
@@ -485,8 +529,10 @@ def fit_bias_for_serving(
     start). With `rule_temperatures` (a temperature rule's T at each validation row, by request
     temperature), the gate half's quality also compares the bias with that rule
     (`BiasQuality.over_rule`), the bias served at each request temperature with its T fitted
-    there on `fit` (`fit_band_temperatures`). Raises
-    `InsufficientDataError` when a half is too small (see `bias_quality`)."""
+    there on `fit` (`fit_band_temperatures`). When `fit` and `validation` were mapped
+    (`HeadMap.mapped`), `unmapped_validation` are the validation rows as served (for T = 1, the
+    oracle and the rule, `bias_quality`). Raises `InsufficientDataError` when a half is too
+    small (see `bias_quality`)."""
     selection, gate = split_selection_gate(validation.sequence_id.cpu(), settings.seed)
     path = fit_logit_bias(fit, validation.select(selection), basis=basis, bounds=settings.bounds)
     gate_quality = bias_quality(
@@ -501,6 +547,7 @@ def fit_bias_for_serving(
         else fit_band_temperatures(
             fit, path.chosen.correction, list(rule_temperatures), settings.bounds
         ),
+        unmapped=None if unmapped_validation is None else unmapped_validation.select(gate),
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(

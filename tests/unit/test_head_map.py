@@ -1,0 +1,103 @@
+"""The head map: a linear correction of the served row in the output head's span, fitted by
+ridge least squares on paired rows and measured against the rows as served."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from noisy_temp_server.estimation.bias_fit import calibrate_bias
+from noisy_temp_server.estimation.profile import CalibrationSettings
+from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.temperature.head_map import HeadMap, fit_head_map, head_coordinates
+
+VOCAB, WIDTH = 300, 16
+BASIS = torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(0))
+# The served model's final hidden state is a fixed rank-2 linear function of the clean one:
+# the error h - h~ = A h~ + noise, the same on every prompt.
+_GENERATOR = torch.Generator().manual_seed(1)
+DISTORTION = (
+    0.3 * torch.randn(WIDTH, 2, generator=_GENERATOR) @ torch.randn(2, WIDTH, generator=_GENERATOR)
+)
+
+
+def _rows(sequence: int, rows: int = 40, noise: float = 0.05) -> PairedRows:
+    """Clean rows W h + c and served rows W h~ + c' with h = (1 + A) h~ + noise (c, c': row
+    constants the coordinates must ignore)."""
+    generator = torch.Generator().manual_seed(100 + sequence)
+    served_hidden = torch.randn(rows, WIDTH, generator=generator)
+    clean_hidden = served_hidden + served_hidden @ DISTORTION.T
+    clean_hidden += noise * torch.randn(rows, WIDTH, generator=generator)
+    constants = 5 * torch.randn(2, rows, 1, generator=generator)
+    clean = clean_hidden @ BASIS.T + constants[0]
+    served = served_hidden @ BASIS.T + constants[1]
+    return PairedRows.from_logits(clean, served, sequence)
+
+
+def _mean_kl(rows: PairedRows) -> float:
+    return float(evaluate_bias(rows, LogitBias.identity(VOCAB)).kl.mean())
+
+
+def test_coordinates_read_the_hidden_state_off_a_row_whatever_its_constant() -> None:
+    hidden = torch.randn(3, WIDTH, dtype=torch.float64)
+    row = hidden @ BASIS.double().T + torch.tensor([[2.0], [-7.0], [0.0]], dtype=torch.float64)
+    torch.testing.assert_close(row @ head_coordinates(BASIS).T, hidden)
+
+
+def test_a_map_ignores_a_constant_added_to_the_row() -> None:
+    head_map = HeadMap(left=torch.randn(VOCAB, 3), right=head_coordinates(BASIS)[:3].float())
+    row = torch.randn(2, VOCAB)
+    torch.testing.assert_close(head_map.apply(row + 4.0), head_map.apply(row) + 4.0)
+
+
+def test_the_fitted_map_removes_a_linear_distortion_on_rows_it_never_saw() -> None:
+    fit = PairedRows.concat([_rows(s) for s in range(10)])
+    selection = PairedRows.concat([_rows(s) for s in range(10, 14)])
+    held_out = PairedRows.concat([_rows(s) for s in range(14, 20)])
+    result = fit_head_map(fit, selection, BASIS, rank=2)
+    assert result.head_map.rank == 2
+    assert result.penalty == min(result.selection_kl, key=result.selection_kl.__getitem__)
+    assert _mean_kl(result.head_map.mapped(held_out)) < 0.1 * _mean_kl(held_out)
+
+
+def test_a_map_cut_below_the_distortions_rank_removes_less() -> None:
+    fit = PairedRows.concat([_rows(s) for s in range(10)])
+    selection = PairedRows.concat([_rows(s) for s in range(10, 14)])
+    full = fit_head_map(fit, selection, BASIS, rank=2).head_map
+    cut = fit_head_map(fit, selection, BASIS, rank=1).head_map
+    assert _mean_kl(full.mapped(selection)) < 0.5 * _mean_kl(cut.mapped(selection))
+
+
+@pytest.mark.parametrize(
+    ("rank", "penalties", "message"),
+    [
+        (0, (1.0,), "rank"),
+        (WIDTH + 1, (1.0,), "rank"),
+        (2, (), "penalties"),
+        (2, (0.0,), "penalties"),
+    ],
+)
+def test_bad_fit_arguments_are_refused(
+    rank: int, penalties: tuple[float, ...], message: str
+) -> None:
+    rows = _rows(0)
+    with pytest.raises(ValueError, match=message):
+        fit_head_map(rows, rows, BASIS, rank=rank, penalties=penalties)
+
+
+def test_a_calibration_on_top_of_a_map_is_measured_against_the_rows_as_served() -> None:
+    """The share removed is the map's and the bias's together, against T = 1 and the oracle of
+    the served rows; such a calibration cannot be written to a profile (not servable)."""
+    rows = PairedRows.concat([_rows(s) for s in range(30)])
+    settings = CalibrationSettings(prompts=30, min_quality_positions=40)
+    mapped = calibrate_bias(rows, settings, BASIS, head_map_rank=2)
+    plain = calibrate_bias(rows, settings, BASIS)
+    assert mapped.head_map is not None
+    assert mapped.test.t_one.mean_kl == pytest.approx(plain.test.t_one.mean_kl)
+    assert mapped.test.oracle.mean_kl == pytest.approx(plain.test.oracle.mean_kl)
+    assert mapped.test.share_removed > 0.9 > plain.test.share_removed
+    assert "Head map (rank 2" in mapped.to_markdown()
+    with pytest.raises(ValueError, match="head map"):
+        mapped.summary()
+    with pytest.raises(ValueError, match="basis"):
+        calibrate_bias(rows, settings, head_map_rank=2)

@@ -4,7 +4,7 @@ in-domain and cross-domain, on the embedded default model.
     .venv/bin/python benchmarks/bias_quality.py [--num-prompts 80] [--samples 1]
         [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
         [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K]
-        [--request-temperatures 0.5 1.0] [--threads N]
+        [--request-temperatures 0.5 1.0] [--head-map-rank R] [--threads N]
 
 Per perturbation family: the served model writes `--samples` completions (seeds 0, 1, ...) for
 each of the first `--num-prompts` shipped prompts (domain A; default all 80) and one for each of
@@ -32,6 +32,10 @@ its streaming fit measured on the in-domain test prompts after every round, at e
 temperature of `--request-temperatures` (default 1.0; the bias then has a band's T at each,
 refined online too; the rows taken to T_r exactly). `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
+`--head-map-rank R` adds both fits again on top of a rank-R `HeadMap` (a linear correction of
+the served row in the output head's span, `temperature.head_map`; fitted on the fit prompts,
+its penalty chosen on the validation prompts' selection half), measured against the same T = 1
+and oracle: in-domain by `calibrate_bias`, cross-domain fitted on A as the bias is.
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
@@ -50,6 +54,7 @@ from noisy_temp_server.estimation.bias_fit import (
     BiasCalibration,
     ScoredSet,
     bias_quality,
+    calibrate_bias,
     fit_bias_for_serving,
     penalties_text,
     score_with_rows,
@@ -57,18 +62,20 @@ from noisy_temp_server.estimation.bias_fit import (
 from noisy_temp_server.estimation.calibration import calibrate_records, sample_completions
 from noisy_temp_server.estimation.fitting import FITTED_RULES
 from noisy_temp_server.estimation.online_bias import OnlineBias
-from noisy_temp_server.estimation.profile import CalibrationSettings
+from noisy_temp_server.estimation.profile import CalibrationSettings, QualityTable
 from noisy_temp_server.estimation.prompts import load_prompts
 from noisy_temp_server.estimation.quality import quality_table
 from noisy_temp_server.estimation.significance import (
     split_by_sequence,
     split_fit_validation_test,
+    split_selection_gate,
 )
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import PairedRows
+from noisy_temp_server.temperature.head_map import fit_head_map
 from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 
 HERE = Path(__file__).resolve().parent
@@ -208,6 +215,62 @@ def _round_line(label: str, figures: dict, publish: str) -> str:
     )
 
 
+def _head_mapped(
+    scored_a: ScoredSet,
+    scored_b: ScoredSet,
+    rules: tuple[QualityTable, QualityTable],
+    *,
+    settings: CalibrationSettings,
+    basis: torch.Tensor,
+    rank: int,
+) -> tuple[str, dict]:
+    """Both fits again on top of a rank-`rank` head map: in-domain as calibration fits it,
+    cross-domain with the map and the bias fitted on A (the map on A's fit prompts, its penalty
+    chosen on the selection half of A's validation prompts), beside the same rules."""
+    in_domain = calibrate_bias(scored_a.rows, settings, basis, head_map_rank=rank)
+    assert in_domain.head_map is not None
+    fit, validation = split_by_sequence(
+        scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
+    )
+    fit_rows, validation_rows = scored_a.rows.select(fit), scored_a.rows.select(validation)
+    selection, _ = split_selection_gate(validation_rows.sequence_id.cpu(), settings.seed)
+    cross_map = fit_head_map(fit_rows, validation_rows.select(selection), basis, rank)
+    cross_path, _ = fit_bias_for_serving(
+        cross_map.head_map.mapped(fit_rows),
+        cross_map.head_map.mapped(validation_rows),
+        settings,
+        basis,
+        unmapped_validation=validation_rows,
+    )
+    cross = bias_quality(
+        cross_map.head_map.mapped(scored_b.rows),
+        cross_path.chosen.correction,
+        unmapped=scored_b.rows,
+    )
+    in_text, in_doc = bias_section(
+        f"in-domain, rank-{rank} head map (penalty {in_domain.head_map.penalty:.1e}) + bias + T",
+        rules[0],
+        in_domain.test,
+    )
+    cross_text, cross_doc = bias_section(
+        f"cross-domain, rank-{rank} head map (penalty {cross_map.penalty:.1e}) + bias + T",
+        rules[1],
+        cross,
+    )
+    document = {
+        "rank": rank,
+        "in_domain_penalty": in_domain.head_map.penalty,
+        "in_domain_selection_kl_by_penalty": {
+            str(p): kl for p, kl in in_domain.head_map.selection_kl.items()
+        },
+        "in_domain_bias_recommended": in_domain.recommended,
+        "cross_penalty": cross_map.penalty,
+        "in_domain": in_doc,
+        "cross_domain": cross_doc,
+    }
+    return f"{in_text}\n\n{cross_text}", document
+
+
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:
     started = time.monotonic()
     domain_a = load_prompts()[: args.num_prompts]
@@ -277,6 +340,17 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         cross_rules,
         bias_quality(scored_b.rows, cross),
     )
+    mapped_text, mapped_doc = "", dict[str, object]()
+    if args.head_map_rank:
+        assert basis is not None, "--head-map-rank needs the head basis (not --per-token-only)"
+        mapped_text, mapped_doc = _head_mapped(
+            scored_a,
+            scored_b,
+            (at_one, cross_rules),
+            settings=settings,
+            basis=basis,
+            rank=args.head_map_rank,
+        )
     stream_text, stream_doc = "", list[dict]()
     if args.stream_samples:
         stream_text, stream_doc = _streamed(
@@ -297,7 +371,9 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         f"T {correction.temperature:.3f}, max |b| {float(correction.bias.abs().max()):.2f}; "
         f"validation KL (1e-3) by head-span penalty: {_by_penalty(path.head_validation_kl)}; "
         f"by per-token penalty (inf: T only): {_by_penalty(path.validation_kl)}\n\n"
-        f"{in_text}\n\n{cross_text}\n" + (f"\n{stream_text}\n" if stream_text else "")
+        f"{in_text}\n\n{cross_text}\n"
+        + (f"\n{mapped_text}\n" if mapped_text else "")
+        + (f"\n{stream_text}\n" if stream_text else "")
     )
     document = {
         "family": name,
@@ -322,6 +398,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         },
         "in_domain": in_doc,
         "online_refinement": stream_doc,
+        "head_mapped": mapped_doc,
         "cross_domain": cross_doc,
     }
     return section, document
@@ -356,6 +433,12 @@ def main() -> int:
         default=[1.0],
         help="request temperatures the bias gets a band at (1.0 is always one); the streaming "
         "rounds report each",
+    )
+    parser.add_argument(
+        "--head-map-rank",
+        type=int,
+        default=0,
+        help="also fit both corrections on top of a head map of this rank (0: no map)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -76,6 +76,7 @@ from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.head_map import fit_head_map
+from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 
 HERE = Path(__file__).resolve().parent
@@ -220,14 +221,23 @@ def _head_mapped(
     scored_b: ScoredSet,
     rules: tuple[QualityTable, QualityTable],
     *,
+    rule: TemperaturePolicy,
     settings: CalibrationSettings,
     basis: torch.Tensor,
     rank: int,
 ) -> tuple[str, dict]:
     """Both fits again on top of a rank-`rank` head map: in-domain as calibration fits it,
     cross-domain with the map and the bias fitted on A (the map on A's fit prompts, its penalty
-    chosen on the selection half of A's validation prompts), beside the same rules."""
-    in_domain = calibrate_bias(scored_a.rows, settings, basis, head_map_rank=rank)
+    chosen on the selection half of A's validation prompts), beside the same rules; in-domain
+    recommended as calibration would, against the recommended `rule` too."""
+    in_domain = calibrate_bias(
+        scored_a.rows,
+        settings,
+        basis,
+        rule=rule,
+        row_records=scored_a.row_records,
+        head_map_rank=rank,
+    )
     assert in_domain.head_map is not None
     fit, validation = split_by_sequence(
         scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
@@ -347,6 +357,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
             scored_a,
             scored_b,
             (at_one, cross_rules),
+            rule=result.profile.parameters.to_policy(result.profile.recommended_rule),
             settings=settings,
             basis=basis,
             rank=args.head_map_rank,

@@ -36,7 +36,9 @@ __all__ = [
 DEFAULT_MAP_PENALTIES: tuple[float, ...] = tuple(10.0 ** (k / 2) for k in range(-4, 7))
 """Ridge penalties tried, in units of the served coordinates' variance: 1e-2 ... 1e3."""
 
-_CLEAN_PROB_FLOOR = 1e-30  # log p of a probability that underflowed float32 (its logit is lost)
+# a clean probability below float32's smallest normal number is read as that number (its
+# logit's true value is lost; the row's coordinates are then off by its share)
+_CLEAN_PROB_FLOOR = torch.finfo(torch.float32).tiny
 
 
 def head_coordinates(basis: Tensor) -> Tensor:
@@ -87,8 +89,8 @@ class HeadMap:
 @dataclass(frozen=True)
 class HeadMapFit:
     """The map fitted at the penalty with the lowest mean KL on the selection rows
-    (`fit_head_map`), and that KL at every penalty tried (each map served with the mean
-    coordinate shift of its fit, which the bias on top will learn)."""
+    (`fit_head_map`), and that KL at every penalty tried (each map served with the constant its
+    fit predicts, which the bias fitted on top learns)."""
 
     head_map: HeadMap
     penalty: float
@@ -97,32 +99,36 @@ class HeadMapFit:
 
 @dataclass(frozen=True)
 class _Regression:
-    """Ridge regression of clean on served coordinates, for any penalty: the served
-    coordinates' eigenbasis and variance, X^T (Y - X), and the mean shift, all centred."""
+    """Ridge regression of the coordinates' error h - h~ on the served coordinates h~, both
+    centred, for any penalty: the means, the served coordinates' eigenbasis, X^T (Y - X), and
+    the penalty's unit (the served coordinates' variance, times the rows)."""
 
+    served_mean: Tensor
+    error_mean: Tensor
     eigenvalues: Tensor
     eigenvectors: Tensor
     cross: Tensor
-    shift: Tensor
     scale: float
 
     @classmethod
     def of(cls, rows: PairedRows, coordinates: Tensor) -> _Regression:
         served, clean = _row_coordinates(rows, coordinates)
-        served_centred = served - served.mean(dim=0)
+        served_mean = served.mean(dim=0)
         error = clean - served
-        error_centred = error - error.mean(dim=0)
+        error_mean = error.mean(dim=0)
+        served_centred = served - served_mean
         eigenvalues, eigenvectors = torch.linalg.eigh(served_centred.T @ served_centred)
         return cls(
+            served_mean=served_mean,
+            error_mean=error_mean,
             eigenvalues=eigenvalues,
             eigenvectors=eigenvectors,
-            cross=served_centred.T @ error_centred,
-            shift=error.mean(dim=0),
+            cross=served_centred.T @ (error - error_mean),
             scale=float(served_centred.pow(2).mean()) * len(rows),
         )
 
     def matrix(self, penalty: float) -> Tensor:
-        """M [d, d] (error ≈ M h~ + shift) at `penalty`."""
+        """M [d, d] at `penalty`: error ≈ M (h~ - served_mean) + error_mean."""
         q = self.eigenvectors
         inverse = q / (self.eigenvalues + penalty * self.scale)
         return (inverse @ (q.T @ self.cross)).T
@@ -139,11 +145,15 @@ def _row_coordinates(rows: PairedRows, coordinates: Tensor) -> tuple[Tensor, Ten
     return torch.cat(served), torch.cat(clean)
 
 
-def _truncated(matrix: Tensor, basis: Tensor, coordinates: Tensor, rank: int) -> HeadMap:
+def _truncated(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """(U_r S_r [d, r], V_r^T [r, d]): `matrix` cut to its leading `rank` singular directions."""
     u, s, vh = torch.linalg.svd(matrix)
-    left = basis.double() @ (u[:, :rank] * s[:rank])
-    right = vh[:rank] @ coordinates
-    return HeadMap(left=left.float(), right=right.float())
+    return u[:, :rank] * s[:rank], vh[:rank]
+
+
+def _check_unmasked(rows: PairedRows, name: str) -> None:
+    if bool((rows.served_shifted <= MASKED_FLOOR).any()):
+        raise ValueError(f"the {name} rows have masked tokens; a head map is fitted without")
 
 
 def fit_head_map(
@@ -155,19 +165,25 @@ def fit_head_map(
 ) -> HeadMapFit:
     """Fit M by ridge least squares on the `fit` rows at each of `penalties` (in units of the
     served coordinates' variance), keep the one whose map, cut to `rank` directions and served
-    with its fit's mean shift, has the lowest mean KL on the `selection` rows. `basis`: the
-    output head's weights W [V, d], shared by both models. Rows must have no masked token."""
+    with the constant its fit predicts (W (error_mean - M_r served_mean)), has the lowest mean
+    KL on the `selection` rows. `basis`: the output head's weights W [V, d], shared by both
+    models. ValueError for a bad rank or penalty, or rows with a masked token."""
     if not 1 <= rank <= basis.shape[1]:
         raise ValueError(f"rank must be in 1..{basis.shape[1]} (the head's width), got {rank}")
     if not penalties or min(penalties) <= 0:
         raise ValueError(f"penalties must be a non-empty list of values > 0, got {penalties}")
-    coordinates = head_coordinates(basis)
+    _check_unmasked(fit, "fit")
+    _check_unmasked(selection, "selection")
+    head = basis.double()
+    coordinates = head_coordinates(head)
     regression = _Regression.of(fit, coordinates)
-    shift = (basis.double() @ regression.shift).float()
     scores: dict[float, float] = {}
     best: tuple[float, HeadMap] | None = None
     for penalty in sorted(penalties):
-        head_map = _truncated(regression.matrix(penalty), basis, coordinates, rank)
+        outer, inner = _truncated(regression.matrix(penalty), rank)
+        head_map = HeadMap(left=(head @ outer).float(), right=(inner @ coordinates).float())
+        constant = regression.error_mean - outer @ (inner @ regression.served_mean)
+        shift = (head @ constant).float()
         with_shift = LogitBias(bias=shift - shift.mean(), temperature=1.0)
         kl = float(evaluate_bias(head_map.mapped(selection), with_shift).kl.mean())
         scores[penalty] = kl

@@ -3,12 +3,14 @@ ridge least squares on paired rows and measured against the rows as served."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from noisy_temp_server.estimation.bias_fit import calibrate_bias
 from noisy_temp_server.estimation.profile import CalibrationSettings
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.temperature.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.temperature.head_map import HeadMap, fit_head_map, head_coordinates
 
 VOCAB, WIDTH = 300, 16
@@ -19,13 +21,14 @@ _GENERATOR = torch.Generator().manual_seed(1)
 DISTORTION = (
     0.3 * torch.randn(WIDTH, 2, generator=_GENERATOR) @ torch.randn(2, WIDTH, generator=_GENERATOR)
 )
+HIDDEN_MEAN = torch.randn(WIDTH, generator=_GENERATOR)  # final hidden states are not centred
 
 
 def _rows(sequence: int, rows: int = 40, noise: float = 0.05) -> PairedRows:
     """Clean rows W h + c and served rows W h~ + c' with h = (1 + A) h~ + noise (c, c': row
     constants the coordinates must ignore)."""
     generator = torch.Generator().manual_seed(100 + sequence)
-    served_hidden = torch.randn(rows, WIDTH, generator=generator)
+    served_hidden = HIDDEN_MEAN + torch.randn(rows, WIDTH, generator=generator)
     clean_hidden = served_hidden + served_hidden @ DISTORTION.T
     clean_hidden += noise * torch.randn(rows, WIDTH, generator=generator)
     constants = 5 * torch.randn(2, rows, 1, generator=generator)
@@ -57,15 +60,28 @@ def test_the_fitted_map_removes_a_linear_distortion_on_rows_it_never_saw() -> No
     result = fit_head_map(fit, selection, BASIS, rank=2)
     assert result.head_map.rank == 2
     assert result.penalty == min(result.selection_kl, key=result.selection_kl.__getitem__)
+    # scored with the constant its fit predicts, the chosen map removes nearly all of the KL
+    assert result.selection_kl[result.penalty] < 0.05 * _mean_kl(selection)
+    assert result.penalty < max(result.selection_kl)
     assert _mean_kl(result.head_map.mapped(held_out)) < 0.1 * _mean_kl(held_out)
 
 
 def test_a_map_cut_below_the_distortions_rank_removes_less() -> None:
     fit = PairedRows.concat([_rows(s) for s in range(10)])
     selection = PairedRows.concat([_rows(s) for s in range(10, 14)])
+    held_out = PairedRows.concat([_rows(s) for s in range(14, 20)])
     full = fit_head_map(fit, selection, BASIS, rank=2).head_map
     cut = fit_head_map(fit, selection, BASIS, rank=1).head_map
-    assert _mean_kl(full.mapped(selection)) < 0.5 * _mean_kl(cut.mapped(selection))
+    assert _mean_kl(full.mapped(held_out)) < 0.5 * _mean_kl(cut.mapped(held_out))
+
+
+def test_rows_with_a_masked_token_are_refused() -> None:
+    rows = _rows(0)
+    masked = replace(
+        rows, served_shifted=rows.served_shifted.index_fill(1, torch.tensor([3]), MASKED_FLOOR)
+    )
+    with pytest.raises(ValueError, match="masked"):
+        fit_head_map(rows, masked, BASIS, rank=2)
 
 
 @pytest.mark.parametrize(

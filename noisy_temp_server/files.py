@@ -14,16 +14,22 @@ def write_atomically(path: Path, data: bytes) -> None:
     """Write `data` to `path`: to a temporary file beside it, then renamed over it, so a reader
     sees the old file or the whole new one and a failed write leaves nothing behind.
 
-    The folder must exist; any failure to write (no folder, a read-only or full disk) is an
-    OSError. The file gets the umask's permissions, like any file Python creates (safetensors'
-    own `save_file` makes its files 0600, which a server running as another user, as the Docker
-    image does, could not read). Safe from several threads and processes at once: each writer
-    stages under its own name, and the last rename wins.
+    The data are flushed to the disk before the rename, so a crash leaves the old file or the
+    new one; a writer killed before the rename may leave its temporary file
+    (`.<name>.<pid>.<thread>.tmp`) behind. The folder must exist; any failure to write (no
+    folder, a read-only or full disk) is an OSError. The file gets the umask's permissions, like
+    any file Python creates (safetensors' own `save_file` makes its files 0600, which a server
+    running as another user, as the Docker image does, could not read). Safe from several
+    threads and processes at once: each writer stages under its own name, and the last rename
+    wins.
     """
     path = Path(path)
     staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        staging.write_bytes(data)
+        with staging.open("wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(staging, path)
     except BaseException:
         with contextlib.suppress(OSError):

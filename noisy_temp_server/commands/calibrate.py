@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 from noisy_temp_server.commands.perturb import default_clean_path, read_spec_argument
+from noisy_temp_server.files import write_atomically
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
                 save_bias_file(args.out.parent, result.bias.correction.bias)
             policy_path = args.out.with_name(f"{args.out.stem}.policy.json")
-            policy_path.write_text(result.profile.to_policy().to_json() + "\n", encoding="utf-8")
+            write_atomically(policy_path, (result.profile.to_policy().to_json() + "\n").encode())
             if args.records is not None:
                 from noisy_temp_server.pairs.scorer import PositionRecords  # noqa: PLC0415
 

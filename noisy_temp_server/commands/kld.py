@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from noisy_temp_server.commands.perturb import default_clean_path, read_spec_argument
+from noisy_temp_server.files import write_atomically
 from noisy_temp_server.temperature.rules import Rule
 
 if TYPE_CHECKING:
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     }
     text = json.dumps(report, indent=2, allow_nan=False, default=str)
     if args.out is not None:
-        args.out.write_text(text + "\n", encoding="utf-8")
+        write_atomically(args.out, (text + "\n").encode())
     if args.json:
         print(text)
     else:

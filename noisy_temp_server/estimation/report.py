@@ -34,6 +34,7 @@ from noisy_temp_server.estimation.fitting import (
 )
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
+from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.perturb import TensorTarget, WeightNoiseSpec, apply_perturbation
@@ -320,6 +321,6 @@ Best shared T {best_t:.3f}. Mean T of each rule (fitted in-sample on these posit
 ![temperature optimisation](temperature_optimization.png)
 """
     path = out_dir / "report.md"
-    path.write_text(markdown, encoding="utf-8")
+    write_atomically(path, markdown.encode())
     logger.info("report written to %s (%.0f s)", path, time.monotonic() - started)
     return path

@@ -13,9 +13,7 @@ import pytest
 from noisy_temp_server.files import write_atomically
 
 
-def _fails_half_way(staging: Path, data: bytes) -> None:
-    with open(staging, "wb") as file:
-        file.write(data[: len(data) // 2])
+def _disk_full(descriptor: int) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -24,7 +22,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing_else(
 ) -> None:
     path = tmp_path / "records.safetensors"
     write_atomically(path, b"old contents")
-    monkeypatch.setattr(Path, "write_bytes", _fails_half_way)
+    monkeypatch.setattr(os, "fsync", _disk_full)
     with pytest.raises(OSError, match="No space left"):
         write_atomically(path, b"new contents, longer")
     assert list(tmp_path.iterdir()) == [path]

@@ -611,12 +611,10 @@ def test_a_bias_file_is_written_atomically(tmp_path: Path, monkeypatch: pytest.M
     corrupt bias); one that succeeds leaves only the bias file."""
     vector = torch.randn(VOCAB)
 
-    def fails_half_way(staging: Path, data: bytes) -> None:
-        with open(staging, "wb") as file:
-            file.write(data[:100])
+    def disk_full(descriptor: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", fails_half_way)
+    monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space left"):
         save_bias_file(tmp_path, vector)
     assert list(tmp_path.iterdir()) == []

@@ -34,10 +34,9 @@ from noisy_temp_server.temperature.oracle import minimise_convex
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     TemperaturePolicy,
-    bucket_index,
-    policy_temperature,
     request_temperature_band_edges,
 )
+from noisy_temp_server.temperature.policy_eval import bucket_index, policy_temperature
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import ServedRowFeatures
 

@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.temperature.bias_files import bias_sha256, check_bias_vocabulary
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms
 
 __all__ = [

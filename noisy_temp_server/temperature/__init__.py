@@ -12,9 +12,8 @@ from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     PolicyValidationError,
     TemperaturePolicy,
-    bucket_index,
-    policy_temperature,
 )
+from noisy_temp_server.temperature.policy_eval import bucket_index, policy_temperature
 from noisy_temp_server.temperature.rules import (
     Rule,
     TemperatureBounds,

@@ -53,9 +53,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from noisy_temp_server.temperature.policy import (
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import (
     StepTemperatures,
-    TemperaturePolicy,
     policy_temperature,
     step_temperatures,
 )

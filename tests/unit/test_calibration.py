@@ -55,11 +55,8 @@ from noisy_temp_server.pairs.scorer import (
     interpolate_kl,
 )
 from noisy_temp_server.temperature.oracle import oracle_temperature
-from noisy_temp_server.temperature.policy import (
-    CalibratedTable,
-    TemperaturePolicy,
-    policy_temperature,
-)
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import (
     Rule,
     TemperatureBounds,

@@ -17,11 +17,8 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
 from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
-from noisy_temp_server.temperature.policy import (
-    CalibratedTable,
-    TemperaturePolicy,
-    policy_temperature,
-)
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directories, load_bias
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor

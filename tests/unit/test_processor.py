@@ -15,11 +15,8 @@ from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from noisy_temp_server.temperature.policy import (
-    CalibratedTable,
-    TemperaturePolicy,
-    policy_temperature,
-)
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import served_row_features
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor

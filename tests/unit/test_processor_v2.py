@@ -28,12 +28,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     build_custom_logits_processors_params_validator,
 )
 
-from noisy_temp_server.temperature.policy import (
-    CalibratedTable,
-    TemperaturePolicy,
-    policy_temperature,
-    step_temperatures,
-)
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import policy_temperature, step_temperatures
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import served_row_features
 from noisy_temp_server.vllm_plugin.metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET

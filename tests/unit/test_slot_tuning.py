@@ -14,7 +14,8 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 
-from noisy_temp_server.temperature.policy import TemperaturePolicy, policy_temperature
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.metrics import step_temperature_metrics
 from noisy_temp_server.vllm_plugin.processor_common import request_tuning

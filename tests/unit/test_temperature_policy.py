@@ -15,6 +15,8 @@ from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     PolicyValidationError,
     TemperaturePolicy,
+)
+from noisy_temp_server.temperature.policy_eval import (
     bucket_index,
     policy_temperature,
     step_temperatures,

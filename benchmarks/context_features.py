@@ -37,7 +37,7 @@ from torch import Tensor
 
 from noisy_temp_server.estimation.fitting import finite_positions
 from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
-from noisy_temp_server.pairs.scorer import KLCurveInterpolant, PositionRecords
+from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 RESULTS = Path(__file__).resolve().parent / "results"

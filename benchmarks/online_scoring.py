@@ -50,7 +50,8 @@ from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence, ServedRows
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence, ServedRows
 from noisy_temp_server.settings import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

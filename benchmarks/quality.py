@@ -79,7 +79,7 @@ from noisy_temp_server.pairs.perturb import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
 )
-from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.temperature.rules import Rule

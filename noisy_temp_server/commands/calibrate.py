@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             policy_path = args.out.with_name(f"{args.out.stem}.policy.json")
             write_atomically(policy_path, (result.profile.to_policy().to_json() + "\n").encode())
             if args.records is not None:
-                from noisy_temp_server.pairs.scorer import PositionRecords  # noqa: PLC0415
+                from noisy_temp_server.pairs.records import PositionRecords  # noqa: PLC0415
 
                 parts = [result.fit, result.validation, result.test]
                 PositionRecords.concat(parts).save(args.records)

@@ -32,7 +32,8 @@ from noisy_temp_server.estimation.significance import (
     split_fit_validation_test,
     split_selection_gate,
 )
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import (
     BiasFit,
     BiasPath,

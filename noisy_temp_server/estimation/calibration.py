@@ -59,7 +59,8 @@ from noisy_temp_server.estimation.significance import (
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturb import PerturbationSpec
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import PairedRows
 
 __all__ = [

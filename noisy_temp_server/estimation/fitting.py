@@ -29,7 +29,7 @@ from noisy_temp_server.estimation.significance import (
     is_not_worse,
     split_by_sequence,
 )
-from noisy_temp_server.pairs.scorer import KLCurveInterpolant, PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.oracle import minimise_convex
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,

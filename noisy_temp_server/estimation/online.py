@@ -67,7 +67,7 @@ from noisy_temp_server.estimation.significance import (
     is_not_worse,
     split_by_sequence,
 )
-from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.bias import LogitBias, PairedRows
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,

@@ -34,7 +34,7 @@ from noisy_temp_server.estimation.significance import (
     cluster_stderr,
     is_material_gain,
 )
-from noisy_temp_server.pairs.scorer import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -38,7 +38,8 @@ from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.perturb import TensorTarget, WeightNoiseSpec, apply_perturbation
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["NoiseSummary", "write_report"]

@@ -58,12 +58,8 @@ from typing import Any, Protocol
 import torch
 
 from noisy_temp_server.estimation.scoreboard import LiveScoreboard
-from noisy_temp_server.pairs.scorer import (
-    LiveScores,
-    PositionRecords,
-    ScoringSequence,
-    ServedRows,
-)
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.vllm_plugin.logit_bias import load_bias

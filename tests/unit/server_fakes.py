@@ -26,12 +26,8 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from noisy_temp_server.estimation.scoreboard import scores_at_temperatures
-from noisy_temp_server.pairs.scorer import (
-    LiveScores,
-    PositionRecords,
-    ScoringSequence,
-    ServedRows,
-)
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource

@@ -32,7 +32,8 @@ from noisy_temp_server.estimation.significance import (
 )
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation, output_head
-from noisy_temp_server.pairs.scorer import PairScorer, PositionRecords, ScoringSequence
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias, fit_logit_bias
 from noisy_temp_server.temperature.bias_files import (
     bias_file_name,

@@ -49,11 +49,7 @@ from noisy_temp_server.estimation.significance import (
 )
 from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.perturb import WeightNoiseSpec
-from noisy_temp_server.pairs.scorer import (
-    KL_CURVE_TEMPERATURES,
-    PositionRecords,
-    interpolate_kl,
-)
+from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature

@@ -15,7 +15,7 @@ from noisy_temp_server.estimation import fitting
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
 from noisy_temp_server.estimation.significance import split_by_sequence
-from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule

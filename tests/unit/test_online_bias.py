@@ -20,7 +20,7 @@ from noisy_temp_server.estimation import online
 from noisy_temp_server.estimation.online import OnlineEstimator
 from noisy_temp_server.estimation.online_bias import OnlineBias
 from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
-from noisy_temp_server.pairs.scorer import PositionRecords
+from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.temperature.bias import (
     LogitBias,
     PairedRows,

@@ -18,15 +18,8 @@ from noisy_temp_server.pairs.perturb import (
     WeightNoiseSpec,
     apply_perturbation,
 )
-from noisy_temp_server.pairs.scorer import (
-    KL_CURVE_TEMPERATURES,
-    LiveScores,
-    PairScorer,
-    PositionRecords,
-    ScoringSequence,
-    ServedRows,
-    interpolate_kl,
-)
+from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequence, ServedRows
 from noisy_temp_server.temperature.bias import PairedRows
 from noisy_temp_server.temperature.oracle import kl_curve
 

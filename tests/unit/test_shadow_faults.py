@@ -33,13 +33,8 @@ from server_helpers import free_port
 from starlette.types import Message
 
 from noisy_temp_server.pairs.clean_backend import RemoteClean
-from noisy_temp_server.pairs.scorer import (
-    LiveScores,
-    PairScorer,
-    PositionRecords,
-    ScoringSequence,
-    ServedRows,
-)
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequence, ServedRows
 from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics

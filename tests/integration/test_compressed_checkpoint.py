@@ -110,7 +110,9 @@ def test_kld_scores_the_quantized_checkpoint(
 def w8a8_llm(w8a8_dir: Path) -> Iterator[Any]:
     from vllm_helpers import start_llm, stop_llm  # noqa: PLC0415
 
-    llm = start_llm(w8a8_dir)
+    # bfloat16: on hosts with AMX, vLLM's CPU int8 kernel (its sgl path) takes bfloat16 or
+    # half activations only; float32 fails there with "expect A to be bfloat16 or half"
+    llm = start_llm(w8a8_dir, dtype="bfloat16")
     yield llm
     stop_llm(llm)
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 
 from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
+from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
 from noisy_temp_server.vllm_plugin.logit_bias import check_bias
 from noisy_temp_server.vllm_plugin.metrics import step_temperature_metrics
 from noisy_temp_server.vllm_plugin.reports import Reporter
@@ -98,6 +99,8 @@ def build_slot_tuning(
     default policy (ValueError at startup when ``NTS_POLICY_FILE`` is invalid), marks a second
     instance for the same config as a duplicate, and reports (and captures, `capture`) only on
     the first tensor-parallel rank. ``vocab_size``: the logits' width, for the per-token bias."""
+    if device.type == "cpu":
+        request_amx_permission()
     default_policy_json()
     duplicate = _INSTANCES.setdefault(id(vllm_config), owner) is not owner
     if duplicate:

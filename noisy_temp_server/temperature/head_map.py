@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.temperature.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [
     "DEFAULT_MAP_PENALTIES",
@@ -71,16 +72,19 @@ class HeadMap:
     def mapped(self, rows: PairedRows) -> PairedRows:
         """`rows` with every served row mapped (the clean side unchanged); the rows must have no
         masked token (their coordinates would be wrong; calibration rows have none)."""
-        parts = []
-        for chunk in rows.chunks():
-            served = self.apply(rows.served_shifted[chunk])
-            shifted = (served - served.amax(dim=-1, keepdim=True)).clamp(min=MASKED_FLOOR)
-            parts.append((shifted, (rows.clean_prob[chunk] * shifted).sum(dim=-1).double()))
+        terms = [
+            KLTerms.from_clean_prob(
+                rows.clean_prob[chunk],
+                rows.neg_entropy[chunk],
+                self.apply(rows.served_shifted[chunk]),
+            )
+            for chunk in rows.chunks()
+        ]
         return PairedRows(
-            served_shifted=torch.cat([s for s, _ in parts]),
+            served_shifted=torch.cat([t.served_shifted for t in terms]).clamp(min=MASKED_FLOOR),
             clean_prob=rows.clean_prob,
             neg_entropy=rows.neg_entropy,
-            served_mean=torch.cat([m for _, m in parts]),
+            served_mean=torch.cat([t.served_mean_under_clean for t in terms]).double(),
             clean_top=rows.clean_top,
             sequence_id=rows.sequence_id,
         )

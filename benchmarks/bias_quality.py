@@ -68,14 +68,12 @@ from noisy_temp_server.estimation.quality import quality_table
 from noisy_temp_server.estimation.significance import (
     split_by_sequence,
     split_fit_validation_test,
-    split_selection_gate,
 )
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.head_map import fit_head_map
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 
@@ -242,16 +240,14 @@ def _head_mapped(
     fit, validation = split_by_sequence(
         scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
     )
-    fit_rows, validation_rows = scored_a.rows.select(fit), scored_a.rows.select(validation)
-    selection, _ = split_selection_gate(validation_rows.sequence_id.cpu(), settings.seed)
-    cross_map = fit_head_map(fit_rows, validation_rows.select(selection), basis, rank)
-    cross_path, _ = fit_bias_for_serving(
-        cross_map.head_map.mapped(fit_rows),
-        cross_map.head_map.mapped(validation_rows),
+    cross_path, _, cross_map = fit_bias_for_serving(
+        scored_a.rows.select(fit),
+        scored_a.rows.select(validation),
         settings,
         basis,
-        unmapped_validation=validation_rows,
+        head_map_rank=rank,
     )
+    assert cross_map is not None
     cross = bias_quality(
         cross_map.head_map.mapped(scored_b.rows),
         cross_path.chosen.correction,
@@ -331,7 +327,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     fit, validation = split_by_sequence(
         scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
     )
-    cross_path, _ = fit_bias_for_serving(
+    cross_path, _, _ = fit_bias_for_serving(
         scored_a.rows.select(fit), scored_a.rows.select(validation), settings, basis
     )
     fit_seconds = time.monotonic() - fit_started

@@ -461,23 +461,15 @@ def calibrate_bias(
         rule_temperatures = rule_temperatures_by_request_temperature(
             rule, row_records.select(validation), settings.request_temperatures
         )
-    head_map = None
-    if head_map_rank:
-        if basis is None:
-            raise ValueError("a head map needs the output head's weights (basis)")
-        selection, _ = split_selection_gate(rows.sequence_id[validation].cpu(), settings.seed)
-        head_map = fit_head_map(
-            rows.select(fit), rows.select(validation).select(selection), basis, head_map_rank
-        )
-    mapped = rows if head_map is None else head_map.head_map.mapped(rows)
-    path, validation_quality = fit_bias_for_serving(
-        mapped.select(fit),
-        mapped.select(validation),
+    path, validation_quality, head_map = fit_bias_for_serving(
+        rows.select(fit),
+        rows.select(validation),
         settings,
         basis,
         rule_temperatures=rule_temperatures,
-        unmapped_validation=None if head_map is None else rows.select(validation),
+        head_map_rank=head_map_rank,
     )
+    mapped = rows if head_map is None else head_map.head_map.mapped(rows)
     fitted = mapped.select(fit | validation)
     return BiasCalibration(
         path=path,
@@ -519,8 +511,8 @@ def fit_bias_for_serving(
     basis: Tensor | None = None,
     *,
     rule_temperatures: Mapping[float, Tensor] | None = None,
-    unmapped_validation: PairedRows | None = None,
-) -> tuple[BiasPath, BiasQuality]:
+    head_map_rank: int = 0,
+) -> tuple[BiasPath, BiasQuality, HeadMapFit | None]:
     """The bias to serve from fit and validation rows. The validation rows are halved by prompt
     (`split_selection_gate`, as `calibrate_records` halves its records): the penalties are
     chosen on the selection half with fits on `fit` (`fit_logit_bias`, with the output head's
@@ -530,11 +522,18 @@ def fit_bias_for_serving(
     start). With `rule_temperatures` (a temperature rule's T at each validation row, by request
     temperature), the gate half's quality also compares the bias with that rule
     (`BiasQuality.over_rule`), the bias served at each request temperature with its T fitted
-    there on `fit` (`fit_band_temperatures`). When `fit` and `validation` were mapped
-    (`HeadMap.mapped`), `unmapped_validation` are the validation rows as served (for T = 1, the
-    oracle and the rule, `bias_quality`). Raises `InsufficientDataError` when a half is too
-    small (see `bias_quality`)."""
+    there on `fit` (`fit_band_temperatures`). With `head_map_rank` > 0 (and a `basis`), a
+    `HeadMap` of that rank is fitted first on `fit` (its penalty chosen on the selection half)
+    and returned, and all of the above runs on the mapped rows, measured against the rows as
+    served (`bias_quality`'s `unmapped`); else the map returned is None. Raises
+    `InsufficientDataError` when a half is too small (see `bias_quality`)."""
     selection, gate = split_selection_gate(validation.sequence_id.cpu(), settings.seed)
+    served_validation, head_map = validation, None
+    if head_map_rank:
+        if basis is None:
+            raise ValueError("a head map needs the output head's weights (basis)")
+        head_map = fit_head_map(fit, validation.select(selection), basis, head_map_rank)
+        fit, validation = head_map.head_map.mapped(fit), head_map.head_map.mapped(validation)
     path = fit_logit_bias(fit, validation.select(selection), basis=basis, bounds=settings.bounds)
     gate_quality = bias_quality(
         validation.select(gate),
@@ -548,7 +547,7 @@ def fit_bias_for_serving(
         else fit_band_temperatures(
             fit, path.chosen.correction, list(rule_temperatures), settings.bounds
         ),
-        unmapped=None if unmapped_validation is None else unmapped_validation.select(gate),
+        unmapped=None if head_map is None else served_validation.select(gate),
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(
@@ -560,4 +559,4 @@ def fit_bias_for_serving(
         start=chosen,
         fit_bias=math.isfinite(chosen.penalty),
     )
-    return replace(path, chosen=refit), gate_quality
+    return replace(path, chosen=refit), gate_quality, head_map

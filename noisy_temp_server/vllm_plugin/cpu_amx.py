@@ -1,9 +1,9 @@
 """Let the engine's CPU kernels use AMX: Linux hands a process the AMX tile state only after it
 asks (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); an AMX instruction before that
 is an illegal instruction. oneDNN asks before its own AMX kernels, but some of vLLM 0.32's CPU
-kernels do not: on a host with AMX, a bfloat16 model whose first AMX use is one of those (the
-tiny test Llama; not the embedded SmolLM2, where oneDNN goes first) killed the engine worker
-with SIGILL on its first request. The processors ask once per worker process, at construction.
+kernels do not: on a host with AMX, the tiny test Llama in bfloat16 killed the engine worker
+with SIGILL on its first request (the embedded SmolLM2 served on the same host; why is not
+known). The processors ask once per worker process, at construction.
 """
 
 from __future__ import annotations

@@ -126,6 +126,7 @@ _JSON_KEYS = (
     "schedule_beta",
     "calibrated",
     "bias",
+    "head_map",
 )
 _CALIBRATED_KEYS = ("step_edges", "entropy_edges", "temperatures", "request_temperature_edges")
 
@@ -150,7 +151,11 @@ class TemperaturePolicy:
             served logits before the temperature, softmax((z~ + b) / T) (`temperature.bias`),
             on top of any rule; None: no bias. Only the hash travels with the policy; the
             vector (float32, one entry per vocabulary token) is a file the engine loads once
-            (`temperature.bias.bias_file_name`).
+            (`temperature.bias_files.bias_file_name`).
+        head_map: the sha256 of a low-rank head map (`temperature.head_map.HeadMap`) applied
+            to the served row before the bias, softmax((z~ + L R z~ + b) / T); None: none.
+            Only with a bias (the bias was fitted on mapped rows); stored like it
+            (`temperature.bias_files.head_map_file_name`).
 
     Sequences are normalised to tuples and numbers to float/int, so equal policies compare
     (and hash) equal and round-trip exactly through JSON.
@@ -168,6 +173,7 @@ class TemperaturePolicy:
     schedule_beta: float = 0.0
     calibrated: CalibratedTable = dataclasses.field(default_factory=CalibratedTable)
     bias: str | None = None
+    head_map: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
@@ -196,7 +202,10 @@ class TemperaturePolicy:
             "schedule_t_max": checks.number("schedule_t_max", self.schedule_t_max, positive=True),
             "schedule_beta": checks.number("schedule_beta", self.schedule_beta),
             "bias": None if self.bias is None else checks.sha256("bias", self.bias),
+            "head_map": None if self.head_map is None else checks.sha256("head_map", self.head_map),
         }
+        if self.head_map is not None and self.bias is None:
+            raise checks.fail("head_map", "None in a policy without a bias", self.head_map)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -219,16 +228,24 @@ class TemperaturePolicy:
         return self.rule is Rule.CALIBRATED and self.calibrated.reads_entropy
 
     def serving_bias(
-        self, sha256: str, band_temperatures: Mapping[float, float]
+        self,
+        sha256: str,
+        band_temperatures: Mapping[float, float],
+        head_map: str | None = None,
     ) -> TemperaturePolicy:
-        """This policy serving the bias `sha256` with its T at each request temperature,
+        """This policy serving the bias `sha256` (on top of the head map `head_map`, if any)
+        with its T at each request temperature,
         `band_temperatures` {T_r: T} (T_r = 1 among them): rule `fixed` at that T when every
         band has the same T, else rule `calibrated` with one band per request temperature
         (`CalibratedTable.by_request_temperature`); `fixed_temperature` is the T_r = 1 one
         either way (what `nts_rule=fixed` serves with the bias)."""
         temperatures = tuple(band_temperatures[t_r] for t_r in sorted(band_temperatures))
         served = dataclasses.replace(
-            self, bias=sha256, fixed_temperature=band_temperatures[1.0], rule=Rule.FIXED
+            self,
+            bias=sha256,
+            head_map=head_map,
+            fixed_temperature=band_temperatures[1.0],
+            rule=Rule.FIXED,
         )
         if len(set(temperatures)) == 1:
             return served
@@ -318,6 +335,7 @@ class TemperaturePolicy:
             schedule_beta=data.get("schedule_beta", defaults.schedule_beta),
             calibrated=calibrated,
             bias=data.get("bias", defaults.bias),
+            head_map=data.get("head_map", defaults.head_map),
         )
 
 
@@ -361,4 +379,5 @@ def _encode(policy: TemperaturePolicy) -> dict[str, Any]:
             "request_temperature_edges": list(table.request_temperature_edges),
         },
         "bias": policy.bias,
+        "head_map": policy.head_map,
     }

@@ -4,13 +4,22 @@ ridge least squares on paired rows and measured against the rows as served."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from noisy_temp_server.estimation.bias_fit import calibrate_bias
 from noisy_temp_server.estimation.profile import CalibrationSettings
 from noisy_temp_server.temperature.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.temperature.bias_files import (
+    find_head_map_file,
+    head_map_file_name,
+    head_map_sha256,
+    load_head_map_file,
+    save_head_map_file,
+)
 from noisy_temp_server.temperature.head_map import HeadMap, fit_head_map, head_coordinates
 
 VOCAB, WIDTH = 300, 16
@@ -117,3 +126,30 @@ def test_a_calibration_on_top_of_a_map_is_measured_against_the_rows_as_served() 
         mapped.summary()
     with pytest.raises(ValueError, match="basis"):
         calibrate_bias(rows, settings, head_map_rank=2)
+
+
+def _small_map(seed: int = 3) -> HeadMap:
+    generator = torch.Generator().manual_seed(seed)
+    return HeadMap(
+        left=torch.randn(VOCAB, 2, generator=generator),
+        right=torch.randn(2, VOCAB, generator=generator),
+    )
+
+
+def test_a_stored_map_is_found_by_its_hash_and_a_changed_file_is_refused(tmp_path: Path) -> None:
+    head_map = _small_map()
+    sha = head_map_sha256(head_map)
+    path = save_head_map_file(tmp_path, head_map)
+    assert path.name == head_map_file_name(sha)
+    found = find_head_map_file([tmp_path / "elsewhere", tmp_path], sha)
+    torch.testing.assert_close(found.left, head_map.left, rtol=0, atol=0)
+    torch.testing.assert_close(found.right, head_map.right, rtol=0, atol=0)
+    assert head_map_sha256(_small_map(seed=4)) != sha
+    save_file({"left": head_map.left, "right": 2 * head_map.right}, str(path))
+    with pytest.raises(ValueError, match="does not hold the map"):
+        load_head_map_file(tmp_path, sha)
+    save_file({"left": head_map.left}, str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_head_map_file(tmp_path, sha)
+    with pytest.raises(ValueError, match=r"no head map file head-map-.* in"):
+        find_head_map_file([tmp_path / "elsewhere"], sha)

@@ -21,6 +21,7 @@ __all__ = [
     "bias_file_name",
     "bias_sha256",
     "check_bias_vocabulary",
+    "check_head_map_vocabulary",
     "find_bias_file",
     "find_head_map_file",
     "head_map_file_name",
@@ -60,6 +61,17 @@ def check_bias_vocabulary(bias: Tensor, vocab_size: int | None, where: str) -> N
         raise ValueError(
             f"the per-token bias {bias_sha256(bias)[:16]}... has {bias.numel()} entries but "
             f"{where} has a vocabulary of {vocab_size} tokens; it was fitted for another model"
+        )
+
+
+def check_head_map_vocabulary(head_map: HeadMap, vocab_size: int | None, where: str) -> None:
+    """ValueError unless `head_map` maps rows of the vocabulary of `where`, `vocab_size` tokens
+    (as `check_bias_vocabulary`)."""
+    if head_map.vocab_size != vocab_size:
+        raise ValueError(
+            f"the head map {head_map_sha256(head_map)[:16]}... maps rows of "
+            f"{head_map.vocab_size} tokens but {where} has a vocabulary of {vocab_size} tokens; "
+            "it was fitted for another model"
         )
 
 

@@ -65,6 +65,10 @@ class HeadMap:
     def rank(self) -> int:
         return int(self.left.shape[1])
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.left.shape[0])
+
     def apply(self, served: Tensor) -> Tensor:
         """[B, V] served logits -> the mapped logits (a new tensor)."""
         return served + (served @ self.right.to(served).T) @ self.left.to(served).T

@@ -20,14 +20,15 @@ from vllm import SamplingParams
 
 from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
 from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
-from noisy_temp_server.vllm_plugin.logit_bias import check_bias
+from noisy_temp_server.vllm_plugin.logit_bias import check_correction
 from noisy_temp_server.vllm_plugin.metrics import step_temperature_metrics
 from noisy_temp_server.vllm_plugin.reports import Reporter
 from noisy_temp_server.vllm_plugin.request_args import (
+    LogitCorrection,
     RequestTuning,
     default_policy_json,
     parse_request_args,
-    resolve_bias,
+    resolve_correction,
     resolve_request,
 )
 from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
@@ -54,18 +55,20 @@ def tuning_processor(vllm_config: VllmConfig) -> object | None:
     return _INSTANCES.get(id(vllm_config))
 
 
-def request_tuning(params: SamplingParams) -> tuple[RequestTuning | None, str | None]:
-    """What the processor applies to a request: its temperature tuning (None: untuned) and the
-    sha256 of its per-token bias (None: none). The one place the processors read the request
+def request_tuning(
+    params: SamplingParams,
+) -> tuple[RequestTuning | None, LogitCorrection | None]:
+    """What the processor applies to a request: its temperature tuning (None: untuned) and its
+    per-token bias and head map (None: none). The one place the processors read the request
     keys."""
     keys = parse_request_args(params.extra_args)
-    return resolve_request(keys, params.temperature), resolve_bias(keys)
+    return resolve_request(keys, params.temperature), resolve_correction(keys)
 
 
 def validate_request(params: SamplingParams) -> None:
     """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid or
-    name a per-token bias this engine cannot load."""
-    check_bias(resolve_bias(parse_request_args(params.extra_args)))
+    name a per-token bias or head map this engine cannot load."""
+    check_correction(resolve_correction(parse_request_args(params.extra_args)))
 
 
 class TunedProcessor:

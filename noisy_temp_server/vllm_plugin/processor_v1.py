@@ -132,11 +132,11 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
             self._free_row(row)
         for row, params, _prompt_ids, outputs in batch_update.added:
             self._free_row(row)
-            resolved, bias = (None, None) if self.duplicate else request_tuning(params)
-            if resolved is None and bias is None:
+            resolved, correction = (None, None) if self.duplicate else request_tuning(params)
+            if resolved is None and correction is None:
                 continue
             slot = self._free.pop()
-            self.tuning.stage(slot, resolved, params.temperature, bias)
+            self.tuning.stage(slot, resolved, params.temperature, correction)
             self._row_slot[row] = slot
             if resolved is not None:  # a bias-only slot (greedy) stays at step 0, uncounted
                 self._waiting[slot] = (outputs, len(outputs))

@@ -93,9 +93,9 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """Give slot ``req_idx`` to a new request; True when it is tuned, biased or captured."""
-        resolved, bias = (None, None) if self.duplicate else request_tuning(sampling_params)
-        self.tuning.stage(req_idx, resolved, sampling_params.temperature, bias)
-        tuned = resolved is not None or bias is not None
+        resolved, correction = (None, None) if self.duplicate else request_tuning(sampling_params)
+        self.tuning.stage(req_idx, resolved, sampling_params.temperature, correction)
+        tuned = resolved is not None or correction is not None
         self._slot_kinds[req_idx] = (_HOLDS_TUNED if tuned else 0) | (
             _HOLDS_UNTUNED if resolved is None else 0
         )

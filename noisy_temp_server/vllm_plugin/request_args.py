@@ -52,13 +52,14 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "POLICY_FILE_ENV",
     "REQUEST_KEYS",
+    "LogitCorrection",
     "RequestTuning",
     "TuningKeys",
     "default_policy_json",
     "parse_policy_json",
     "parse_request_args",
     "parse_runtime_noise_sigma",
-    "resolve_bias",
+    "resolve_correction",
     "resolve_request",
 ]
 
@@ -346,16 +347,26 @@ def resolve_request(keys: TuningKeys, request_temperature: float) -> RequestTuni
     )
 
 
-def resolve_bias(keys: TuningKeys) -> str | None:
-    """The sha256 of the per-token logit bias the request gets (its policy's, whatever the rule
-    and the request temperature: greedy requests get it too), or None: no bias in the policy,
+@dataclass(frozen=True)
+class LogitCorrection:
+    """The correction a request's logits get before its temperature: the sha256 of its
+    per-token bias and of the head map under it (None: none; a map comes only with a bias)."""
+
+    bias: str
+    head_map: str | None = None
+
+
+def resolve_correction(keys: TuningKeys) -> LogitCorrection | None:
+    """The per-token bias (and head map) the request gets: its policy's, whatever the rule and
+    the request temperature (greedy requests get it too), or None: no bias in the policy,
     ``nts_bias`` off, or ``nts_tune`` off (no correction at all).
 
     Raises ValueError when the default policy (``NTS_POLICY_FILE``) is needed and invalid.
     """
     if not keys.tune or not keys.bias:
         return None
-    return parse_policy_json(keys.policy_json or default_policy_json()).bias
+    policy = parse_policy_json(keys.policy_json or default_policy_json())
+    return None if policy.bias is None else LogitCorrection(policy.bias, policy.head_map)
 
 
 def default_policy_json() -> str:

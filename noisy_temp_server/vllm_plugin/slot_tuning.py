@@ -68,7 +68,7 @@ from noisy_temp_server.vllm_plugin.metrics import (
     step_bucket_labels,
 )
 from noisy_temp_server.vllm_plugin.reports import Occupancy, Reporter, StateLayout
-from noisy_temp_server.vllm_plugin.request_args import RequestTuning
+from noisy_temp_server.vllm_plugin.request_args import LogitCorrection, RequestTuning
 
 __all__ = ["STEP_STRIDE", "SlotTuning"]
 
@@ -224,13 +224,13 @@ class SlotTuning:
         slot: int,
         resolved: RequestTuning | None,
         request_temperature: float,
-        bias: str | None = None,
+        correction: LogitCorrection | None = None,
     ) -> None:
-        """Give ``slot`` to a new occupant (``resolved``; None: untuned; ``bias``: the sha256 of
-        its per-token bias) from the next `flush_staged` on; the previous occupant's state is
-        dropped (after one last report)."""
+        """Give ``slot`` to a new occupant (``resolved``; None: untuned; ``correction``: its
+        per-token bias and head map) from the next `flush_staged` on; the previous occupant's
+        state is dropped (after one last report)."""
         self._release(slot)
-        self.bias.stage(slot, bias)
+        self.bias.stage(slot, correction)
         if resolved is not None:
             self._serial += 1
             self.occupants[slot] = (resolved.trace_id, self._serial)
@@ -421,8 +421,8 @@ class SlotTuning:
         all_rows_tuned: bool = False,
         batch_slots: np.ndarray | None = None,
     ) -> None:
-        """Add each row's per-token bias (if its slot has one), divide the row by its T*
-        (``logits``: [R, V] float32, in place) and account it.
+        """Apply each row's head map and add its per-token bias (if its slot has them), divide
+        the row by its T* (``logits``: [R, V] float32, in place) and account it.
 
         ``slots``/``keys``: [R] integer slot (int32 or int64) and int64 step key of each row,
         ``slot * STEP_STRIDE + generation step``. ``counted``: [R] bool (or 0/1 integers), rows

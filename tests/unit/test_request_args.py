@@ -10,12 +10,13 @@ import pytest
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.request_args import (
+    LogitCorrection,
     POLICY_FILE_ENV,
     TuningKeys,
     default_policy_json,
     parse_policy_json,
     parse_request_args,
-    resolve_bias,
+    resolve_correction,
     resolve_request,
 )
 
@@ -166,12 +167,16 @@ def test_policy_is_parsed_once_per_text() -> None:
 
 
 def test_the_bias_comes_from_the_policy_unless_the_request_turns_it_off() -> None:
-    sha = "ab" * 32
+    sha, head_map = "ab" * 32, "cd" * 32
     policy = TemperaturePolicy(rule=Rule.OFF, bias=sha).to_json()
-    assert resolve_bias(parse_request_args({"nts_policy": policy})) == sha  # rule off, still on
-    assert resolve_bias(parse_request_args({"nts_policy": policy, "nts_bias": "no"})) is None
-    assert resolve_bias(parse_request_args({"nts_policy": policy, "nts_tune": False})) is None
-    assert resolve_bias(parse_request_args({"nts_policy": SQRT.to_json()})) is None
+    mapped = TemperaturePolicy(rule=Rule.OFF, bias=sha, head_map=head_map).to_json()
+    resolved = resolve_correction(parse_request_args({"nts_policy": policy}))
+    assert resolved == LogitCorrection(sha)  # rule off, still on
+    resolved = resolve_correction(parse_request_args({"nts_policy": mapped}))
+    assert resolved == LogitCorrection(sha, head_map)
+    for off in ({"nts_bias": "no"}, {"nts_tune": False}):  # the map goes with the bias
+        assert resolve_correction(parse_request_args({"nts_policy": mapped, **off})) is None
+    assert resolve_correction(parse_request_args({"nts_policy": SQRT.to_json()})) is None
     keys = parse_request_args({"nts_bias": False})
     assert keys.bias is False
     assert parse_request_args(keys.to_extra_args()) == keys

@@ -332,21 +332,28 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
 
 
 def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
-    """ProfileError unless the per-token bias `policy` names (None: nothing to check) loads
-    from the engine's bias directory (`vllm_plugin.logit_bias.load_bias`; `prepare_environment`
-    sets it) and has one entry per token of the served model's vocabulary. The engine would
-    otherwise answer 400 to every request naming it, or serve them without it."""
+    """ProfileError unless the per-token bias `policy` names (None: nothing to check), and the
+    head map under it if any, load from the engine's bias directory
+    (`vllm_plugin.logit_bias.load_bias`; `prepare_environment` sets it) and fit the served
+    model's vocabulary. The engine would otherwise answer 400 to every request naming them, or
+    serve them without the bias."""
     if policy.bias is None:
         return
     from transformers import AutoConfig  # noqa: PLC0415
 
     from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
-    from noisy_temp_server.temperature.bias_files import check_bias_vocabulary  # noqa: PLC0415
-    from noisy_temp_server.vllm_plugin.logit_bias import load_bias  # noqa: PLC0415
+    from noisy_temp_server.temperature.bias_files import (  # noqa: PLC0415
+        check_bias_vocabulary,
+        check_head_map_vocabulary,
+    )
+    from noisy_temp_server.vllm_plugin.logit_bias import load_bias, load_head_map  # noqa: PLC0415
 
     vocab_size = int(AutoConfig.from_pretrained(pair.served, local_files_only=True).vocab_size)
+    where = f"the served model {pair.served}"
     try:
-        check_bias_vocabulary(load_bias(policy.bias), vocab_size, f"the served model {pair.served}")
+        check_bias_vocabulary(load_bias(policy.bias), vocab_size, where)
+        if policy.head_map is not None:
+            check_head_map_vocabulary(load_head_map(policy.head_map), vocab_size, where)
     except ValueError as error:
         raise ProfileError(f"the policy's per-token bias cannot be served: {error}") from error
 

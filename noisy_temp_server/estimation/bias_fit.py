@@ -43,7 +43,7 @@ from noisy_temp_server.temperature.bias import (
     fit_bias_at_penalty,
     fit_logit_bias,
 )
-from noisy_temp_server.temperature.bias_files import bias_sha256
+from noisy_temp_server.temperature.bias_files import bias_sha256, head_map_sha256
 from noisy_temp_server.temperature.head_map import HeadMapFit, fit_head_map
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import TemperaturePolicy
@@ -311,8 +311,7 @@ class BiasCalibration:
     rule), if any."""
     head_map: HeadMapFit | None = None
     """The head map the bias was fitted on top of (`calibrate_bias`'s `head_map_rank`), if any:
-    the correction measured is the two together. The processors do not apply a map yet, so
-    such a calibration is measured, not served (`summary` refuses it)."""
+    the correction measured and served is the two together."""
 
     @property
     def correction(self) -> LogitBias:
@@ -389,10 +388,9 @@ class BiasCalibration:
         )
 
     def summary(self) -> BiasSummary:
-        """What the profile records (the vector itself is written by
-        `temperature.bias_files.save_bias_file`); ValueError with a head map (not servable)."""
-        if self.head_map is not None:
-            raise ValueError("a bias fitted on top of a head map cannot be served yet")
+        """What the profile records (the vector and the head map themselves are written by
+        `temperature.bias_files.save_bias_file` and `save_head_map_file`)."""
+        mapped = self.head_map
         head_penalty = self.path.chosen.head_penalty
         over_rule = self.validation.over_rule
         return BiasSummary(
@@ -412,6 +410,9 @@ class BiasCalibration:
             gain_over_rule_stderr=None if over_rule is None else over_rule[1],
             gain_over_rule_request_temperature=self.validation.over_rule_request_temperature,
             band_temperatures=tuple(self.band_temperatures.values()),
+            head_map=None if mapped is None else head_map_sha256(mapped.head_map),
+            head_map_rank=None if mapped is None else mapped.head_map.rank,
+            head_map_penalty=None if mapped is None else mapped.penalty,
         )
 
 

@@ -168,7 +168,8 @@ def calibrate_records(
     selection / gate halves; fit every rule on fit, choose the calibrated table's cells on the
     selection half, the recommended rule on the gate half (`recommend_rule`), report on test.
     With `rows` (of some of the same positions) the per-token bias is fitted and measured on
-    the same splits (`calibrate_bias`, with the clean output head's `basis` if given), and,
+    the same splits (`calibrate_bias`, with the clean output head's `basis` if given, on top of
+    a head map of `settings.head_map_rank` if > 0, which needs the `basis`), and,
     given `row_records` (the records at request temperature 1 of the positions of `rows`, row
     for row: `ScoredSet.row_records`), recommended only if not significantly worse than the
     recommended rule on the same gate rows.
@@ -198,6 +199,7 @@ def calibrate_records(
             basis,
             rule=parameters.to_policy(recommended_rule),
             row_records=row_records,
+            head_map_rank=settings.head_map_rank,
         )
         if rows is not None and len(rows)
         else None

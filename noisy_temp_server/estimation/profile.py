@@ -83,6 +83,10 @@ class CalibrationSettings(_Frozen):
     bias_rows: int = Field(default=2048, ge=0)
     """Positions whose full clean and served rows are kept to fit the per-token bias (8 bytes
     per vocabulary entry each: 2048 rows of a 49k vocabulary take 800 MB); 0: no bias."""
+    head_map_rank: int = Field(default=0, ge=0)
+    """Rank of the head map fitted under the bias (`temperature.head_map`; 2 r V multiply-adds
+    per served row); 0: none. Needs the clean model's output head (a pair whose served
+    vocabulary it fits)."""
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
@@ -289,6 +293,10 @@ class BiasSummary(_Frozen):
     token, so its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted
     on (the online refinement counts them as already seen; None in profiles written before it
     was recorded, when the refinement counts `CalibrationSettings.bias_rows`).
+    `head_map`: the sha256 of the head map the bias was fitted on top of and is served with
+    (`head_map_file_name(head_map)` beside the profile; None: none), of rank `head_map_rank`,
+    its ridge penalty `head_map_penalty` chosen on the selection half; its quality rows measure
+    the two together against the rows as served.
     """
 
     sha256: str
@@ -307,6 +315,9 @@ class BiasSummary(_Frozen):
     gain_over_rule_stderr: float | None = None
     gain_over_rule_request_temperature: float | None = None
     band_temperatures: tuple[float, ...] | None = None
+    head_map: str | None = None
+    head_map_rank: int | None = Field(default=None, ge=1)
+    head_map_penalty: float | None = Field(default=None, gt=0)
 
     def served_temperatures(self, request_temperatures: Sequence[float]) -> dict[float, float]:
         """{T_r: the T served with the bias} at each of `request_temperatures` (the
@@ -369,7 +380,9 @@ class Profile(_Frozen):
 
     def _bias_policy(self, bias: BiasSummary, version: int) -> TemperaturePolicy:
         bands = bias.served_temperatures(self.settings.request_temperatures)
-        return self.parameters.to_policy(Rule.CALIBRATED, version).serving_bias(bias.sha256, bands)
+        return self.parameters.to_policy(Rule.CALIBRATED, version).serving_bias(
+            bias.sha256, bands, head_map=bias.head_map
+        )
 
     def save(self, path: Path) -> None:
         """Write the profile as indented JSON (`write_atomically`)."""

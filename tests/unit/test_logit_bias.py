@@ -16,7 +16,13 @@ from test_processor_v2 import _Batch, _ctx
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    head_map_sha256,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
@@ -351,3 +357,84 @@ def test_a_version_no_slot_holds_leaves_the_table(
     assert passes[0] == 1
     assert torch.equal(v2.apply(served[:1].clone(), _ctx([(1, 0)])), served[:1])
     assert passes[0] == 1  # the one version held, not by this batch
+
+
+def _head_map(folder: Path, vocab: int = VOCAB, seed: int = 5) -> tuple[HeadMap, str]:
+    generator = torch.Generator().manual_seed(seed)
+    head_map = HeadMap(
+        left=0.3 * torch.randn(vocab, 2, generator=generator),
+        right=0.3 * torch.randn(2, vocab, generator=generator),
+    )
+    save_head_map_file(folder, head_map)
+    return head_map, head_map_sha256(head_map)
+
+
+def _mapped_policy(sha: str, head_map_sha: str) -> str:
+    return dataclasses.replace(LINEAR, bias=sha, head_map=head_map_sha).to_json()
+
+
+def test_both_runners_apply_the_head_map_before_the_bias(bias_dir: Path) -> None:
+    """softmax((z~ + L R z~ + b) / (T_req T*)); a row of the same batch without a correction
+    is unchanged, bad values included."""
+    vector, sha = _bias(bias_dir)
+    head_map, map_sha = _head_map(bias_dir)
+    params = _params(temperature=0.7, nts_policy=_mapped_policy(sha, map_sha))
+    v1, v2 = _v1(), _v2(_Batch([1] * SLOTS))
+    _add_v1(v1, (0, params), (1, _params(0.7)))
+    for slot, slot_params in ((0, params), (1, _params(0.7))):
+        v2.add_request(slot, slot_params)
+    v2.apply_staged_writes()
+    served = _logits(2)
+    served[1, :3] = torch.tensor([float("-inf"), float("inf"), float("nan")])
+    t_star = policy_temperature(LINEAR, torch.tensor([0]))
+    expected = (head_map.apply(served[:1]) + vector) / t_star
+    for out in (v1.apply(served.clone()), v2.apply(served.clone(), _ctx([(0, 0), (1, 0)]))):
+        torch.testing.assert_close(out[0:1], expected)
+        assert out[1].numpy().tobytes() == served[1].numpy().tobytes()
+
+
+def test_the_map_reads_masked_entries_as_the_lowest_finite_logit_and_skips_bad_rows(
+    bias_dir: Path,
+) -> None:
+    vector, sha = _bias(bias_dir)
+    head_map, map_sha = _head_map(bias_dir)
+    greedy = _params(temperature=0.0, nts_policy=_mapped_policy(sha, map_sha))
+    v2 = _v2(_Batch([1] * SLOTS))
+    for slot in range(3):
+        v2.add_request(slot, greedy)
+    v2.apply_staged_writes()
+    served = _logits(3)
+    served[0, [2, 5]] = float("-inf")  # masked by another processor
+    served[1, 4] = float("nan")
+    served[2, 6] = float("inf")
+    out = v2.apply(served.clone(), _ctx([(0, 0), (1, 0), (2, 0)]))
+    filled = served[0].clone()
+    filled[[2, 5]] = served[0][served[0].isfinite()].min()
+    expected = served[0] + head_map.left @ (head_map.right @ filled) + vector
+    torch.testing.assert_close(out[0], expected)
+    assert out[0, [2, 5]].isneginf().all()
+    for row in (1, 2):  # not mapped: its coordinates are not finite; the bias is still added
+        torch.testing.assert_close(out[row], served[row] + vector, equal_nan=True)
+
+
+def test_a_head_map_the_engine_cannot_serve_is_refused(
+    bias_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, sha = _bias(bias_dir)
+    with pytest.raises(ValueError, match=r"head map cdcd.* not available to this engine"):
+        NoisyTemperatureLogitsProcessor.validate_params(
+            _params(nts_policy=_mapped_policy(sha, "cd" * 32))
+        )
+    _, map_sha = _head_map(bias_dir, vocab=VOCAB + 1)
+    NoisyTemperatureLogitsProcessor.validate_params(
+        _params(nts_policy=_mapped_policy(sha, map_sha))
+    )
+    v1 = _v1()
+    with caplog.at_level(logging.ERROR):  # another vocabulary: neither the map nor its bias
+        _add_v1(v1, (0, _params(0.0, nts_policy=_mapped_policy(sha, map_sha))))
+    assert f"maps rows of {VOCAB + 1} tokens but the engine has a vocabulary of {VOCAB}" in (
+        caplog.text
+    )
+    assert v1.tuning.bias.biased_slots == 0
+    served = _logits(1)
+    assert torch.equal(v1.apply(served.clone()), served)

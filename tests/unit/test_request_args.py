@@ -10,8 +10,8 @@ import pytest
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.request_args import (
-    LogitCorrection,
     POLICY_FILE_ENV,
+    LogitCorrection,
     TuningKeys,
     default_policy_json,
     parse_policy_json,

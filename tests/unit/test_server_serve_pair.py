@@ -37,7 +37,14 @@ from noisy_temp_server.pairs.perturb import (
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.temperature.bias_files import bias_sha256, load_bias_file, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    head_map_sha256,
+    load_bias_file,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
@@ -308,3 +315,15 @@ def test_a_bias_that_does_not_fit_the_served_vocabulary_is_refused_at_startup(
     missing = dataclasses.replace(TemperaturePolicy.identity(), bias="ab" * 32)
     with pytest.raises(ProfileError, match="not available to this engine"):
         serve.check_served_bias(missing, pair)
+    for size in (vocab, vocab + 1):
+        head_map = HeadMap(left=torch.randn(size, 2), right=torch.randn(2, size))
+        save_head_map_file(tmp_path, head_map)
+        mapped = dataclasses.replace(policies[vocab], head_map=head_map_sha256(head_map))
+        if size == vocab:
+            serve.check_served_bias(mapped, pair)
+            continue
+        with pytest.raises(ProfileError, match=rf"head map .* maps rows of {vocab + 1} tokens"):
+            serve.check_served_bias(mapped, pair)
+    unknown_map = dataclasses.replace(policies[vocab], head_map="cd" * 32)
+    with pytest.raises(ProfileError, match=r"head map cdcd.* not available to this engine"):
+        serve.check_served_bias(unknown_map, pair)

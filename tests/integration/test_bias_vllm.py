@@ -2,7 +2,8 @@
 
 The engine's bias directory (``NTS_BIAS_DIR``) makes the processor non-argmax-invariant, so
 vLLM runs it for greedy rows too: a bias that lifts one token far above the others makes every
-greedy token that token, while ``nts_bias: false`` gets the model's own greedy output.
+greedy token that token, while ``nts_bias: false`` gets the model's own greedy output. A head
+map that swaps two tokens' logits swaps them in the greedy output.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    head_map_sha256,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
@@ -29,7 +36,7 @@ PROMPT = "the cat sat on"
 
 @pytest.fixture(scope="module")
 def biased(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """(engine, policy JSON naming the bias)."""
+    """(engine, policy JSON naming the bias, the engine's bias directory)."""
     from transformers import AutoConfig  # noqa: PLC0415
     from vllm import LLM  # noqa: PLC0415
 
@@ -50,7 +57,7 @@ def biased(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         enforce_eager=True,
         seed=0,
     )
-    yield engine, policy.to_json()
+    yield engine, policy.to_json(), folder
     del engine
     if saved is None:
         os.environ.pop(BIAS_DIR_ENV, None)
@@ -66,7 +73,7 @@ def _greedy(engine: Any, **keys: Any) -> Any:
 
 
 def test_greedy_output_and_logprobs_follow_the_bias(biased: Any) -> None:
-    engine, policy = biased
+    engine, policy, _ = biased
     plain = _greedy(engine)
     assert set(plain.token_ids) != {LIFTED}
     lifted = _greedy(engine, nts_policy=policy)
@@ -78,10 +85,35 @@ def test_greedy_output_and_logprobs_follow_the_bias(biased: Any) -> None:
 
 
 def test_a_bias_the_engine_does_not_have_is_refused(biased: Any) -> None:
-    engine, _ = biased
+    engine, _, _ = biased
     unknown = dataclasses.replace(TemperaturePolicy(), bias="ab" * 32).to_json()
     from vllm.exceptions import VLLMValidationError  # noqa: PLC0415
 
     with pytest.raises(VLLMValidationError, match="not available to this engine"):
         _greedy(engine, nts_policy=unknown)
     assert len(_greedy(engine).token_ids) == 6  # the engine keeps serving
+
+
+def _swap_map(vocab: int, first: int, second: int) -> HeadMap:
+    """z -> z + (e_second - e_first)(z_first - z_second): the two tokens' logits swapped."""
+    swap = torch.zeros(vocab, 1)
+    swap[first], swap[second] = -1.0, 1.0
+    return HeadMap(left=swap, right=-swap.T.contiguous())
+
+
+def test_a_head_map_is_applied_to_greedy_rows_before_the_bias(biased: Any) -> None:
+    engine, _, folder = biased
+    plain = _greedy(engine)
+    first = plain.token_ids[0]
+    vocab = engine.llm_engine.model_config.get_vocab_size()
+    other = first - 1 if first else 1
+    zero = torch.zeros(vocab)
+    save_bias_file(folder, zero)
+    head_map = _swap_map(vocab, first, other)
+    save_head_map_file(folder, head_map)
+    policy = TemperaturePolicy(bias=bias_sha256(zero), head_map=head_map_sha256(head_map))
+    mapped = _greedy(engine, nts_policy=policy.to_json())
+    assert mapped.token_ids[0] == other
+    assert mapped.logprobs[0][other].logprob == pytest.approx(
+        plain.logprobs[0][first].logprob, abs=1e-4
+    )

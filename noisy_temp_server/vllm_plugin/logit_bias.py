@@ -339,9 +339,11 @@ def _map_rows(logits: torch.Tensor, mapped: torch.Tensor, device_map: _DeviceMap
     """``logits`` [R, V] += L (R z~) on the rows where ``mapped`` [R, 1] (bool) is true, in
     place; the coordinates read masked (−inf) entries as the row's lowest finite logit, and a
     row whose coordinates are not finite (NaN or +inf logits, every token masked) is left
-    alone. Other rows get ``+ 0``."""
-    unmasked = torch.where(logits == -torch.inf, torch.inf, logits)
-    floor = unmasked.amin(dim=1, keepdim=True)
-    coordinates = torch.maximum(logits, floor) @ device_map.right.T
+    alone. Other rows get ``+ 0``. One [R, V] temporary; no boolean [R, V] mask (on a CPU a
+    comparison pass costs several times a `nan_to_num`)."""
+    guarded = logits.nan_to_num(nan=torch.nan, posinf=torch.inf, neginf=torch.inf)
+    floor = guarded.amin(dim=1, keepdim=True)  # the lowest finite logit (NaN rows: NaN)
+    torch.maximum(logits, floor, out=guarded)
+    coordinates = guarded @ device_map.right.T
     mapped = mapped & coordinates.isfinite().all(dim=1, keepdim=True)
     logits.addmm_(torch.where(mapped, coordinates, 0.0), device_map.left_t)

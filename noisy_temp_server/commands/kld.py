@@ -10,7 +10,8 @@ positions at a time, and `noisy_temp_server.estimation.scoreboard` accumulates l
 statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the clean top token,
 PPL ratio) for the served model at T = 1 and as served: the profile's recommended policy (or
 `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. When the profile recommends its
-per-token bias b, "served" is softmax((z~ + b) / T*) with the vector from beside the profile.
+per-token bias b, "served" is softmax((z~ + b) / T*) with the vector from beside the profile,
+softmax((H(z~) + b) / T*) when the bias sits on a head map H (also from beside the profile).
 Without `--served`/`--spec` the pair is serve's default one (the embedded model with
 DEFAULT_PERTURBATION, in memory).
 The continuations are the served model's own samples (llama.cpp scores a fixed text), so the
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from noisy_temp_server.estimation.scoreboard import PairScoreboard, ScoreboardResult
     from noisy_temp_server.pairs.loading import LoadedPair
     from noisy_temp_server.pairs.scorer import ScoringSequence
+    from noisy_temp_server.temperature.head_map import HeadMap
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = ["HELP", "add_arguments", "format_table", "run", "score_scoreboard"]
@@ -80,10 +82,12 @@ def score_scoreboard(
     policy: TemperaturePolicy,
     *,
     bias: Tensor | None = None,
+    head_map: HeadMap | None = None,
     device: str = "cpu",
 ) -> PairScoreboard:
     """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only);
-    `bias`: the vector of the policy's per-token bias (see `PairScoreboard`)."""
+    `bias`: the vector of the policy's per-token bias, `head_map`: the head map under it (see
+    `PairScoreboard`)."""
     import torch  # noqa: PLC0415
 
     from noisy_temp_server.estimation.scoreboard import PairScoreboard  # noqa: PLC0415
@@ -92,7 +96,7 @@ def score_scoreboard(
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
-    board = PairScoreboard(policy, bias=bias)
+    board = PairScoreboard(policy, bias=bias, head_map=head_map)
     for sequence in sequences:
         completion = torch.tensor(sequence.token_ids[sequence.prompt_length :], dtype=torch.int64)
         for steps, clean, served in scorer.logit_chunks(sequence):
@@ -102,14 +106,22 @@ def score_scoreboard(
     return board
 
 
-def _policy_bias(args: argparse.Namespace, policy: TemperaturePolicy) -> Tensor | None:
-    """The vector of the policy's per-token bias (None without one), from beside the profile;
-    ValueError when it cannot be read there."""
-    from noisy_temp_server.temperature.bias_files import load_bias_file  # noqa: PLC0415
+def _policy_correction(
+    args: argparse.Namespace, policy: TemperaturePolicy
+) -> tuple[Tensor | None, HeadMap | None]:
+    """The vector of the policy's per-token bias and the head map under it (None for each it
+    does not name), from beside the profile; ValueError when one cannot be read there."""
+    from noisy_temp_server.temperature.bias_files import (  # noqa: PLC0415
+        load_bias_file,
+        load_head_map_file,
+    )
 
     if policy.bias is None:
-        return None
-    return load_bias_file(args.profile.parent, policy.bias)
+        return None, None
+    bias = load_bias_file(args.profile.parent, policy.bias)
+    if policy.head_map is None:
+        return bias, None
+    return bias, load_head_map_file(args.profile.parent, policy.head_map)
 
 
 def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:
@@ -198,13 +210,15 @@ def run(args: argparse.Namespace) -> int:
         spec = None if args.served else read_spec_argument(args.spec or DEFAULT_PERTURBATION)
         pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
         policy = _policy(args, pair)
-        bias = _policy_bias(args, policy)
+        bias, head_map = _policy_correction(args, policy)
         started = time.monotonic()
         sequences = sample_completions(
             pair, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
         )
         generated = time.monotonic()
-        board = score_scoreboard(pair, sequences, policy, bias=bias, device=args.device)
+        board = score_scoreboard(
+            pair, sequences, policy, bias=bias, head_map=head_map, device=args.device
+        )
         scoring_seconds = time.monotonic() - generated
         results = board.result()
     except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
@@ -227,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        with_bias = "" if policy.bias is None else " + bias"
+        with_map = "" if policy.head_map is None else " + head map"
+        with_bias = "" if policy.bias is None else f"{with_map} + bias"
         t_star = f"T* ({policy.rule.value}{with_bias}, mean {board.mean_temperature():.3f})"
         print(f"clean:  {report['clean']}\nserved: {report['served']}")
         print(format_table(results, t_star))

@@ -27,21 +27,28 @@ supports) are counted in `infinite_positions` and left out of every statistic.
 
 `PairScoreboard` runs two accumulators side by side: T = 1 and T* of a served policy
 (`policy_temperature`, the one implementation of rule -> T). When the policy serves a per-token
-logit bias b, its "T*" column scores what is served, q = softmax((z~ + b) / T*), as the engine
-adds b before the temperature.
+logit bias b (on top of a head map H, if it names one), its "T*" column scores what is served,
+q = softmax((H(z~) + b) / T*) (`corrected_rows`), as the engine maps the row and adds b before
+the temperature.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.bias_files import bias_sha256, check_bias_vocabulary
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    check_bias_vocabulary,
+    check_head_map_vocabulary,
+    head_map_sha256,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms
@@ -55,6 +62,7 @@ __all__ = [
     "ScoreAccumulator",
     "ScoreboardResult",
     "TooFewPositionsError",
+    "corrected_rows",
     "position_scores",
     "scores_as_served",
     "scores_at_temperatures",
@@ -69,6 +77,7 @@ DEFAULT_CAPACITY = 1 << 18
 _COUNT, _KLD, _SAME, _DP, _DP2, _LOG_RATIO = range(6)
 _COLUMNS = 6
 _MASK32 = 0xFFFFFFFF
+_Named = TypeVar("_Named")
 
 
 class TooFewPositionsError(ValueError):
@@ -160,6 +169,15 @@ def scores_at_temperatures(
     return results
 
 
+def corrected_rows(served: Tensor, bias: Tensor, head_map: HeadMap | None = None) -> Tensor:
+    """`[B, V]` served logits z~ as the engine corrects them before the temperature:
+    H(z~) + b, the head map `head_map` H (None: none; `HeadMap.apply`) and then the per-token
+    bias `bias` b (float [V]). A new tensor; the rows must have no masked (-inf) token, which
+    the map would turn into NaN (captured and teacher-forced rows have none)."""
+    mapped = served if head_map is None else head_map.apply(served)
+    return mapped + bias.to(mapped)
+
+
 def scores_as_served(
     pair: PairTerms,
     next_tokens: Tensor,
@@ -170,8 +188,9 @@ def scores_as_served(
     step: Tensor,
 ) -> tuple[PositionScores, PositionScores]:
     """Scores at T = 1 and as served: softmax(z~ / T*) from `pair`, or, when the policy serves a
-    per-token bias b, softmax((z~ + b) / T*) from `biased` (the `PairTerms` of the clean and the
-    biased served logits); `temperature`: T* [B]. See `scores_at_temperatures`."""
+    per-token bias b (on a head map H), softmax((H(z~) + b) / T*) from `biased` (the `PairTerms`
+    of the clean and the corrected served logits, `corrected_rows`); `temperature`: T* [B]. See
+    `scores_at_temperatures`."""
     if biased is None:
         one, served = scores_at_temperatures(
             pair, next_tokens, [1.0, temperature], sequence_id=sequence_id, step=step
@@ -369,11 +388,28 @@ class ScoreAccumulator:
         )
 
 
+def _check_named(
+    what: str, named: str | None, given: _Named | None, sha256: Callable[[_Named], str]
+) -> None:
+    """ValueError unless `given` (a bias vector or a head map, `what`) is there exactly when the
+    policy names one (`named`, its sha256) and is the one it names (`sha256` of it)."""
+    if (named is None) != (given is None):
+        raise ValueError(
+            f"the policy names a {what}: give it"
+            if given is None
+            else f"a {what} was given for a policy without one"
+        )
+    if given is not None and sha256(given) != named:
+        raise ValueError(f"the {what} is not the policy's ({named})")
+
+
 class PairScoreboard:
     """Two accumulators over the same positions: the served model at T = 1 ("T=1") and as
-    `policy` serves it ("T*"): softmax((z~ + b) / T*), each position's T* from its step and
-    served row (z~ + b), b the policy's per-token bias (`bias`: its float [V] vector, required
-    exactly when the policy names one, and checked against the policy's hash; 0 without)."""
+    `policy` serves it ("T*"): softmax((H(z~) + b) / T*), each position's T* from its step and
+    corrected row H(z~) + b (`corrected_rows`), b the policy's per-token bias and H its head
+    map (`bias`: the float [V] vector, `head_map`: the `HeadMap`; each required exactly when
+    the policy names one, and checked against the policy's hash; without, b = 0 and H(z~) =
+    z~)."""
 
     LABELS = ("T=1", "T*")
 
@@ -383,17 +419,13 @@ class PairScoreboard:
         capacity: int = DEFAULT_CAPACITY,
         *,
         bias: Tensor | None = None,
+        head_map: HeadMap | None = None,
     ) -> None:
-        if (policy.bias is None) != (bias is None):
-            raise ValueError(
-                "the policy names a per-token bias: give its vector"
-                if bias is None
-                else "a bias vector was given for a policy without a per-token bias"
-            )
-        if bias is not None and bias_sha256(bias) != policy.bias:
-            raise ValueError(f"the bias vector is not the policy's ({policy.bias})")
+        _check_named("per-token bias vector", policy.bias, bias, bias_sha256)
+        _check_named("head map", policy.head_map, head_map, head_map_sha256)
         self.policy = policy
         self.bias = bias
+        self.head_map = head_map
         self.accumulators = {label: ScoreAccumulator(capacity) for label in self.LABELS}
         self.temperature_sum = 0.0
 
@@ -406,13 +438,16 @@ class PairScoreboard:
         step: Tensor,
         sequence_id: int | Tensor,
     ) -> None:
-        """Score one chunk of `[B, V]` logits (served: z~, before the bias and the temperature;
-        ValueError when the policy's bias does not fit their vocabulary)."""
+        """Score one chunk of `[B, V]` logits (served: z~, before the head map, the bias and the
+        temperature; ValueError when the policy's bias or head map does not fit their
+        vocabulary)."""
         terms = PairTerms.from_logits(clean, served)
         biased = None
         if self.bias is not None:
             check_bias_vocabulary(self.bias, served.shape[-1], "the served model")
-            served = served + self.bias.to(served)
+            if self.head_map is not None:
+                check_head_map_vocabulary(self.head_map, served.shape[-1], "the served model")
+            served = corrected_rows(served, self.bias, self.head_map)
             biased = PairTerms.from_logits(clean, served)
         t_star = policy_temperature(self.policy, step.to(served.device), served)
         both = scores_as_served(

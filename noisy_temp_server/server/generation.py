@@ -53,10 +53,11 @@ from noisy_temp_server.server.protocol import (
 from noisy_temp_server.vllm_plugin.capture import capturable
 from noisy_temp_server.vllm_plugin.request_args import (
     GREEDY_TEMPERATURE,
+    LogitCorrection,
     RequestTuning,
     TuningKeys,
     parse_request_args,
-    resolve_bias,
+    resolve_correction,
     resolve_request,
 )
 from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
@@ -123,7 +124,7 @@ class PreparedRequest:
 
     `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
     processor will apply to it (None when it is not tuned: no trace records will come);
-    `bias`: the sha256 of the per-token bias it gets (None: none).
+    `correction`: the per-token bias (and head map) its logits get (None: none).
     """
 
     request_id: str
@@ -133,7 +134,7 @@ class PreparedRequest:
     tuning: RequestTuning | None
     choices: list[Choice]
     params: list[SamplingParams]
-    bias: str | None = None
+    correction: LogitCorrection | None = None
 
 
 def clean_logprob(value: float) -> float:
@@ -182,7 +183,7 @@ async def prepare_request(
     try:
         keys = _pinned_keys(policy, request.nts_request_args(), state.settings)
         tuning = resolve_request(keys, engine_temperature)
-        bias = resolve_bias(keys)
+        correction = resolve_correction(keys)
     except ValueError as error:
         raise OpenAIError(str(error), status_code=400) from None
     for choice, choice_params in zip(choices, params, strict=True):
@@ -192,7 +193,9 @@ async def prepare_request(
             and state.shadow.admit(choice.trace_id, max_tokens)
         )
         add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
-    return PreparedRequest(request_id, prompt_ids, keys, policy, tuning, choices, params, bias)
+    return PreparedRequest(
+        request_id, prompt_ids, keys, policy, tuning, choices, params, correction
+    )
 
 
 def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice) -> TuningKeys:
@@ -317,7 +320,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
         steps=n_steps,
         with_trace=prepared.keys.trace,
         report=report,
-        bias=prepared.bias,
+        correction=prepared.correction,
     )
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
@@ -329,7 +332,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
             choice.trace_id,
             request_id=prepared.request_id,
             request_temperature=prepared.params[choice.index].temperature,  # as vLLM samples
-            bias=prepared.bias,
+            correction=prepared.correction,
         )
     return summary
 
@@ -351,7 +354,7 @@ def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:
     """The request-level `nts` summary over the choices summarized so far."""
     summaries = [c.summary for c in prepared.choices if c.summary is not None]
-    return combine_summaries(prepared.policy, prepared.tuning, summaries, prepared.bias)
+    return combine_summaries(prepared.policy, prepared.tuning, summaries, prepared.correction)
 
 
 def usage(prepared: PreparedRequest) -> Usage:

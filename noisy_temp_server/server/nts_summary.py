@@ -2,7 +2,8 @@
 
 A choice's summary joins its per-step T* from the trace channel with its policy: the rule
 applied (`off` for a request that is not tuned), the pinned policy's version, its mean α over
-the generated steps and the T* statistics. The request's summary combines its choices'.
+the generated steps and the T* statistics, and the correction (per-token bias, head map) its
+logits got. The request's summary combines its choices'.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from noisy_temp_server.server.protocol import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.request_args import RequestTuning
+from noisy_temp_server.vllm_plugin.request_args import LogitCorrection, RequestTuning
 from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 __all__ = ["choice_summary", "combine_summaries", "mean_alpha", "reported_rule"]
@@ -44,13 +45,13 @@ def choice_summary(
     steps: int,
     with_trace: bool,
     report: TraceReport | None = None,
-    bias: str | None = None,
+    correction: LogitCorrection | None = None,
 ) -> NtsSummary:
     """The `nts` object of one choice of `steps` generated tokens under the pinned `policy`,
     whose per-step T* are `trace` (possibly incomplete or empty). The T statistics come from
     the engine's `report` when it has some, else from `trace` (None if nothing arrived); the
-    trace itself is included when `with_trace`; `bias`: the sha256 of the per-token bias the
-    choice was served with (None: none)."""
+    trace itself is included when `with_trace`; `correction`: the per-token bias and head map
+    the choice was served with (None: none), reported by their sha256 (`bias`, `head_map`)."""
     values = [_float32_digits(t) for t in trace]
     if report is not None and report.t_mean is not None:
         stats = (report.t_mean, report.t_min, report.t_max)
@@ -68,8 +69,15 @@ def choice_summary(
         t_max=t_max,
         steps=steps,
         trace=values if with_trace else None,
-        bias=bias,
+        **_correction_fields(correction),
     )
+
+
+def _correction_fields(correction: LogitCorrection | None) -> dict[str, str | None]:
+    """The summary's `bias` and `head_map` (sha256 each, None: none) of `correction`."""
+    if correction is None:
+        return {"bias": None, "head_map": None}
+    return {"bias": correction.bias, "head_map": correction.head_map}
 
 
 def _float32_digits(value: float) -> float:
@@ -81,11 +89,11 @@ def combine_summaries(
     policy: TemperaturePolicy,
     tuning: RequestTuning | None,
     summaries: Sequence[NtsSummary],
-    bias: str | None = None,
+    correction: LogitCorrection | None = None,
 ) -> NtsSummary:
     """The request-level `nts` object over all choices: step-weighted means of α and T*, the
     extreme T*; it carries the per-step trace (when asked) only for a single choice, otherwise
-    each choice has its own."""
+    each choice has its own; `correction` as in `choice_summary` (the request's)."""
     steps = sum(s.steps for s in summaries)
     means = [(s.t_mean, s.steps) for s in summaries if s.t_mean is not None and s.steps]
     lows = [s.t_min for s in summaries if s.t_min is not None]
@@ -101,5 +109,5 @@ def combine_summaries(
         t_max=max(highs, default=None),
         steps=steps,
         trace=summaries[0].trace if len(summaries) == 1 else None,
-        bias=bias,
+        **_correction_fields(correction),
     )

@@ -14,11 +14,12 @@ need: no per-position oracle, and no KL curves when the estimator refits no rule
 them, `OnlineEstimator.reads_kl_curves`), feeds the per-position records (measured at request
 temperature 1, what the estimator's fits read) to the online estimator and the per-position
 scores against the clean model at the choice's own temperature T_r, softmax(z / T_r), untuned
-(T* = 1: softmax(z~ / T_r)) and as served (softmax((z~ [+ b]) / (T_r T*)), at the T* the engine
-applied), to the live scoreboard (`estimation.scoreboard.LiveScoreboard`, published on the
-status endpoint and as `nts_scoreboard_*` gauges) and, when the estimator publishes a new
-policy version, updates the policy gauges. New requests pick the new version up from the
-estimator; requests in flight keep the version they were admitted with.
+(T* = 1: softmax(z~ / T_r)) and as served (softmax((H(z~) + b) / (T_r T*)) with the choice's
+head map H and bias b if it had them, at the T* the engine applied), to the live scoreboard
+(`estimation.scoreboard.LiveScoreboard`, published on the status endpoint and as
+`nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates the
+policy gauges. New requests pick the new version up from the estimator; requests in flight keep
+the version they were admitted with.
 
 Cost: the scorer runs teacher-forced passes per scored request on `shadow_device`. On the CPU
 it shares the cores with the engine, so it keeps to a budget (`CpuBudget`): at most
@@ -62,7 +63,9 @@ from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.vllm_plugin.logit_bias import load_bias
+from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.vllm_plugin.logit_bias import load_bias, load_head_map
+from noisy_temp_server.vllm_plugin.request_args import LogitCorrection
 
 __all__ = [
     "CapturedRowsSource",
@@ -89,6 +92,7 @@ class SequenceScorer(Protocol):
         request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
+        head_map: HeadMap | None = None,
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
@@ -200,7 +204,7 @@ class _Item:
     sequence_id: int
     trace_id: str
     reserved_s: float
-    bias: str | None  # the sha256 of the per-token bias the request was served with
+    correction: LogitCorrection | None  # the bias (and head map) the request was served with
 
 
 class ShadowScorer:
@@ -315,7 +319,7 @@ class ShadowScorer:
         *,
         request_id: str,
         request_temperature: float,
-        bias: str | None = None,
+        correction: LogitCorrection | None = None,
     ) -> bool:
         """Queue a finished choice that `admit` sampled; never blocks. Returns whether it was
         queued (False for an empty completion, or when the queue is full: dropped, counted;
@@ -329,10 +333,10 @@ class ShadowScorer:
         they are scored as one sequence, `request_sequence_id`);
         `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
         greedy choices are never sampled, `capture.capturable`), whose target
-        softmax(z / T_r) its scores are measured against (`PairScorer.score_live`); `bias`:
-        the sha256 of the per-token bias it was served with (None: none), added before T* in
-        its scores as served (loaded from the bias directory,
-        `vllm_plugin.logit_bias.load_bias`).
+        softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
+        `correction`: the per-token bias and head map it was served with (None: none), applied
+        before T* in its scores as served (loaded from the bias directories,
+        `vllm_plugin.logit_bias.load_bias` and `load_head_map`).
         """
         if not completion_ids:
             self.cancel(trace_id)
@@ -347,7 +351,7 @@ class ShadowScorer:
             request_sequence_id(request_id),
             trace_id,
             reserved,
-            bias,
+            correction,
         )
         try:
             self._queue.put_nowait(item)
@@ -519,6 +523,8 @@ class ShadowScorer:
             sequence_id=item.sequence_id,
         )
         served = ServedRows(torch.from_numpy(captured.steps), torch.from_numpy(captured.rows))
+        correction = item.correction
+        head_map = None if correction is None else correction.head_map
         live = self._scorer.score_live(
             sequence,
             item.served_temperatures,
@@ -526,7 +532,8 @@ class ShadowScorer:
             self._bias_rows,
             request_temperature=item.request_temperature,
             kl_curve=self._estimator.reads_kl_curves,
-            bias=None if item.bias is None else load_bias(item.bias),
+            bias=None if correction is None else load_bias(correction.bias),
+            head_map=None if head_map is None else load_head_map(head_map),
         )
         scored = time.perf_counter()
         elapsed = scored - started

@@ -15,7 +15,13 @@ from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
 from noisy_temp_server.estimation.profile import ModelIdentity
-from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    head_map_sha256,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.rules import Rule
 
 SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'
@@ -131,3 +137,41 @@ def test_kld_serves_the_profiles_bias_before_t_star(
     served, at_one = statistics["random"]["T*"], statistics["random"]["T=1"]
     assert served["kld_mean"] > at_one["kld_mean"] + 0.1  # a random bias pulls q away from p
     assert served["same_top_rate"] != at_one["same_top_rate"]  # and moves the argmax
+
+
+def test_kld_maps_the_served_row_by_the_profiles_head_map_before_the_bias(
+    tiny_model_dir: Path, served_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A zero bias on a head map: "served" is softmax(H(z~) / T*), no longer the T = 1 column;
+    the map's file is read from beside the profile, and a missing one is an error."""
+    vocab = int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    head_map = HeadMap(
+        left=torch.randn(vocab, 2, generator=generator),
+        right=0.1 * torch.randn(2, vocab, generator=generator),
+    )
+    vector = torch.zeros(vocab)
+    save_bias_file(tmp_path, vector)
+    save_head_map_file(tmp_path, head_map)
+    base = sample_profile(Rule.FIXED)
+    summary = sample_bias(base, bias_sha256(vector), vocab, head_map=head_map_sha256(head_map))
+    identities = {p: ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, served_dir)}
+    profile = tmp_path / "mapped.profile.json"
+    base.model_copy(
+        update={
+            "clean": identities[tiny_model_dir],
+            "served": identities[served_dir],
+            "bias": summary,
+        }
+    ).save(profile)
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24"]
+    assert _run(kld_command, [*argv, "--profile", str(profile)]) == 0
+    assert "T* (fixed + head map + bias" in capsys.readouterr().out
+    assert _run(kld_command, [*argv, "--json", "--profile", str(profile)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["policy"]["head_map"] == head_map_sha256(head_map)
+    served, at_one = report["statistics"]["T*"], report["statistics"]["T=1"]
+    assert served["kld_mean"] > at_one["kld_mean"] + 0.1  # b = 0 and T = 1: the map alone
+    (tmp_path / f"head-map-{head_map_sha256(head_map)[:16]}.safetensors").unlink()
+    assert _run(kld_command, [*argv, "--profile", str(profile)]) == 1
+    assert "head-map-" in capsys.readouterr().err

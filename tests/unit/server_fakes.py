@@ -33,6 +33,7 @@ from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import PairedRows
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.stats import PairTerms
 from noisy_temp_server.vllm_plugin.trace_channel import CapturedRows, TraceReport
@@ -240,6 +241,7 @@ class FakeScorer:
         self.sequences: list[ScoringSequence] = []
         self.kl_curves: list[bool] = []
         self.biases: list[torch.Tensor | None] = []
+        self.head_maps: list[HeadMap | None] = []
         self.request_temperatures: list[float] = []
 
     def score_live(
@@ -252,10 +254,12 @@ class FakeScorer:
         request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
+        head_map: HeadMap | None = None,
     ) -> LiveScores:
         self.request_temperatures.append(request_temperature)
         self.kl_curves.append(kl_curve)
         self.biases.append(bias)
+        self.head_maps.append(head_map)
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:

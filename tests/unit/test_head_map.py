@@ -122,8 +122,11 @@ def test_a_calibration_on_top_of_a_map_is_measured_against_the_rows_as_served() 
     assert mapped.test.oracle.mean_kl == pytest.approx(plain.test.oracle.mean_kl)
     assert mapped.test.share_removed > 0.9 > plain.test.share_removed
     assert "Head map (rank 2" in mapped.to_markdown()
-    with pytest.raises(ValueError, match="head map"):
-        mapped.summary()
+    summary = mapped.summary()
+    assert mapped.head_map is not None
+    assert summary.head_map == head_map_sha256(mapped.head_map.head_map)
+    assert (summary.head_map_rank, summary.head_map_penalty) == (2, mapped.head_map.penalty)
+    assert plain.summary().head_map is None
     with pytest.raises(ValueError, match="basis"):
         calibrate_bias(rows, settings, head_map_rank=2)
 

@@ -228,6 +228,21 @@ def test_a_served_bias_and_its_temperature_are_kept() -> None:
     assert policy.alpha_by_step != profile.parameters.alpha_by_step
 
 
+def test_the_head_map_under_a_served_bias_is_kept_by_every_version() -> None:
+    """The online refit never refits the map (nor, without an online bias, the bias)."""
+    profile = sample_profile(Rule.CALIBRATED)
+    bias = sample_bias(profile, "ab" * 32, 200, head_map="cd" * 32)
+    served = profile.model_copy(update={"bias": bias})
+    settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
+    estimator = OnlineEstimator(served, settings=settings, min_positions=400, refit_every=400)
+    assert estimator.current_policy().head_map == "cd" * 32
+    for request in range(20):
+        estimator.add(_request(request))
+    policy = estimator.current_policy()
+    assert policy.version == 2
+    assert (policy.bias, policy.head_map) == (bias.sha256, "cd" * 32)
+
+
 def _without_curves(records: PositionRecords) -> PositionRecords:
     """`records` as the live scorer makes them when no refitted rule reads KL curves."""
     grid = records.curve_temperatures[:0]

@@ -9,7 +9,7 @@ from noisy_temp_server.server.nts_summary import choice_summary, combine_summari
 from noisy_temp_server.server.protocol import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.request_args import RequestTuning
+from noisy_temp_server.vllm_plugin.request_args import LogitCorrection, RequestTuning
 
 # alpha 0.2 for steps 0..3, 0.6 from step 4 on
 TWO_BUCKETS = TemperaturePolicy(
@@ -47,10 +47,23 @@ def test_a_tuned_choice_reports_its_rule_alpha_and_t_statistics() -> None:
 
 def test_the_bias_a_request_was_served_with_is_reported() -> None:
     sha = "ab" * 32
-    greedy = choice_summary(TWO_BUCKETS, None, [], steps=2, with_trace=False, bias=sha)
-    assert (greedy.rule, greedy.bias) == ("off", sha)
-    assert combine_summaries(TWO_BUCKETS, None, [greedy], sha).bias == sha
-    assert choice_summary(TWO_BUCKETS, TUNED, [1.0], steps=1, with_trace=False).bias is None
+    correction = LogitCorrection(sha)
+    greedy = choice_summary(TWO_BUCKETS, None, [], steps=2, with_trace=False, correction=correction)
+    assert (greedy.rule, greedy.bias, greedy.head_map) == ("off", sha, None)
+    assert combine_summaries(TWO_BUCKETS, None, [greedy], correction).bias == sha
+    plain = choice_summary(TWO_BUCKETS, TUNED, [1.0], steps=1, with_trace=False)
+    assert (plain.bias, plain.head_map) == (None, None)
+
+
+def test_the_head_map_under_the_bias_is_reported_beside_it() -> None:
+    correction = LogitCorrection("ab" * 32, "cd" * 32)
+    summary = choice_summary(
+        TWO_BUCKETS, TUNED, [1.0], steps=1, with_trace=False, correction=correction
+    )
+    assert (summary.bias, summary.head_map) == ("ab" * 32, "cd" * 32)
+    combined = combine_summaries(TWO_BUCKETS, TUNED, [summary, summary], correction)
+    assert (combined.bias, combined.head_map) == ("ab" * 32, "cd" * 32)
+    assert combined.model_dump(mode="json")["head_map"] == "cd" * 32
 
 
 def test_an_untuned_choice_reports_off_and_no_alpha() -> None:

@@ -22,8 +22,15 @@ from server_fakes import (
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer, request_sequence_id
-from noisy_temp_server.temperature.bias_files import bias_sha256, save_bias_file
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    head_map_sha256,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
+from noisy_temp_server.vllm_plugin.request_args import LogitCorrection
 
 
 class Setup:
@@ -273,6 +280,7 @@ class BudgetProbe(FakeScorer):
         request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
+        head_map: HeadMap | None = None,
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))
@@ -414,7 +422,7 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
             "trace",
             request_id="r",
             request_temperature=0.7,
-            bias=bias_sha256(vector),
+            correction=LogitCorrection(bias_sha256(vector)),
         )
         assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
         assert setup.shadow.wait_idle(5)
@@ -424,4 +432,64 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     assert with_bias is not None
     assert torch.equal(with_bias, vector)
     assert without is None
+    assert setup.scorer.head_maps == [None, None]
     assert setup.scorer.request_temperatures == [0.7, 1.0]  # each choice's own T_r
+
+
+def test_a_request_served_with_a_head_map_is_scored_with_it_under_its_bias(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
+    vector, head_map = torch.randn(16), HeadMap(torch.randn(16, 2), torch.randn(2, 16))
+    save_bias_file(tmp_path, vector)
+    save_head_map_file(tmp_path, head_map)
+    correction = LogitCorrection(bias_sha256(vector), head_map_sha256(head_map))
+    setup = Setup(FakeScorer(), every=100)
+    setup.shadow.start()
+    try:
+        assert setup.shadow.admit("trace", 3)
+        assert setup.shadow.submit(
+            [1, 2],
+            [3, 4, 5],
+            [1.0] * 3,
+            "trace",
+            request_id="r",
+            request_temperature=1.0,
+            correction=correction,
+        )
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    (bias,), (loaded,) = setup.scorer.biases, setup.scorer.head_maps
+    assert bias is not None
+    assert torch.equal(bias, vector)
+    assert loaded is not None
+    assert head_map_sha256(loaded) == correction.head_map
+
+
+def test_a_request_whose_head_map_is_gone_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine refuses such a request at admission; should its file go after, scoring it
+    fails and drops it (counted), as a missing bias does."""
+    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
+    vector = torch.randn(16)
+    save_bias_file(tmp_path, vector)
+    setup = Setup(FakeScorer(), every=100)
+    setup.shadow.start()
+    try:
+        assert setup.shadow.admit("trace", 3)
+        assert setup.shadow.submit(
+            [1, 2],
+            [3, 4, 5],
+            [1.0] * 3,
+            "trace",
+            request_id="r",
+            request_temperature=1.0,
+            correction=LogitCorrection(bias_sha256(vector), "cd" * 32),
+        )
+        assert setup.shadow.wait_idle(5)
+    finally:
+        setup.shadow.close()
+    assert setup.scorer.sequences == []
+    assert setup.shadow.status()["dropped_error"] == 1

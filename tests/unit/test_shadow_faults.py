@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from server_fakes import (
@@ -41,6 +42,15 @@ from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.server.shadow import ShadowScorer
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.temperature.bias_files import (
+    bias_sha256,
+    head_map_sha256,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 REQUESTS = 12
 BODY = {"prompt": "abc", "max_tokens": 2}
@@ -65,6 +75,7 @@ class HungScorer(FakeScorer):
         request_temperature: float,
         kl_curve: bool = True,
         bias: object = None,
+        head_map: object = None,
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)
@@ -85,6 +96,7 @@ class Served:
         estimator: FakeEstimator,
         queue_size: int,
         fraction: float = 1.0,
+        policy: TemperaturePolicy = POLICY,
     ) -> None:
         self.registry = CollectorRegistry()
         self.engine = FakeEngine()
@@ -108,7 +120,7 @@ class Served:
             tokenizer=FakeTokenizer(),
             model_name=MODEL,
             max_model_len=MAX_MODEL_LEN,
-            policy_source=StaticPolicySource(POLICY, "test"),
+            policy_source=StaticPolicySource(policy, "test"),
             metrics=metrics,
             metrics_registry=self.registry,
             trace_source=self.traces,
@@ -440,6 +452,32 @@ def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:
     assert all("nts_trace" not in k and k.get("nts_trace_id") for k in keys)
     status = served.status()
     assert (status["offered"], status["sampled"], status["scored"]) == (2, 0, 0)
+
+
+def test_a_sampled_request_is_scored_with_the_bias_and_head_map_it_was_served_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
+    vector, head_map = torch.randn(16), HeadMap(torch.randn(16, 2), torch.randn(2, 16))
+    save_bias_file(tmp_path, vector)
+    save_head_map_file(tmp_path, head_map)
+    policy = TemperaturePolicy(
+        version=2, rule="fixed", bias=bias_sha256(vector), head_map=head_map_sha256(head_map)
+    )
+    scorer = FakeScorer()
+    served = Served(scorer, FakeEstimator(every=100), queue_size=8, policy=policy)
+    try:
+        for body in (BODY, {**BODY, "nts_bias": False}):
+            assert served.client.post("/v1/completions", json=body).status_code == 200
+            assert served.shadow.wait_idle(10)
+    finally:
+        served.shadow.close()
+    (bias, none), (mapped, unmapped) = scorer.biases, scorer.head_maps
+    assert bias is not None
+    assert torch.equal(bias, vector)
+    assert mapped is not None
+    assert head_map_sha256(mapped) == policy.head_map
+    assert (none, unmapped) == (None, None)
 
 
 def test_an_untuned_sampled_request_is_captured_under_its_trace_id() -> None:

@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
             spec = read_spec_argument(args.spec) if args.spec else None
             pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
             result = calibrate(pair, prompts, settings, device=args.device)
-            result.profile.save(args.out)
-            if result.bias is not None:
+            if result.bias is not None:  # first: a profile never names a file not yet written
                 _save_correction(args.out.parent, result.bias)
+            result.profile.save(args.out)
             policy_path = args.out.with_name(f"{args.out.stem}.policy.json")
             write_atomically(policy_path, (result.profile.to_policy().to_json() + "\n").encode())
             if args.records is not None:
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
 
             print(write_report(clean_path, args.report, device=args.device))
-    except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
+    except (CorruptCheckpointError, ValueError, OSError) as error:  # input errors: ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -58,7 +58,7 @@ from noisy_temp_server.estimation.significance import (
 )
 from noisy_temp_server.pairs.generation import generate_completions
 from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.perturb import PerturbationSpec
+from noisy_temp_server.pairs.perturb import PerturbationSpec, output_head
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.bias import PairedRows
@@ -229,12 +229,26 @@ def calibrate(
     *,
     device: str | torch.device = "cpu",
 ) -> CalibrationResult:
-    """The whole pipeline of the module docstring on one pair."""
+    """The whole pipeline of the module docstring on one pair. ValueError before any scoring
+    when the prompts are not the settings' count, or a head map is asked for that the clean
+    model's output head cannot carry."""
     if len(prompts) != settings.prompts:
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
+    _check_head_map_rank(pair, settings.head_map_rank)
     scored = score_pair(pair, prompts, settings, device=device)
     logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
     return calibrate_scored(pair, scored, settings)
+
+
+def _check_head_map_rank(pair: LoadedPair, rank: int) -> None:
+    """ValueError unless a head map of `rank` (0: none) fits in the clean model's output head."""
+    if not rank:
+        return
+    head = output_head(pair.clean_model)
+    if head is None:
+        raise ValueError("a head map needs the clean model's output head, which was not found")
+    if rank > head.shape[1]:
+        raise ValueError(f"head map rank {rank} exceeds the output head's width {head.shape[1]}")
 
 
 def calibrate_scored(

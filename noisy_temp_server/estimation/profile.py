@@ -90,8 +90,8 @@ class CalibrationSettings(_Frozen):
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
-        """Bounds and step edges as `TemperaturePolicy` accepts them, and some prompts left to
-        fit on (ValueError otherwise)."""
+        """Bounds and step edges as `TemperaturePolicy` accepts them, some prompts left to fit
+        on, and bias rows for a head map (ValueError otherwise)."""
         temperatures = self.request_temperatures
         if (
             1.0 not in temperatures
@@ -107,6 +107,8 @@ class CalibrationSettings(_Frozen):
                 f"validation_fraction ({self.validation_fraction}) + test_fraction "
                 f"({self.test_fraction}) must be < 1: the rest of the prompts fit the rules"
             )
+        if self.head_map_rank and not self.bias_rows:
+            raise ValueError("a head map is fitted under the bias: head_map_rank needs bias_rows")
         buckets = len(self.step_edges)
         TemperaturePolicy(
             bounds=self.bounds,
@@ -318,6 +320,14 @@ class BiasSummary(_Frozen):
     head_map: str | None = None
     head_map_rank: int | None = Field(default=None, ge=1)
     head_map_penalty: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_head_map(self) -> Self:
+        """A head map's hash, rank and penalty: all three or none (ValueError otherwise)."""
+        recorded = (self.head_map, self.head_map_rank, self.head_map_penalty)
+        if any(value is None for value in recorded) and any(v is not None for v in recorded):
+            raise ValueError("head_map, head_map_rank and head_map_penalty go together")
+        return self
 
     def served_temperatures(self, request_temperatures: Sequence[float]) -> dict[float, float]:
         """{T_r: the T served with the bias} at each of `request_temperatures` (the

@@ -30,13 +30,17 @@ which costs several passes on a CPU). Rows without a bias get ``x + 0 * b``: eve
 unchanged (±inf and NaN included) and bit for bit too, except that a ``-0.0`` logit may come
 out as ``+0.0``, which no softmax, argmax or logprob can tell apart.
 
-Before the biases, each head map a batch slot holds is applied (`SlotBias.map_rows`) to every
-row, ``z~ += L (R z~)`` as one ``[R, V] @ [V, r]`` and one ``addmm_`` (2 r V multiply-adds
+Before the biases, each head map a batch slot holds is applied (`_map_rows`) to every row of
+the batch, ``z~ += L (R z~)`` as one ``[R, V] @ [V, r]`` and one ``addmm_`` (2 r V multiply-adds
 per row), the coordinates ``R z~`` zeroed on the rows whose slot does not hold it, which get
 ``x + 0`` as above. The coordinates read the row with masked entries (−inf, from another
 processor) raised to the row's lowest finite logit; a row whose coordinates are not finite
 anyway (NaN or +inf logits, or every token masked) is left as it is, so a bad row reaches vLLM's
-sampler as it would without the map (its bias is still added).
+sampler as it would without the map (its bias is still added). The map reads the row as it
+reaches the processor: a finite change δ made before it (a request's ``logit_bias``; under
+Model Runner V2 also the penalties, which vLLM applies first) is served as δ + L R δ. One mapped
+request costs the map's product for every row of its batch (the rows without it multiply too,
+by zero).
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ class SlotBias:
         self._vectors: list[torch.Tensor] = []
         self._maps: dict[str, _DeviceMap] = {}
         self._map_uses: list[_MapUse] = []
-        self._refused: set[str] = set()
+        self._refused: set[LogitCorrection] = set()
 
     def stage(self, slot: int, correction: LogitCorrection | None) -> bool:
         """Give ``slot`` the bias (and head map) of ``correction`` (None: none) from the next
@@ -230,10 +234,15 @@ class SlotBias:
         )
 
     def _refuse(self, correction: LogitCorrection, why: str) -> int:
-        if correction.bias not in self._refused:
-            self._refused.add(correction.bias)
+        if correction not in self._refused:
+            self._refused.add(correction)
             _LOGGER.error("%s; requests naming it are served without a bias.", why)
         return 0
+
+    @property
+    def head_maps(self) -> frozenset[str]:
+        """The sha256s of the head maps on the device (the rows of the table name them)."""
+        return frozenset(self._maps)
 
     def flush(self) -> None:
         """After admissions changed the slots' rows: drop the rows no slot holds any more (the

@@ -164,6 +164,28 @@ def test_calibrate_fits_and_writes_a_head_map_under_the_bias(
     assert served.to_policy().head_map == bias.head_map
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--bias-rows", "0"], "needs bias_rows"), (["--head-map-rank", "100000"], "exceeds")],
+)
+def test_a_head_map_that_cannot_be_fitted_is_refused_before_scoring(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    message: str,
+) -> None:
+    argv = [
+        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
+        "--head-map-rank",
+        "4",
+        *extra,
+    ]
+    assert _run(calibrate_command, argv) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
 def _noisy_pair(clean: Path, out: Path, *, prompts: int, tokens: int) -> list[str]:
     """`calibrate` arguments for the tiny model under weight noise, written to `out`."""
     spec = '{"kind": "weight_noise", "scale": 0.1}'

@@ -438,3 +438,51 @@ def test_a_head_map_the_engine_cannot_serve_is_refused(
     assert v1.tuning.bias.biased_slots == 0
     served = _logits(1)
     assert torch.equal(v1.apply(served.clone()), served)
+
+
+def test_versions_sharing_a_map_take_one_product_and_the_map_leaves_with_them(
+    bias_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two online versions of a bias over one map, a bias without a map and an untuned row in
+    one batch: one map product maps exactly the first two; once no slot names the map, the
+    engine drops it, and takes it up again when a slot does."""
+    (first, sha_first), (second, sha_second), (plain, sha_plain) = (
+        _bias(bias_dir, seed=seed) for seed in (1, 2, 3)
+    )
+    head_map, map_sha = _head_map(bias_dir)
+    greedy = {
+        0: _params(0.0, nts_policy=_mapped_policy(sha_first, map_sha)),
+        1: _params(0.0, nts_policy=_mapped_policy(sha_second, map_sha)),
+        2: _params(0.0, nts_policy=_policy(sha_plain)),
+    }
+    v2 = _v2(_Batch([1] * SLOTS))
+    for slot, params in greedy.items():
+        v2.add_request(slot, params)
+    v2.apply_staged_writes()
+    products = [0]
+    addmm = torch.Tensor.addmm_
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        products[0] += 1
+        return addmm(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "addmm_", counting)
+    served = _logits(4)
+    out = v2.apply(served.clone(), _ctx([(0, 0), (1, 0), (2, 0), (3, 0)]))
+    assert products[0] == 1
+    torch.testing.assert_close(out[0], head_map.apply(served[:1])[0] + first)
+    torch.testing.assert_close(out[1], head_map.apply(served[1:2])[0] + second)
+    assert torch.equal(out[2], served[2] + plain)
+    assert torch.equal(out[3], served[3])
+    assert v2.tuning.bias.head_maps == {map_sha}
+    for slot in (0, 1):
+        v2.add_request(slot, _params(0.0, nts_policy=_policy(sha_plain)))
+    v2.apply_staged_writes()
+    assert v2.tuning.bias.head_maps == set()
+    out = v2.apply(served[:2].clone(), _ctx([(0, 0), (1, 0)]))
+    assert products[0] == 1
+    assert torch.equal(out, served[:2] + plain)
+    v2.add_request(1, greedy[1])
+    v2.apply_staged_writes()
+    out = v2.apply(served[:2].clone(), _ctx([(0, 0), (1, 0)]))
+    torch.testing.assert_close(out[1], head_map.apply(served[1:2])[0] + second)

@@ -231,7 +231,9 @@ def test_a_served_bias_and_its_temperature_are_kept() -> None:
 def test_the_head_map_under_a_served_bias_is_kept_by_every_version() -> None:
     """The online refit never refits the map (nor, without an online bias, the bias)."""
     profile = sample_profile(Rule.CALIBRATED)
-    bias = sample_bias(profile, "ab" * 32, 200, head_map="cd" * 32)
+    bias = sample_bias(
+        profile, "ab" * 32, 200, head_map="cd" * 32, head_map_rank=4, head_map_penalty=1.0
+    )
     served = profile.model_copy(update={"bias": bias})
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(served, settings=settings, min_positions=400, refit_every=400)

@@ -62,11 +62,14 @@ def test_a_recommended_bias_is_served_with_its_t_at_each_request_temperature() -
 
 def test_a_bias_over_a_head_map_is_served_with_the_map() -> None:
     profile = sample_profile()
-    bias = sample_bias(profile, "ab" * 32, 8, head_map="cd" * 32, head_map_rank=4)
+    map_fields = {"head_map": "cd" * 32, "head_map_rank": 4, "head_map_penalty": 3.2}
+    bias = sample_bias(profile, "ab" * 32, 8, **map_fields)
     policy = profile.model_copy(update={"bias": bias}).to_policy()
     assert (policy.bias, policy.head_map) == ("ab" * 32, "cd" * 32)
     not_recommended = bias.model_copy(update={"recommended": False})
     assert profile.model_copy(update={"bias": not_recommended}).to_policy().head_map is None
+    with pytest.raises(ValueError, match="go together"):
+        sample_bias(profile, "ab" * 32, 8, head_map="cd" * 32)
 
 
 def test_mismatched_pair_names_the_model(tmp_path: Path) -> None:

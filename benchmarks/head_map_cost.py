@@ -1,13 +1,12 @@
-"""What a head map would cost a processor step: `HeadMap.apply` (two [B, V] x [V, r] products
-per step) beside the per-token bias's one vector add, per batch size, on the CPU or a CUDA
-device.
+"""What a head map costs a processor step: `HeadMap.apply` (two [B, V] x [V, r] products per
+step) beside the per-token bias's one vector add, per batch size, on the CPU or a CUDA device.
 
-The map is not served yet (`temperature.head_map`); this measures whether it could be, at the
-embedded model's vocabulary and the ranks calibration would fit (its hidden size, 576, is the
-most). Random logits and a random map: the cost does not depend on their values. Per (batch,
-rank): `--repeats` timed calls after two warm-ups, min / median / max microseconds (CUDA
-timed with events after a synchronise, so the figures are device time). Saved as JSON under
-benchmarks/results/.
+The bare arithmetic of the map (`temperature.head_map`) at the embedded model's vocabulary and
+the ranks calibration may fit (its hidden size, 576, is the most); the processor's whole step
+with a map is `benchmarks/processor_bench.py --rules sqrt+bias+map`. Random logits and a random
+map: the cost does not depend on their values. Per (batch, rank): `--repeats` timed calls after
+two warm-ups, min / median / max microseconds (CUDA timed with events after a synchronise, so
+the figures are device time). Saved as JSON under benchmarks/results/.
 
     .venv/bin/python benchmarks/head_map_cost.py [--vocab 49152] [--ranks 64,128,576]
         [--batches 1,8,64,256] [--device cpu] [--repeats 20] [--threads 1]

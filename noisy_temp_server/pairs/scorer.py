@@ -152,8 +152,16 @@ class PairScorer:
             )
         self.runtime_noise = runtime_noise
         self.device = torch.device(device)
+        self._head_map_copy: tuple[HeadMap, HeadMap] | None = None
         self.chunk_positions = chunk_positions
         self.curve_temperatures = curve_temperatures.float()
+
+    def _on_device(self, head_map: HeadMap) -> HeadMap:
+        """`head_map` on the scoring device, copied once per map object (the loaders return one
+        object per map; 50 MB at rank 128 would otherwise cross to a GPU every request)."""
+        if self._head_map_copy is None or self._head_map_copy[0] is not head_map:
+            self._head_map_copy = (head_map, head_map.to(self.device))
+        return self._head_map_copy[1]
 
     @torch.no_grad()
     def logit_chunks(self, sequence: ScoringSequence) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
@@ -230,6 +238,7 @@ class PairScorer:
             raise ValueError(f"request_temperature must be > 0, got {request_temperature!r}")
         if head_map is not None and bias is None:
             raise ValueError("a head map is served only under a per-token bias; give the bias")
+        head_map = None if head_map is None else self._on_device(head_map)
         ids = list(sequence.token_ids)
         steps_wanted = served.steps.to(torch.int64)
         if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:

@@ -69,6 +69,12 @@ class HeadMap:
     def vocab_size(self) -> int:
         return int(self.left.shape[0])
 
+    def to(self, device: torch.device | str) -> HeadMap:
+        """This map on `device` (itself when it is there already)."""
+        if self.left.device == torch.device(device):
+            return self
+        return HeadMap(left=self.left.to(device), right=self.right.to(device))
+
     def apply(self, served: Tensor) -> Tensor:
         """[B, V] served logits -> the mapped logits (a new tensor)."""
         return served + (served @ self.right.to(served).T) @ self.left.to(served).T

@@ -148,6 +148,7 @@ def test_a_stored_map_is_found_by_its_hash_and_a_changed_file_is_refused(tmp_pat
     torch.testing.assert_close(found.left, head_map.left, rtol=0, atol=0)
     torch.testing.assert_close(found.right, head_map.right, rtol=0, atol=0)
     assert head_map_sha256(_small_map(seed=4)) != sha
+    assert head_map.to("cpu") is head_map
     save_file({"left": head_map.left, "right": 2 * head_map.right}, str(path))
     with pytest.raises(ValueError, match="does not hold the map"):
         load_head_map_file(tmp_path, sha)

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.estimation.profile import ModelIdentity
+from noisy_temp_server.estimation.profile import BiasSummary, ModelIdentity, Profile
 from noisy_temp_server.temperature.bias_files import (
     bias_sha256,
     head_map_sha256,
@@ -114,20 +114,13 @@ def test_kld_serves_the_profiles_bias_before_t_star(
 ) -> None:
     vocab = int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
     base = sample_profile(Rule.FIXED)
-    identities = {p: ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, served_dir)}
     argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24", "--json"]
     statistics = {}
     for name, vector in (("zero", torch.zeros(vocab)), ("random", 3 * torch.randn(vocab))):
         save_bias_file(tmp_path, vector)
         summary = sample_bias(base, bias_sha256(vector), vocab)
         profile = tmp_path / f"{name}.profile.json"
-        base.model_copy(
-            update={
-                "clean": identities[tiny_model_dir],
-                "served": identities[served_dir],
-                "bias": summary,
-            }
-        ).save(profile)
+        _save_for_pair(base, summary, (tiny_model_dir, served_dir), profile)
         assert _run(kld_command, [*argv, "--profile", str(profile)]) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["policy"]["bias"] == summary.sha256
@@ -154,16 +147,16 @@ def test_kld_maps_the_served_row_by_the_profiles_head_map_before_the_bias(
     save_bias_file(tmp_path, vector)
     save_head_map_file(tmp_path, head_map)
     base = sample_profile(Rule.FIXED)
-    summary = sample_bias(base, bias_sha256(vector), vocab, head_map=head_map_sha256(head_map))
-    identities = {p: ModelIdentity.of_checkpoint(p) for p in (tiny_model_dir, served_dir)}
+    summary = sample_bias(
+        base,
+        bias_sha256(vector),
+        vocab,
+        head_map=head_map_sha256(head_map),
+        head_map_rank=2,
+        head_map_penalty=1.0,
+    )
     profile = tmp_path / "mapped.profile.json"
-    base.model_copy(
-        update={
-            "clean": identities[tiny_model_dir],
-            "served": identities[served_dir],
-            "bias": summary,
-        }
-    ).save(profile)
+    _save_for_pair(base, summary, (tiny_model_dir, served_dir), profile)
     argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24"]
     assert _run(kld_command, [*argv, "--profile", str(profile)]) == 0
     assert "T* (fixed + head map + bias" in capsys.readouterr().out
@@ -175,3 +168,11 @@ def test_kld_maps_the_served_row_by_the_profiles_head_map_before_the_bias(
     (tmp_path / f"head-map-{head_map_sha256(head_map)[:16]}.safetensors").unlink()
     assert _run(kld_command, [*argv, "--profile", str(profile)]) == 1
     assert "head-map-" in capsys.readouterr().err
+
+
+def _save_for_pair(
+    profile: Profile, bias: BiasSummary, pair: tuple[Path, Path], path: Path
+) -> None:
+    """Save `profile` with `bias`, as calibrated on the checkpoints `pair` (clean, served)."""
+    clean, served = (ModelIdentity.of_checkpoint(p) for p in pair)
+    profile.model_copy(update={"clean": clean, "served": served, "bias": bias}).save(path)

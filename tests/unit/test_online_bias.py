@@ -463,7 +463,11 @@ def _mapped_profile(folder: Path) -> tuple[Profile, str]:
     sha = head_map_sha256(_lifting_map())
     assert profile.bias is not None
     return profile.model_copy(
-        update={"bias": profile.bias.model_copy(update={"head_map": sha})}
+        update={
+            "bias": profile.bias.model_copy(
+                update={"head_map": sha, "head_map_rank": 1, "head_map_penalty": 1.0}
+            )
+        }
     ), sha
 
 
@@ -511,7 +515,9 @@ def test_the_head_map_of_a_refined_bias_must_be_found_and_be_the_profiles(
     other = HeadMap(left=torch.ones(VOCAB, 1), right=torch.zeros(1, VOCAB))
     with pytest.raises(ValueError, match="not the one the bias was fitted on"):
         OnlineBias.refining(start, profile.bias, request_temperatures=(1.0,), head_map=other)
-    plain = profile.bias.model_copy(update={"head_map": None})
+    plain = profile.bias.model_copy(
+        update={"head_map": None, "head_map_rank": None, "head_map_penalty": None}
+    )
     with pytest.raises(ValueError, match="not the one the bias was fitted on"):
         OnlineBias.refining(start, plain, request_temperatures=(1.0,), head_map=_lifting_map())
 

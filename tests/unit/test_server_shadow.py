@@ -405,6 +405,22 @@ def test_the_warm_up_budget_ends_with_the_first_policy() -> None:
     assert setup.published == [1]
 
 
+def _submit_one(
+    setup: Setup, correction: LogitCorrection | None, *, request_temperature: float = 1.0
+) -> None:
+    """Admit and submit one choice served with `correction` (trace "trace")."""
+    assert setup.shadow.admit("trace", 3)
+    assert setup.shadow.submit(
+        [1, 2],
+        [3, 4, 5],
+        [1.0] * 3,
+        "trace",
+        request_id="r",
+        request_temperature=request_temperature,
+        correction=correction,
+    )
+
+
 def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -414,16 +430,7 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     setup = Setup(FakeScorer(), every=100)
     setup.shadow.start()
     try:
-        assert setup.shadow.admit("trace", 3)
-        assert setup.shadow.submit(
-            [1, 2],
-            [3, 4, 5],
-            [1.0] * 3,
-            "trace",
-            request_id="r",
-            request_temperature=0.7,
-            correction=LogitCorrection(bias_sha256(vector)),
-        )
+        _submit_one(setup, LogitCorrection(bias_sha256(vector)), request_temperature=0.7)
         assert _offer(setup.shadow, [1, 2], [3, 4, 5], [1.0] * 3)
         assert setup.shadow.wait_idle(5)
     finally:
@@ -447,16 +454,7 @@ def test_a_request_served_with_a_head_map_is_scored_with_it_under_its_bias(
     setup = Setup(FakeScorer(), every=100)
     setup.shadow.start()
     try:
-        assert setup.shadow.admit("trace", 3)
-        assert setup.shadow.submit(
-            [1, 2],
-            [3, 4, 5],
-            [1.0] * 3,
-            "trace",
-            request_id="r",
-            request_temperature=1.0,
-            correction=correction,
-        )
+        _submit_one(setup, correction)
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()
@@ -478,16 +476,7 @@ def test_a_request_whose_head_map_is_gone_is_dropped(
     setup = Setup(FakeScorer(), every=100)
     setup.shadow.start()
     try:
-        assert setup.shadow.admit("trace", 3)
-        assert setup.shadow.submit(
-            [1, 2],
-            [3, 4, 5],
-            [1.0] * 3,
-            "trace",
-            request_id="r",
-            request_temperature=1.0,
-            correction=LogitCorrection(bias_sha256(vector), "cd" * 32),
-        )
+        _submit_one(setup, LogitCorrection(bias_sha256(vector), "cd" * 32))
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()

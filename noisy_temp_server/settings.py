@@ -403,7 +403,7 @@ def add_settings_arguments(
             type=kind,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
-            help=f"{info.description} [env NTS_{name.upper()}]",
+            help=f"{info.description} [env NTS_{name.upper()}]".replace("%", "%%"),
         )
 
 

@@ -33,6 +33,21 @@ def test_defaults_serve_on_loopback_port_8000() -> None:
     assert settings.perturbation == DEFAULT_PERTURBATION
 
 
+def test_every_command_prints_its_help() -> None:
+    """A description with a % once made `serve --help` crash (argparse formats help with %)."""
+    from noisy_temp_server.cli import build_parser  # noqa: PLC0415
+
+    parser = build_parser()
+    commands = next(
+        action for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+    )
+    for name, command in commands.choices.items():
+        assert "--" in command.format_help(), name
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    assert "within 1 % of float32" in " ".join(parser.format_help().split())
+
+
 def test_environment_then_flags_take_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NTS_PORT", "9001")
     monkeypatch.setenv("NTS_SHADOW_FRACTION", "0.5")

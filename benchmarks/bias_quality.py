@@ -35,7 +35,10 @@ compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --o
 `--head-map-rank R` adds both fits again on top of a rank-R `HeadMap` (a linear correction of
 the served row in the output head's span, `temperature.head_map`; fitted on the fit prompts,
 its penalty chosen on the validation prompts' selection half), measured against the same T = 1
-and oracle: in-domain by `calibrate_bias`, cross-domain fitted on A as the bias is.
+and oracle: in-domain by `calibrate_bias`, cross-domain fitted on A as the bias is; with
+`--stream-samples` too, the online refinement then starts from the in-domain fit on the map (the
+map held, as `serve` holds it; the bias refined on mapped rows, measured against the rows as
+served).
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
@@ -74,6 +77,7 @@ from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.bias import PairedRows
+from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 
@@ -141,12 +145,14 @@ def _streamed(
     prompts = [(i, p) for i, p in enumerate(shipped) if i not in test_ids]
     if calibration.path.refine_penalty is None:
         return "online refinement: none (the T-only fit won on validation, no bias to refine)", []
+    head_map = None if calibration.head_map is None else calibration.head_map.head_map
     online = OnlineBias.refining(
         calibration.correction,
         calibration.summary(),
         request_temperatures=settings.request_temperatures,
         head_basis=basis,
         bounds=settings.bounds,
+        head_map=head_map,
     )
     in_span = online.fit.steps_in_head_span
     per_request = Settings().shadow_bias_rows
@@ -162,7 +168,7 @@ def _streamed(
         "|---:|---:|---:|---:|---:|---:|---|",
     ]
     calibrated = BandedBias(calibration.correction, calibration.band_temperatures)
-    start = _round_figures(test_rows, calibrated, rows_fitted=0)
+    start = _round_figures(test_rows, calibrated, rows_fitted=0, head_map=head_map)
     lines.append(_round_line("0 (calibrated)", start, "(served)"))
     documents = []
     for round_index in range(args.stream_samples):
@@ -177,7 +183,9 @@ def _streamed(
         scored = score_with_rows(scorer, sequences, max_rows=per_request * len(sequences))
         for request in _requests(scored.rows, per_request):
             online.add(request)
-        figures = _round_figures(test_rows, online.fit.banded, online.fit.rows_seen)
+        figures = _round_figures(
+            test_rows, online.fit.banded, online.fit.rows_seen, head_map=head_map
+        )
         figures |= {"round": round_index + 1, "would_publish": online.candidate() is not None}
         lines.append(_round_line(str(round_index + 1), figures, str(figures["would_publish"])))
         print(lines[-1], flush=True)
@@ -185,13 +193,24 @@ def _streamed(
     return "\n".join(lines), documents
 
 
-def _round_figures(test_rows: PairedRows, correction: BandedBias, rows_fitted: int) -> dict:
-    """`correction` on the test rows at each of its request temperatures (the rows taken
-    there, its band's T): shares of KL(T = 1) removed by it (± s.e.) and by the per-position
-    oracle T."""
+def _round_figures(
+    test_rows: PairedRows,
+    correction: BandedBias,
+    rows_fitted: int,
+    *,
+    head_map: HeadMap | None = None,
+) -> dict:
+    """`correction` (on top of `head_map`, if any) on the test rows at each of its request
+    temperatures (the rows taken there, its band's T): shares of KL(T = 1) removed by it
+    (± s.e.) and by the per-position oracle T, both against the rows as served."""
+    mapped = test_rows if head_map is None else head_map.mapped(test_rows)
     by_request_temperature = []
     for t_r, band in correction.band_temperatures.items():
-        quality = bias_quality(at_request_temperature(test_rows, t_r), correction.at(t_r))
+        quality = bias_quality(
+            at_request_temperature(mapped, t_r),
+            correction.at(t_r),
+            unmapped=None if head_map is None else at_request_temperature(test_rows, t_r),
+        )
         kl_one = quality.t_one.mean_kl
         by_request_temperature.append(
             {
@@ -223,11 +242,12 @@ def _head_mapped(
     settings: CalibrationSettings,
     basis: torch.Tensor,
     rank: int,
-) -> tuple[str, dict]:
+) -> tuple[str, dict, BiasCalibration]:
     """Both fits again on top of a rank-`rank` head map: in-domain as calibration fits it,
     cross-domain with the map and the bias fitted on A (the map on A's fit prompts, its penalty
     chosen on the selection half of A's validation prompts), beside the same rules; in-domain
-    recommended as calibration would, against the recommended `rule` too."""
+    recommended as calibration would, against the recommended `rule` too. Also returns the
+    in-domain calibration (map, bias and T)."""
     in_domain = calibrate_bias(
         scored_a.rows,
         settings,
@@ -274,7 +294,7 @@ def _head_mapped(
         "in_domain": in_doc,
         "cross_domain": cross_doc,
     }
-    return f"{in_text}\n\n{cross_text}", document
+    return f"{in_text}\n\n{cross_text}", document, in_domain
 
 
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:
@@ -349,7 +369,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     mapped_text, mapped_doc = "", dict[str, object]()
     if args.head_map_rank:
         assert basis is not None, "--head-map-rank needs the head basis (not --per-token-only)"
-        mapped_text, mapped_doc = _head_mapped(
+        mapped_text, mapped_doc, calibration = _head_mapped(
             scored_a,
             scored_b,
             (at_one, cross_rules),

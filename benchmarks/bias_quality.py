@@ -33,7 +33,7 @@ temperature of `--request-temperatures` (default 1.0; the bias then has a band's
 refined online too; the rows taken to T_r exactly). `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
 `--head-map-rank R` adds both fits again on top of a rank-R `HeadMap` (a linear correction of
-the served row in the output head's span, `temperature.head_map`; fitted on the fit prompts,
+the served row in the output head's span, `correction.head_map`; fitted on the fit prompts,
 its penalty chosen on the validation prompts' selection half), measured against the same T = 1
 and oracle: in-domain by `calibrate_bias`, cross-domain fitted on A as the bias is; with
 `--stream-samples` too, the online refinement then starts from the in-domain fit on the map (the
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from quality import FAMILIES, bias_section, served_pairs
 
-from noisy_temp_server.estimation.bias_fit import (
+from noisy_temp_server.calibration.bias_fit import (
     BiasCalibration,
     ScoredSet,
     bias_quality,
@@ -62,24 +62,24 @@ from noisy_temp_server.estimation.bias_fit import (
     penalties_text,
     score_with_rows,
 )
-from noisy_temp_server.estimation.calibration import calibrate_records, sample_completions
-from noisy_temp_server.estimation.fitting import FITTED_RULES
-from noisy_temp_server.estimation.online_bias import OnlineBias
-from noisy_temp_server.estimation.profile import CalibrationSettings, QualityTable
-from noisy_temp_server.estimation.prompts import load_prompts
-from noisy_temp_server.estimation.quality import quality_table
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.fitting import FITTED_RULES
+from noisy_temp_server.calibration.pipeline import calibrate_records, sample_completions
+from noisy_temp_server.calibration.profile import CalibrationSettings, QualityTable
+from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.calibration.quality import quality_table
+from noisy_temp_server.calibration.significance import (
     split_by_sequence,
     split_fit_validation_test,
 )
+from noisy_temp_server.correction.bias import PairedRows
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
+from noisy_temp_server.online.bias import OnlineBias
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"

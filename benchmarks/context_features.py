@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.fitting import finite_positions
-from noisy_temp_server.estimation.significance import cluster_stderr, is_significant
+from noisy_temp_server.calibration.fitting import finite_positions
+from noisy_temp_server.calibration.significance import cluster_stderr, is_significant
 from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords
 from noisy_temp_server.temperature.rules import TemperatureBounds
 

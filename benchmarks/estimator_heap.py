@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from noisy_temp_server.estimation.heap import fix_mmap_threshold
-from noisy_temp_server.estimation.online import OnlineEstimator
+from noisy_temp_server.online.estimator import OnlineEstimator
+from noisy_temp_server.online.heap import fix_mmap_threshold
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.pairs.tiny_model import build_tiny_llama
 

@@ -1,7 +1,7 @@
 """What a head map costs a processor step: `HeadMap.apply` (two [B, V] x [V, r] products per
 step) beside the per-token bias's one vector add, per batch size, on the CPU or a CUDA device.
 
-The bare arithmetic of the map (`temperature.head_map`) at the embedded model's vocabulary and
+The bare arithmetic of the map (`correction.head_map`) at the embedded model's vocabulary and
 the ranks calibration may fit (its hidden size, 576, is the most); the processor's whole step
 with a map is `benchmarks/processor_bench.py --rules sqrt+bias+map`. Random logits and a random
 map: the cost does not depend on their values. Per (batch, rank): `--repeats` timed calls after
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

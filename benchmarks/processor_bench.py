@@ -20,7 +20,7 @@ factor), ``fisher`` (reads the served row: one softmax pass) and ``sqrt+bias`` (
 per-token logit bias in every row's policy: the processor adds it before the division, a gather
 of the rows' bias and an add; its bare arithmetic also counts one add of a [V] vector, so its
 overhead is apply - divide - add). ``sqrt+bias+map`` (not run by default: ``--rules``) adds a
-head map of rank ``--map-rank`` under the bias (`temperature.head_map`): its bare arithmetic
+head map of rank ``--map-rank`` under the bias (`correction.head_map`): its bare arithmetic
 also counts the map's two products, ``logits.addmm_(logits @ Rᵀ, Lᵀ)``, so its overhead is
 what the processor adds around them (the masked-entry guard, the rows' selection).
 Each configuration is measured
@@ -53,18 +53,18 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
 RESULTS = Path(__file__).parent / "results"
 _EDGES = (0, 8, 32, 128, 512)

@@ -22,7 +22,7 @@ clean model at T_r, softmax(z/T_r)):
   mean + 2 s.e. >= 0;
 - "never worse than T = 1": the same for KL(T = 1) - KL(calibrated).
 
-Per family, the per-token logit bias + T (`estimation.bias_fit`, fitted by the same
+Per family, the per-token logit bias + T (`calibration.bias_fit`, fitted by the same
 calibration on the T_r = 1 rows of the fit prompts, its penalty chosen on the validation
 prompts) on the test prompts: the share of KL(T = 1) it removes ± s.e., beside T = 1, every
 rule and the per-position oracle T at T_r = 1 (`bias_section`, which
@@ -49,31 +49,32 @@ from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.bias_fit import (
+from noisy_temp_server.calibration.bias_fit import (
     BiasQuality,
     ScoredSet,
     bias_quality,
     penalties_text,
     rule_temperatures_by_request_temperature,
 )
-from noisy_temp_server.estimation.calibration import (
-    CalibrationResult,
-    calibrate_scored,
-    score_pair,
-)
-from noisy_temp_server.estimation.fitting import (
+from noisy_temp_server.calibration.fitting import (
     FITTED_RULES,
     best_curve_temperature,
     finite_positions,
     rule_temperatures,
 )
-from noisy_temp_server.estimation.profile import CalibrationSettings, QualityRow, QualityTable
-from noisy_temp_server.estimation.prompts import load_prompts
-from noisy_temp_server.estimation.quality import quality_row
-from noisy_temp_server.estimation.significance import cluster_stderr, is_not_worse
+from noisy_temp_server.calibration.pipeline import (
+    CalibrationResult,
+    calibrate_scored,
+    score_pair,
+)
+from noisy_temp_server.calibration.profile import CalibrationSettings, QualityRow, QualityTable
+from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.calibration.quality import quality_row
+from noisy_temp_server.calibration.significance import cluster_stderr, is_not_worse
+from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     PerturbationSpec,
     QuantizationSpec,
     RuntimeLogitNoiseSpec,
@@ -81,7 +82,6 @@ from noisy_temp_server.pairs.perturb import (
 )
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.temperature.rules import Rule
 
 FAMILIES: dict[str, PerturbationSpec] = {

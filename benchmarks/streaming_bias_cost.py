@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows
-from noisy_temp_server.temperature.streaming_bias import StreamingBias
+from noisy_temp_server.correction.bias import LogitBias, PairedRows
+from noisy_temp_server.correction.streaming_bias import StreamingBias
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -223,9 +223,9 @@ def _rotated(items: list[Any], repeat: int) -> Iterator[Any]:
 
 
 def _tuned_extra_args(rule: str) -> dict[str, Any]:
+    from noisy_temp_server.engine_contract.request_args import TuningKeys  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
     from noisy_temp_server.temperature.rules import Rule  # noqa: PLC0415
-    from noisy_temp_server.vllm_plugin.request_args import TuningKeys  # noqa: PLC0415
 
     policy = TemperaturePolicy(
         version=1,

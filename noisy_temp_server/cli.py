@@ -20,7 +20,7 @@ COMMANDS: dict[str, str] = {
     "perturb": "perturb",
     "quantize": "quantize",
     "calibrate": "calibrate",
-    "policy": "policy",
+    "policy": "show_policy",
     "kld": "kld",
     "serve": "serve",
 }

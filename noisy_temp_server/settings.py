@@ -293,7 +293,7 @@ class Settings(BaseSettings):
     @field_validator("perturbation")
     @classmethod
     def _perturbation_is_a_spec(cls, value: str) -> str:
-        from noisy_temp_server.pairs.perturb import parse_spec  # noqa: PLC0415 (torch, lazily)
+        from noisy_temp_server.pairs.perturbation import parse_spec  # noqa: PLC0415 (torch, lazily)
 
         parse_spec(value)
         return value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from noisy_temp_server.estimation.profile import (
+from noisy_temp_server.calibration.profile import (
     BiasSummary,
     CalibrationSettings,
     ModelIdentity,
@@ -14,7 +14,7 @@ from noisy_temp_server.estimation.profile import (
     RuleParameters,
     StepBucketNoise,
 )
-from noisy_temp_server.pairs.perturb import QuantizationSpec
+from noisy_temp_server.pairs.perturbation import QuantizationSpec
 from noisy_temp_server.temperature.rules import Rule
 
 __all__ = ["CLEAN", "SERVED", "sample_bias", "sample_profile"]

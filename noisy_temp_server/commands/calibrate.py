@@ -11,19 +11,19 @@ validation split is halved by prompt, the calibrated table's cells are chosen on
 half and the recommended rule on its gate half (the lowest-KL rule whose gain over T = 1 is
 material there: over 2 s.e. and 0.1 % of KL(T = 1), else `off`), and it is measured on the
 test split. The profile
-(`noisy_temp_server.estimation.profile`) is written to --out and the quality tables printed,
+(`noisy_temp_server.calibration.profile`) is written to --out and the quality tables printed,
 each headed by its split and request temperatures: validation (its gate half) and test pooled
 over the request
 temperatures, then the test split at each. The per-token bias + T is fitted too, on the full
 rows of up to `--bias-rows` positions (its table is printed), on top of a head map of rank
-`--head-map-rank` when given (`temperature.head_map`); its vector is written beside the
+`--head-map-rank` when given (`correction.head_map`); its vector is written beside the
 profile (`bias-<sha256>.safetensors`, the map in `head-map-<sha256>.safetensors`), and so is
 the recommended policy (`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias
 with its T at each request temperature when the bias is recommended, else the recommended
 rule. `--records`
 also saves the per-position records (safetensors); `--report DIR` writes the markdown + PNG
 report of the four reference experiments on the clean model
-(`noisy_temp_server.estimation.report`), and may be given alone.
+(`noisy_temp_server.calibration.reference_report`), and may be given alone.
 Progress goes to stderr.
 """
 
@@ -39,7 +39,7 @@ from noisy_temp_server.commands.perturb import default_clean_path, read_spec_arg
 from noisy_temp_server.files import write_atomically
 
 if TYPE_CHECKING:
-    from noisy_temp_server.estimation.bias_fit import BiasCalibration
+    from noisy_temp_server.calibration.bias_fit import BiasCalibration
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -100,9 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    from noisy_temp_server.estimation.calibration import calibrate  # noqa: PLC0415
-    from noisy_temp_server.estimation.profile import CalibrationSettings  # noqa: PLC0415
-    from noisy_temp_server.estimation.prompts import load_prompts  # noqa: PLC0415
+    from noisy_temp_server.calibration.pipeline import calibrate  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import CalibrationSettings  # noqa: PLC0415
+    from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 print(result.bias.to_markdown())
             print(f"recommended policy (NTS_POLICY_FILE): {policy_path}")
         if args.report is not None:
-            from noisy_temp_server.estimation.report import write_report  # noqa: PLC0415
+            from noisy_temp_server.calibration.reference_report import write_report  # noqa: PLC0415
 
             print(write_report(clean_path, args.report, device=args.device))
     except (CorruptCheckpointError, ValueError, OSError) as error:  # input errors: ValueErrors
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _save_correction(folder: Path, bias: BiasCalibration) -> None:
     """Write the bias vector, and the head map under it if any, beside the profile."""
-    from noisy_temp_server.temperature.bias_files import (  # noqa: PLC0415
+    from noisy_temp_server.correction.files import (  # noqa: PLC0415
         save_bias_file,
         save_head_map_file,
     )

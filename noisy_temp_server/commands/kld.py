@@ -6,7 +6,7 @@
 
 The served model samples one completion per prompt at T = 1, as `calibrate` does (default: the
 shipped prompts); both models then score prompt + completion teacher-forced, a chunk of
-positions at a time, and `noisy_temp_server.estimation.scoreboard` accumulates llama.cpp's
+positions at a time, and `noisy_temp_server.pairs.scoreboard` accumulates llama.cpp's
 statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the clean top token,
 PPL ratio) for the served model at T = 1 and as served: the profile's recommended policy (or
 `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. When the profile recommends its
@@ -42,10 +42,10 @@ from noisy_temp_server.temperature.rules import Rule
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from noisy_temp_server.estimation.scoreboard import PairScoreboard, ScoreboardResult
+    from noisy_temp_server.correction.head_map import HeadMap
     from noisy_temp_server.pairs.loading import LoadedPair
+    from noisy_temp_server.pairs.scoreboard import PairScoreboard, ScoreboardResult
     from noisy_temp_server.pairs.scorer import ScoringSequence
-    from noisy_temp_server.temperature.head_map import HeadMap
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = ["HELP", "add_arguments", "format_table", "run", "score_scoreboard"]
@@ -90,7 +90,7 @@ def score_scoreboard(
     `PairScoreboard`)."""
     import torch  # noqa: PLC0415
 
-    from noisy_temp_server.estimation.scoreboard import PairScoreboard  # noqa: PLC0415
+    from noisy_temp_server.pairs.scoreboard import PairScoreboard  # noqa: PLC0415
     from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
 
     scorer = PairScorer(
@@ -111,7 +111,7 @@ def _policy_correction(
 ) -> tuple[Tensor | None, HeadMap | None]:
     """The vector of the policy's per-token bias and the head map under it (None for each it
     does not name), from beside the profile; ValueError when one cannot be read there."""
-    from noisy_temp_server.temperature.bias_files import (  # noqa: PLC0415
+    from noisy_temp_server.correction.files import (  # noqa: PLC0415
         load_bias_file,
         load_head_map_file,
     )
@@ -125,7 +125,7 @@ def _policy_correction(
 
 
 def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:
-    from noisy_temp_server.estimation.profile import Profile  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import Profile  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
     from noisy_temp_server.temperature.rules import TemperatureBounds  # noqa: PLC0415
 
@@ -198,8 +198,8 @@ def format_table(results: dict[str, ScoreboardResult], t_star_label: str) -> str
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from noisy_temp_server.estimation.calibration import sample_completions  # noqa: PLC0415
-    from noisy_temp_server.estimation.prompts import load_prompts  # noqa: PLC0415
+    from noisy_temp_server.calibration.pipeline import sample_completions  # noqa: PLC0415
+    from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415

@@ -39,15 +39,15 @@ from noisy_temp_server.settings import (
 )
 
 if TYPE_CHECKING:
-    from noisy_temp_server.estimation.profile import ModelIdentity, Profile
-    from noisy_temp_server.pairs.perturb import PerturbationSpec, RuntimeLogitNoiseSpec
+    from noisy_temp_server.calibration.profile import ModelIdentity, Profile
+    from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+    from noisy_temp_server.online.shadow import ShadowScorer
+    from noisy_temp_server.pairs.perturbation import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
     from noisy_temp_server.server.engine import EngineEnvironment
     from noisy_temp_server.server.metrics import ApiMetrics
     from noisy_temp_server.server.policy_source import PolicySource
-    from noisy_temp_server.server.shadow import ShadowScorer
     from noisy_temp_server.temperature.policy import TemperaturePolicy
-    from noisy_temp_server.vllm_plugin.trace_channel import TraceCollector
 
 __all__ = [
     "HELP",
@@ -93,7 +93,7 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
     check. Raises ValueError for a spec that does not change weights.
     """
     from noisy_temp_server.pairs.checkpoint import verify_checkpoint  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import QuantizationSpec, WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbation import QuantizationSpec, WeightNoiseSpec  # noqa: PLC0415
     from noisy_temp_server.pairs.perturbed_checkpoint import (  # noqa: PLC0415
         write_perturbed_checkpoint,
     )
@@ -129,7 +129,7 @@ class ServedPair:
     @property
     def runtime_noise(self) -> RuntimeLogitNoiseSpec | None:
         """The runtime logit noise the engine and the shadow scorer add, if any."""
-        from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec  # noqa: PLC0415
+        from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec  # noqa: PLC0415
 
         return self.spec if isinstance(self.spec, RuntimeLogitNoiseSpec) else None
 
@@ -140,9 +140,9 @@ def _served_checkpoint_pair(settings: Settings, served: Path) -> ServedPair:
     A runtime-noise checkpoint (`perturb` copies the clean weights and records the spec) is
     served with that noise, and is its own clean reference unless `--clean-model` says otherwise.
     """
-    from noisy_temp_server.estimation.profile import ModelIdentity  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import ModelIdentity  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec  # noqa: PLC0415
 
     if not (served / MANIFEST_FILENAME).is_file():
         return ServedPair(served, settings.clean_model, None)
@@ -170,7 +170,7 @@ def resolve_pair(settings: Settings) -> ServedPair:
     cache (`ensure_perturbed_checkpoint`).
     """
     from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturb import (  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbation import (  # noqa: PLC0415
         ExternalPairSpec,
         RuntimeLogitNoiseSpec,
         parse_spec,
@@ -235,7 +235,7 @@ def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdenti
     reference has, as the clean model, its weights without the noise. Raises ProfileError when
     a folder has no readable manifest (its weights cannot be identified).
     """
-    from noisy_temp_server.estimation.profile import ModelIdentity, ProfileError  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import ModelIdentity, ProfileError  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
 
     def identity(path: Path) -> ModelIdentity:
@@ -267,7 +267,7 @@ DEFAULT_PAIR_PROFILE = Path(__file__).resolve().parent.parent / "data" / "defaul
 def serves_default_pair(settings: Settings) -> bool:
     """Whether `settings` name the default pair: no served or clean model given and the default
     perturbation (compared as a parsed spec, so spelling does not matter)."""
-    from noisy_temp_server.pairs.perturb import parse_spec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbation import parse_spec  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
 
     return (
@@ -291,7 +291,7 @@ def startup_profile(settings: Settings, pair: ServedPair) -> StartupProfile:
     the pair raises ProfileError); else, for the default pair, the shipped
     `DEFAULT_PAIR_PROFILE` (if it does not fit, e.g. a differently converted default model,
     a warning and no profile); else none ("identity": T = 1 until the estimator learns)."""
-    from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
 
     if settings.profile is not None:
         profile = load_profile_for_pair(settings.profile, pair)
@@ -312,7 +312,7 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
     """The profile at `path`, checked against `pair` (`pair_identities`); ProfileError naming
     the file and the mismatch otherwise. Without a clean model only the served model is
     checked (logged as a warning)."""
-    from noisy_temp_server.estimation.profile import Profile, ProfileError  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import Profile, ProfileError  # noqa: PLC0415
 
     clean, served = pair_identities(pair)
     if clean is not None:
@@ -334,19 +334,19 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
 def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
     """ProfileError unless the per-token bias `policy` names (None: nothing to check), and the
     head map under it if any, load from the engine's bias directory
-    (`vllm_plugin.logit_bias.load_bias`; `prepare_environment` sets it) and fit the served
+    (`step.logit_bias.load_bias`; `prepare_environment` sets it) and fit the served
     model's vocabulary. The engine would otherwise answer 400 to every request naming them, or
     serve them without the bias."""
     if policy.bias is None:
         return
     from transformers import AutoConfig  # noqa: PLC0415
 
-    from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
-    from noisy_temp_server.temperature.bias_files import (  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.correction.files import (  # noqa: PLC0415
         check_bias_vocabulary,
         check_head_map_vocabulary,
     )
-    from noisy_temp_server.vllm_plugin.logit_bias import load_bias, load_head_map  # noqa: PLC0415
+    from noisy_temp_server.step.logit_bias import load_bias, load_head_map  # noqa: PLC0415
 
     vocab_size = int(AutoConfig.from_pretrained(pair.served, local_files_only=True).vocab_size)
     where = f"the served model {pair.served}"
@@ -390,10 +390,10 @@ def _shadow(
         return None, None
     if pair.clean is None and settings.clean_backend == "in_process":
         return None, None
-    from noisy_temp_server.estimation.heap import fix_mmap_threshold  # noqa: PLC0415
-    from noisy_temp_server.estimation.online import OnlineEstimator  # noqa: PLC0415
-    from noisy_temp_server.server.shadow import ShadowScorer  # noqa: PLC0415
-    from noisy_temp_server.vllm_plugin.logit_bias import bias_directories  # noqa: PLC0415
+    from noisy_temp_server.online.estimator import OnlineEstimator  # noqa: PLC0415
+    from noisy_temp_server.online.heap import fix_mmap_threshold  # noqa: PLC0415
+    from noisy_temp_server.online.shadow import ShadowScorer  # noqa: PLC0415
+    from noisy_temp_server.step.logit_bias import bias_directories  # noqa: PLC0415
 
     fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
     scorer = pair_scorer(settings, pair)
@@ -462,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
     environment = prepare_environment(settings)
-    from noisy_temp_server.estimation.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
         stack.callback(environment.cleanup)
@@ -485,6 +485,7 @@ def _serve(
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import (  # noqa: PLC0415
         publish_bias_directories,
@@ -494,7 +495,6 @@ def _serve(
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
     from noisy_temp_server.server.policy_source import StaticPolicySource  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
-    from noisy_temp_server.vllm_plugin.trace_channel import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
     pair = resolve_pair(settings)

@@ -1,6 +1,6 @@
 """Real quantized checkpoints in the compressed-tensors format, which vLLM runs with its kernels.
 
-Unlike the round-to-nearest *simulations* of `noisy_temp_server.pairs.perturb` (weights
+Unlike the round-to-nearest *simulations* of `noisy_temp_server.pairs.perturbation` (weights
 quantized and dequantized back to float, served as an ordinary float model), a checkpoint
 written here stores the quantized weights (int8, packed int4 or fp8) with their scales and a
 `quantization_config` in `config.json`; vLLM serves it with its own quantized kernels, and

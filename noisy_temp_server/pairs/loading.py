@@ -11,7 +11,7 @@ import torch
 
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     PerturbationSpec,
     QuantizationSpec,
     RuntimeLogitNoiseSpec,
@@ -43,7 +43,7 @@ class LoadedPair:
 
     def head_basis(self, vocab_size: int) -> torch.Tensor | None:
         """The clean model's output-head weight [V, d] (detached), the basis of the bias's
-        head-span part (`temperature.bias`), when it has one row per token of `vocab_size`;
+        head-span part (`correction.bias`), when it has one row per token of `vocab_size`;
         else None (the bias is then fitted per token only)."""
         weight = output_head(self.clean_model)
         return None if weight is None or weight.shape[0] != vocab_size else weight.detach()

@@ -15,7 +15,7 @@ from noisy_temp_server.pairs.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     ExternalPairSpec,
     PerturbationSpec,
     PerturbationSpecError,

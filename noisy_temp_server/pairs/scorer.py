@@ -26,13 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.scoreboard import (
-    PositionScores,
-    corrected_rows,
-    scores_as_served,
-)
+from noisy_temp_server.correction.bias import PairedRows
+from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     RuntimeLogitNoiseSpec,
     add_runtime_logit_noise,
     output_head,
@@ -42,8 +39,11 @@ from noisy_temp_server.pairs.records import (
     PositionRecords,
     terms_at_request_temperature,
 )
-from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.pairs.scoreboard import (
+    PositionScores,
+    corrected_rows,
+    scores_as_served,
+)
 from noisy_temp_server.temperature.stats import PairTerms
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 server-sent events.
 
 The handler renders and tokenizes the messages and formats the response; admission, the engine
-run, the stream and the `nts` summaries are `server.generation`'s.
+run, the stream and the `nts` summaries are `server.serving`'s.
 """
 
 from __future__ import annotations
@@ -16,18 +16,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.errors import OpenAIError
-from noisy_temp_server.server.generation import (
-    CLIENT_CLOSED_REQUEST,
-    MIN_LOGPROB,
-    Choice,
-    Piece,
-    clean_logprob,
-    overall_summary,
-    prepare_request,
-    run_unless_disconnected,
-    stream_choices,
-    usage,
-)
 from noisy_temp_server.server.protocol import (
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -39,6 +27,18 @@ from noisy_temp_server.server.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
+)
+from noisy_temp_server.server.serving import (
+    CLIENT_CLOSED_REQUEST,
+    MIN_LOGPROB,
+    Choice,
+    Piece,
+    clean_logprob,
+    overall_summary,
+    prepare_request,
+    run_unless_disconnected,
+    stream_choices,
+    usage,
 )
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 

@@ -1,7 +1,7 @@
 """`POST /v1/completions`: a text (or token id) prompt, JSON or server-sent events.
 
 The handler tokenizes the prompt and formats the response; admission, the engine run, the
-stream and the `nts` summaries are `server.generation`'s.
+stream and the `nts` summaries are `server.serving`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.generation import (
+from noisy_temp_server.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from noisy_temp_server.server.serving import (
     CLIENT_CLOSED_REQUEST,
     Choice,
     Piece,
@@ -23,13 +30,6 @@ from noisy_temp_server.server.generation import (
     run_unless_disconnected,
     stream_choices,
     usage,
-)
-from noisy_temp_server.server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
 )
 from noisy_temp_server.server.state import ServerStateDep
 

@@ -43,9 +43,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV
 from noisy_temp_server.settings import Settings, engine_settings
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensInput
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
+    from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
@@ -146,7 +146,7 @@ def publish_bias_directories(
     profile_dir: Path | None,
 ) -> tuple[Path, ...]:
     """The folders the engine looks per-token bias files up in, in order, also set as
-    `NTS_BIAS_DIR` (joined by `os.pathsep`, `vllm_plugin.logit_bias.bias_directories`) for the
+    `NTS_BIAS_DIR` (joined by `os.pathsep`, `step.logit_bias.bias_directories`) for the
     engine process and this one: `settings.bias_dir` when given; when the startup `policy` names
     a bias, then `profile_dir`, the folder the startup profile was loaded from (None: no
     profile; its own bias file lies there, so setting `bias_dir` for other biases cannot hide

@@ -11,11 +11,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
+from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.server.protocol import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.request_args import LogitCorrection, RequestTuning
-from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 __all__ = ["choice_summary", "combine_summaries", "mean_alpha", "reported_rule"]
 

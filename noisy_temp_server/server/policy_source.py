@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from noisy_temp_server.step.engine_metrics import step_bucket_labels
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.metrics import step_bucket_labels
 
 __all__ = ["PolicySource", "StaticPolicySource", "describe_policy"]
 
 
 class PolicySource(Protocol):
-    """Where new requests get their policy (`estimation.online.OnlineEstimator` is one)."""
+    """Where new requests get their policy (`online.estimator.OnlineEstimator` is one)."""
 
     def current_policy(self) -> TemperaturePolicy: ...
 

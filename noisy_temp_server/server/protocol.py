@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.vllm_plugin.request_args import KEY_RUNTIME_NOISE_SIGMA
+from noisy_temp_server.engine_contract.request_args import KEY_RUNTIME_NOISE_SIGMA
 
 __all__ = [
     "NTS_CLIENT_KEYS",

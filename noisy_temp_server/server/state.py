@@ -14,12 +14,12 @@ from fastapi import Depends, FastAPI, Request
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from noisy_temp_server.engine_contract.trace_channel import TraceReport
+    from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.server.engine import GenerationEngine
     from noisy_temp_server.server.metrics import ApiMetrics
     from noisy_temp_server.server.policy_source import PolicySource
-    from noisy_temp_server.server.shadow import ShadowScorer
     from noisy_temp_server.settings import Settings
-    from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 __all__ = [
     "ChatTokenizer",
@@ -44,7 +44,7 @@ class ChatTokenizer(Protocol):
 
 
 class TraceSource(Protocol):
-    """The API side of the trace channel (`vllm_plugin.trace_channel.TraceCollector`)."""
+    """The API side of the trace channel (`engine_contract.trace_channel.TraceCollector`)."""
 
     async def wait_for(
         self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False

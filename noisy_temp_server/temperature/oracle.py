@@ -6,7 +6,7 @@ weighted sum of such terms. Each minimisation is a 1-D convex problem on
 ``[1/t_max, 1/t_min]``, solved by safeguarded Newton on the derivative
 ``E_{q_u}[z~] - E_p[z~]``: a Newton step when it stays inside the current bracket, bisection
 otherwise (`minimise_convex`, also used to fit one T to many rows' stored KL curves in
-`noisy_temp_server.estimation.fitting`). Rows are solved together, without a Python loop over
+`noisy_temp_server.calibration.fitting`). Rows are solved together, without a Python loop over
 rows.
 """
 

@@ -148,14 +148,14 @@ class TemperaturePolicy:
         schedule_t_max, schedule_beta: T(step) = t_max / sqrt(1 + beta * step) (``schedule``).
         calibrated: the table of the ``calibrated`` rule.
         bias: the sha256 (64 lowercase hex digits) of a per-token logit bias b added to the
-            served logits before the temperature, softmax((z~ + b) / T) (`temperature.bias`),
+            served logits before the temperature, softmax((z~ + b) / T) (`correction.bias`),
             on top of any rule; None: no bias. Only the hash travels with the policy; the
             vector (float32, one entry per vocabulary token) is a file the engine loads once
-            (`temperature.bias_files.bias_file_name`).
-        head_map: the sha256 of a low-rank head map (`temperature.head_map.HeadMap`) applied
+            (`correction.files.bias_file_name`).
+        head_map: the sha256 of a low-rank head map (`correction.head_map.HeadMap`) applied
             to the served row before the bias, softmax((z~ + L R z~ + b) / T); None: none.
             Only with a bias (the bias was fitted on mapped rows); stored like it
-            (`temperature.bias_files.head_map_file_name`).
+            (`correction.files.head_map_file_name`).
 
     Sequences are normalised to tuples and numbers to float/int, so equal policies compare
     (and hash) equal and round-trip exactly through JSON.

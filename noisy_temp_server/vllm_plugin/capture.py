@@ -55,11 +55,11 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
+from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, parse_request_args
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
-from noisy_temp_server.vllm_plugin.request_args import GREEDY_TEMPERATURE, parse_request_args
 
 if TYPE_CHECKING:
-    from noisy_temp_server.vllm_plugin.reports import Reporter
+    from noisy_temp_server.step.reports import Reporter
 
 __all__ = [
     "CaptureBounds",

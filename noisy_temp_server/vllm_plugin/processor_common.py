@@ -18,12 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 
-from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
-from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
-from noisy_temp_server.vllm_plugin.logit_bias import check_correction
-from noisy_temp_server.vllm_plugin.metrics import step_temperature_metrics
-from noisy_temp_server.vllm_plugin.reports import Reporter
-from noisy_temp_server.vllm_plugin.request_args import (
+from noisy_temp_server.engine_contract.request_args import (
     LogitCorrection,
     RequestTuning,
     default_policy_json,
@@ -31,9 +26,14 @@ from noisy_temp_server.vllm_plugin.request_args import (
     resolve_correction,
     resolve_request,
 )
+from noisy_temp_server.engine_contract.trace_channel import TraceSender
+from noisy_temp_server.step.engine_metrics import step_temperature_metrics
+from noisy_temp_server.step.logit_bias import check_correction
+from noisy_temp_server.step.reports import Reporter
+from noisy_temp_server.step.slot_tuning import SlotTuning
+from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
+from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
 from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
-from noisy_temp_server.vllm_plugin.slot_tuning import SlotTuning
-from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -34,13 +34,13 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from noisy_temp_server.vllm_plugin.logit_bias import bias_directories
+from noisy_temp_server.step.logit_bias import bias_directories
+from noisy_temp_server.step.slot_tuning import STEP_STRIDE
 from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,
     build_slot_tuning,
     request_tuning,
 )
-from noisy_temp_server.vllm_plugin.slot_tuning import STEP_STRIDE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

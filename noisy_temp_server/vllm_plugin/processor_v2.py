@@ -33,12 +33,12 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcRequestState,
 )
 
+from noisy_temp_server.step.slot_tuning import STEP_STRIDE
 from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,
     build_slot_tuning,
     request_tuning,
 )
-from noisy_temp_server.vllm_plugin.slot_tuning import STEP_STRIDE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

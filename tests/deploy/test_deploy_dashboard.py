@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from noisy_temp_server.step.engine_metrics import STEP_TEMPERATURE_BUCKETS
 from noisy_temp_server.temperature.rules import TemperatureBounds
-from noisy_temp_server.vllm_plugin.metrics import STEP_TEMPERATURE_BUCKETS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_SUFFIXES = {

@@ -17,15 +17,15 @@ from profile_helpers import sample_bias, sample_profile
 from server_helpers import stop
 from tiny_serve import MODEL, SCORE_EVERY_REQUEST, TinyServer, start_tiny_server
 
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturb import WeightNoiseSpec
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.pairs.identity import ModelIdentity
+from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
 
 pytestmark = pytest.mark.vllm
 

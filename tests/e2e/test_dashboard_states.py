@@ -23,8 +23,8 @@ from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.step.engine_metrics import StepTemperatureMetrics
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.metrics import StepTemperatureMetrics
 
 API_KEY = "page-key"
 POLICY = TemperaturePolicy(

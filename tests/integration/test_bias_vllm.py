@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 pytestmark = pytest.mark.vllm
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.estimation.profile import ModelIdentity, Profile, ProfileError
-from noisy_temp_server.temperature.bias_files import bias_file_name, load_head_map_file
+from noisy_temp_server.correction.files import bias_file_name, load_head_map_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from vllm_helpers import start_llm, stop_llm
 
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
@@ -24,7 +25,6 @@ from noisy_temp_server.vllm_plugin.runtime_noise import (
     RUNTIME_NOISE_SEED_ENV,
     RUNTIME_NOISE_SIGMA_ENV,
 )
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
 pytestmark = pytest.mark.vllm
 

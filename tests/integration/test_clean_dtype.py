@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
-from noisy_temp_server.estimation.prompts import load_prompts
+from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
+from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence, ServedRows
 from noisy_temp_server.settings import Settings
 

@@ -11,17 +11,17 @@ import torch
 from profile_helpers import sample_bias, sample_profile
 from transformers import AutoConfig
 
+from noisy_temp_server.calibration.profile import BiasSummary, ModelIdentity, Profile
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.estimation.profile import BiasSummary, ModelIdentity, Profile
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.temperature.rules import Rule
 
 SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'

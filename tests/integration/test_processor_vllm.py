@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
 pytestmark = pytest.mark.vllm
 

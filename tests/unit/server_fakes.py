@@ -25,18 +25,18 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.estimation.scoreboard import scores_at_temperatures
+from noisy_temp_server.correction.bias import PairedRows
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceReport
 from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scoreboard import scores_at_temperatures
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.stats import PairTerms
-from noisy_temp_server.vllm_plugin.trace_channel import CapturedRows, TraceReport
 
 VOCAB = 1000
 MAX_MODEL_LEN = 64

@@ -13,7 +13,7 @@ import torch
 from profile_helpers import CLEAN, SERVED
 from safetensors.torch import save_file
 
-from noisy_temp_server.estimation.bias_fit import (
+from noisy_temp_server.calibration.bias_fit import (
     BIAS_ROW_NAME,
     bias_quality,
     calibrate_bias,
@@ -21,27 +21,27 @@ from noisy_temp_server.estimation.bias_fit import (
     kl_at_temperatures,
     score_with_rows,
 )
-from noisy_temp_server.estimation.calibration import calibrate_records
-from noisy_temp_server.estimation.fitting import rule_temperatures
-from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.fitting import rule_temperatures
+from noisy_temp_server.calibration.pipeline import calibrate_records
+from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
+from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
     is_not_worse,
     is_significant,
     split_fit_validation_test,
 )
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.perturb import QuantizationSpec, apply_perturbation, output_head
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias, fit_logit_bias
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.bias import LogitBias, PairedRows, evaluate_bias, fit_logit_bias
+from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
     load_bias_file,
     save_bias_file,
 )
-from noisy_temp_server.temperature.request_bands import at_request_temperature
+from noisy_temp_server.correction.request_bands import at_request_temperature
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation, output_head
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.temperature.rules import Rule
 
 

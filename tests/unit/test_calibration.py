@@ -16,14 +16,9 @@ from kl_reference import kl_to_clean
 from profile_helpers import CLEAN, SERVED
 from spy_helpers import record_calls
 
-from noisy_temp_server.estimation import calibration as calibration_module
-from noisy_temp_server.estimation import fitting
-from noisy_temp_server.estimation.calibration import (
-    CalibrationResult,
-    calibrate,
-    calibrate_records,
-)
-from noisy_temp_server.estimation.fitting import (
+from noisy_temp_server.calibration import fitting
+from noisy_temp_server.calibration import pipeline as calibration_module
+from noisy_temp_server.calibration.fitting import (
     FITTED_RULES,
     best_curve_temperature,
     fit_calibrated_table,
@@ -31,15 +26,20 @@ from noisy_temp_server.estimation.fitting import (
     noise_by_step,
     rule_temperatures,
 )
-from noisy_temp_server.estimation.profile import (
+from noisy_temp_server.calibration.pipeline import (
+    CalibrationResult,
+    calibrate,
+    calibrate_records,
+)
+from noisy_temp_server.calibration.profile import (
     CalibrationSettings,
     Profile,
     QualityRow,
     QualityTable,
 )
-from noisy_temp_server.estimation.prompts import load_prompts
-from noisy_temp_server.estimation.quality import quality_table, recommend_rule
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.calibration.quality import quality_table, recommend_rule
+from noisy_temp_server.calibration.significance import (
     MIN_RELATIVE_GAIN,
     InsufficientDataError,
     is_significant,
@@ -48,7 +48,7 @@ from noisy_temp_server.estimation.significance import (
     split_selection_gate,
 )
 from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.perturb import WeightNoiseSpec
+from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
 from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy

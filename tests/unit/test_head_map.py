@@ -10,17 +10,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from noisy_temp_server.estimation.bias_fit import calibrate_bias
-from noisy_temp_server.estimation.profile import CalibrationSettings
-from noisy_temp_server.temperature.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.calibration.bias_fit import calibrate_bias
+from noisy_temp_server.calibration.profile import CalibrationSettings
+from noisy_temp_server.correction.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.correction.files import (
     find_head_map_file,
     head_map_file_name,
     head_map_sha256,
     load_head_map_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap, fit_head_map, head_coordinates
+from noisy_temp_server.correction.head_map import HeadMap, fit_head_map, head_coordinates
 
 VOCAB, WIDTH = 300, 16
 BASIS = torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(0))

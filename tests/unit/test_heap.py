@@ -11,7 +11,7 @@ import pytest
 
 _PROBE = """
 import ctypes, sys
-from noisy_temp_server.estimation.heap import fix_mmap_threshold
+from noisy_temp_server.online.heap import fix_mmap_threshold
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (

@@ -16,22 +16,22 @@ from test_processor_v2 import _Batch, _ctx
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.request_args import POLICY_FILE_ENV
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV, bias_directories, load_bias
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directories, load_bias
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1
 from noisy_temp_server.vllm_plugin.processor_v2 import NoisyTemperatureV2
-from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 VOCAB = 13
 SLOTS = 6

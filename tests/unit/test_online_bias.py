@@ -16,18 +16,14 @@ import pytest
 import torch
 from profile_helpers import sample_bias, sample_profile
 
-from noisy_temp_server.estimation import online
-from noisy_temp_server.estimation.online import OnlineEstimator
-from noisy_temp_server.estimation.online_bias import OnlineBias
-from noisy_temp_server.estimation.profile import CalibrationSettings, Profile
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.temperature.bias import (
+from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
+from noisy_temp_server.correction.bias import (
     LogitBias,
     PairedRows,
     evaluate_bias,
     fit_bias_at_penalty,
 )
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
     find_bias_file,
@@ -36,14 +32,18 @@ from noisy_temp_server.temperature.bias_files import (
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
-from noisy_temp_server.temperature.request_bands import (
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.request_bands import (
     BandedBias,
     at_request_temperature,
     best_temperature,
 )
+from noisy_temp_server.correction.streaming_bias import StreamingBias
+from noisy_temp_server.online import estimator as online
+from noisy_temp_server.online.bias import OnlineBias
+from noisy_temp_server.online.estimator import OnlineEstimator
+from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.temperature.streaming_bias import StreamingBias
 
 VOCAB = 200
 SHIFT = torch.randn(VOCAB, generator=torch.Generator().manual_seed(99)) * 1.5

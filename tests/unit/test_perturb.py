@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     ExternalPairSpec,
     PerturbationSpecError,
     QuantizationSpec,

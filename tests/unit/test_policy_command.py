@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from profile_helpers import sample_profile
 
+from noisy_temp_server.calibration import profile as profile_module
 from noisy_temp_server.cli import main
-from noisy_temp_server.estimation import profile as profile_module
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 

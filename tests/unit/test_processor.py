@@ -15,13 +15,13 @@ from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from noisy_temp_server.engine_contract.request_args import POLICY_FILE_ENV
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import served_row_features
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
-from noisy_temp_server.vllm_plugin.request_args import POLICY_FILE_ENV
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
 
 VOCAB = 11
 LINEAR = TemperaturePolicy(

@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from noisy_temp_server.vllm_plugin.metrics import (
-    STEP_TEMPERATURE_BUCKETS,
-    StepTemperatureMetrics,
-    step_temperature_metrics,
-)
-from noisy_temp_server.vllm_plugin.trace_channel import (
+from noisy_temp_server.engine_contract.trace_channel import (
     TRACE_ENDPOINT_ENV,
     TraceCollector,
     TraceReport,
     TraceSender,
+)
+from noisy_temp_server.step.engine_metrics import (
+    STEP_TEMPERATURE_BUCKETS,
+    StepTemperatureMetrics,
+    step_temperature_metrics,
 )
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from profile_helpers import CLEAN, SERVED, sample_bias, sample_profile
 
-from noisy_temp_server.estimation.profile import (
+from noisy_temp_server.calibration.profile import (
     ModelIdentity,
     Profile,
     ProfileError,
 )
-from noisy_temp_server.pairs.perturb import QuantizationSpec, RuntimeLogitNoiseSpec
+from noisy_temp_server.pairs.perturbation import QuantizationSpec, RuntimeLogitNoiseSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

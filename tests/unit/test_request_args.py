@@ -7,9 +7,7 @@ from typing import Any
 
 import pytest
 
-from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.request_args import (
+from noisy_temp_server.engine_contract.request_args import (
     POLICY_FILE_ENV,
     LogitCorrection,
     TuningKeys,
@@ -19,6 +17,8 @@ from noisy_temp_server.vllm_plugin.request_args import (
     resolve_correction,
     resolve_request,
 )
+from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.rules import Rule
 
 SQRT = TemperaturePolicy(version=3, rule=Rule.SQRT, alpha_by_step=(0.44,))
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.scoreboard import (
+from noisy_temp_server.correction.files import bias_sha256, head_map_sha256
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.pairs.scoreboard import (
     SCOREBOARD_PERCENTILES,
     LiveScoreboard,
     PairScoreboard,
@@ -23,8 +25,6 @@ from noisy_temp_server.estimation.scoreboard import (
     position_scores,
     scores_at_temperatures,
 )
-from noisy_temp_server.temperature.bias_files import bias_sha256, head_map_sha256
-from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import PairTerms

@@ -11,17 +11,17 @@ import torch
 from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
+from noisy_temp_server.correction.bias import PairedRows
+from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
     apply_perturbation,
 )
 from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
 from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequence, ServedRows
-from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.head_map import HeadMap
 from noisy_temp_server.temperature.oracle import kl_curve
 
 

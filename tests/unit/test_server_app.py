@@ -26,9 +26,9 @@ from server_fakes import (
     sse_events,
 )
 
+from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from noisy_temp_server.server.dashboard import (
 )
 from noisy_temp_server.server.errors import OpenAIError, install_error_handlers
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.vllm_plugin.metrics import StepTemperatureMetrics
+from noisy_temp_server.step.engine_metrics import StepTemperatureMetrics
 
 KEY = "secret"
 

@@ -14,11 +14,12 @@ import pytest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
 
-from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec
+from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV
+from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
 from noisy_temp_server.server import engine
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV, bias_directories
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV, bias_directories
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 from noisy_temp_server.vllm_plugin.runtime_noise import (
     RUNTIME_NOISE_SEED_ENV,
@@ -26,7 +27,6 @@ from noisy_temp_server.vllm_plugin.runtime_noise import (
     RuntimeLogitNoiseProcessor,
     runtime_noise_from_env,
 )
-from noisy_temp_server.vllm_plugin.trace_channel import TRACE_ENDPOINT_ENV
 
 
 def _entry_points_return(found: list[EntryPoint], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
 from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries, mean_alpha
 from noisy_temp_server.server.protocol import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.request_args import LogitCorrection, RequestTuning
 
 # alpha 0.2 for steps 0..3, 0.6 from step 4 on
 TWO_BUCKETS = TemperaturePolicy(

@@ -14,6 +14,7 @@ import torch
 from profile_helpers import CLEAN, SERVED, sample_profile
 from transformers import AutoConfig
 
+from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import serve
 from noisy_temp_server.commands.serve import (
     DEFAULT_PAIR_PROFILE,
@@ -25,10 +26,17 @@ from noisy_temp_server.commands.serve import (
     serves_default_pair,
     startup_profile,
 )
-from noisy_temp_server.estimation.profile import ModelIdentity, Profile, ProfileError
+from noisy_temp_server.correction.files import (
+    bias_sha256,
+    head_map_sha256,
+    load_bias_file,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
 from noisy_temp_server.pairs.clean_backend import InProcessModel
-from noisy_temp_server.pairs.perturb import (
+from noisy_temp_server.pairs.perturbation import (
     QuantizationSpec,
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
@@ -37,17 +45,9 @@ from noisy_temp_server.pairs.perturb import (
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.temperature.bias_files import (
-    bias_sha256,
-    head_map_sha256,
-    load_bias_file,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 NOISE = RuntimeLogitNoiseSpec(sigma=1.0, seed=3)
 

@@ -19,18 +19,18 @@ from server_fakes import (
     FakeTraces,
 )
 
-from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
-from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.shadow import CpuBudget, ShadowScorer, request_sequence_id
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
     save_bias_file,
     save_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
-from noisy_temp_server.vllm_plugin.request_args import LogitCorrection
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.request_args import LogitCorrection
+from noisy_temp_server.online.shadow import CpuBudget, ShadowScorer, request_sequence_id
+from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
+from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 
 
 class Setup:

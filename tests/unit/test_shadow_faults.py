@@ -33,6 +33,14 @@ from server_fakes import (
 from server_helpers import free_port
 from starlette.types import Message
 
+from noisy_temp_server.correction.files import (
+    bias_sha256,
+    head_map_sha256,
+    save_bias_file,
+    save_head_map_file,
+)
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.online.shadow import ShadowScorer
 from noisy_temp_server.pairs.clean_backend import RemoteClean
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequence, ServedRows
@@ -40,17 +48,9 @@ from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
-from noisy_temp_server.server.shadow import ShadowScorer
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.bias_files import (
-    bias_sha256,
-    head_map_sha256,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.logit_bias import BIAS_DIR_ENV
 
 REQUESTS = 12
 BODY = {"prompt": "abc", "max_tokens": 2}

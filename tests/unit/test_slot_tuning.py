@@ -14,13 +14,13 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 
+from noisy_temp_server.step.engine_metrics import step_temperature_metrics
+from noisy_temp_server.step.reports import Reporter
+from noisy_temp_server.step.slot_tuning import STEP_STRIDE, SlotTuning
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.metrics import step_temperature_metrics
 from noisy_temp_server.vllm_plugin.processor_common import request_tuning
-from noisy_temp_server.vllm_plugin.reports import Reporter
-from noisy_temp_server.vllm_plugin.slot_tuning import STEP_STRIDE, SlotTuning
 
 SLOTS = 5
 VOCAB = 7

@@ -4,7 +4,7 @@ T at each request temperature (the form a profile serves it in, `TemperaturePoli
 
 A request at T_r samples from softmax((z~ + b) / (T_r T)) and is judged against the clean model
 at its own temperature, softmax(z / T_r) = p^(1/T_r) normalised; `at_request_temperature` takes
-`PairedRows` there exactly, so every fit and evaluation of `temperature.bias` applies at T_r
+`PairedRows` there exactly, so every fit and evaluation of `correction.bias` applies at T_r
 with the bias b / T_r.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.bias import MASKED_FLOOR, LogitBias, PairedRows
+from noisy_temp_server.correction.bias import MASKED_FLOOR, LogitBias, PairedRows
 from noisy_temp_server.temperature.oracle import inverse_bounds, minimise_convex
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms

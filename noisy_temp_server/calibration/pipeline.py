@@ -3,27 +3,27 @@
 The pipeline (`calibrate`):
 
 1. the served model samples a completion for every prompt at T = 1, as it would serve it
-   (with its runtime logit noise, if the pair has one; `pairs.generation`);
+   (with its runtime logit noise, if the pair has one; `pairs.sampling`);
 2. the pair scorer turns prompt + completion into per-position records (`pairs.scorer`), each
    position measured at every request temperature of the settings (KL to softmax(z/T_r));
 3. prompts (not positions) are split three ways: fit, validation and test
    (`split_fit_validation_test`), and the validation prompts in two halves, selection and
    gate (`split_selection_gate`): every choice made from data is made on the selection half
    and judged on the gate half, never on the rows it was chosen on;
-4. every rule is fitted on the fit split (`estimation.fitting.fit_rules`); the calibrated
+4. every rule is fitted on the fit split (`calibration.fitting.fit_rules`); the calibrated
    table has one band per request temperature, each starting from its best constant where
    the bands' constants jointly beat T = 1 on the selection half and the band's own
    selection positions do not show its constant worse than 1 (else from 1), and departs from
    it only where the selection half shows a material gain (`is_material_gain`);
 5. quality tables compare T = 1, every rule, calibrated and the oracle on the gate half (the
-   profile's `validation_quality`) and on the test split (`estimation.quality.quality_table`),
+   profile's `validation_quality`) and on the test split (`calibration.quality.quality_table`),
    pooled over the request temperatures, and on the test split at each request temperature;
 6. the recommended rule (`recommend_rule`) is chosen on the gate half's table: the lowest-KL
    rule whose paired gain over T = 1 is material (mean minus 2 cluster-robust standard
    errors > 0, and above 0.1 % of KL(T = 1)), else `off`: no rule is served on the strength
    of noise. The test table, on prompts that took part in neither fitting nor choosing,
    reports it;
-7. the per-token logit bias + T (`estimation.bias_fit.calibrate_bias`) is fitted on the full
+7. the per-token logit bias + T (`calibration.bias_fit.calibrate_bias`) is fitted on the full
    rows of the fit split's positions (up to `bias_rows` positions in all), first in the span
    of the clean model's output head, then per token on top, its penalties chosen on the
    selection half, and measured on the gate half and the test split; it is recommended only
@@ -42,26 +42,26 @@ from dataclasses import dataclass
 
 import torch
 
-from noisy_temp_server.estimation.bias_fit import (
+from noisy_temp_server.calibration.bias_fit import (
     BiasCalibration,
     ScoredSet,
     calibrate_bias,
     score_with_rows,
 )
-from noisy_temp_server.estimation.fitting import FITTED_RULES, fit_rules
-from noisy_temp_server.estimation.profile import CalibrationSettings, ModelIdentity, Profile
-from noisy_temp_server.estimation.prompts import Prompt, encode_prompt
-from noisy_temp_server.estimation.quality import quality_table, recommend_rule
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
+from noisy_temp_server.calibration.profile import CalibrationSettings, ModelIdentity, Profile
+from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
+from noisy_temp_server.calibration.quality import quality_table, recommend_rule
+from noisy_temp_server.calibration.significance import (
     split_fit_validation_test,
     split_selection_gate,
 )
-from noisy_temp_server.pairs.generation import generate_completions
+from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.perturb import PerturbationSpec, output_head
+from noisy_temp_server.pairs.perturbation import PerturbationSpec, output_head
 from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.temperature.bias import PairedRows
 
 __all__ = [
     "CalibrationResult",

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from noisy_temp_server.estimation.profile import Profile, ProfileError  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import Profile, ProfileError  # noqa: PLC0415
 
     try:
         policy = Profile.load(args.profile).to_policy(args.rule)

@@ -17,12 +17,12 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.profile import (
+from noisy_temp_server.calibration.profile import (
     CalibrationSettings,
     RuleParameters,
     StepBucketNoise,
 )
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
     cluster_stderr,
     is_material_gain,
@@ -446,7 +446,7 @@ def fit_rules(
     positions measured at request temperature 1. Positions whose KL is
     infinite at every T (the served row masks a token the clean row supports) carry no
     information about T and are left out, as in
-    `noisy_temp_server.estimation.quality.quality_table`. Raises
+    `noisy_temp_server.calibration.quality.quality_table`. Raises
     `InsufficientDataError` when there is nothing to fit on at request temperature 1 (or, for
     `calibrated` without `validation`, fewer than two sequences).
     """

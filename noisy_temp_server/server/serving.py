@@ -6,7 +6,7 @@ A request's path:
    endpoint's tokenizer call), check the context length, convert the body to one
    `SamplingParams` per choice, pin the policy in force (`PolicySource.current_policy`), apply
    the server defaults under the request's `nts_*` keys (the one parser,
-   `vllm_plugin.request_args`) and give each of the `n` choices its own engine request and trace
+   `engine_contract.request_args`) and give each of the `n` choices its own engine request and trace
    id, all before anything reaches the engine, so a bad request costs nothing and gets an
    OpenAI error body; the shadow scorer draws which choices it samples, and a sampled tuned
    choice runs with its per-step T* trace (the client's `nts` shows it only when asked);
@@ -39,6 +39,16 @@ from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import tokens_input
 from vllm.utils.async_utils import merge_async_iterators
 
+from noisy_temp_server.engine_contract.request_args import (
+    GREEDY_TEMPERATURE,
+    LogitCorrection,
+    RequestTuning,
+    TuningKeys,
+    parse_request_args,
+    resolve_correction,
+    resolve_request,
+)
+from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries
 from noisy_temp_server.server.protocol import (
@@ -51,16 +61,6 @@ from noisy_temp_server.server.protocol import (
     add_extra_args,
 )
 from noisy_temp_server.vllm_plugin.capture import capturable
-from noisy_temp_server.vllm_plugin.request_args import (
-    GREEDY_TEMPERATURE,
-    LogitCorrection,
-    RequestTuning,
-    TuningKeys,
-    parse_request_args,
-    resolve_correction,
-    resolve_request,
-)
-from noisy_temp_server.vllm_plugin.trace_channel import TraceReport
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs

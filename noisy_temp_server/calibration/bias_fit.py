@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.fitting import finite_positions
-from noisy_temp_server.estimation.fitting import rule_temperatures as rule_temperatures_of
-from noisy_temp_server.estimation.profile import BiasSummary, CalibrationSettings, QualityRow
-from noisy_temp_server.estimation.quality import quality_row
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.fitting import finite_positions
+from noisy_temp_server.calibration.fitting import rule_temperatures as rule_temperatures_of
+from noisy_temp_server.calibration.profile import BiasSummary, CalibrationSettings, QualityRow
+from noisy_temp_server.calibration.quality import quality_row
+from noisy_temp_server.calibration.significance import (
     SIGNIFICANCE_STDERRS,
     InsufficientDataError,
     cluster_stderr,
@@ -32,9 +32,7 @@ from noisy_temp_server.estimation.significance import (
     split_fit_validation_test,
     split_selection_gate,
 )
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.temperature.bias import (
+from noisy_temp_server.correction.bias import (
     BiasFit,
     BiasPath,
     LogitBias,
@@ -43,15 +41,17 @@ from noisy_temp_server.temperature.bias import (
     fit_bias_at_penalty,
     fit_logit_bias,
 )
-from noisy_temp_server.temperature.bias_files import bias_sha256, head_map_sha256
-from noisy_temp_server.temperature.head_map import HeadMapFit, fit_head_map
-from noisy_temp_server.temperature.oracle import oracle_temperature
-from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.temperature.request_bands import (
+from noisy_temp_server.correction.files import bias_sha256, head_map_sha256
+from noisy_temp_server.correction.head_map import HeadMapFit, fit_head_map
+from noisy_temp_server.correction.request_bands import (
     BandedBias,
     at_request_temperature,
     best_temperature,
 )
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.temperature.oracle import oracle_temperature
+from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms
 
@@ -389,7 +389,7 @@ class BiasCalibration:
 
     def summary(self) -> BiasSummary:
         """What the profile records (the vector and the head map themselves are written by
-        `temperature.bias_files.save_bias_file` and `save_head_map_file`)."""
+        `correction.files.save_bias_file` and `save_head_map_file`)."""
         mapped = self.head_map
         head_penalty = self.path.chosen.head_penalty
         over_rule = self.validation.over_rule

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save
 from torch import Tensor
 
+from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.files import write_atomically
-from noisy_temp_server.temperature.head_map import HeadMap
 
 __all__ = [
     "bias_file_name",

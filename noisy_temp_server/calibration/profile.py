@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturb import PerturbationSpec
+from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
@@ -84,7 +84,7 @@ class CalibrationSettings(_Frozen):
     """Positions whose full clean and served rows are kept to fit the per-token bias (8 bytes
     per vocabulary entry each: 2048 rows of a 49k vocabulary take 800 MB); 0: no bias."""
     head_map_rank: int = Field(default=0, ge=0)
-    """Rank of the head map fitted under the bias (`temperature.head_map`; 2 r V multiply-adds
+    """Rank of the head map fitted under the bias (`correction.head_map`; 2 r V multiply-adds
     per served row); 0: none. Needs the clean model's output head (a pair whose served
     vocabulary it fits)."""
 
@@ -273,7 +273,7 @@ class QualityTable(_Frozen):
 
 
 class BiasSummary(_Frozen):
-    """The per-token logit bias + T fitted by calibration (`estimation.bias_fit`).
+    """The per-token logit bias + T fitted by calibration (`calibration.bias_fit`).
 
     The vector (float32, `vocab_size`) is stored next to the profile in
     `bias_file_name(sha256)`; `sha256` is its content hash. `head_penalty` is the L2 penalty
@@ -351,7 +351,7 @@ class Profile(_Frozen):
     selection half chose the calibrated table's cells): the fitted rule with the lowest mean
     KL there among those whose paired gain over T = 1 is material (gain - 2 s.e. > 0 and
     gain > 0.1 % of KL(T = 1)), `off` when none is
-    (`noisy_temp_server.estimation.quality.recommend_rule`). `test_quality`, on prompts
+    (`noisy_temp_server.calibration.quality.recommend_rule`). `test_quality`, on prompts
     used for neither, is the figure to report. Both pool the calibration's request
     temperatures; `test_quality_by_request_temperature` has one test table per temperature.
     """

@@ -1,7 +1,7 @@
 """A low-rank linear correction of the served row inside the output head's span.
 
 Where the output head W [V, d] is the same in the clean and the served model (weight
-quantization and weight noise leave it alone by default, `pairs.perturb`), every logits row
+quantization and weight noise leave it alone by default, `pairs.perturbation`), every logits row
 is W h + c·1 for a final hidden state h, and the served row's error W (h - h~) lies in the
 head's span. The per-token bias's head-span part learns the mean of h - h~; part of the rest
 is a linear function of h~ that is the same on every prompt. `HeadMap` adds W M h~ to the
@@ -12,7 +12,7 @@ its leading `rank` singular directions. The coordinates h~ are read off the serv
     z~ -> z~ + left @ (right @ z~),   left = W U_r S_r  [V, r],   right = V_r^T P  [r, V]
 
 (M = U S V^T, P: the coordinates). The map has no constant part: the bias fitted on top of it
-(`estimation.bias_fit.calibrate_bias`) keeps its own. It costs 2 r V multiply-adds per row.
+(`calibration.bias_fit.calibrate_bias`) keeps its own. It costs 2 r V multiply-adds per row.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.correction.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [

@@ -53,6 +53,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
+from noisy_temp_server.step.engine_metrics import (
+    MAX_LABELS,
+    OVERFLOW_STEP_BUCKET,
+    step_bucket_labels,
+)
+from noisy_temp_server.step.logit_bias import SlotBias
+from noisy_temp_server.step.reports import Occupancy, Reporter, StateLayout
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import (
     StepTemperatures,
@@ -61,14 +69,6 @@ from noisy_temp_server.temperature.policy_eval import (
 )
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.temperature.stats import ServedRowFeatures, served_row_features
-from noisy_temp_server.vllm_plugin.logit_bias import SlotBias
-from noisy_temp_server.vllm_plugin.metrics import (
-    MAX_LABELS,
-    OVERFLOW_STEP_BUCKET,
-    step_bucket_labels,
-)
-from noisy_temp_server.vllm_plugin.reports import Occupancy, Reporter, StateLayout
-from noisy_temp_server.vllm_plugin.request_args import LogitCorrection, RequestTuning
 
 __all__ = ["STEP_STRIDE", "SlotTuning"]
 

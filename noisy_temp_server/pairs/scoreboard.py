@@ -42,13 +42,13 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     bias_sha256,
     check_bias_vocabulary,
     check_head_map_vocabulary,
     head_map_sha256,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
+from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms

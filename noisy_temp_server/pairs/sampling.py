@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from noisy_temp_server.pairs.perturb import RuntimeLogitNoiseSpec, add_runtime_logit_noise
+from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec, add_runtime_logit_noise
 from noisy_temp_server.pairs.scorer import ScoringSequence
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def generate_completions(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[ScoringSequence]:
     """Sample one completion per prompt (token ids, e.g. from
-    `noisy_temp_server.estimation.prompts.encode_prompt`) from `model` at T = 1 (no
+    `noisy_temp_server.calibration.prompts.encode_prompt`) from `model` at T = 1 (no
     top-k/top-p), as served.
 
     Sequence ids are the prompts' indices. A completion stops after the end-of-sequence token

@@ -26,19 +26,19 @@ from typing import Any
 import matplotlib as mpl
 import torch
 
-from noisy_temp_server.estimation.fitting import (
+from noisy_temp_server.calibration.fitting import (
     FITTED_RULES,
     best_curve_temperature,
     fit_rules,
     rule_temperatures,
 )
-from noisy_temp_server.estimation.profile import CalibrationSettings
-from noisy_temp_server.estimation.prompts import encode_prompt, load_prompts
+from noisy_temp_server.calibration.profile import CalibrationSettings
+from noisy_temp_server.calibration.prompts import encode_prompt, load_prompts
 from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.generation import generate_completions
-from noisy_temp_server.pairs.perturb import TensorTarget, WeightNoiseSpec, apply_perturbation
+from noisy_temp_server.pairs.perturbation import TensorTarget, WeightNoiseSpec, apply_perturbation
 from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer
 from noisy_temp_server.temperature.rules import TemperatureBounds
 

@@ -2,7 +2,7 @@
 is significantly better on rows it never trained on.
 
 `OnlineBias` receives the paired rows of each shadow-scored choice (a bounded, evenly spaced
-share of its positions). When the served bias sits on a head map H (`temperature.head_map`),
+share of its positions). When the served bias sits on a head map H (`correction.head_map`),
 the bias is refined on top of it and the map is never refitted: each choice's served rows z~
 are mapped to H(z~) (`HeadMap.mapped`) as they arrive, so the fit and the reservoir both see
 the rows the bias is added to. The requests whose sequence id is a multiple of `holdout_every`
@@ -28,22 +28,22 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
-from noisy_temp_server.estimation.profile import BiasSummary
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.profile import BiasSummary
+from noisy_temp_server.calibration.significance import (
     cluster_stderr,
     is_not_worse,
     is_significant,
 )
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows, evaluate_bias
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.bias import LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.correction.files import (
     check_bias_vocabulary,
     check_head_map_vocabulary,
     head_map_sha256,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
-from noisy_temp_server.temperature.request_bands import BandedBias, at_request_temperature
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
+from noisy_temp_server.correction.streaming_bias import StreamingBias
 from noisy_temp_server.temperature.rules import TemperatureBounds
-from noisy_temp_server.temperature.streaming_bias import StreamingBias
 
 __all__ = ["OnlineBias"]
 

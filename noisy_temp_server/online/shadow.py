@@ -16,7 +16,7 @@ temperature 1, what the estimator's fits read) to the online estimator and the p
 scores against the clean model at the choice's own temperature T_r, softmax(z / T_r), untuned
 (T* = 1: softmax(z~ / T_r)) and as served (softmax((H(z~) + b) / (T_r T*)) with the choice's
 head map H and bias b if it had them, at the T* the engine applied), to the live scoreboard
-(`estimation.scoreboard.LiveScoreboard`, published on the status endpoint and as
+(`pairs.scoreboard.LiveScoreboard`, published on the status endpoint and as
 `nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates the
 policy gauges. New requests pick the new version up from the estimator; requests in flight keep
 the version they were admitted with.
@@ -58,14 +58,14 @@ from typing import Any, Protocol
 
 import torch
 
-from noisy_temp_server.estimation.scoreboard import LiveScoreboard
+from noisy_temp_server.correction.bias import PairedRows
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.request_args import LogitCorrection
 from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scoreboard import LiveScoreboard
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.temperature.bias import PairedRows
-from noisy_temp_server.temperature.head_map import HeadMap
-from noisy_temp_server.vllm_plugin.logit_bias import load_bias, load_head_map
-from noisy_temp_server.vllm_plugin.request_args import LogitCorrection
+from noisy_temp_server.step.logit_bias import load_bias, load_head_map
 
 __all__ = [
     "CapturedRowsSource",
@@ -109,7 +109,7 @@ class CapturedRowsSource(Protocol):
 
 
 class PolicyEstimator(Protocol):
-    """What the shadow loop needs of `estimation.online.OnlineEstimator`."""
+    """What the shadow loop needs of `online.estimator.OnlineEstimator`."""
 
     def add(self, records: PositionRecords, rows: PairedRows | None = None) -> Any: ...
 
@@ -336,7 +336,7 @@ class ShadowScorer:
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
         `correction`: the per-token bias and head map it was served with (None: none), applied
         before T* in its scores as served (loaded from the bias directories,
-        `vllm_plugin.logit_bias.load_bias` and `load_head_map`).
+        `step.logit_bias.load_bias` and `load_head_map`).
         """
         if not completion_ids:
             self.cancel(trace_id)

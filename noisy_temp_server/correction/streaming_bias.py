@@ -1,4 +1,4 @@
-"""The online refinement of a per-token logit bias + T (`temperature.bias`) from a stream of
+"""The online refinement of a per-token logit bias + T (`correction.bias`) from a stream of
 shadow-scored row batches, with state of the vocabulary's size and never the rows.
 """
 
@@ -9,15 +9,15 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.bias import (
+from noisy_temp_server.correction.bias import (
     CHUNK_ELEMENTS,
     LogitBias,
     PairedRows,
     diagonal_curvature,
     kl_objective,
 )
-from noisy_temp_server.temperature.bias_files import check_bias_vocabulary
-from noisy_temp_server.temperature.request_bands import BandedBias
+from noisy_temp_server.correction.files import check_bias_vocabulary
+from noisy_temp_server.correction.request_bands import BandedBias
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["StreamingBias"]
@@ -26,7 +26,7 @@ __all__ = ["StreamingBias"]
 class StreamingBias:
     """Refines a correction (T, b) from a stream of row batches with O(V) state: per batch,
     one diagonally preconditioned stochastic Newton step on the objective of
-    `temperature.bias.fit_bias_at_penalty` with the penalties on the change of c from the start
+    `correction.bias.fit_bias_at_penalty` with the penalties on the change of c from the start
     (so what the start learnt is refined, not shrunk towards 0),
 
         F(u, c) = mean_i KL_i(u, c) + (a * penalty / 2) * |r|^2 [+ (a * head_penalty / 2) * |g|^2],
@@ -36,7 +36,7 @@ class StreamingBias:
         prior rows),
 
     where h is the mean over the rows seen of the KL's Hessian diagonal at p (Var_p(s) for u,
-    mean p for c; `temperature.bias.diagonal_curvature`) plus a * penalty for c, and `seen`
+    mean p for c; `correction.bias.diagonal_curvature`) plus a * penalty for c, and `seen`
     counts the rows so far, this batch's included. The step shrinks as 1/seen, so x tends to
     the optimum over all rows
     seen and the start's `prior_rows` (the rows it was fitted on), as a batch fit would: a
@@ -65,7 +65,7 @@ class StreamingBias:
     With `band_temperatures` (the start's T at request temperatures T_r other than 1, the bias
     served in bands: `BandedBias`), each band's u_r = 1/T_r-band takes the same weighted Newton
     step after (T, b)'s, on the batch taken to T_r with the new b held fixed (the objective of
-    `temperature.request_bands.best_temperature`; its curvature a running mean like h), so the bands
+    `correction.request_bands.best_temperature`; its curvature a running mean like h), so the bands
     follow the bias on the same rows.
     """
 

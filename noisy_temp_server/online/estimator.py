@@ -25,7 +25,7 @@ policy) that serves the per-token bias keeps its T as calibrated (the records ca
 that was fitted jointly with the bias); alpha / sigma2 are refitted as always. Given a folder to
 publish biases to (`online_bias_dir`, writable) and a profile that serves a bias (its file found
 in `bias_dirs`), the bias and its T are refined online from the shadow scorer's
-paired rows (`add(records, rows)`; `estimation.online_bias.OnlineBias`: a streaming fit with the
+paired rows (`add(records, rows)`; `online.bias.OnlineBias`: a streaming fit with the
 profile's penalty, a held-out reservoir) and, at a refit, published in the new policy version
 when they beat the published ones on the held-out rows by more than two standard errors (a
 bias served in request-temperature bands has its bands refined on the same rows, taken to
@@ -62,23 +62,23 @@ from typing import Any
 
 import torch
 
-from noisy_temp_server.estimation.fitting import finite_positions, fit_rules, rule_temperatures
-from noisy_temp_server.estimation.online_bias import OnlineBias
-from noisy_temp_server.estimation.profile import CalibrationSettings, Profile, StepBucketNoise
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.fitting import finite_positions, fit_rules, rule_temperatures
+from noisy_temp_server.calibration.profile import CalibrationSettings, Profile, StepBucketNoise
+from noisy_temp_server.calibration.significance import (
     cluster_stderr,
     is_not_worse,
     split_by_sequence,
 )
-from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
-from noisy_temp_server.temperature.bias import LogitBias, PairedRows
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.bias import LogitBias, PairedRows
+from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
     find_bias_file,
     find_head_map_file,
     save_bias_file,
 )
+from noisy_temp_server.online.bias import OnlineBias
+from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

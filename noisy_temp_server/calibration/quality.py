@@ -5,7 +5,7 @@ Calibration builds two: on the validation split (it chooses the recommended rule
 at a position is read off the position's KL curve at the rule's T (`interpolate_kl`, within
 about 0.2% of the exact KL); T = 1 and the oracle use the exact values. Standard errors of mean
 KL, and of the paired gains KL(T=1) - KL(rule) that decide significance, are cluster-robust by
-sequence (`noisy_temp_server.estimation.significance`). Every rule other than `fixed` also gets
+sequence (`noisy_temp_server.calibration.significance`). Every rule other than `fixed` also gets
 its paired gain over the fitted constant, KL(fixed) - KL(rule), with its clustered standard
 error: "not behind the constant" means that gain + 2 s.e. >= 0. The same-top-token rate gets the
 binomial standard error. Temperature never changes the argmax, so that rate is a property of
@@ -22,14 +22,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from noisy_temp_server.estimation.fitting import (
+from noisy_temp_server.calibration.fitting import (
     FITTED_RULES,
     finite_positions,
     request_temperatures_of,
     rule_temperatures,
 )
-from noisy_temp_server.estimation.profile import QualityRow, QualityTable
-from noisy_temp_server.estimation.significance import (
+from noisy_temp_server.calibration.profile import QualityRow, QualityTable
+from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
     cluster_stderr,
     is_material_gain,

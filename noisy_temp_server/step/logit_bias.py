@@ -2,7 +2,7 @@
 from and how a step applies them.
 
 A policy names its bias by content hash (`TemperaturePolicy.bias`); the vector is the file
-``bias_file_name(sha256)`` (`temperature.bias_files.save_bias_file`) in one of the engine's
+``bias_file_name(sha256)`` (`correction.files.save_bias_file`) in one of the engine's
 *bias directories*: ``$NTS_BIAS_DIR``, a search path of folders separated by ``os.pathsep``
 (``:``) looked up in order (safe, since the name is the content hash), else the folder of
 ``$NTS_POLICY_FILE`` when that policy names a bias (`calibrate` writes the two side by side).
@@ -56,14 +56,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from noisy_temp_server.temperature.bias_files import (
+from noisy_temp_server.correction.files import (
     check_bias_vocabulary,
     check_head_map_vocabulary,
     find_bias_file,
     find_head_map_file,
 )
-from noisy_temp_server.temperature.head_map import HeadMap
-from noisy_temp_server.vllm_plugin.request_args import (
+from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.request_args import (
     KEY_BIAS,
     KEY_POLICY,
     POLICY_FILE_ENV,

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from noisy_temp_server.vllm_plugin.metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
-from noisy_temp_server.vllm_plugin.trace_channel import TraceSender
+from noisy_temp_server.engine_contract.trace_channel import TraceSender
+from noisy_temp_server.step.engine_metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
 
 if TYPE_CHECKING:
     from noisy_temp_server.vllm_plugin.capture import CapturedStep

@@ -170,7 +170,9 @@ def _layer_delta(
     rank: int,
     ridge: float,
 ) -> LowRankDelta:
-    error = clean.weight.detach().double() - served.weight.detach().double()
+    clean_weight, served_weight = clean.weight, served.weight
+    assert isinstance(clean_weight, Tensor) and isinstance(served_weight, Tensor)
+    error = clean_weight.detach().double() - served_weight.detach().double()
     if moment is None:
         return svd_delta(error, rank)
     return eora_delta(error, moment, rank, ridge)

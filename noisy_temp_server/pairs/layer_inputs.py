@@ -21,7 +21,7 @@ served weights here are already dequantized floats and the error is their differ
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +35,7 @@ from noisy_temp_server.pairs.scorer import ScoringSequence
 
 __all__ = [
     "AdapterMethod",
+    "applied_deltas",
     "decoder_blocks",
     "fit_compensation_adapter",
     "perturbed_linears",
@@ -142,20 +143,39 @@ def _second_moments(
     return {name: sums[name] / counts[name] for name in linears}
 
 
+@contextmanager
+def applied_deltas(model: nn.Module, deltas: Mapping[str, LowRankDelta]) -> Iterator[None]:
+    """Within the block, each linear layer of `model` named in `deltas` (module path -> delta)
+    computes (W + up @ down) x, by a forward hook; the weights are not written. KeyError for a
+    name `model` lacks."""
+    modules = dict(model.named_modules())
+    handles = []
+
+    def hook(delta: LowRankDelta) -> Callable[..., Tensor]:
+        def correct(_: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+            x = inputs[0]
+            return output + (x @ delta.down.to(x).T) @ delta.up.to(x).T
+
+        return correct
+
+    try:
+        for name, delta in deltas.items():
+            handles.append(modules[name].register_forward_hook(hook(delta)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def _next_inputs(
+    model: nn.Module,
     block: nn.Module,
-    linears: dict[str, nn.Module],
-    deltas: dict[str, LowRankDelta],
+    deltas: Mapping[str, LowRankDelta],
     inputs: Sequence[_BlockInput],
 ) -> list[_BlockInput]:
-    def correct(name: str, x: Tensor, output: Tensor) -> Tensor:
-        delta = deltas[name]
-        down, up = delta.down.to(x), delta.up.to(x)
-        return output + (x @ down.T) @ up.T
-
     outputs = []
-    with _hooked(linears, correct):
+    with applied_deltas(model, deltas):
         for item in inputs:
             hidden = block(item.hidden, **item.kwargs)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
@@ -171,7 +191,8 @@ def _layer_delta(
     ridge: float,
 ) -> LowRankDelta:
     clean_weight, served_weight = clean.weight, served.weight
-    assert isinstance(clean_weight, Tensor) and isinstance(served_weight, Tensor)
+    assert isinstance(clean_weight, Tensor)
+    assert isinstance(served_weight, Tensor)
     error = clean_weight.detach().double() - served_weight.detach().double()
     if moment is None:
         return svd_delta(error, rank)
@@ -218,7 +239,7 @@ def fit_compensation_adapter(
         }
         layers.update(deltas)
         if method == "eora" and index + 1 < len(blocks):
-            inputs = _next_inputs(block, linears, deltas, inputs)
+            inputs = _next_inputs(served_model, block, deltas, inputs)
         if progress is not None:
             progress(index + 1, len(blocks))
     return LoraAdapter(layers=layers, rank=rank, base_model=base_model)

@@ -6,7 +6,7 @@ asynchronous device→host copy of that state and, only while some slot is trace
 the step's ``[slot, step, T*, traced]`` rows. A `Reporter` background thread waits for those
 copies (a CUDA event on GPU; nothing to wait for on CPU), then:
 
-- sends the served-logit rows `capture.LogitCapture` staged (shadow-sampled requests), first,
+- sends the served-logit rows `capture.RowCapture` staged (shadow-sampled requests), first,
   so that a request's rows arrive before the summary that covers their steps; at most
   ``capture_queue_rows`` rows wait, beyond which a step's rows are dropped, counted
   (``capture_dropped_rows``) and announced as dropped;
@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from noisy_temp_server.engine_contract.trace_channel import TraceSender
 from noisy_temp_server.step.engine_metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
 
 if TYPE_CHECKING:
-    from noisy_temp_server.vllm_plugin.capture import CapturedStep
+    from noisy_temp_server.engine_contract.trace_channel import TraceSender
+    from noisy_temp_server.step.capture import CapturedStep
 
 __all__ = ["Occupancy", "Reporter", "StateLayout"]
 

@@ -33,7 +33,7 @@ from noisy_temp_server.step.engine_metrics import (
     OVERFLOW_STEP_BUCKET,
     step_bucket_labels,
 )
-from noisy_temp_server.step.logit_bias import SlotBias
+from noisy_temp_server.step.logit_bias import FILE_CORRECTIONS, CorrectionSource, SlotBias
 from noisy_temp_server.step.reports import Occupancy, Reporter, StateLayout
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import (
@@ -99,7 +99,8 @@ class SlotTables:
     ``keep_last``: remember the last row of slots that `tune` is told to (``remember``) so
     `commit_last` can count it later (the V1 runner learns only a step late which row was a
     request's first token). ``vocab_size``: the logits' width, for the per-token bias
-    (`logit_bias.SlotBias`; None: every bias is refused).
+    (`logit_bias.SlotBias`; None: every bias is refused); ``corrections``: where its vectors
+    come from (the bias directories unless told).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class SlotTables:
         pin_memory: bool = False,
         keep_last: bool = False,
         vocab_size: int | None = None,
+        corrections: CorrectionSource = FILE_CORRECTIONS,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"slot capacity must be positive, got {capacity}")
@@ -153,7 +155,7 @@ class SlotTables:
         self._staged: list[tuple[int, RequestTuning | None, float]] = []
         self._keep_before_flush = False
         self._build_tables(_INITIAL_COLUMNS)
-        self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory)
+        self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory, source=corrections)
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,

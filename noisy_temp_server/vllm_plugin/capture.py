@@ -8,8 +8,8 @@ from __future__ import annotations
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, parse_request_args
-from noisy_temp_server.step.capture import CaptureBounds, RowCapture
+from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE
+from noisy_temp_server.step.capture import CaptureBounds, RowCapture, trace_id_to_capture
 from noisy_temp_server.vllm_plugin.batch_rows import apply_batch_update
 
 __all__ = [
@@ -51,13 +51,8 @@ def capturable(params: SamplingParams) -> bool:
 
 
 def capture_trace_id(params: SamplingParams) -> str | None:
-    """The trace id to capture a request's served logits under, or None: not marked with
-    ``nts_capture``, no trace id, or greedy (vLLM's V1 sampler skips argmax-invariant
-    processors for an all-greedy batch, so a greedy request could not be captured reliably)."""
-    keys = parse_request_args(params.extra_args)
-    if not keys.capture or keys.trace_id is None or params.temperature < GREEDY_TEMPERATURE:
-        return None
-    return keys.trace_id
+    """`step.capture.trace_id_to_capture` of a request's sampling parameters."""
+    return trace_id_to_capture(params.extra_args, params.temperature)
 
 
 class LogitCapture(RowCapture):

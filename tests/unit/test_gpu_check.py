@@ -9,7 +9,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +31,7 @@ runpy.run_path({script!r}, run_name="__main__")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("gpu_check") / "results.json"
     argv = ["--device", "cpu", "--quick", "--threads", "1", "--out", str(out)]
     code = _RUN_WITHOUT_VLLM.format(
@@ -48,7 +51,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def gpu_check():  # the module itself, for its comparisons
+def gpu_check() -> Iterator[ModuleType]:  # the module itself, for its comparisons
     sys.path.insert(0, str(BENCHMARKS))
     try:
         yield importlib.import_module("gpu_check")
@@ -56,7 +59,9 @@ def gpu_check():  # the module itself, for its comparisons
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_quick_cpu_run_covers_every_case_and_passes(results: dict, gpu_check) -> None:
+def test_quick_cpu_run_covers_every_case_and_passes(
+    results: dict[str, Any], gpu_check: ModuleType
+) -> None:
     policies, corrections = gpu_check.POLICIES, gpu_check.CORRECTIONS
     meta = results["meta"]
     assert meta["device"] == "cpu"
@@ -88,7 +93,7 @@ def test_quick_cpu_run_covers_every_case_and_passes(results: dict, gpu_check) ->
     assert results["passed"] is True
 
 
-def test_logits_comparison_catches_errors(gpu_check) -> None:
+def test_logits_comparison_catches_errors(gpu_check: ModuleType) -> None:
     want = torch.tensor([[1.0, -torch.inf, 3.0], [torch.nan, 0.5, 2.0]])
     assert gpu_check._logits_error(want.clone(), want) == (True, 0.0)
     shifted = want.clone()
@@ -104,7 +109,7 @@ def test_logits_comparison_catches_errors(gpu_check) -> None:
     assert not gpu_check._logits_error(no_nan, want)[0]
 
 
-def test_delivered_comparison_catches_a_wrong_summary(gpu_check) -> None:
+def test_delivered_comparison_catches_a_wrong_summary(gpu_check: ModuleType) -> None:
     delivered = {
         "state": np.array([[2.6, 2.0, 1.3, 1.3]]),
         "summaries": [("request-0", 1, 2.6, 2, 1.3, 1.3)],

@@ -73,29 +73,32 @@ STEPS = (0, 9, 40)
 
 @dataclasses.dataclass(frozen=True)
 class Correction:
-    """A random per-token bias of ``vocab`` entries and a head map of rank ``rank`` under it."""
+    """A random per-token bias of ``vocab`` entries and a head map of rank ``rank`` under it,
+    with their content hashes (what a policy names them by)."""
 
     bias: torch.Tensor
     head_map: HeadMap
+    bias_sha256: str
+    head_map_sha256: str
 
     @classmethod
     def random(cls, vocab: int, rank: int, generator: torch.Generator) -> Correction:
         bias = 0.5 * torch.randn(vocab, generator=generator)
         right = torch.randn(rank, vocab, generator=generator) / vocab**0.5
         left = torch.randn(vocab, rank, generator=generator) * (0.3 / rank**0.5)
-        return cls(bias=bias, head_map=HeadMap(left=left, right=right))
+        head_map = HeadMap(left=left, right=right)
+        return cls(bias, head_map, bias_sha256(bias), head_map_sha256(head_map))
 
     def source(self) -> CorrectionSource:
         """Where `SlotBias` finds these vectors (instead of the bias directories)."""
-        bias_sha, map_sha = bias_sha256(self.bias), head_map_sha256(self.head_map)
 
         def bias(sha256: str) -> torch.Tensor:
-            if sha256 != bias_sha:
+            if sha256 != self.bias_sha256:
                 raise ValueError(f"no bias {sha256}")
             return self.bias
 
         def head_map(sha256: str) -> HeadMap:
-            if sha256 != map_sha:
+            if sha256 != self.head_map_sha256:
                 raise ValueError(f"no head map {sha256}")
             return self.head_map
 
@@ -105,9 +108,9 @@ class Correction:
         """``policy`` with this bias (``bias``), and the map under it (``bias+map``)."""
         if correction == "none":
             return policy
-        policy = dataclasses.replace(policy, bias=bias_sha256(self.bias))
+        policy = dataclasses.replace(policy, bias=self.bias_sha256)
         if correction == "bias+map":
-            policy = dataclasses.replace(policy, head_map=head_map_sha256(self.head_map))
+            policy = dataclasses.replace(policy, head_map=self.head_map_sha256)
         return policy
 
 

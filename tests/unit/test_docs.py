@@ -4,9 +4,9 @@ and every relative link of the README and docs/ reaches a file (and heading) of 
 from __future__ import annotations
 
 import importlib.util
-from argparse import _SubParsersAction
 import re
 import sys
+from argparse import _SubParsersAction
 from pathlib import Path
 from types import ModuleType
 
@@ -26,7 +26,8 @@ FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 def _configuration_doc() -> ModuleType:
     path = REPO_ROOT / "scripts" / "configuration_doc.py"
     spec = importlib.util.spec_from_file_location("configuration_doc", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -51,8 +52,10 @@ def test_the_configuration_page_names_every_setting_as_serve_help_does() -> None
     for name in Settings.model_fields:
         flag, variable = "--" + name.replace("_", "-"), f"NTS_{name.upper()}"
         row = next((line for line in page.splitlines() if line.startswith(f"| `{name}` |")), "")
-        assert f"`{flag}`" in row and f"`{variable}`" in row, name
-        assert flag in help_text and variable in help_text, name
+        assert f"`{flag}`" in row, name
+        assert f"`{variable}`" in row, name
+        assert flag in help_text, name
+        assert variable in help_text, name
 
 
 def test_check_mode_fails_on_a_stale_page_and_passes_on_a_current_one(tmp_path: Path) -> None:

@@ -16,9 +16,10 @@ few steps on the device and on the CPU from the same served logits:
 - goals (`GOALS`), evaluated at batch 256 and vocabulary 128 256 when measured.
 
 One JSON file holds it all (``--out``; docs/gpu.md explains each field). From the repository
-root, on the GPU machine (PyTorch, numpy and prometheus-client; no vLLM):
+root, on the GPU machine (PyTorch, numpy and prometheus-client; no vLLM; nothing installed: the
+script finds the package beside it):
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --device cuda --out gpu_check.json
+    python benchmarks/gpu_check.py --device cuda --out gpu_check.json
 
 and in CI on a CPU, small sizes: ``--device cpu --quick``.
 """
@@ -38,7 +39,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_check_step import (
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:  # the checkout's package, installed or not
+    sys.path.insert(0, _ROOT)
+
+from gpu_check_step import (  # noqa: E402 (after the package's folder is on the path)
     CORRECTIONS,
     POLICIES,
     STEPS,

@@ -25,7 +25,11 @@ from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.correction.adapter import LoraAdapter, find_adapter
 from noisy_temp_server.correction.files import load_bias_file, load_head_map_file
 from noisy_temp_server.correction.head_map import HeadMap
-from noisy_temp_server.pairs.greedy import GreedyAgreement, greedy_agreement
+from noisy_temp_server.pairs.greedy import (
+    GreedyAgreement,
+    greedy_agreement,
+    greedy_continuation,
+)
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.scoreboard import (
     PairScoreboard,
@@ -130,30 +134,44 @@ def score_scoreboard(
     return board
 
 
-def _greedy(
-    pair: LoadedPair,
-    sequences: Sequence[ScoringSequence],
-    adapter: LoraAdapter | None,
-    correction: tuple[Tensor | None, HeadMap | None],
-    tokens: int,
-) -> GreedyAgreement | None:
-    if tokens < 1:
-        return None
-    bias, head_map = correction
-    eos = pair.served_model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    prompts = [s.token_ids[: s.prompt_length] for s in sequences]
-    with applied_adapter(pair.served_model, adapter):
-        return greedy_agreement(
-            pair.clean_model,
-            pair.served_model,
-            prompts,
-            max_new_tokens=tokens,
-            eos_ids=eos_ids,
-            row_correction=None
-            if bias is None
-            else (lambda row: corrected_rows(row, bias, head_map)),
+class _Greedy:
+    """Greedy agreement of the stack's layers on the sequences' prompts, the clean model's
+    continuations computed once (None everywhere when `tokens` < 1)."""
+
+    def __init__(self, pair: LoadedPair, sequences: Sequence[ScoringSequence], tokens: int):
+        self.pair, self.tokens = pair, tokens
+        eos = pair.served_model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.prompts = [s.token_ids[: s.prompt_length] for s in sequences]
+        self.clean = (
+            [
+                greedy_continuation(
+                    pair.clean_model, p, max_new_tokens=tokens, eos_ids=self.eos_ids
+                )
+                for p in self.prompts
+            ]
+            if tokens >= 1
+            else []
         )
+
+    def of(
+        self, adapter: LoraAdapter | None, correction: tuple[Tensor | None, HeadMap | None]
+    ) -> GreedyAgreement | None:
+        if self.tokens < 1:
+            return None
+        bias, head_map = correction
+        with applied_adapter(self.pair.served_model, adapter):
+            return greedy_agreement(
+                self.pair.clean_model,
+                self.pair.served_model,
+                self.prompts,
+                max_new_tokens=self.tokens,
+                eos_ids=self.eos_ids,
+                row_correction=None
+                if bias is None
+                else (lambda row: corrected_rows(row, bias, head_map)),
+                clean_continuations=self.clean,
+            )
 
 
 def score_stack(
@@ -185,10 +203,11 @@ def score_stack(
     reference = base.accumulators["T=1"]
     name = "adapter" if adapter is not None else "no adapter"
     rule = score_scoreboard(pair, sequences, rule_policy, adapter=adapter, device=device)
+    greedy = _Greedy(pair, sequences, greedy_tokens)
     layers_spec: list[tuple[str, PairScoreboard, str, GreedyAgreement | None]] = [
-        ("served, T=1", base, "T=1", _greedy(pair, sequences, None, none, greedy_tokens)),
+        ("served, T=1", base, "T=1", greedy.of(None, none)),
     ]
-    adapter_greedy = _greedy(pair, sequences, adapter, none, greedy_tokens)
+    adapter_greedy = greedy.of(adapter, none)
     if adapter is not None:
         layers_spec.append(("adapter, T=1", rule, "T=1", adapter_greedy))
     layers_spec.append((f"{name} + T ({rule_policy.rule.value})", rule, "T*", adapter_greedy))
@@ -203,14 +222,15 @@ def score_stack(
             adapter=adapter,
             device=device,
         )
-        greedy = _greedy(pair, sequences, adapter, correction, greedy_tokens)
-        layers_spec.append((f"{name}{with_map} + bias + T", full, "T*", greedy))
+        layers_spec.append(
+            (f"{name}{with_map} + bias + T", full, "T*", greedy.of(adapter, correction))
+        )
     layers = []
-    for label, board, column, greedy in layers_spec:
+    for label, board, column, agreement in layers_spec:
         accumulator = board.accumulators[column]
         gain, stderr = paired_kld_gain(reference, accumulator)
         result = accumulator.result()
         base_kl = result.kld_mean + gain
         share = gain / base_kl if base_kl > 0 else float("nan")
-        layers.append(StackLayer(label, result, gain, stderr, share, greedy))
+        layers.append(StackLayer(label, result, gain, stderr, share, agreement))
     return StackReport(tuple(layers))

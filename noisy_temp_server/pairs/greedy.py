@@ -84,16 +84,25 @@ def greedy_agreement(
     max_new_tokens: int = 16,
     eos_ids: set[int] | None = None,
     row_correction: Callable[[Tensor], Tensor] | None = None,
+    clean_continuations: Sequence[list[int]] | None = None,
 ) -> GreedyAgreement:
     """Greedy agreement (module docstring) of `served_model` (its rows through
-    `row_correction`) with `clean_model` on `prompts` (token ids). ValueError for no prompts
-    or `max_new_tokens` < 1."""
+    `row_correction`) with `clean_model` on `prompts` (token ids); `clean_continuations`:
+    the clean model's own, one per prompt, when already computed (`greedy_continuation` with
+    the same length and end tokens). ValueError for no prompts, `max_new_tokens` < 1 or a
+    count of clean continuations that is not the prompts'."""
     if not prompts or max_new_tokens < 1:
         raise ValueError("greedy agreement needs prompts and max_new_tokens >= 1")
+    if clean_continuations is not None and len(clean_continuations) != len(prompts):
+        raise ValueError("give one clean continuation per prompt")
     eos = set() if eos_ids is None else eos_ids
     agreed, exact = [], 0
-    for prompt in prompts:
-        clean = greedy_continuation(clean_model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos)
+    for index, prompt in enumerate(prompts):
+        clean = (
+            greedy_continuation(clean_model, prompt, max_new_tokens=max_new_tokens, eos_ids=eos)
+            if clean_continuations is None
+            else clean_continuations[index]
+        )
         served = greedy_continuation(
             served_model,
             prompt,

@@ -67,12 +67,26 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise ValueError(f"{type(model).__name__} has no list of decoder blocks to fit an adapter on")
 
 
+@torch.no_grad()
+def _decompress(model: nn.Module) -> None:
+    """Make a compressed-tensors model's weights plain floats: transformers leaves them
+    compressed until the first forward pass, whose hook decompresses them; one token runs it
+    (a no-op for a float model)."""
+    if getattr(model.config, "quantization_config", None) is None:
+        return
+    device = next(model.parameters()).device
+    model(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), use_cache=False)
+
+
 def perturbed_linears(clean: nn.Module, served: nn.Module) -> list[str]:
     """Module paths of the served decoder blocks' linear layers whose weight differs from the
-    clean model's (the output head and embeddings are left out). Empty when the served model
-    is the clean one."""
+    clean model's (the output head and embeddings are left out), compared after decompressing
+    a compressed-tensors model's weights (`_decompress`). Empty when the served model is the
+    clean one."""
     if clean is served:
         return []
+    _decompress(clean)
+    _decompress(served)
     prefix, _ = decoder_blocks(served)
     clean_modules = dict(clean.named_modules())
     names = []

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from noisy_temp_server.correction.adapter import fold_adapter
+from noisy_temp_server.correction.adapter_fit import svd_delta
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.compressed import write_compressed_checkpoint
 from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter, perturbed_linears
 from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import ScoringSequence
@@ -87,3 +89,22 @@ def test_a_pair_without_weight_error_is_refused(models) -> None:  # type: ignore
     clean, _ = models
     with pytest.raises(ValueError, match="no weight error"):
         fit_compensation_adapter(clean, clean, _sequences(2, seed=4), rank=4)
+
+
+def test_a_compressed_checkpoint_is_fitted_on_its_dequantized_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers leaves compressed-tensors weights packed until the first forward: the
+    plain SVD fit (which runs no forward of its own) must still see the dequantized error."""
+    write_compressed_checkpoint(tiny_model_dir, "w8a8", tmp_path / "w8a8")
+    clean, _ = load_causal_lm(tiny_model_dir)
+    served, _ = load_causal_lm(tmp_path / "w8a8")
+    adapter = fit_compensation_adapter(clean, served, _sequences(1, seed=5), rank=4, method="svd")
+    name = "model.layers.0.self_attn.q_proj"
+    weight = dict(served.named_modules())[name].weight
+    assert weight.is_floating_point()
+    error = dict(clean.named_modules())[name].weight.double() - weight.double()
+    assert error.abs().max() < 0.1 * dict(clean.named_modules())[name].weight.abs().max()
+    assert torch.allclose(
+        adapter.layers[name].dense().double(), svd_delta(error, 4).dense().double(), atol=1e-5
+    )

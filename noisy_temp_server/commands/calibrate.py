@@ -3,7 +3,7 @@
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
         [--validation-fraction F] [--test-fraction F] [--bias-rows N] [--head-map-rank R]
-        [--adapter-rank R [--adapter-method eora|svd]]
+        [--adapter-rank [R] [--adapter-method eora|svd]]
         [--records FILE] [--report DIR] [--device DEV]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
@@ -45,7 +45,10 @@ if TYPE_CHECKING:
     from noisy_temp_server.calibration.adapter_calibration import AdapterCalibration
     from noisy_temp_server.calibration.bias_fit import BiasCalibration
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["DEFAULT_ADAPTER_RANK", "HELP", "add_arguments", "run"]
+
+DEFAULT_ADAPTER_RANK = 16
+"""The rank `--adapter-rank` gives without a value (the choice is measured in docs/adapter.md)."""
 
 HELP = "Fit every temperature rule on a clean/served pair and write the profile (and a report)."
 
@@ -98,11 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--adapter-rank",
         type=int,
+        nargs="?",
+        const=DEFAULT_ADAPTER_RANK,
         default=0,
+        metavar="R",
         help="fit a compensation adapter of this LoRA rank first (weight-space correction of "
         "every perturbed linear layer, saved beside the profile in PEFT format); the rules and "
-        "the bias are then fitted on top of it. Needs served weights that differ from the "
-        "clean ones; 0: none",
+        f"the bias are then fitted on top of it; the flag alone: rank {DEFAULT_ADAPTER_RANK} "
+        "(docs/adapter.md says why). Needs served weights that differ from the clean ones; "
+        "0: none",
     )
     parser.add_argument(
         "--adapter-method",

@@ -227,7 +227,10 @@ def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_one
 ) -> None:
     spec = '{"kind": "runtime_logit_noise", "sigma": 0.5}'
     argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(tmp_path / "p.json")]
-    assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--adapter-rank", "4"]) == 1
+    parser = argparse.ArgumentParser()
+    calibrate_command.add_arguments(parser)
+    assert parser.parse_args([*argv, "--adapter-rank"]).adapter_rank == 16  # the flag alone
+    assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--adapter-rank"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --adapter-rank needs a pair whose served weights differ")
     assert not (tmp_path / "p.json").exists()

@@ -49,6 +49,7 @@ from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensInput
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -81,9 +82,15 @@ class GenerationEngine(Protocol):
     """What the HTTP layer uses of `AsyncLLM`."""
 
     def generate(
-        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: TokensInput,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say)."""
+        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say), with the
+        LoRA adapter `lora_request` when given (an engine started with LoRA enabled)."""
         ...
 
     async def check_health(self) -> None:

@@ -9,7 +9,8 @@ that directory, and `/metrics` serves `serving_registry()`, a registry whose onl
 that is never served, so nothing is reported twice.
 
 Gauges use the `mostrecent` multiprocess mode (the value last set by any process). Labels are
-bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route templates.
+bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route templates, the one
+adapter a server serves.
 """
 
 from __future__ import annotations
@@ -161,6 +162,15 @@ class ApiMetrics:
             ["method", "route", "status"],
             registry=registry,
         )
+        self.adapter_info = Gauge(
+            "nts_adapter_info",
+            "The compensation adapter served: 1 with the path in force (folded into the "
+            "weights, lora: vLLM's LoRA, none) and the adapter's sha256 (16 hex digits; empty "
+            "for none).",
+            ["path", "sha256"],
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
         self.http_request_duration = Histogram(
             "nts_http_request_duration_seconds",
             "HTTP request latency (to the end of the response body) by route template.",
@@ -202,6 +212,11 @@ class ApiMetrics:
             self.sigma2.labels(step_bucket=bucket).set(value)
         if published_at is not None:
             self.estimator_last_update.set(published_at)
+
+    def publish_adapter(self, path: str, sha256: str | None) -> None:
+        """Set `nts_adapter_info` to the adapter path in force (one series per server: a
+        server's adapter never changes while it runs)."""
+        self.adapter_info.labels(path=path, sha256=(sha256 or "")[:16]).set(1)
 
     def publish_scoreboard(self, results: Mapping[str, Mapping[str, Any]]) -> None:
         """Set the `nts_scoreboard_*` gauges from `LiveScoreboard.result()` (labels `T=1` and

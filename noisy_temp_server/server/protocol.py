@@ -60,9 +60,11 @@ NTS_CLIENT_KEYS = (
     "nts_t_max",
     "nts_trace",
     "nts_bias",
+    "nts_adapter",
 )
 """The flat keys a client may set (the server sets `nts_policy`, `nts_trace_id` and
-`nts_capture`)."""
+`nts_capture`). `nts_adapter` is the HTTP server's own (`server.adapter`): it never reaches the
+engine."""
 
 _SERVER_KEYS = ("nts_policy", "nts_trace_id", "nts_capture")
 
@@ -115,6 +117,7 @@ class _SamplingFields(_Request):
         nts_t_max: float | None
         nts_trace: bool | None
         nts_bias: bool | None
+        nts_adapter: bool | str | None
         vllm_xargs: dict[str, XargValue] | None
 
     def requested_max_tokens(self) -> int | None:
@@ -257,6 +260,7 @@ class CompletionRequest(_SamplingFields):
     nts_t_max: float | None = None
     nts_trace: bool | None = None
     nts_bias: bool | None = None
+    nts_adapter: StrictBool | str | None = None
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -350,6 +354,7 @@ class ChatCompletionRequest(_SamplingFields):
     nts_t_max: float | None = None
     nts_trace: bool | None = None
     nts_bias: bool | None = None
+    nts_adapter: StrictBool | str | None = None
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -387,7 +392,8 @@ class NtsSummary(_Response):
     logits before the temperature (null: none); `head_map`: the sha256 of the low-rank head map
     applied to the served logits before that bias (null: none; only with a bias). Unlike a
     temperature, the bias and the head map change greedy output and the returned logprobs
-    (greedy requests get them too, unless `nts_bias` is false).
+    (greedy requests get them too, unless `nts_bias` is false). `adapter`: the sha256 of the
+    compensation adapter the served weights were corrected by (null: none; `server.adapter`).
     """
 
     rule: str
@@ -400,6 +406,7 @@ class NtsSummary(_Response):
     trace: list[float] | None = None
     bias: str | None = None
     head_map: str | None = None
+    adapter: str | None = None
 
 
 class Usage(_Response):

@@ -49,6 +49,13 @@ from noisy_temp_server.engine_contract.request_args import (
     resolve_request,
 )
 from noisy_temp_server.engine_contract.trace_channel import TraceReport
+from noisy_temp_server.server.adapter import (
+    KEY_ADAPTER,
+    NO_ADAPTER,
+    RequestAdapter,
+    listed_model_ids,
+    request_adapter,
+)
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries
 from noisy_temp_server.server.protocol import (
@@ -124,7 +131,8 @@ class PreparedRequest:
 
     `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
     processor will apply to it (None when it is not tuned: no trace records will come);
-    `correction`: the per-token bias (and head map) its logits get (None: none).
+    `correction`: the per-token bias (and head map) its logits get (None: none); `adapter`:
+    the compensation adapter it is served with (`server.adapter`).
     """
 
     request_id: str
@@ -135,6 +143,7 @@ class PreparedRequest:
     choices: list[Choice]
     params: list[SamplingParams]
     correction: LogitCorrection | None = None
+    adapter: RequestAdapter = NO_ADAPTER
 
 
 def clean_logprob(value: float) -> float:
@@ -181,7 +190,12 @@ async def prepare_request(
         )
     policy = state.policy_source.current_policy()
     try:
-        keys = _pinned_keys(policy, request.nts_request_args(), state.settings)
+        client_args = request.nts_request_args()
+    except ValueError as error:
+        raise OpenAIError(str(error), status_code=400) from None
+    adapter = request_adapter(state.adapter, request.model, client_args.pop(KEY_ADAPTER, None))
+    try:
+        keys = _pinned_keys(policy, client_args, state.settings)
         tuning = resolve_request(keys, engine_temperature)
         correction = resolve_correction(keys)
     except ValueError as error:
@@ -189,12 +203,13 @@ async def prepare_request(
     for choice, choice_params in zip(choices, params, strict=True):
         choice.shadow_sampled = (
             state.shadow is not None
+            and adapter.as_served  # the online fit sees the model as served, adapter included
             and capturable(choice_params)
             and state.shadow.admit(choice.trace_id, max_tokens)
         )
         add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
     return PreparedRequest(
-        request_id, prompt_ids, keys, policy, tuning, choices, params, correction
+        request_id, prompt_ids, keys, policy, tuning, choices, params, correction, adapter
     )
 
 
@@ -209,10 +224,11 @@ def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice)
 
 
 def _check_model(state: ServerState, requested: str | None) -> None:
-    if requested is not None and requested != state.model_name:
+    served = listed_model_ids(state.model_name, state.adapter)
+    if requested is not None and requested not in served:
         raise OpenAIError(
-            f"The model `{requested}` does not exist; this server serves `{state.model_name}` "
-            "(see GET /v1/models).",
+            f"The model `{requested}` does not exist; this server serves "
+            f"{' and '.join(f'`{name}`' for name in served)} (see GET /v1/models).",
             status_code=404,
             param="model",
             code="model_not_found",
@@ -269,7 +285,7 @@ def _engine_streams(
     """All choices' engine outputs, merged, each with its choice's index."""
     prompt = tokens_input(prepared.prompt_ids)
     generators = [
-        state.engine.generate(prompt, params, choice.trace_id)
+        state.engine.generate(prompt, params, choice.trace_id, **prepared.adapter.engine_kwargs())
         for choice, params in zip(prepared.choices, prepared.params, strict=True)
     ]
     return merge_async_iterators(*generators)
@@ -321,6 +337,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
         with_trace=prepared.keys.trace,
         report=report,
         correction=prepared.correction,
+        adapter=prepared.adapter.sha256,
     )
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
@@ -354,7 +371,9 @@ def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:
     """The request-level `nts` summary over the choices summarized so far."""
     summaries = [c.summary for c in prepared.choices if c.summary is not None]
-    return combine_summaries(prepared.policy, prepared.tuning, summaries, prepared.correction)
+    return combine_summaries(
+        prepared.policy, prepared.tuning, summaries, prepared.correction, prepared.adapter.sha256
+    )
 
 
 def usage(prepared: PreparedRequest) -> Usage:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensInput
 from vllm.logprobs import Logprob
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,6 +32,7 @@ from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceR
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scoreboard import scores_at_temperatures
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
+from noisy_temp_server.server.adapter import ServedAdapter
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.server.policy_source import StaticPolicySource
@@ -51,14 +53,21 @@ class FakeEngine:
         self.dead = False
         self.step_seconds = 0.0
         self.aborted: list[str] = []
+        self.lora_requests: list[LoRARequest | None] = []
 
     async def generate(
-        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: TokensInput,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         ids = list(prompt["prompt_token_ids"])
         if any(i >= VOCAB for i in ids):
             raise VLLMValidationError("Token id out of vocabulary", parameter="prompt")
         self.calls.append((ids, sampling_params, request_id))
+        self.lora_requests.append(lora_request)
         count = sampling_params.max_tokens or 1
         new = [(len(ids) + step) % VOCAB for step in range(count)]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -174,6 +183,9 @@ def build(
     trace_t: float = 1.25,
     traces: FakeTraces | None = None,
     tokenizer: FakeTokenizer | None = None,
+    *,
+    adapter: ServedAdapter | None = None,
+    shadow: Any = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
     traces = traces or FakeTraces(trace_t)
@@ -187,6 +199,8 @@ def build(
         metrics=ApiMetrics(registry),
         metrics_registry=registry,
         trace_source=traces,
+        shadow=shadow,
+        adapter=adapter,
     )
     app.state.registry = registry
     return Harness(TestClient(app), engine, traces)

@@ -106,6 +106,13 @@ class Settings(BaseSettings):
         "Biases refined online are written to the server's runtime folder, never here, and "
         "looked up there too.",
     )
+    adapter_serving: Literal["auto", "fold", "lora", "off"] = Field(
+        default="auto",
+        description="How the profile's compensation adapter is served: auto folds it into "
+        "float weights (no per-step cost; no request can turn it off) and serves it through "
+        "vLLM's LoRA on quantized kernels (a request can turn it off); fold and lora force "
+        "one (fold refuses quantized weights); off serves the model without it.",
+    )
 
     # --- temperature defaults (per-request nts_* keys override them) ---
     default_rule: RuleName | None = Field(

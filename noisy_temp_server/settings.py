@@ -106,9 +106,15 @@ class Settings(BaseSettings):
         "Biases refined online are written to the server's runtime folder, never here, and "
         "looked up there too.",
     )
+    adapter: Path | None = Field(
+        default=None,
+        description="A PEFT LoRA adapter folder (safetensors) to serve, e.g. one `calibrate "
+        "--adapter-rank` wrote; unset: the profile's adapter, if it names and recommends one. "
+        "With a profile, it must be the adapter the profile was calibrated with.",
+    )
     adapter_serving: Literal["auto", "fold", "lora", "off"] = Field(
         default="auto",
-        description="How the profile's compensation adapter is served: auto folds it into "
+        description="How the compensation adapter is served: auto folds it into "
         "float weights (no per-step cost; no request can turn it off) and serves it through "
         "vLLM's LoRA on quantized kernels (a request can turn it off); fold and lora force "
         "one (fold refuses quantized weights); off serves the model without it.",

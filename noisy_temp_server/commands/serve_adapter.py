@@ -2,7 +2,9 @@
 engine starts, and how it is served (`settings.adapter_serving`).
 
 The adapter a profile names (`Profile.adapter`, recommended) lies beside the profile file in
-PEFT's LoRA format (`correction.adapter`), or in ``settings.bias_dir``. It is served at the
+PEFT's LoRA format (`correction.adapter`), or in ``settings.bias_dir``; ``settings.adapter``
+names a PEFT folder to serve instead (with a profile, only the one it was calibrated with). It
+is served at the
 lowest cost the served weights allow: folded into float weights (the engine then serves the
 folded checkpoint, `pairs.adapter_checkpoint.ensure_folded_checkpoint`), or through vLLM's LoRA
 support for quantized kernels (the engine starts with LoRA enabled at `lora_engine_rank`). A
@@ -18,7 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from noisy_temp_server.calibration.profile import ProfileError
-from noisy_temp_server.correction.adapter import AdapterError, LoraAdapter, find_adapter
+from noisy_temp_server.correction.adapter import (
+    AdapterError,
+    LoraAdapter,
+    adapter_sha256,
+    find_adapter,
+    load_peft_adapter,
+)
 from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -62,12 +70,8 @@ def lora_engine_rank(rank: int) -> int:
     )
 
 
-def _check_against_profile(
-    adapter: LoraAdapter, summary: AdapterSummary, profile: Profile, pair: ServedPair
-) -> None:
-    """AdapterError unless the adapter's files are the one the profile describes, fitted for
-    this pair: its base model, when it names one, is the clean or the served model (by the
-    profile's names for them or their folders' names)."""
+def _check_against_profile(adapter: LoraAdapter, summary: AdapterSummary) -> None:
+    """AdapterError unless the adapter's files are the one the profile describes."""
     found = (adapter.rank, tuple(adapter.target_modules), len(adapter.layers))
     wanted = (summary.rank, tuple(sorted(summary.target_modules)), summary.layers)
     if found != wanted:
@@ -76,9 +80,16 @@ def _check_against_profile(
             f"but the profile names rank {wanted[0]}, modules {list(wanted[1])} and "
             f"{wanted[2]} layers"
         )
-    names = {profile.clean.name, profile.served.name, pair.served.resolve().name}
+
+
+def _check_base_model(adapter: LoraAdapter, pair: ServedPair, profile: Profile | None) -> None:
+    """AdapterError unless the adapter, when it names its base model, was fitted for this pair:
+    the clean or the served model, by their folders' names or the profile's names for them."""
+    names = {pair.served.resolve().name}
     if pair.clean is not None:
         names.add(pair.clean.resolve().name)
+    if profile is not None:
+        names |= {profile.clean.name, profile.served.name}
     if adapter.base_model and Path(adapter.base_model).name not in names:
         raise AdapterError(
             f"the adapter was fitted for the base model {adapter.base_model!r}, not for this "
@@ -123,15 +134,37 @@ def _check_lora_servable(served: Path, adapter: LoraAdapter) -> None:
         )
 
 
-def _load(
-    settings: Settings, summary: AdapterSummary, profile_path: Path
-) -> tuple[Path, LoraAdapter]:
-    """The adapter `summary` names and its folder, from `settings.bias_dir` (when given) or the
-    profile's folder; AdapterError if missing, unreadable or not the one hashed."""
+def _profile_adapter(
+    settings: Settings, profile: Profile | None, profile_path: Path | None
+) -> tuple[Path, LoraAdapter] | None:
+    """The adapter `profile` names and recommends, with its folder (None: none), from
+    `settings.bias_dir` (when given) or the profile's folder; AdapterError if it is missing,
+    unreadable, not the one hashed or not the one described."""
+    summary = None if profile is None else profile.adapter
+    if summary is None or profile_path is None:
+        return None
+    if not summary.recommended:
+        _LOGGER.info("Serving without the profile's adapter %s: not recommended", summary.sha256)
+        return None
     folders = [profile_path.parent]
     if settings.bias_dir is not None:
         folders.insert(0, settings.bias_dir)
-    return find_adapter(folders, summary.sha256)
+    folder, adapter = find_adapter(folders, summary.sha256)
+    _check_against_profile(adapter, summary)
+    return folder, adapter
+
+
+def _given_adapter(folder: Path, profile: Profile | None) -> tuple[Path, LoraAdapter]:
+    """The adapter of `--adapter` (a PEFT folder); AdapterError if unreadable, or if the profile
+    was calibrated with another adapter (its T* and bias correct what that one leaves)."""
+    adapter = load_peft_adapter(folder)
+    summary = None if profile is None else profile.adapter
+    if summary is not None and summary.sha256 != adapter_sha256(adapter):
+        raise AdapterError(
+            f"the profile was calibrated with the adapter {summary.sha256[:16]}..., not with "
+            f"{folder}"
+        )
+    return folder, adapter
 
 
 def plan_served_adapter(
@@ -141,18 +174,14 @@ def plan_served_adapter(
     profile_path: Path | None,
     model_name: str,
 ) -> AdapterPlan | None:
-    """How `serve` serves the adapter of `profile` (loaded from `profile_path`) on `pair`:
-    None when there is none to serve (no profile, no adapter, one not recommended, or
-    ``adapter_serving`` off). Finds and checks the adapter (files, hash, the profile's rank and
-    modules, its base model, the served model's layer shapes, LoRA rank and targets) and writes
-    the folded checkpoint when folding, all before the engine starts. Raises ProfileError with
-    one line naming the problem."""
-    summary = None if profile is None else profile.adapter
-    if profile is None or profile_path is None or summary is None:
-        return None
-    if settings.adapter_serving == "off" or not summary.recommended:
-        why = "--adapter-serving off" if summary.recommended else "not recommended by the profile"
-        _LOGGER.info("Serving without the profile's adapter %s: %s", summary.sha256[:16], why)
+    """How `serve` serves its adapter on `pair`: `settings.adapter` when given, else the one
+    `profile` (loaded from `profile_path`) names; None when there is none to serve (none
+    given, no profile or no adapter in it, one not recommended, or ``adapter_serving`` off).
+    Finds and checks the adapter (files, hash, the profile's rank and modules, its base model,
+    the served model's layer shapes, LoRA rank, targets and kernel) and writes the folded
+    checkpoint when folding, all before the engine starts. Raises ProfileError with one line
+    naming the problem."""
+    if settings.adapter_serving == "off":
         return None
     from noisy_temp_server.correction.adapter import check_adapter_fits  # noqa: PLC0415
     from noisy_temp_server.pairs.adapter_checkpoint import (  # noqa: PLC0415
@@ -162,14 +191,21 @@ def plan_served_adapter(
     from noisy_temp_server.server.adapter import ServedAdapter  # noqa: PLC0415
 
     try:
-        folder, adapter = _load(settings, summary, profile_path)
-        _check_against_profile(adapter, summary, profile, pair)
+        if settings.adapter is not None:
+            found: tuple[Path, LoraAdapter] | None = _given_adapter(settings.adapter, profile)
+        else:
+            found = _profile_adapter(settings, profile, profile_path)
+        if found is None:
+            return None
+        folder, adapter = found
+        _check_base_model(adapter, pair, profile)
         check_adapter_fits(adapter, linear_shapes(pair.served))
         path = _choose_path(settings, pair.served, adapter)
-        served = ServedAdapter(summary.sha256, path, folder, adapter.rank, model_name)  # type: ignore[arg-type]
+        sha256 = adapter_sha256(adapter)
+        served = ServedAdapter(sha256, path, folder, adapter.rank, model_name)  # type: ignore[arg-type]
         if path == "lora":
             return AdapterPlan(served, pair.served, lora_engine_rank(adapter.rank))
         folded = ensure_folded_checkpoint(pair.served, adapter, settings.cache_dir)
         return AdapterPlan(served, folded, None)
     except (AdapterError, CorruptCheckpointError, OSError) as error:
-        raise ProfileError(f"the profile's adapter cannot be served: {error}") from error
+        raise ProfileError(f"the adapter cannot be served: {error}") from error

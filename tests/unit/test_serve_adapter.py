@@ -23,6 +23,7 @@ from noisy_temp_server.correction.adapter import (
     AdapterError,
     adapter_folder_name,
     adapter_sha256,
+    save_peft_adapter,
 )
 from noisy_temp_server.pairs.adapter_checkpoint import ensure_folded_checkpoint, folded_adapter_of
 from noisy_temp_server.pairs.identity import ModelIdentity
@@ -128,7 +129,7 @@ def test_missing_or_corrupt_adapters_are_refused(
 ) -> None:
     path, profile = _profile(pair, tmp_path / "profiles")
     damage(path.parent / adapter_folder_name(profile.adapter.sha256))  # type: ignore[operator, union-attr]
-    with pytest.raises(ProfileError, match=f"adapter cannot be served: .*{message}"):
+    with pytest.raises(ProfileError, match=f"the adapter cannot be served: .*{message}"):
         _plan(pair, path, tmp_path)
 
 
@@ -187,7 +188,7 @@ def test_serve_refuses_a_bad_adapter_with_one_line_and_exit_status_1(
         assert serve.run(args) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
-    assert "Refusing to serve: the profile's adapter" in errors[0]
+    assert "Refusing to serve: the adapter cannot be served" in errors[0]
     assert "\n" not in errors[0]
     assert started == []
     assert adapter_sha256(random_adapter(pair.served)) == profile.adapter.sha256  # type: ignore[union-attr]
@@ -223,3 +224,16 @@ def test_w8a8_on_the_cpu_is_refused_for_lora(tiny_model_dir: Path, tmp_path: Pat
     with pytest.raises(ProfileError, match="vLLM CPU kernel cannot take a LoRA adapter"):
         _plan(pair, path, tmp_path)
     assert _plan(pair, path, tmp_path, adapter_serving="off") is None
+
+
+def test_an_adapter_folder_is_served_without_a_profile(pair: ServedPair, tmp_path: Path) -> None:
+    adapter = random_adapter(pair.served, seed=1)
+    folder = save_peft_adapter(tmp_path / "given", adapter)
+    config = Settings(cache_dir=tmp_path / "cache", adapter=folder)
+    plan = plan_served_adapter(config, pair, None, None, "tiny")
+    assert plan is not None
+    assert plan.adapter.sha256 == adapter_sha256(adapter)
+    assert plan.adapter.path == "folded"
+    path, _ = _profile(pair, tmp_path / "profiles")  # calibrated with another adapter
+    with pytest.raises(ProfileError, match="calibrated with the adapter"):
+        plan_served_adapter(config, pair, Profile.load(path), path, "tiny")

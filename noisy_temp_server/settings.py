@@ -106,6 +106,13 @@ class Settings(BaseSettings):
         "Biases refined online are written to the server's runtime folder, never here, and "
         "looked up there too.",
     )
+    int4_stack: bool = Field(
+        default=False,
+        description="Serve the embedded model as int4 (RTN, group 128) with a rank-16 "
+        "compensation adapter and T* and the bias calibrated on top, scored live against the "
+        "clean model: calibrated at first use (minutes on a CPU) and cached under "
+        "cache_dir/stacks/. Takes no served or clean model, profile or adapter of its own.",
+    )
     adapter: Path | None = Field(
         default=None,
         description="A PEFT LoRA adapter folder (safetensors) to serve, e.g. one `calibrate "

@@ -486,6 +486,7 @@ def _serve(
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from noisy_temp_server.commands.serve_adapter import plan_served_adapter  # noqa: PLC0415
+    from noisy_temp_server.commands.serve_stack import stack_settings  # noqa: PLC0415
     from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import (  # noqa: PLC0415
@@ -498,6 +499,7 @@ def _serve(
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
 
     started = time.perf_counter()
+    settings = stack_settings(settings)
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
     profile, profile_path, profile_source = startup_profile(settings, pair)

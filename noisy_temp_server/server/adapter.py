@@ -38,6 +38,7 @@ __all__ = [
     "RequestAdapter",
     "ServedAdapter",
     "adapter_status",
+    "known_model_ids",
     "listed_model_ids",
     "request_adapter",
 ]
@@ -67,9 +68,10 @@ class ServedAdapter:
     model_name: str
 
     @property
-    def base_model_id(self) -> str | None:
-        """The model id that serves the model without the adapter (LoRA path only)."""
-        return f"{self.model_name}{_BASE_SUFFIX}" if self.path == "lora" else None
+    def base_model_id(self) -> str:
+        """The model id of the model without the adapter (served on the LoRA path only; on the
+        folded path a request naming it gets a 400 that says why)."""
+        return f"{self.model_name}{_BASE_SUFFIX}"
 
     @cached_property
     def lora_request(self) -> LoRARequest:
@@ -135,8 +137,8 @@ def request_adapter(
 ) -> RequestAdapter:
     """What a request naming `model` (None: the default) with ``nts_adapter`` = `value` (None:
     not given) is served with; `OpenAIError` (400) for an adapter the server does not hold, for
-    asking the adapter while naming the base model, and for turning off a folded adapter.
-    The model name itself must already be one of `listed_model_ids`."""
+    asking the adapter while naming the base model, and for turning off a folded adapter (by
+    the key or the base model id). `model` must be one of `known_model_ids`."""
     wanted = _wanted(served, value)
     if served is None:
         if wanted and value is not None:
@@ -144,7 +146,7 @@ def request_adapter(
                 f"This server serves no adapter; drop {KEY_ADAPTER}.", param=KEY_ADAPTER
             )
         return NO_ADAPTER
-    base = served.base_model_id is not None and model == served.base_model_id
+    base = model == served.base_model_id
     if base and value is not None and wanted:
         raise OpenAIError(
             f"`{model}` is the model without the adapter; name `{served.model_name}` to have "
@@ -165,9 +167,16 @@ def request_adapter(
 
 
 def listed_model_ids(model_name: str, served: ServedAdapter | None) -> list[str]:
-    """The model ids requests may name: the served one, then the base model's (LoRA path)."""
-    base = None if served is None else served.base_model_id
-    return [model_name] if base is None else [model_name, base]
+    """The model ids `/v1/models` lists: the served one, then the base model's (LoRA path)."""
+    if served is None or served.path != "lora":
+        return [model_name]
+    return [model_name, served.base_model_id]
+
+
+def known_model_ids(model_name: str, served: ServedAdapter | None) -> list[str]:
+    """The model ids a request may name without a 404: the listed ones, and the base model's
+    wherever there is an adapter (`request_adapter` says why it cannot be served folded)."""
+    return [model_name] if served is None else [model_name, served.base_model_id]
 
 
 def adapter_status(served: ServedAdapter | None) -> dict[str, Any]:
@@ -179,5 +188,5 @@ def adapter_status(served: ServedAdapter | None) -> dict[str, Any]:
         "path": served.path,
         "sha256": served.sha256,
         "rank": served.rank,
-        "base_model_id": served.base_model_id,
+        "base_model_id": served.base_model_id if served.path == "lora" else None,
     }

@@ -53,6 +53,7 @@ from noisy_temp_server.server.adapter import (
     KEY_ADAPTER,
     NO_ADAPTER,
     RequestAdapter,
+    known_model_ids,
     listed_model_ids,
     request_adapter,
 )
@@ -225,7 +226,7 @@ def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice)
 
 def _check_model(state: ServerState, requested: str | None) -> None:
     served = listed_model_ids(state.model_name, state.adapter)
-    if requested is not None and requested not in served:
+    if requested is not None and requested not in known_model_ids(state.model_name, state.adapter):
         raise OpenAIError(
             f"The model `{requested}` does not exist; this server serves "
             f"{' and '.join(f'`{name}`' for name in served)} (see GET /v1/models).",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from noisy_temp_server.calibration.profile import ProfileError
 from noisy_temp_server.correction.adapter import (
@@ -97,7 +97,9 @@ def _check_base_model(adapter: LoraAdapter, pair: ServedPair, profile: Profile |
         )
 
 
-def _choose_path(settings: Settings, served: Path, adapter: LoraAdapter) -> str:
+def _choose_path(
+    settings: Settings, served: Path, adapter: LoraAdapter
+) -> Literal["folded", "lora"]:
     """``folded`` or ``lora`` for `served` under `settings.adapter_serving`."""
     from noisy_temp_server.pairs.adapter_checkpoint import (  # noqa: PLC0415
         holds_quantized_kernels,
@@ -202,7 +204,7 @@ def plan_served_adapter(
         check_adapter_fits(adapter, linear_shapes(pair.served))
         path = _choose_path(settings, pair.served, adapter)
         sha256 = adapter_sha256(adapter)
-        served = ServedAdapter(sha256, path, folder, adapter.rank, model_name)  # type: ignore[arg-type]
+        served = ServedAdapter(sha256, path, folder, adapter.rank, model_name)
         if path == "lora":
             return AdapterPlan(served, pair.served, lora_engine_rank(adapter.rank))
         folded = ensure_folded_checkpoint(pair.served, adapter, settings.cache_dir)

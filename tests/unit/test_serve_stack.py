@@ -4,6 +4,7 @@ calibration leaving nothing behind, and the flags it cannot take refused."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,26 @@ def test_the_stack_takes_no_pair_or_profile_of_its_own(tmp_path: Path) -> None:
     settings = Settings(int4_stack=True, profile=tmp_path / "p.json", adapter=tmp_path)
     with pytest.raises(ProfileError, match="drop --profile, --adapter"):
         serve_stack.stack_settings(settings)
+
+
+def test_the_stack_calibrates_its_pair_with_a_rank_16_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from noisy_temp_server.commands import calibrate  # noqa: PLC0415
+
+    given: list[Any] = []
+
+    def run(args: Any) -> int:
+        given.append(args)
+        args.out.write_text("{}")
+        return 0
+
+    monkeypatch.setattr(calibrate, "run", run)
+    out = tmp_path / "profile.json"
+    serve_stack._calibrate(tmp_path / "int4", tmp_path / "clean", tmp_path, out)
+    (args,) = given
+    assert (args.served, args.clean, args.out) == (tmp_path / "int4", tmp_path / "clean", out)
+    assert args.adapter_rank == serve_stack.STACK_ADAPTER_RANK == 16
+    monkeypatch.setattr(calibrate, "run", lambda args: 1)
+    with pytest.raises(ProfileError, match="calibrating the int4 stack failed"):
+        serve_stack._calibrate(tmp_path / "int4", tmp_path / "clean", tmp_path, tmp_path / "x")

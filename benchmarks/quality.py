@@ -70,7 +70,7 @@ from noisy_temp_server.calibration.pipeline import (
 from noisy_temp_server.calibration.profile import CalibrationSettings, QualityRow, QualityTable
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.calibration.quality import quality_row
-from noisy_temp_server.calibration.significance import cluster_stderr, is_not_worse
+from noisy_temp_server.calibration.significance import is_not_worse
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import load_pair
@@ -81,6 +81,7 @@ from noisy_temp_server.pairs.perturbation import (
     WeightNoiseSpec,
 )
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.rules import Rule
 

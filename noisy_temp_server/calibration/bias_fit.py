@@ -26,7 +26,6 @@ from noisy_temp_server.calibration.quality import quality_row
 from noisy_temp_server.calibration.significance import (
     SIGNIFICANCE_STDERRS,
     InsufficientDataError,
-    cluster_stderr,
     is_not_worse,
     is_significant,
     split_fit_validation_test,
@@ -50,6 +49,7 @@ from noisy_temp_server.correction.request_bands import (
 )
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds

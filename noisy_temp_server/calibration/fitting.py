@@ -24,12 +24,12 @@ from noisy_temp_server.calibration.profile import (
 )
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
-    cluster_stderr,
     is_material_gain,
     is_not_worse,
     split_by_sequence,
 )
 from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.oracle import minimise_convex
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,

@@ -31,10 +31,10 @@ from noisy_temp_server.calibration.fitting import (
 from noisy_temp_server.calibration.profile import QualityRow, QualityTable
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
-    cluster_stderr,
     is_material_gain,
 )
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -65,7 +65,6 @@ import torch
 from noisy_temp_server.calibration.fitting import finite_positions, fit_rules, rule_temperatures
 from noisy_temp_server.calibration.profile import CalibrationSettings, Profile, StepBucketNoise
 from noisy_temp_server.calibration.significance import (
-    cluster_stderr,
     is_not_worse,
     split_by_sequence,
 )
@@ -79,6 +78,7 @@ from noisy_temp_server.correction.files import (
 )
 from noisy_temp_server.online.bias import OnlineBias
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -41,12 +41,12 @@ from noisy_temp_server.settings import (
 if TYPE_CHECKING:
     from noisy_temp_server.calibration.profile import ModelIdentity, Profile
     from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+    from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.pairs.perturbation import PerturbationSpec, RuntimeLogitNoiseSpec
     from noisy_temp_server.pairs.scorer import PairScorer
     from noisy_temp_server.server.engine import EngineEnvironment
     from noisy_temp_server.server.metrics import ApiMetrics
-    from noisy_temp_server.server.policy_source import PolicySource
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
@@ -358,21 +358,6 @@ def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
         raise ProfileError(f"the policy's per-token bias cannot be served: {error}") from error
 
 
-def _policy_gauges(metrics: ApiMetrics) -> Any:
-    from noisy_temp_server.server.policy_source import describe_policy  # noqa: PLC0415
-
-    def publish(policy: TemperaturePolicy) -> None:
-        described = describe_policy(policy)
-        metrics.publish_policy(
-            policy.version,
-            described["alpha_by_step_bucket"],
-            described["sigma2_by_step_bucket"],
-            published_at=time.time(),
-        )
-
-    return publish
-
-
 def _shadow(
     settings: Settings,
     pair: ServedPair,
@@ -410,14 +395,14 @@ def _shadow(
     shadow = ShadowScorer(
         scorer,
         estimator,
-        metrics,
+        metrics.online,
         fraction=settings.shadow_fraction,
         queue_size=settings.shadow_queue_size,
         rows=rows,
         positions=settings.capture_positions,
         rows_timeout_s=settings.trace_timeout_s,
         version_of=lambda policy: policy.version,
-        on_policy=_policy_gauges(metrics),
+        on_policy=metrics.online.publish_policy,
         threads=settings.shadow_threads,
         nice=settings.shadow_nice,
         cpu_share=settings.shadow_cpu_share,
@@ -486,6 +471,7 @@ def _serve(
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
+    from noisy_temp_server.online.policy_source import StaticPolicySource  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import (  # noqa: PLC0415
         publish_bias_directories,
@@ -493,7 +479,6 @@ def _serve(
     )
     from noisy_temp_server.server.engine_watchdog import EngineWatchedServer  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
-    from noisy_temp_server.server.policy_source import StaticPolicySource  # noqa: PLC0415
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
 
     started = time.perf_counter()
@@ -536,7 +521,7 @@ def _serve(
         profile_source,
         "online estimator" if estimator is not None else "no shadow scoring",
     )
-    _policy_gauges(metrics)(initial)
+    metrics.online.publish_policy(initial)
     if shadow is not None:
         shadow.start()
         stack.callback(shadow.close)

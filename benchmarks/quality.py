@@ -50,18 +50,12 @@ from typing import Any
 import torch
 
 from noisy_temp_server.calibration.bias_fit import (
-    BiasQuality,
-    ScoredSet,
-    bias_quality,
     penalties_text,
     rule_temperatures_by_request_temperature,
 )
-from noisy_temp_server.calibration.fitting import (
-    FITTED_RULES,
-    best_curve_temperature,
-    finite_positions,
-    rule_temperatures,
-)
+from noisy_temp_server.calibration.bias_quality import BiasQuality, ScoredSet, bias_quality
+from noisy_temp_server.calibration.curves import best_curve_temperature
+from noisy_temp_server.calibration.fitting import FITTED_RULES, finite_positions, rule_temperatures
 from noisy_temp_server.calibration.pipeline import (
     CalibrationResult,
     calibrate_scored,

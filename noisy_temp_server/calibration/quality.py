@@ -22,12 +22,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from noisy_temp_server.calibration.fitting import (
-    FITTED_RULES,
-    finite_positions,
-    request_temperatures_of,
-    rule_temperatures,
-)
+from noisy_temp_server.calibration.curves import request_temperatures_of
+from noisy_temp_server.calibration.fitting import FITTED_RULES, finite_positions, rule_temperatures
 from noisy_temp_server.calibration.profile import QualityRow, QualityTable
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,

@@ -68,7 +68,6 @@ from noisy_temp_server.calibration.significance import (
     is_not_worse,
     split_by_sequence,
 )
-from noisy_temp_server.correction.bias import LogitBias, PairedRows
 from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
@@ -76,6 +75,7 @@ from noisy_temp_server.correction.files import (
     find_head_map_file,
     save_bias_file,
 )
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows
 from noisy_temp_server.online.bias import OnlineBias
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
 from noisy_temp_server.pairs.standard_error import cluster_stderr

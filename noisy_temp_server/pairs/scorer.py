@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturbation import (
     RuntimeLogitNoiseSpec,

@@ -25,8 +25,8 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceReport
 from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.pairs.position_scores import scores_at_temperatures

@@ -18,10 +18,10 @@ from spy_helpers import record_calls
 
 from noisy_temp_server.calibration import fitting
 from noisy_temp_server.calibration import pipeline as calibration_module
+from noisy_temp_server.calibration.calibrated_table import fit_calibrated_table
+from noisy_temp_server.calibration.curves import best_curve_temperature
 from noisy_temp_server.calibration.fitting import (
     FITTED_RULES,
-    best_curve_temperature,
-    fit_calibrated_table,
     fit_rules,
     noise_by_step,
     rule_temperatures,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -137,6 +137,19 @@ class OnlineMetrics:
             self.shadow_requests_dropped.labels(reason=reason)
         for temperature in ("one", "served"):
             self.shadow_kl.labels(temperature=temperature)
+
+    def observe_scored(
+        self, positions: int, seconds: float, kld: Mapping[str, Sequence[float]]
+    ) -> None:
+        """Count one request scored in `seconds` over `positions` positions, and observe the
+        KL of each position by temperature label (`one`, `served`) in `nts_shadow_kl_nats`."""
+        self.shadow_requests_scored.inc()
+        self.shadow_tokens_scored.inc(positions)
+        self.shadow_score_seconds.observe(seconds)
+        for temperature, values in kld.items():
+            histogram = self.shadow_kl.labels(temperature=temperature)
+            for value in values:
+                histogram.observe(value)
 
     def publish_policy(self, policy: TemperaturePolicy) -> None:
         """Set the policy gauges to `policy`, the one now given to new requests (its α and σ²

@@ -492,11 +492,6 @@ class ShadowScorer:
             self._counts["scored"] += 1
             self._counts["tokens"] += count
             self._seconds["scoring"] += elapsed
-        metrics = self._metrics
-        metrics.shadow_requests_scored.inc()
-        metrics.shadow_tokens_scored.inc(count)
-        metrics.shadow_score_seconds.observe(elapsed)
-        for temperature, scores in (("one", live.at_one), ("served", live.at_served)):
-            histogram = metrics.shadow_kl.labels(temperature=temperature)
-            for value in scores.kld.tolist():
-                histogram.observe(value)
+        self._metrics.observe_scored(
+            count, elapsed, {"one": live.at_one.kld.tolist(), "served": live.at_served.kld.tolist()}
+        )

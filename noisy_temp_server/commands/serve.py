@@ -2,16 +2,17 @@
 
 With no arguments it serves the embedded default model (SmolLM2-135M-Instruct, converted once
 into the cache) with the default perturbation (runtime logit noise, sigma = 1), starts it from
-the calibration profile shipped for that pair (`DEFAULT_PAIR_PROFILE`), keeps the clean model for
-shadow scoring, runs on the CPU and listens on 127.0.0.1:8000. `--perturbation` serves another
-pair (started at T = 1 unless `--profile` is given). A runtime logit noise spec
-(`--perturbation`, or recorded in the manifest of `--served-model`) serves unchanged weights
-and adds the noise in the engine (`RuntimeLogitNoiseProcessor`) and in the shadow scorer. Every
-setting is a flag here and an `NTS_*` environment variable (see `noisy_temp_server.settings`).
+the calibration profile shipped for that pair (`online.startup.DEFAULT_PAIR_PROFILE`), keeps
+the clean model for shadow scoring, runs on the CPU and listens on 127.0.0.1:8000.
+`--perturbation` serves another pair (started at T = 1 unless `--profile` is given). A runtime
+logit noise spec (`--perturbation`, or recorded in the manifest of `--served-model`) serves
+unchanged weights and adds the noise in the engine (`RuntimeLogitNoiseProcessor`) and in the
+shadow scorer. Every setting is a flag here and an `NTS_*` environment variable (see
+`noisy_temp_server.settings`).
 
 This module turns the settings into calls: the pair is `pairs.served_pair`'s, the starting
-profile and its checks `online.startup`'s, the estimator and shadow scorer `online`'s, the
-engine and the HTTP app `server`'s. Startup order (see `server.engine`): environment first
+profile, its checks, the estimator and the shadow scorer `online.startup`'s, the engine and the
+HTTP app `server`'s. Startup order (see `server.engine`): environment first
 (before vLLM and prometheus_client are imported), then checkpoints, trace channel, engine,
 shadow scorer, HTTP server. Each phase is logged with its duration.
 
@@ -30,12 +31,10 @@ import argparse
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from noisy_temp_server.server.exposure import warn_if_open_without_api_key
 from noisy_temp_server.settings import (
-    DEFAULT_PERTURBATION,
     Settings,
     add_settings_arguments,
     settings_as_json,
@@ -43,53 +42,28 @@ from noisy_temp_server.settings import (
 )
 
 if TYPE_CHECKING:
-    from noisy_temp_server.calibration.profile import Profile
-    from noisy_temp_server.engine_contract.trace_channel import TraceCollector
     from noisy_temp_server.online.policy_source import PolicySource
-    from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.online.startup import StartupProfile
-    from noisy_temp_server.pairs.scorer import PairScorer
     from noisy_temp_server.pairs.served_pair import ServedPair
     from noisy_temp_server.server.engine import EngineEnvironment
-    from noisy_temp_server.server.metrics import ApiMetrics
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
-    "DEFAULT_PAIR_PROFILE",
     "HELP",
     "add_arguments",
-    "pair_scorer",
     "resolve_pair",
     "run",
-    "serves_default_pair",
-    "startup_profile",
 ]
 
 HELP = "Serve a (perturbed) model over the OpenAI API with tuned temperatures."
 
 _LOGGER = logging.getLogger("noisy_temp_server.serve")
 
-DEFAULT_PAIR_PROFILE = Path(__file__).resolve().parent.parent / "data" / "default-pair.profile.json"
-"""The profile of the default pair (the embedded model with `DEFAULT_PERTURBATION`), made by
-`benchmarks/quality.py --families logit-noise --profiles DIR` and shipped in the package."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-
-
-def serves_default_pair(settings: Settings) -> bool:
-    """Whether `settings` name the default pair: no served or clean model given and the default
-    perturbation (compared as a parsed spec, so spelling does not matter)."""
-    from noisy_temp_server.pairs.perturbation import parse_spec  # noqa: PLC0415
-
-    return (
-        settings.served_model is None
-        and settings.clean_model is None
-        and parse_spec(settings.perturbation) == parse_spec(DEFAULT_PERTURBATION)
     )
 
 
@@ -103,86 +77,6 @@ def resolve_pair(settings: Settings) -> ServedPair:
         perturbation=settings.perturbation,
         cache_dir=settings.cache_dir,
     )
-
-
-def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
-    """The shadow scorer's `PairScorer` for `pair`, of its clean side only, from the
-    `clean_*` settings and `shadow_device` (`pairs.served_pair.clean_pair_scorer`)."""
-    from noisy_temp_server.pairs.served_pair import clean_pair_scorer  # noqa: PLC0415
-
-    key = settings.clean_api_key
-    return clean_pair_scorer(
-        pair,
-        remote_url=settings.clean_url if settings.clean_backend == "remote" else None,
-        remote_model=settings.clean_remote_model,
-        api_key=key.get_secret_value() if key is not None else None,
-        timeout_s=settings.clean_timeout_s,
-        device=settings.shadow_device,
-        dtype=settings.clean_dtype,
-    )
-
-
-def startup_profile(settings: Settings, pair: ServedPair) -> StartupProfile:
-    """The profile for the initial policy (`online.startup.pick_startup_profile`): `--profile`,
-    else for the default pair the shipped `DEFAULT_PAIR_PROFILE`, else none."""
-    from noisy_temp_server.online.startup import pick_startup_profile  # noqa: PLC0415
-
-    shipped = DEFAULT_PAIR_PROFILE if serves_default_pair(settings) else None
-    return pick_startup_profile(pair, profile=settings.profile, shipped=shipped)
-
-
-def _shadow(
-    settings: Settings,
-    pair: ServedPair,
-    profile: Profile | None,
-    metrics: ApiMetrics,
-    rows: TraceCollector,
-    *,
-    online_bias_dir: Path,
-) -> tuple[PolicySource | None, ShadowScorer | None]:
-    """The online estimator and its shadow scorer, or (None, None) when scoring is off; the
-    scorer takes the engine's captured served rows from `rows`; the estimator finds the
-    profile's bias in the engine's bias directories and publishes online biases to
-    `online_bias_dir` (one of them, `server.engine.publish_bias_directories`)."""
-    if settings.shadow_fraction == 0.0:
-        return None, None
-    if pair.clean is None and settings.clean_backend == "in_process":
-        return None, None
-    from noisy_temp_server.online.estimator import OnlineEstimator  # noqa: PLC0415
-    from noisy_temp_server.online.heap import fix_mmap_threshold  # noqa: PLC0415
-    from noisy_temp_server.online.shadow import ShadowScorer  # noqa: PLC0415
-    from noisy_temp_server.step.logit_bias import bias_directories  # noqa: PLC0415
-
-    fix_mmap_threshold()  # the refits' large temporaries would fragment the heap
-    scorer = pair_scorer(settings, pair)
-    estimator = OnlineEstimator(
-        profile,
-        min_positions=settings.shadow_min_positions,
-        refit_every=settings.shadow_min_positions,
-        window_positions=settings.shadow_window_positions,
-        bias_dirs=bias_directories(),
-        online_bias_dir=online_bias_dir,
-        kept_bias_seconds=settings.shadow_bias_keep_s,
-        head_basis=scorer.clean_head(),
-    )
-    shadow = ShadowScorer(
-        scorer,
-        estimator,
-        metrics.online,
-        fraction=settings.shadow_fraction,
-        queue_size=settings.shadow_queue_size,
-        rows=rows,
-        positions=settings.capture_positions,
-        rows_timeout_s=settings.trace_timeout_s,
-        version_of=lambda policy: policy.version,
-        on_policy=metrics.online.publish_policy,
-        threads=settings.shadow_threads,
-        nice=settings.shadow_nice,
-        cpu_share=settings.shadow_cpu_share,
-        warmup_cpu_share=settings.shadow_warmup_cpu_share,
-        bias_rows=settings.shadow_bias_rows if estimator.refines_bias else 0,
-    )
-    return estimator, shadow
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,7 +105,7 @@ def _starting_point(
 ) -> tuple[StartupProfile, TemperaturePolicy | None]:
     """The startup profile and its policy (None: none), with the engine's bias directories
     published and the policy's bias checked against the served model (ProfileError)."""
-    from noisy_temp_server.online.startup import check_served_bias  # noqa: PLC0415
+    from noisy_temp_server.online.startup import check_served_bias, startup_profile  # noqa: PLC0415
     from noisy_temp_server.server.engine import publish_bias_directories  # noqa: PLC0415
 
     start = startup_profile(settings, pair)
@@ -235,6 +129,7 @@ def _serve(
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
+    from noisy_temp_server.online.startup import start_online_learning  # noqa: PLC0415
     from noisy_temp_server.phases import logged_phase  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
@@ -256,11 +151,11 @@ def _serve(
     with logged_phase(_LOGGER, "Starting the vLLM engine"):
         engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
     stack.callback(engine.shutdown)
-    estimator, shadow = _shadow(
+    estimator, shadow = start_online_learning(
         settings,
         pair,
         start.profile,
-        metrics,
+        metrics.online,
         collector,
         online_bias_dir=environment.online_bias_dir,
     )

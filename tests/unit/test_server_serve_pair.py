@@ -16,13 +16,7 @@ from transformers import AutoConfig
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import serve
-from noisy_temp_server.commands.serve import (
-    DEFAULT_PAIR_PROFILE,
-    pair_scorer,
-    resolve_pair,
-    serves_default_pair,
-    startup_profile,
-)
+from noisy_temp_server.commands.serve import resolve_pair
 from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
@@ -31,7 +25,15 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
-from noisy_temp_server.online.startup import check_served_bias, load_profile_for_pair
+from noisy_temp_server.online import startup
+from noisy_temp_server.online.startup import (
+    DEFAULT_PAIR_PROFILE,
+    check_served_bias,
+    load_profile_for_pair,
+    pair_scorer,
+    serves_default_pair,
+    startup_profile,
+)
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
 from noisy_temp_server.pairs.clean_backend import InProcessModel
 from noisy_temp_server.pairs.perturbation import (
@@ -250,7 +252,7 @@ def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
         clean_identity, ModelIdentity.perturbed(clean_identity, DEFAULT_NOISE), tmp_path / "d.json"
     )
     pair = ServedPair(tiny_model_dir, tiny_model_dir, DEFAULT_NOISE)
-    monkeypatch.setattr(serve, "DEFAULT_PAIR_PROFILE", fitting)
+    monkeypatch.setattr(startup, "DEFAULT_PAIR_PROFILE", fitting)
     profile, path, source = startup_profile(Settings(), pair)
     assert profile is not None
     assert path == fitting  # its folder holds its bias file (not that of `--profile`: none)
@@ -267,7 +269,7 @@ def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
     # a shipped profile that does not fit (another conversion of the default model): T = 1
     other = ModelIdentity(name="other", weights_sha256="c" * 64)
     monkeypatch.setattr(
-        serve,
+        startup,
         "DEFAULT_PAIR_PROFILE",
         _profile_for(other, ModelIdentity.perturbed(other, DEFAULT_NOISE), tmp_path / "o.json"),
     )

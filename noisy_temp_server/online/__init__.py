@@ -2,7 +2,8 @@
 
 - `policy_source`: `PolicySource`, where new requests get their policy (the estimator, or a
   `StaticPolicySource`), and `describe_policy`;
-- `startup`: the policy the server starts from (a profile checked against the served pair);
+- `startup`: what the server starts its policy with, from the settings: a profile checked
+  against the served pair, and the estimator with its shadow scorer;
 - `estimator`: `OnlineEstimator`, which refits T* (and the bias, `bias`) from live records and
   publishes new policy versions;
 - `shadow`: `ShadowScorer`, which scores sampled live traffic against the clean model and feeds

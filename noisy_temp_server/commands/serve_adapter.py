@@ -31,7 +31,7 @@ from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from noisy_temp_server.calibration.profile import AdapterSummary, Profile
-    from noisy_temp_server.commands.serve import ServedPair
+    from noisy_temp_server.pairs.served_pair import ServedPair
     from noisy_temp_server.server.adapter import ServedAdapter
     from noisy_temp_server.settings import Settings
 

@@ -78,9 +78,11 @@ def stack_settings(settings: Settings) -> Settings:
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ProfileError(f"--int4-stack serves its own pair and profile; drop {flags}")
-    from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint  # noqa: PLC0415
     from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
     from noisy_temp_server.pairs.perturbation import parse_spec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbed_checkpoint import (  # noqa: PLC0415
+        ensure_perturbed_checkpoint,
+    )
 
     clean = ensure_default_model(settings.cache_dir)
     served = ensure_perturbed_checkpoint(clean, parse_spec(_STACK_SPEC_JSON), settings.cache_dir)

@@ -16,11 +16,11 @@ from adapter_helpers import adapter_profile, random_adapter
 from server_helpers import stop
 from tiny_serve import MODEL, TinyServer, start_tiny_server
 
-from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
 from noisy_temp_server.correction.adapter import adapter_sha256, fold_adapter
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.identity import ModelIdentity
 from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
+from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
 
 pytestmark = pytest.mark.vllm
 

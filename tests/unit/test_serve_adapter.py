@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from noisy_temp_server.calibration.profile import Profile, ProfileError
 from noisy_temp_server.commands import serve
-from noisy_temp_server.commands.serve import ServedPair, ensure_perturbed_checkpoint
 from noisy_temp_server.commands.serve_adapter import lora_engine_rank, plan_served_adapter
 from noisy_temp_server.correction.adapter import (
     ADAPTER_WEIGHTS,
@@ -28,6 +27,8 @@ from noisy_temp_server.correction.adapter import (
 from noisy_temp_server.pairs.adapter_checkpoint import ensure_folded_checkpoint, folded_adapter_of
 from noisy_temp_server.pairs.identity import ModelIdentity
 from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
+from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
+from noisy_temp_server.pairs.served_pair import ServedPair
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import Settings
 

@@ -40,6 +40,7 @@ from serving import ServerProcess, completions_round
 from throughput import RESULTS_DIR
 
 MODEL_NAME = "bench"
+VARIANTS = ("none", "folded", "lora", "w4a16-none", "w4a16-lora")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 _MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -111,7 +112,7 @@ def _server_commands(
     if "w4a16" in checkpoints:
         variants["w4a16-none"] = serve(checkpoints["w4a16"])
         variants["w4a16-lora"] = serve(checkpoints["w4a16"], "--adapter", str(adapter))
-    return [(name, command, env) for name, command in variants.items()]
+    return [(name, command, env) for name, command in variants.items() if name in args.variants]
 
 
 def _memory_mib(pid: int) -> float:
@@ -168,7 +169,8 @@ def summarize(measured: dict[str, Any]) -> list[dict[str, Any]]:
     rates = measured["rates"]
     rows = []
     for name, values in rates.items():
-        ratios = [v / b for v, b in zip(values, rates[_baseline(name)], strict=True)]
+        baseline = rates.get(_baseline(name), values)
+        ratios = [v / b for v, b in zip(values, baseline, strict=True)]
         rows.append(
             {
                 "server": name,
@@ -207,6 +209,9 @@ def main() -> int:
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--compressed", action="store_true", help="also w4a16 with LoRA")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="servers to run"
+    )
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)

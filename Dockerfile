@@ -3,6 +3,10 @@
 #   docker build -t noisy-temp-server .
 #   docker run --gpus all --ipc=host -p 8000:8000 -v nts-cache:/cache noisy-temp-server
 #
+# --ipc=host (or a sized --shm-size, e.g. 8g): vLLM's engine hands each step to its workers
+# through a shared-memory ring buffer in /dev/shm, and NCCL uses /dev/shm too; Docker's default
+# /dev/shm holds 64 MiB, and without either the engine refuses to start.
+#
 # Base: vLLM's own image. Its CUDA runtime, torch, FlashInfer and NCCL are the combination
 # vLLM 0.32.0 was built and tested with, so nothing here has to guess which CUDA the PyPI
 # wheel expects; the project and its pure-Python dependencies go on top, with vLLM and its
@@ -44,7 +48,7 @@ RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin nts
 # on the GPU too. Engine defaults on CUDA are vLLM's own: CUDA graphs and compilation on
 # (NTS_ENFORCE_EAGER=false), the KV cache sized by NTS_GPU_MEMORY_UTILIZATION (0.7 with the shadow
 # scorer on the GPU, else vLLM's 0.9; NTS_KV_CACHE_GIB fixes it instead), vLLM's batch size
-# (NTS_MAX_NUM_SEQS). `docker run IMAGE serve --help` lists them.
+# (NTS_MAX_NUM_SEQS). `docker run IMAGE --help` lists them.
 ENV NTS_HOST=0.0.0.0 \
     NTS_PORT=8000 \
     NTS_CACHE_DIR=/cache \

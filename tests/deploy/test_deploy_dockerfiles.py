@@ -215,6 +215,34 @@ def setup_script_pins() -> dict[str, str]:
     }
 
 
+def documented_docker_runs() -> list[tuple[str, str]]:
+    """(file, command) of every `docker run` command line in the Dockerfiles' headers and
+    deploy/, continuation lines joined."""
+    files = [
+        *DOCKERFILES,
+        *sorted(
+            p.relative_to(REPO_ROOT).as_posix()
+            for p in (REPO_ROOT / "deploy").rglob("*")
+            if p.is_file() and p.suffix in {".md", ".yml", ".yaml", ".sh"}
+        ),
+    ]
+    commands: list[tuple[str, str]] = []
+    for name in files:
+        text = re.sub(r"\\\n[#\s]*", " ", (REPO_ROOT / name).read_text())
+        for line in text.splitlines():
+            command = line.lstrip("# ").strip()
+            if command.startswith("docker run "):
+                commands.append((name, command))
+    return commands
+
+
+def test_every_documented_docker_run_gives_the_engine_shared_memory() -> None:
+    commands = documented_docker_runs()
+    assert {name for name, _ in commands} >= {*DOCKERFILES, "deploy/README.md"}
+    for name, command in commands:
+        assert "--ipc=host" in command or "--shm-size" in command, f"{name}: {command}"
+
+
 def test_cpu_image_follows_the_projects_cpu_install() -> None:
     pins = setup_script_pins()
     runs = arguments_of("Dockerfile.cpu", "RUN")

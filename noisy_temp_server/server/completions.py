@@ -13,10 +13,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.protocol import (
+from noisy_temp_server.server.protocol import CompletionRequest
+from noisy_temp_server.server.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
 )
@@ -28,10 +28,10 @@ from noisy_temp_server.server.serving import (
     overall_summary,
     prepare_request,
     run_unless_disconnected,
-    stream_choices,
     usage,
 )
 from noisy_temp_server.server.state import ServerStateDep
+from noisy_temp_server.server.streaming import stream_choices
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs

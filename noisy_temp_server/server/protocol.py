@@ -87,6 +87,7 @@ class _SamplingFields(_Request):
         presence_penalty: float
         logit_bias: dict[str, float] | None
         ignore_eos: bool
+        repetition_penalty: float | None
         nts_tune: bool | None
         nts_rule: str | None
         nts_t: float | None
@@ -154,6 +155,7 @@ class _SamplingFields(_Request):
             n=1,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=self.top_p,
             seed=None if self.seed is None else self.seed + choice,
@@ -234,6 +236,7 @@ class CompletionRequest(_SamplingFields):
 
     # --- noisy-temp-server and vLLM extras ---
     ignore_eos: StrictBool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None
@@ -344,6 +347,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     # --- noisy-temp-server and vLLM extras ---
     ignore_eos: StrictBool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None

@@ -148,3 +148,14 @@ def test_response_serialises_with_nts_extension() -> None:
     assert body["object"] == "text_completion"
     assert body["nts"]["rule"] == "fixed"
     assert body["nts"]["trace"] is None
+
+
+def test_repetition_penalty_reaches_the_engine() -> None:
+    """vLLM's extension; `vllm bench serve --backend openai` sends it (1.0) on every request."""
+    assert (
+        _completion(repetition_penalty=1.3).to_sampling_params(max_tokens=4).repetition_penalty
+        == 1.3
+    )
+    assert _completion().to_sampling_params(max_tokens=4).repetition_penalty == 1.0
+    with pytest.raises(ValidationError, match="greater than 0"):
+        _completion(repetition_penalty=0)

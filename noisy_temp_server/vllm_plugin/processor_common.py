@@ -31,7 +31,7 @@ from noisy_temp_server.step.engine_metrics import step_temperature_metrics
 from noisy_temp_server.step.logit_bias import check_correction
 from noisy_temp_server.step.reports import Reporter
 from noisy_temp_server.step.slot_tuning import SlotTuning
-from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
+from noisy_temp_server.vllm_plugin.capture import LogitCapture, capture_bounds_from_settings
 from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
 from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
 
@@ -114,7 +114,7 @@ def build_slot_tuning(
         )
     device = torch.device(device)
     reporter = None
-    bounds = CaptureBounds.from_settings()
+    bounds = capture_bounds_from_settings()
     if not duplicate and reports_on_this_rank(vllm_config):
         reporter = Reporter(
             TraceSender.from_env(),
@@ -131,5 +131,7 @@ def build_slot_tuning(
         keep_last=keep_last,
         vocab_size=vocab_size,
     )
-    capture = LogitCapture(capacity, reporter, bounds, logits_scaled=logits_scaled)
+    capture = LogitCapture(
+        capacity, reporter, bounds, logits_scaled=logits_scaled, pin_memory=device.type == "cuda"
+    )
     return duplicate, tuning, capture

@@ -216,10 +216,12 @@ def setup_script_pins() -> dict[str, str]:
 
 
 def documented_docker_runs() -> list[tuple[str, str]]:
-    """(file, command) of every `docker run` command line in the Dockerfiles' headers and
-    deploy/, continuation lines joined."""
+    """(file, command) of every `docker run` command line in the Dockerfiles' headers, the
+    README, docs/ and deploy/, continuation lines joined."""
     files = [
         *DOCKERFILES,
+        "README.md",
+        *sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "docs").rglob("*.md")),
         *sorted(
             p.relative_to(REPO_ROOT).as_posix()
             for p in (REPO_ROOT / "deploy").rglob("*")
@@ -238,7 +240,7 @@ def documented_docker_runs() -> list[tuple[str, str]]:
 
 def test_every_documented_docker_run_gives_the_engine_shared_memory() -> None:
     commands = documented_docker_runs()
-    assert {name for name, _ in commands} >= {*DOCKERFILES, "deploy/README.md"}
+    assert {name for name, _ in commands} >= {*DOCKERFILES, "README.md", "deploy/README.md"}
     for name, command in commands:
         assert "--ipc=host" in command or "--shm-size" in command, f"{name}: {command}"
 

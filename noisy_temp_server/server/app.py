@@ -36,9 +36,9 @@ from noisy_temp_server.settings import Settings
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.server.engine import GenerationEngine
-    from noisy_temp_server.server.policy_source import PolicySource
 
 __all__ = ["create_app"]
 

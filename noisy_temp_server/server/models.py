@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 
 from noisy_temp_server.server.adapter import listed_model_ids
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.protocol import ModelCard, ModelList
+from noisy_temp_server.server.response_bodies import ModelCard, ModelList
 from noisy_temp_server.server.state import ServerStateDep
 
 __all__ = ["router"]

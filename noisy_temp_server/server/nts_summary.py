@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
 from noisy_temp_server.engine_contract.trace_channel import TraceReport
-from noisy_temp_server.server.protocol import NtsSummary
+from noisy_temp_server.server.response_bodies import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

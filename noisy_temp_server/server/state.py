@@ -39,6 +39,10 @@ class ChatTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False
+    ) -> str | list[str]: ...
+
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
     ) -> Any: ...

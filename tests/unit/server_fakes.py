@@ -107,11 +107,25 @@ class FakeEngine:
                 logprobs=logprobs,
                 finish_reason="length" if last else None,
             )
-            yield RequestOutput(request_id, None, ids, None, [output], finished=last)
+            first = step == 0 or not delta
+            prompt_logprobs = (
+                _prompt_logprobs(ids)
+                if first and sampling_params.prompt_logprobs is not None
+                else None
+            )
+            yield RequestOutput(request_id, None, ids, prompt_logprobs, [output], finished=last)
 
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("engine is dead")
+
+
+def _prompt_logprobs(ids: list[int]) -> list[dict[int, Logprob] | None]:
+    """As vLLM gives them: none for the first prompt token; -1 for each later one, and its
+    successor id at -2 as the other candidate."""
+    return [None] + [
+        {t: Logprob(-1.0, 1, chr(t)), t + 1: Logprob(-2.0, 2, chr(t + 1))} for t in ids[1:]
+    ]
 
 
 class FakeTokenizer:
@@ -120,6 +134,9 @@ class FakeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool

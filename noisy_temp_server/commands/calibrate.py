@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_ADAPTER_RANK", "HELP", "add_arguments", "run"]
 
-DEFAULT_ADAPTER_RANK = 16
+DEFAULT_ADAPTER_RANK = 64
 """The rank `--adapter-rank` gives without a value (the choice is measured in docs/adapter.md)."""
 
 HELP = "Fit every temperature rule on a clean/served pair and write the profile (and a report)."

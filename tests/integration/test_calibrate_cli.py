@@ -229,7 +229,7 @@ def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_one
     argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(tmp_path / "p.json")]
     parser = argparse.ArgumentParser()
     calibrate_command.add_arguments(parser)
-    assert parser.parse_args([*argv, "--adapter-rank"]).adapter_rank == 16  # the flag alone
+    assert parser.parse_args([*argv, "--adapter-rank"]).adapter_rank == 64  # the flag alone
     assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--adapter-rank"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --adapter-rank needs a pair whose served weights differ")

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from noisy_temp_server.engine_contract.trace_channel import TraceSender
+from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.step.engine_metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
 
 if TYPE_CHECKING:

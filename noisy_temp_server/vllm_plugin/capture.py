@@ -19,7 +19,8 @@ runs before the capture (it hands its noise to the T* processor where vLLM's ord
 after, see `runtime_noise`): its noise is exactly the served side's difference of the
 runtime-noise pair.
 
-Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``):
+Cost and bounds (`CaptureBounds`, from the engine's configuration ``NTS_CAPTURE_*``, which the
+server sets from its settings ``capture_*``):
 
 - no captured request in the batch: one host-side count is read, nothing else (no device work,
   no sync); rows are chosen by host-known indices (V1: batch rows; V2: ``ctx.idx_mapping_np``);
@@ -32,7 +33,7 @@ Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``):
   them on the trace channel; at most ``queue_rows`` rows wait for it, beyond which rows are
   dropped and counted (`reports.Reporter.capture_dropped_rows`): the step loop never blocks.
 
-The drop counts travel with the rows (cumulative, by reason: `trace_channel.DROP_REASONS`), so
+The drop counts travel with the rows (cumulative, by reason: `trace_wire.DROP_REASONS`), so
 the API process shows them on ``/v1/nts/status`` (``shadow.capture_dropped_rows``) and as
 ``nts_capture_dropped_rows_total{reason}`` (`trace_channel.TraceCollector.capture_drops`).
 
@@ -59,6 +60,7 @@ from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, p
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
 
 if TYPE_CHECKING:
+    from noisy_temp_server.engine_contract.engine_env import EngineConfig
     from noisy_temp_server.step.reports import Reporter
 
 __all__ = [
@@ -82,16 +84,13 @@ class CaptureBounds:
     queue_rows: int = 64
 
     @classmethod
-    def from_settings(cls) -> CaptureBounds:
-        """The bounds of `Settings` (``NTS_CAPTURE_*`` in the engine's environment, which the
-        server sets from its own settings)."""
-        from noisy_temp_server.settings import Settings  # noqa: PLC0415 (engine process only)
-
-        settings = Settings()
+    def from_engine_config(cls, config: EngineConfig) -> CaptureBounds:
+        """The bounds of the engine's configuration (``NTS_CAPTURE_*``, which the server sets
+        from its settings of the same names)."""
         return cls(
-            rows_per_step=settings.capture_rows_per_step,
-            positions=settings.capture_positions,
-            queue_rows=settings.capture_queue_rows,
+            rows_per_step=config.capture_rows_per_step,
+            positions=config.capture_positions,
+            queue_rows=config.capture_queue_rows,
         )
 
 

@@ -34,6 +34,7 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
 from noisy_temp_server.pairs.clean_backend import InProcessModel
 from noisy_temp_server.pairs.perturbation import (
@@ -45,7 +46,6 @@ from noisy_temp_server.pairs.perturbation import (
 from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -61,6 +61,7 @@ import torch
 from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
+from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scoreboard import LiveScoreboard
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
@@ -68,7 +69,6 @@ from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.step.logit_bias import load_bias, load_head_map
 
 __all__ = [
-    "CapturedRowsSource",
     "CpuBudget",
     "PolicyEstimator",
     "SequenceScorer",
@@ -96,16 +96,6 @@ class SequenceScorer(Protocol):
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
-
-
-class CapturedRowsSource(Protocol):
-    """Where the engine's captured rows of a request are (`TraceCollector`)."""
-
-    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> Any: ...
-
-    def drop_rows(self, trace_id: str) -> None: ...
-
-    def capture_drops(self) -> dict[str, int]: ...
 
 
 class PolicyEstimator(Protocol):
@@ -217,7 +207,7 @@ class ShadowScorer:
     `warmup_cpu_share`: the CPU budget after and before the first policy, as shares of the
     machine (`cores` CPUs; default: those this process may run on); `cost_per_position_s`: the
     CPU seconds per scored position assumed until the first request is scored.
-    `rows`: the captured served rows (`CapturedRowsSource`);
+    `rows`: the captured served rows (`engine_contract.trace_channel.TraceSource`);
     `positions`: the steps the engine captures per request (``capture_positions``);
     `rows_timeout_s`: how long the scoring thread waits for rows still under way;
     `bias_rows`: paired rows per scored request passed to the estimator for the online bias
@@ -235,7 +225,7 @@ class ShadowScorer:
         queue_size: int,
         version_of: Callable[[Any], int],
         on_policy: Callable[[Any], None],
-        rows: CapturedRowsSource,
+        rows: TraceSource,
         positions: int,
         rows_timeout_s: float = 2.0,
         rng: random.Random | None = None,
@@ -414,7 +404,7 @@ class ShadowScorer:
         value means a hung scorer, whose queue then fills and drops);
         the live scoreboard (None before the first scored request), the clean backend's
         own status (e.g. a remote clean server's failures and last error) and the captured
-        served rows dropped, by reason (`CapturedRowsSource.capture_drops`)."""
+        served rows dropped, by reason (`TraceSource.capture_drops`)."""
         with self._lock:
             counts = dict(self._counts)
             seconds = dict(self._seconds)

@@ -32,7 +32,7 @@ __all__ = [
 DEFAULT_PERTURBATION = '{"kind": "runtime_logit_noise", "sigma": 1.0}'
 """The perturbation `serve` applies to the default model when no served model is given: runtime
 logit noise, the derivation's own case, where the calibrated temperature measurably closes part
-of the KL gap (about 30 % at request temperature 1, more at lower ones). `serve` starts this
+of the KL gap (docs/quality.md). `serve` starts this
 pair from the profile shipped in the package (`data/default-pair.profile.json`)."""
 
 RuleName = Literal["off", "fixed", "sqrt", "linear", "fisher", "schedule", "calibrated"]
@@ -141,11 +141,10 @@ class Settings(BaseSettings):
     )
     clean_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="bfloat16",
-        description="Dtype of the in-process clean model. bfloat16 (half the CPU time of "
-        "float32 where the CPU has bfloat16 arithmetic) adds its own rounding to the measured "
-        "noise: sigma2 + 0.004, alpha + 0.0003 on SmolLM2-135M, so alpha, sigma2 and the "
-        "scoreboard's KLD of the default pair are within 1 % of float32's "
-        "(tests/integration/test_clean_dtype.py); choose float32 for pairs with alpha < 0.03.",
+        description="Dtype of the in-process clean model. bfloat16 costs less CPU time than "
+        "float32 where the CPU has bfloat16 arithmetic, and adds its own rounding to the "
+        "measured noise (alpha, sigma2 and the scoreboard's KLD within 1 % of float32's, "
+        "tests/integration/test_clean_dtype.py); choose float32 for pairs with alpha < 0.03.",
     )
     clean_url: str | None = Field(
         default=None, description="Base URL of the remote clean server (clean_backend=remote)."

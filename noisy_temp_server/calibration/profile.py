@@ -33,6 +33,7 @@ from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
+    "AdapterSummary",
     "BiasSummary",
     "CalibrationSettings",
     "ModelIdentity",
@@ -343,6 +344,32 @@ class BiasSummary(_Frozen):
         return dict(zip(request_temperatures, self.band_temperatures, strict=True))
 
 
+class AdapterSummary(_Frozen):
+    """The compensation adapter fitted by calibration (`correction.adapter`), served under
+    everything else the profile names: the rules and the bias were fitted on rows served with
+    it.
+
+    The adapter is stored beside the profile in PEFT's LoRA format, in the folder
+    `adapter_folder_name(sha256)`; `sha256` is its content hash. `rank` is the LoRA rank,
+    `target_modules` the short names of the corrected modules, `layers` how many linear layers
+    it corrects, `method` how it was fitted (``eora``: activation-aware; ``svd``: plain SVD of
+    each layer's error), `ridge` the relative ridge added to each input covariance (None for
+    ``svd``). `recommended`: its gain over the served model without it (both at T = 1) on the
+    validation prompts is significant; a profile whose adapter is not recommended serves none.
+    Quality rows as in `QualityTable`: KL of the served model with the adapter at T = 1
+    against the served model without it."""
+
+    sha256: str
+    rank: int = Field(ge=1)
+    target_modules: tuple[str, ...]
+    layers: int = Field(ge=1)
+    method: Literal["eora", "svd"]
+    ridge: float | None = Field(default=None, ge=0)
+    recommended: bool
+    validation: QualityRow
+    test: QualityRow
+
+
 class Profile(_Frozen):
     """Everything calibration learnt about one pair (see the module docstring).
 
@@ -368,6 +395,7 @@ class Profile(_Frozen):
     test_quality: QualityTable
     test_quality_by_request_temperature: tuple[QualityTable, ...]
     bias: BiasSummary | None = None
+    adapter: AdapterSummary | None = None
 
     @model_validator(mode="after")
     def _check_bias_bands(self) -> Self:

@@ -42,8 +42,8 @@ accepts. Sized to the interpolation error of the curves (cubic Hermite in log T 
 `KL_CURVE_TEMPERATURES`): on synthetic rows (logits of scale 0.5-4.5, noise 0.2-1.5) whose
 every optimum is one known T, the best T read off the pooled curves looks better than that
 optimum by at most 2.2e-5 of its KL, and the signed error of the mean curve is at most 2.2e-3
-of the KL anywhere in T in [0.7, 1.4]. Real gains the gates are for are per cent of the KL (the
-default pair's calibrated rule: 3-17 %); the online bias uses the same floor for the same
+of the KL anywhere in T in [0.7, 1.4]. Real gains the gates are for are per cent of the KL; the
+online bias uses the same floor for the same
 reason (its `min_relative_gain`)."""
 
 

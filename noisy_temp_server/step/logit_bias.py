@@ -312,7 +312,7 @@ class SlotBias:
             logits.addcmul_(weight[:, column : column + 1], self._vectors[column])
 
     def _held_columns(self, rows: np.ndarray) -> list[int]:
-        """The weight columns of the versions among table ``rows`` (a few µs on the host)."""
+        """The weight columns of the versions among table ``rows`` (host work, no device sync)."""
         if len(self._vectors) == 1:  # the usual case: one version, nothing to count
             return [0] if rows.any() else []
         return np.flatnonzero(np.bincount(rows)[1:]).tolist()
@@ -341,8 +341,7 @@ def _map_rows(logits: torch.Tensor, mapped: torch.Tensor, device_map: _DeviceMap
     """``logits`` [R, V] += L (R z~) on the rows where ``mapped`` [R, 1] (bool) is true, in
     place; the coordinates read masked (−inf) entries as the row's lowest finite logit, and a
     row whose coordinates are not finite (NaN or +inf logits, every token masked) is left
-    alone. Other rows get ``+ 0``. One [R, V] temporary; no boolean [R, V] mask (on a CPU a
-    comparison pass costs about 2.5 times a `nan_to_num`)."""
+    alone. Other rows get ``+ 0``. One [R, V] temporary; no boolean [R, V] mask."""
     guarded = logits.nan_to_num(nan=torch.nan, posinf=torch.inf, neginf=torch.inf)
     floor = guarded.amin(dim=1, keepdim=True)  # the lowest finite logit (NaN rows: NaN)
     torch.maximum(logits, floor, out=guarded)

@@ -1,5 +1,5 @@
 """`engine_contract.keys`: the one list of request keys, as the parser, the server's request
-models and the architecture's table know them."""
+models, the architecture's table and the README's table know them."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from noisy_temp_server.engine_contract.request_args import parse_request_args
 from noisy_temp_server.server.protocol import ChatCompletionRequest, CompletionRequest
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
-_ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
-_TABLE_HEADING = "### Flat request keys"
+_ROOT = Path(__file__).resolve().parents[2]
 
 _VALID_VALUES: dict[str, Any] = {
     "nts_tune": True,
@@ -91,12 +90,16 @@ def test_the_server_refuses_a_key_that_is_not_the_clients(model: type[BaseModel]
             _request_args(model, body)
 
 
-def _table_keys() -> set[str]:
-    section = _ARCHITECTURE.read_text(encoding="utf-8").split(_TABLE_HEADING, 1)[1]
-    section = section.split("\n#", 1)[0]
+def _table_keys(document: Path, heading: str) -> set[str]:
+    """The ``nts_*`` keys in the first column of the table under ``heading`` of ``document``."""
+    section = document.read_text(encoding="utf-8").split(heading, 1)[1].split("\n#", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return {key for row in rows for key in re.findall(r"`(nts_\w+)`", row.split("|")[1])}
 
 
 def test_the_architecture_table_lists_exactly_the_keys() -> None:
-    assert _table_keys() == REQUEST_KEYS
+    assert _table_keys(_ROOT / "docs" / "architecture.md", "### Flat request keys") == REQUEST_KEYS
+
+
+def test_the_readme_table_lists_exactly_the_client_keys() -> None:
+    assert _table_keys(_ROOT / "README.md", "## Using the server") == set(CLIENT_KEYS)

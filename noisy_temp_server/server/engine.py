@@ -121,13 +121,15 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     chosen at import): raises RuntimeError otherwise. Creates a fresh runtime directory (the
     trace socket; the metric files unless `PROMETHEUS_MULTIPROC_DIR` is already set, see the
     module docstring, whose stale `*.db` files it then deletes); the caller removes it with
-    `EngineEnvironment.cleanup`.
+    `EngineEnvironment.cleanup`. Raises ValueError naming the variable, and creates nothing,
+    when an engine variable this process inherited is invalid (`EngineConfig.from_environ`).
     """
     if "prometheus_client" in sys.modules:
         raise RuntimeError(
             "prometheus_client was imported before prepare_environment(); metrics of the "
             "engine process would be lost. Call prepare_environment() first thing at startup."
         )
+    inherited = engine_config()
     runtime_dir = Path(tempfile.mkdtemp(prefix="nts-serve-"))
     prometheus_dir = _multiprocess_directory(runtime_dir)
     trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
@@ -136,7 +138,7 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
     _hand_to_engine(
         dataclasses.replace(
-            engine_config(),
+            inherited,
             trace_endpoint=trace_endpoint,
             capture_rows_per_step=settings.capture_rows_per_step,
             capture_positions=settings.capture_positions,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
@@ -197,3 +198,13 @@ def test_the_engine_gets_bias_directories_only_when_a_policy_can_name_a_bias(
     assert bias_directories() == wanted
     listed = os.pathsep.join(str(folder) for folder in wanted) if wanted else None
     assert os.environ.get(BIAS_DIR_ENV) == listed
+
+
+def test_an_invalid_inherited_engine_variable_is_refused_before_anything_is_made(
+    clean_process_environment: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    clean_process_environment.setenv(RUNTIME_NOISE_SIGMA_ENV, "loud")
+    clean_process_environment.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match=RUNTIME_NOISE_SIGMA_ENV):
+        engine.prepare_environment(Settings())
+    assert list(tmp_path.iterdir()) == []

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.keys import (
@@ -55,11 +55,15 @@ from noisy_temp_server.engine_contract.keys import (
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
 __all__ = [
     "GREEDY_TEMPERATURE",
     "LogitCorrection",
     "RequestTuning",
     "TuningKeys",
+    "capturable",
     "default_policy_json",
     "parse_policy_json",
     "parse_request_args",
@@ -350,3 +354,21 @@ def default_policy_json() -> str:
     when the file is unreadable or invalid."""
     path = engine_config().policy_file
     return _policy_file_json(str(path)) if path is not None else _identity_policy_json()
+
+
+def capturable(params: SamplingParams) -> bool:
+    """Whether the rows vLLM samples a request from are the served model's own, so that the
+    shadow scorer may sample it (and the server mark it with ``nts_capture``): not greedy (see
+    `vllm_plugin.capture.capture_trace_id`), and no penalties, logit bias, minimum length, bad
+    words or allowed-token list (vLLM applies them before our processor: the rows would measure
+    them, not the model)."""
+    return (
+        params.temperature >= GREEDY_TEMPERATURE
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and not params.min_tokens
+        and not params.bad_words
+        and params.allowed_token_ids is None
+    )

@@ -1,8 +1,8 @@
 """The shadow scorer: online estimation from a sample of live traffic, off the serving path.
 
 The HTTP layer calls `ShadowScorer.admit` for every choice it admits whose served rows the
-engine can capture (`vllm_plugin.capture.capturable`): a fraction of them are sampled, and a
-sampled choice runs with its per-step T* trace and with the capture of its served logits
+engine can capture (`engine_contract.request_args.capturable`): a fraction of them are sampled,
+and a sampled choice runs with its per-step T* trace and with the capture of its served logits
 (``nts_capture``: the engine sends the rows it sampled from, before any temperature, for the
 first `positions` steps) and goes to `ShadowScorer.submit` when it finishes, which puts it on a
 bounded queue without ever blocking (a full queue drops the item and counts it). One daemon
@@ -322,7 +322,7 @@ class ShadowScorer:
         one cluster for the standard errors and one unit of the online bias's held-out split:
         they are scored as one sequence, `request_sequence_id`);
         `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
-        greedy choices are never sampled, `capture.capturable`), whose target
+        greedy choices are never sampled, `request_args.capturable`), whose target
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
         `correction`: the per-token bias and head map it was served with (None: none), applied
         before T* in its scores as served (loaded from the bias directories,

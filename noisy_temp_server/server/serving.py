@@ -45,6 +45,7 @@ from noisy_temp_server.engine_contract.request_args import (
     LogitCorrection,
     RequestTuning,
     TuningKeys,
+    capturable,
     parse_request_args,
     resolve_correction,
     resolve_request,
@@ -62,7 +63,6 @@ from noisy_temp_server.server.protocol import (
     add_extra_args,
 )
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.capture import capturable
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs

@@ -14,10 +14,10 @@ before any temperature:
   below what any statistic of the scorer resolves.
 
 Both runners apply penalties, logit bias and the like before, so a row includes them; the
-server samples only requests without them (`capturable`). Our runtime-noise processor always
-runs before the capture (it hands its noise to the T* processor where vLLM's order would put it
-after, see `runtime_noise`): its noise is exactly the served side's difference of the
-runtime-noise pair.
+server samples only requests without them (`request_args.capturable`). Our runtime-noise
+processor always runs before the capture (it hands its noise to the T* processor where vLLM's
+order would put it after, see `runtime_noise`): its noise is exactly the served side's
+difference of the runtime-noise pair.
 
 Cost and bounds (`CaptureBounds`, from the engine's configuration ``NTS_CAPTURE_*``, which the
 server sets from its settings ``capture_*``):
@@ -67,7 +67,6 @@ __all__ = [
     "CaptureBounds",
     "CapturedStep",
     "LogitCapture",
-    "capturable",
     "capture_trace_id",
 ]
 
@@ -105,23 +104,6 @@ class CapturedStep:
     rows: torch.Tensor
     dropped: list[tuple[str, int]]
     drop_counts: dict[str, int]
-
-
-def capturable(params: SamplingParams) -> bool:
-    """Whether the rows vLLM samples a request from are the served model's own, so that the
-    shadow scorer may sample it: not greedy (see `capture_trace_id`), and no penalties, logit
-    bias, minimum length, bad words or allowed-token list (vLLM applies them before our
-    processor: the rows would measure them, not the model)."""
-    return (
-        params.temperature >= GREEDY_TEMPERATURE
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.logit_bias
-        and not params.min_tokens
-        and not params.bad_words
-        and params.allowed_token_ids is None
-    )
 
 
 def capture_trace_id(params: SamplingParams) -> str | None:

@@ -71,6 +71,8 @@ from noisy_temp_server.engine_contract.request_args import (
 )
 
 __all__ = [
+    "FILE_CORRECTIONS",
+    "CorrectionSource",
     "SlotBias",
     "bias_directories",
     "check_correction",
@@ -142,6 +144,19 @@ def load_head_map(sha256: str) -> HeadMap:
     return _from_bias_directories("head map", sha256, _load_head_map)
 
 
+@dataclass(frozen=True)
+class CorrectionSource:
+    """Where `SlotBias` gets the vectors a correction names: ``bias(sha256)``, a float32 [V]
+    tensor on the CPU, and ``head_map(sha256)``, a `HeadMap`; each raises ValueError when it
+    cannot. `FILE_CORRECTIONS` (the engine's): the bias directories."""
+
+    bias: Callable[[str], torch.Tensor]
+    head_map: Callable[[str], HeadMap]
+
+
+FILE_CORRECTIONS = CorrectionSource(bias=load_bias, head_map=load_head_map)
+
+
 def check_correction(correction: LogitCorrection | None) -> None:
     """ValueError unless the bias of ``correction`` (None: nothing to check) and its head map
     can be loaded (see `load_bias`)."""
@@ -154,16 +169,24 @@ def check_correction(correction: LogitCorrection | None) -> None:
 class SlotBias:
     """The corrections (biases, and head maps under them) of ``slots`` slots over a vocabulary
     of ``vocab_size`` tokens on ``device`` (see the module docstring). ``vocab_size`` None: the
-    engine's vocabulary is unknown, and every bias is refused at admission.
+    engine's vocabulary is unknown, and every bias is refused at admission. ``source``: where
+    the vectors come from (the bias directories unless told).
 
     `stage` / `flush` follow `SlotTuning`'s admission (host staging, one copy per wave); `add`
     is the per-step hook. ``biased_slots`` counts the slots holding a bias (host side).
     """
 
     def __init__(
-        self, slots: int, vocab_size: int | None, device: torch.device, *, pin_memory: bool
+        self,
+        slots: int,
+        vocab_size: int | None,
+        device: torch.device,
+        *,
+        pin_memory: bool,
+        source: CorrectionSource = FILE_CORRECTIONS,
     ) -> None:
         self.vocab_size = vocab_size
+        self.source = source
         self.device = device
         self._pin = pin_memory
         self.table = torch.zeros(1, vocab_size or 0, device=device)
@@ -208,7 +231,7 @@ class SlotBias:
         if row is not None:
             return row
         try:  # gone since validate_params, or fitted for another model: serve without it
-            vector = load_bias(correction.bias)
+            vector = self.source.bias(correction.bias)
             check_bias_vocabulary(vector, self.vocab_size, "the engine")
             if correction.head_map is not None and correction.head_map not in self._maps:
                 self._maps[correction.head_map] = self._device_map(correction.head_map)
@@ -220,7 +243,7 @@ class SlotBias:
         return row
 
     def _device_map(self, sha256: str) -> _DeviceMap:
-        head_map = load_head_map(sha256)
+        head_map = self.source.head_map(sha256)
         check_head_map_vocabulary(head_map, self.vocab_size, "the engine")
         return _DeviceMap(
             right=head_map.right.to(self.device).contiguous(),

@@ -28,11 +28,12 @@ from noisy_temp_server.engine_contract.request_args import (
     resolve_request,
 )
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
+from noisy_temp_server.step.capture import CaptureBounds
 from noisy_temp_server.step.engine_metrics import step_temperature_metrics
 from noisy_temp_server.step.logit_bias import check_correction
 from noisy_temp_server.step.reports import Reporter
 from noisy_temp_server.step.slot_tuning import SlotTuning
-from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
+from noisy_temp_server.vllm_plugin.capture import LogitCapture
 from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
 from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
 
@@ -132,5 +133,7 @@ def build_slot_tuning(
         keep_last=keep_last,
         vocab_size=vocab_size,
     )
-    capture = LogitCapture(capacity, reporter, bounds, logits_scaled=logits_scaled)
+    capture = LogitCapture(
+        capacity, reporter, bounds, logits_scaled=logits_scaled, pin_memory=device.type == "cuda"
+    )
     return duplicate, tuning, capture

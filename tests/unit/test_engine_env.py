@@ -16,10 +16,10 @@ from noisy_temp_server.engine_contract.engine_env import EngineConfig, engine_co
 from noisy_temp_server.engine_contract.request_args import default_policy_json
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.settings import Settings
+from noisy_temp_server.step.capture import CaptureBounds
 from noisy_temp_server.step.logit_bias import bias_directories
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.capture import CaptureBounds
 from noisy_temp_server.vllm_plugin.runtime_noise import RuntimeLogitNoiseProcessor
 
 _PACKAGE = Path(__file__).resolve().parents[2] / "noisy_temp_server"
@@ -38,9 +38,10 @@ _EVERY_FIELD_SET = EngineConfig(
 
 @pytest.fixture
 def engine_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """Every engine variable unset, and restored after the test."""
+    """Every engine variable unset, and restored after the test (whatever the test writes)."""
     for name in keys.ENGINE_ENV_NAMES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that the teardown restores it
+        monkeypatch.delenv(name)
     return monkeypatch
 
 

@@ -513,7 +513,7 @@ def test_admission_evaluates_a_policy_once_per_bounds_and_band(
         evaluated.append(request_temperature)
         return step_temperatures(policy, request_temperature, **bounds)
 
-    monkeypatch.setattr("noisy_temp_server.step.slot_tuning.step_temperatures", counted)
+    monkeypatch.setattr("noisy_temp_server.step.slot_tables.step_temperatures", counted)
     table = CalibratedTable(
         step_edges=(0,), temperatures=(((1.25,),), ((0.75,),)), request_temperature_edges=(0, 0.9)
     )

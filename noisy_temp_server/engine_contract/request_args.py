@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.keys import (
@@ -55,13 +55,11 @@ from noisy_temp_server.engine_contract.keys import (
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
-if TYPE_CHECKING:
-    from vllm import SamplingParams
-
 __all__ = [
     "GREEDY_TEMPERATURE",
     "LogitCorrection",
     "RequestTuning",
+    "SamplingSettings",
     "TuningKeys",
     "capturable",
     "default_policy_json",
@@ -356,7 +354,36 @@ def default_policy_json() -> str:
     return _policy_file_json(str(path)) if path is not None else _identity_policy_json()
 
 
-def capturable(params: SamplingParams) -> bool:
+class SamplingSettings(Protocol):
+    """What `capturable` reads of a request's sampling parameters (vLLM's `SamplingParams`;
+    typed here so that the contract imports no vLLM)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def presence_penalty(self) -> float: ...
+
+    @property
+    def frequency_penalty(self) -> float: ...
+
+    @property
+    def repetition_penalty(self) -> float: ...
+
+    @property
+    def logit_bias(self) -> object: ...
+
+    @property
+    def min_tokens(self) -> object: ...
+
+    @property
+    def bad_words(self) -> object: ...
+
+    @property
+    def allowed_token_ids(self) -> object: ...
+
+
+def capturable(params: SamplingSettings) -> bool:
     """Whether the rows vLLM samples a request from are the served model's own, so that the
     shadow scorer may sample it (and the server mark it with ``nts_capture``): not greedy (see
     `vllm_plugin.capture.capture_trace_id`), and no penalties, logit bias, minimum length, bad

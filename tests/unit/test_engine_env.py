@@ -147,3 +147,11 @@ def test_no_other_module_reads_the_engine_variables() -> None:
             if _READS_ENVIRONMENT.search(line) and any(n in line for n in names):
                 readers.append(f"{path.relative_to(_PACKAGE)}:{number}: {line.strip()}")
     assert readers == []
+
+
+def test_the_architecture_table_lists_exactly_the_engine_variables() -> None:
+    document = (_PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = document.split("### Engine variables", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`(NTS_\w+)`", row.split("|")[1])}
+    assert listed == set(keys.ENGINE_ENV_NAMES)

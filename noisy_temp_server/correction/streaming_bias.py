@@ -9,14 +9,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.bias import (
+from noisy_temp_server.correction.bias import diagonal_curvature
+from noisy_temp_server.correction.files import check_bias_vocabulary
+from noisy_temp_server.correction.paired_rows import (
     CHUNK_ELEMENTS,
     LogitBias,
     PairedRows,
-    diagonal_curvature,
     kl_objective,
 )
-from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.correction.request_bands import BandedBias
 from noisy_temp_server.temperature.rules import TemperatureBounds
 

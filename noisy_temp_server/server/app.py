@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from noisy_temp_server.engine_contract.trace_channel import TraceSource
+    from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.server.engine import GenerationEngine
-    from noisy_temp_server.server.policy_source import PolicySource
 
 __all__ = ["create_app"]
 

@@ -7,8 +7,8 @@ import json
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from noisy_temp_server.online.policy_source import describe_policy
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.policy_source import describe_policy
 from noisy_temp_server.server.state import ServerStateDep
 
 __all__ = ["router"]

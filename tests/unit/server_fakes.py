@@ -25,15 +25,15 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceReport
+from noisy_temp_server.online.policy_source import StaticPolicySource
+from noisy_temp_server.pairs.position_scores import scores_at_temperatures
 from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scoreboard import scores_at_temperatures
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.stats import PairTerms

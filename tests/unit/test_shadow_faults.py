@@ -41,6 +41,7 @@ from noisy_temp_server.correction.files import (
 )
 from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
+from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.online.shadow import ShadowScorer
 from noisy_temp_server.pairs.clean_backend import RemoteClean
 from noisy_temp_server.pairs.records import PositionRecords
@@ -48,7 +49,6 @@ from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequen
 from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
@@ -105,7 +105,7 @@ class Served:
         self.shadow = ShadowScorer(
             scorer,
             estimator,
-            metrics,
+            metrics.online,
             fraction=fraction,
             queue_size=queue_size,
             rows=self.traces,

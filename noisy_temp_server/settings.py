@@ -106,6 +106,26 @@ class Settings(BaseSettings):
         "Biases refined online are written to the server's runtime folder, never here, and "
         "looked up there too.",
     )
+    int4_stack: bool = Field(
+        default=False,
+        description="Serve the embedded model as int4 (RTN, group 128) with a rank-16 "
+        "compensation adapter and T* and the bias calibrated on top, scored live against the "
+        "clean model: calibrated at first use (minutes on a CPU) and cached under "
+        "cache_dir/stacks/. Takes no served or clean model, profile or adapter of its own.",
+    )
+    adapter: Path | None = Field(
+        default=None,
+        description="A PEFT LoRA adapter folder (safetensors) to serve, e.g. one `calibrate "
+        "--adapter-rank` wrote; unset: the profile's adapter, if it names and recommends one. "
+        "With a profile, it must be the adapter the profile was calibrated with.",
+    )
+    adapter_serving: Literal["auto", "fold", "lora", "off"] = Field(
+        default="auto",
+        description="How the compensation adapter is served: auto folds it into "
+        "float weights (no per-step cost; no request can turn it off) and serves it through "
+        "vLLM's LoRA on quantized kernels (a request can turn it off); fold and lora force "
+        "one (fold refuses quantized weights); off serves the model without it.",
+    )
 
     # --- temperature defaults (per-request nts_* keys override them) ---
     default_rule: RuleName | None = Field(

@@ -31,6 +31,11 @@ The pipeline (`calibrate`):
    the recommended rule on the same gate rows at any request temperature (it replaces that
    rule when served, with a T of its own at each request temperature), and its test row is the
    figure to quote.
+
+With `CalibrationSettings.adapter_rank` > 0 a compensation adapter is fitted first
+(`calibration.adapter_calibration.calibrate_adapter`, on completions the served model samples
+without it) and, where it is recommended, every step above runs on the served model with the
+adapter applied: the rules and the bias correct what it leaves.
 """
 
 from __future__ import annotations
@@ -38,10 +43,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from noisy_temp_server.calibration.adapter_calibration import (
+    AdapterCalibration,
+    applied_adapter,
+    calibrate_adapter,
+)
 from noisy_temp_server.calibration.bias_fit import BiasCalibration, calibrate_bias
 from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_rows
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
@@ -84,6 +94,7 @@ class CalibrationResult:
     gate: PositionRecords
     test: PositionRecords
     bias: BiasCalibration | None = None
+    adapter: AdapterCalibration | None = None
 
     @property
     def validation(self) -> PositionRecords:
@@ -231,9 +242,53 @@ def calibrate(
     if len(prompts) != settings.prompts:
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
     _check_head_map_rank(pair, settings.head_map_rank)
-    scored = score_pair(pair, prompts, settings, device=device)
-    logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
-    return calibrate_scored(pair, scored, settings)
+    adapter = _calibrate_adapter(pair, prompts, settings, device) if settings.adapter_rank else None
+    served = adapter.adapter if adapter is not None and adapter.summary.recommended else None
+    with applied_adapter(pair.served_model, served):
+        scored = score_pair(pair, prompts, settings, device=device)
+        logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
+        result = calibrate_scored(pair, scored, settings)
+    if adapter is None:
+        return result
+    return replace(
+        result,
+        profile=result.profile.model_copy(update={"adapter": adapter.summary}),
+        adapter=adapter,
+    )
+
+
+def _calibrate_adapter(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    settings: CalibrationSettings,
+    device: str | torch.device,
+) -> AdapterCalibration:
+    """The adapter of `settings.adapter_rank`, fitted on completions sampled without it.
+    ValueError, before any sampling, for a pair whose served weights are the clean ones."""
+    if pair.served_model is pair.clean_model:
+        raise ValueError(
+            "--adapter-rank needs a pair whose served weights differ from the clean ones; this "
+            "pair serves the clean weights (runtime logit noise): there is no weight error for "
+            "an adapter to correct"
+        )
+    sequences = sample_completions(
+        pair,
+        prompts,
+        max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed,
+        progress=_log_progress("generating for the adapter"),
+    )
+    started = time.monotonic()
+    adapter = calibrate_adapter(
+        pair,
+        sequences,
+        settings,
+        rank=settings.adapter_rank,
+        method=settings.adapter_method,
+        device=device,
+    )
+    logger.info("adapter calibrated in %.0f s", time.monotonic() - started)
+    return adapter
 
 
 def _check_head_map_rank(pair: LoadedPair, rank: int) -> None:

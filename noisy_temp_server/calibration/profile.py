@@ -88,6 +88,12 @@ class CalibrationSettings(_Frozen):
     """Rank of the head map fitted under the bias (`correction.head_map`; 2 r V multiply-adds
     per served row); 0: none. Needs the clean model's output head (a pair whose served
     vocabulary it fits)."""
+    adapter_rank: int = Field(default=0, ge=0)
+    """Rank of the compensation adapter fitted first (`calibration.adapter_calibration`),
+    under which everything else is fitted; 0: none. Needs a pair whose served weights differ
+    from the clean ones."""
+    adapter_method: Literal["eora", "svd"] = "eora"
+    """How the adapter is fitted: ``eora`` (activation-aware) or ``svd`` (plain SVD)."""
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:

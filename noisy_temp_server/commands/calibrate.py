@@ -3,6 +3,7 @@
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
         [--validation-fraction F] [--test-fraction F] [--bias-rows N] [--head-map-rank R]
+        [--adapter-rank R [--adapter-method eora|svd]]
         [--records FILE] [--report DIR] [--device DEV]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
@@ -20,7 +21,9 @@ rows of up to `--bias-rows` positions (its table is printed), on top of a head m
 profile (`bias-<sha256>.safetensors`, the map in `head-map-<sha256>.safetensors`), and so is
 the recommended policy (`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias
 with its T at each request temperature when the bias is recommended, else the recommended
-rule. `--records`
+rule. With `--adapter-rank R` a compensation adapter is fitted first
+(`calibration.adapter_calibration`) and saved beside the profile (`adapter-<hash>/`, PEFT LoRA);
+where it is recommended everything above is fitted on the served model with it. `--records`
 also saves the per-position records (safetensors); `--report DIR` writes the markdown + PNG
 report of the four reference experiments on the clean model
 (`noisy_temp_server.calibration.reference_report`), and may be given alone.
@@ -39,6 +42,7 @@ from noisy_temp_server.commands.perturb import default_clean_path, read_spec_arg
 from noisy_temp_server.files import write_atomically
 
 if TYPE_CHECKING:
+    from noisy_temp_server.calibration.adapter_calibration import AdapterCalibration
     from noisy_temp_server.calibration.bias_fit import BiasCalibration
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -91,6 +95,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fit a low-rank head map under the bias (z~ + L R z~ + b, served with it): its rank "
         "(2 r V multiply-adds per served row; its worth: docs/quality.md); 0: none",
     )
+    parser.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=0,
+        help="fit a compensation adapter of this LoRA rank first (weight-space correction of "
+        "every perturbed linear layer, saved beside the profile in PEFT format); the rules and "
+        "the bias are then fitted on top of it. Needs served weights that differ from the "
+        "clean ones; 0: none",
+    )
+    parser.add_argument(
+        "--adapter-method",
+        choices=["eora", "svd"],
+        default="eora",
+        help="adapter fit: eora (activation-aware, default) or svd (plain SVD of each error)",
+    )
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")
     parser.add_argument("--device", default="cpu", help="torch device for scoring")
@@ -124,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
                 test_fraction=args.test_fraction,
                 **({} if args.bias_rows is None else {"bias_rows": args.bias_rows}),
                 head_map_rank=args.head_map_rank,
+                adapter_rank=args.adapter_rank,
+                adapter_method=args.adapter_method,
                 **(
                     {}
                     if args.request_temperatures is None
@@ -135,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
             result = calibrate(pair, prompts, settings, device=args.device)
             if result.bias is not None:  # first: a profile never names a file not yet written
                 _save_correction(args.out.parent, result.bias)
+            if result.adapter is not None:
+                from noisy_temp_server.correction.adapter import save_peft_adapter  # noqa: PLC0415
+
+                save_peft_adapter(args.out.parent, result.adapter.adapter)
             result.profile.save(args.out)
             policy_path = args.out.with_name(f"{args.out.stem}.policy.json")
             write_atomically(policy_path, (result.profile.to_policy().to_json() + "\n").encode())
@@ -143,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
 
                 parts = [result.fit, result.validation, result.test]
                 PositionRecords.concat(parts).save(args.records)
+            if result.adapter is not None:
+                print(adapter_text(result.adapter))
             print(result.profile.validation_quality.to_markdown())
             print(result.profile.test_quality.to_markdown())
             for table in result.profile.test_quality_by_request_temperature:
@@ -167,6 +194,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def adapter_text(calibration: AdapterCalibration) -> str:
+    """The adapter's fit and quality, as printed by `calibrate`: the ridge chosen on the
+    selection half, then served + adapter against served, both at T = 1, on the gate half and
+    the test prompts, with the share of KL(T = 1) removed."""
+    summary = calibration.summary
+    tried = ", ".join(
+        f"{'-' if ridge is None else f'{ridge:g}'}: {1e3 * kl:.3f}"
+        for ridge, kl in calibration.selection_kl.items()
+    )
+    lines = [
+        f"Adapter: rank {summary.rank} {summary.method}, {summary.layers} layers "
+        f"({', '.join(summary.target_modules)}), {calibration.adapter.parameter_count} "
+        f"parameters, ridge {summary.ridge} (selection-half KL at T=1 (1e-3) by ridge: {tried}); "
+        f"{'recommended' if summary.recommended else 'NOT recommended'} (gate-half gain "
+        "significant at 2 s.e.)",
+        "",
+        "| split | KL served T=1 (1e-3) | KL served+adapter T=1 | gain ± paired s.e. "
+        "| share removed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for split, row in (("validation (gate half)", summary.validation), ("test", summary.test)):
+        base = row.mean_kl + row.gain
+        share = row.gain / base if base > 0 else float("nan")
+        lines.append(
+            f"| {split} | {1e3 * base:.3f} | {1e3 * row.mean_kl:.3f} | {1e3 * row.gain:+.3f} ± "
+            f"{1e3 * row.gain_stderr:.3f} | {100 * share:.1f}% |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _save_correction(folder: Path, bias: BiasCalibration) -> None:

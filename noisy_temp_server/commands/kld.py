@@ -12,6 +12,11 @@ PPL ratio) for the served model at T = 1 and as served: the profile's recommende
 `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. When the profile recommends its
 per-token bias b, "served" is softmax((z~ + b) / T*) with the vector from beside the profile,
 softmax((H(z~) + b) / T*) when the bias sits on a head map H (also from beside the profile).
+With a profile whose compensation adapter is recommended (`calibrate --adapter-rank`), the
+served model samples and is scored with the adapter (from beside the profile), and the table
+has one column per layer of the stack (`calibration.stack`): the served model at T = 1, the
+adapter alone, adapter + T, adapter + bias + T, each with its share of KL(T = 1) removed and its
+greedy agreement with the clean model (`--greedy-tokens`).
 Without `--served`/`--spec` the pair is serve's default one (the embedded model with
 DEFAULT_PERTURBATION, in memory).
 The continuations are the served model's own samples (llama.cpp scores a fixed text), so the
@@ -42,13 +47,13 @@ from noisy_temp_server.temperature.rules import Rule
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from noisy_temp_server.calibration.profile import Profile
+    from noisy_temp_server.calibration.stack import StackReport
     from noisy_temp_server.correction.head_map import HeadMap
-    from noisy_temp_server.pairs.loading import LoadedPair
-    from noisy_temp_server.pairs.scoreboard import PairScoreboard, ScoreboardResult
-    from noisy_temp_server.pairs.scorer import ScoringSequence
+    from noisy_temp_server.pairs.scoreboard import ScoreboardResult
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
-__all__ = ["HELP", "add_arguments", "format_table", "run", "score_scoreboard"]
+__all__ = ["HELP", "add_arguments", "format_table", "run"]
 
 HELP = "KL scoreboard of a pair (llama.cpp's KLD statistics) at T = 1 and at the served T*."
 
@@ -72,38 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="completion length")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", help="torch device for generation and scoring")
+    parser.add_argument(
+        "--greedy-tokens",
+        type=int,
+        default=16,
+        help="with a profile naming an adapter: greedy answers of this many tokens compared "
+        "with the clean model's, per layer of the stack (0: not measured)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-
-
-def score_scoreboard(
-    pair: LoadedPair,
-    sequences: Sequence[ScoringSequence],
-    policy: TemperaturePolicy,
-    *,
-    bias: Tensor | None = None,
-    head_map: HeadMap | None = None,
-    device: str = "cpu",
-) -> PairScoreboard:
-    """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only);
-    `bias`: the vector of the policy's per-token bias, `head_map`: the head map under it (see
-    `PairScoreboard`)."""
-    import torch  # noqa: PLC0415
-
-    from noisy_temp_server.pairs.scoreboard import PairScoreboard  # noqa: PLC0415
-    from noisy_temp_server.pairs.scorer import PairScorer  # noqa: PLC0415
-
-    scorer = PairScorer(
-        pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
-    )
-    board = PairScoreboard(policy, bias=bias, head_map=head_map)
-    for sequence in sequences:
-        completion = torch.tensor(sequence.token_ids[sequence.prompt_length :], dtype=torch.int64)
-        for steps, clean, served in scorer.logit_chunks(sequence):
-            board.update(
-                clean, served, completion[steps], step=steps, sequence_id=sequence.sequence_id
-            )
-    return board
 
 
 def _policy_correction(
@@ -124,13 +106,11 @@ def _policy_correction(
     return bias, load_head_map_file(args.profile.parent, policy.head_map)
 
 
-def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:
-    from noisy_temp_server.calibration.profile import Profile  # noqa: PLC0415
+def _policy(args: argparse.Namespace, profile: Profile | None) -> TemperaturePolicy:
     from noisy_temp_server.temperature.policy import TemperaturePolicy  # noqa: PLC0415
     from noisy_temp_server.temperature.rules import TemperatureBounds  # noqa: PLC0415
 
-    if args.profile is not None:
-        profile = Profile.load_for_pair(args.profile, pair.clean, pair.served)
+    if profile is not None:
         return profile.to_policy(args.rule)
     if args.rule is not None:
         raise ValueError("--rule picks a rule of --profile; give --profile too")
@@ -142,47 +122,52 @@ def _policy(args: argparse.Namespace, pair: LoadedPair) -> TemperaturePolicy:
     return TemperaturePolicy.identity()
 
 
-def _row(label: str, values: Sequence[str]) -> str:
-    return f"{label:<28}" + "".join(f"{v:>24}" for v in values)
+def _row(label: str, values: Sequence[str], widths: Sequence[int]) -> str:
+    return f"{label:<28}" + "".join(f"{v:>{w}}" for v, w in zip(values, widths, strict=True))
 
 
-def format_table(results: dict[str, ScoreboardResult], t_star_label: str) -> str:
-    """llama.cpp-style text table: one column per served temperature setting."""
+def format_table(results: dict[str, ScoreboardResult]) -> str:
+    """llama.cpp-style text table: one column per entry of `results`, headed by its key, each
+    column at least two spaces wider than its longest cell so titles never run together."""
     columns = list(results.values())
+    widths = [max(24, len(label) + 2) for label in results]
 
     def each(render: Any) -> list[str]:
         return [render(r) for r in columns]
 
+    def row(label: str, values: Sequence[str]) -> str:
+        return _row(label, values, widths)
+
     lines = [
-        _row("", ["T=1", t_star_label]),
+        row("", list(results)),
         "====== Perplexity statistics ======",
-        _row(
+        row(
             "PPL(served)/PPL(clean)",
             each(lambda r: f"{r.ppl_ratio:.5f} ± {r.ppl_ratio * r.ln_ppl_ratio_stderr:.5f}"),
         ),
-        _row(
+        row(
             "ln(PPL(served)/PPL(clean))",
             each(lambda r: f"{r.ln_ppl_ratio:.5f} ± {r.ln_ppl_ratio_stderr:.5f}"),
         ),
         "====== KL divergence statistics ======",
-        _row("Mean KLD", each(lambda r: f"{r.kld_mean:.6f} ± {r.kld_stderr:.6f}")),
+        row("Mean KLD", each(lambda r: f"{r.kld_mean:.6f} ± {r.kld_stderr:.6f}")),
     ]
     for level in columns[0].kld_percentiles:
-        lines.append(_row(f"{level}% KLD", each(lambda r, q=level: f"{r.kld_percentiles[q]:.6f}")))
+        lines.append(row(f"{level}% KLD", each(lambda r, q=level: f"{r.kld_percentiles[q]:.6f}")))
     lines += [
         "====== Token probability statistics ======",
-        _row(
+        row(
             "Mean Δp",
             each(lambda r: f"{100 * r.delta_p_mean:.3f} ± {100 * r.delta_p_stderr:.3f} %"),
         ),
     ]
     for level in columns[0].delta_p_percentiles:
         lines.append(
-            _row(f"{level}% Δp", each(lambda r, q=level: f"{100 * r.delta_p_percentiles[q]:.3f} %"))
+            row(f"{level}% Δp", each(lambda r, q=level: f"{100 * r.delta_p_percentiles[q]:.3f} %"))
         )
     lines += [
-        _row("RMS Δp", each(lambda r: f"{100 * r.delta_p_rms:.3f} %")),
-        _row(
+        row("RMS Δp", each(lambda r: f"{100 * r.delta_p_rms:.3f} %")),
+        row(
             "Same top p",
             each(lambda r: f"{100 * r.same_top_rate:.3f} ± {100 * r.same_top_stderr:.3f} %"),
         ),
@@ -198,42 +183,80 @@ def format_table(results: dict[str, ScoreboardResult], t_star_label: str) -> str
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from noisy_temp_server.calibration.adapter_calibration import applied_adapter  # noqa: PLC0415
     from noisy_temp_server.calibration.pipeline import sample_completions  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import Profile  # noqa: PLC0415
     from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
+    from noisy_temp_server.calibration.stack import (  # noqa: PLC0415
+        profile_adapter,
+        score_scoreboard,
+        score_stack,
+    )
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
 
+    stack: StackReport | None = None
     try:
         clean_path = args.clean or default_clean_path(args.cache_dir)
         prompts = load_prompts(args.prompts)[: args.num_prompts]
         spec = None if args.served else read_spec_argument(args.spec or DEFAULT_PERTURBATION)
         pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
-        policy = _policy(args, pair)
+        profile = (
+            None
+            if args.profile is None
+            else Profile.load_for_pair(args.profile, pair.clean, pair.served)
+        )
+        policy = _policy(args, profile)
         bias, head_map = _policy_correction(args, policy)
+        adapter = None if profile is None else profile_adapter(profile, args.profile.parent)
         started = time.monotonic()
-        sequences = sample_completions(
-            pair, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
-        )
+        with applied_adapter(pair.served_model, adapter):  # sampled as served
+            sequences = sample_completions(
+                pair, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
+            )
         generated = time.monotonic()
-        board = score_scoreboard(
-            pair, sequences, policy, bias=bias, head_map=head_map, device=args.device
-        )
+        if profile is not None and adapter is not None:
+            stack = score_stack(
+                pair,
+                sequences,
+                profile,
+                args.profile.parent,
+                served_policy=policy,
+                greedy_tokens=args.greedy_tokens,
+                device=args.device,
+            )
+            results = {layer.label: layer.result for layer in stack.layers}
+            statistics = results
+            mean_t_star = None
+        else:
+            board = score_scoreboard(
+                pair, sequences, policy, bias=bias, head_map=head_map, device=args.device
+            )
+            by_label = board.result()
+            mean_t_star = board.mean_temperature()
+            with_map = "" if policy.head_map is None else " + head map"
+            with_bias = "" if policy.bias is None else f"{with_map} + bias"
+            label = f"T* ({policy.rule.value}{with_bias}, mean {mean_t_star:.3f})"
+            results = {"T=1": by_label["T=1"], label: by_label["T*"]}
+            statistics = by_label
         scoring_seconds = time.monotonic() - generated
-        results = board.result()
     except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 1
-    scored = board.accumulators["T=1"].seen + board.accumulators["T=1"].infinite_positions
+    first = next(iter(results.values()))
+    scored = first.positions + first.infinite_positions
     report = {
         "clean": pair.clean.describe(),
         "served": pair.served.describe(),
         "policy": json.loads(policy.to_json()),
-        "mean_t_star": board.mean_temperature(),
+        "adapter": None if profile is None or profile.adapter is None else profile.adapter.sha256,
+        "mean_t_star": mean_t_star,
         "generation_seconds": generated - started,
         "scoring_seconds": scoring_seconds,
         "scored_tokens_per_second": scored / scoring_seconds if scoring_seconds > 0 else None,
-        "statistics": {label: result.to_dict() for label, result in results.items()},
+        "statistics": {label: result.to_dict() for label, result in statistics.items()},
+        "stack": None if stack is None else [layer.to_dict() for layer in stack.layers],
     }
     text = json.dumps(report, indent=2, allow_nan=False, default=str)
     if args.out is not None:
@@ -241,11 +264,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        with_map = "" if policy.head_map is None else " + head map"
-        with_bias = "" if policy.bias is None else f"{with_map} + bias"
-        t_star = f"T* ({policy.rule.value}{with_bias}, mean {board.mean_temperature():.3f})"
         print(f"clean:  {report['clean']}\nserved: {report['served']}")
-        print(format_table(results, t_star))
+        print(format_table(results))
+        if stack is not None:
+            print(f"\nThe stack (adapter {report['adapter']}):\n")
+            print(stack.to_markdown())
         print(
             f"scored {scored} tokens in {scoring_seconds:.1f} s "
             f"({report['scored_tokens_per_second']:.1f} tokens/s; generation "

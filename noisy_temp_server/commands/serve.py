@@ -22,7 +22,8 @@ torch, transformers and vLLM would make it slow; prometheus_client must be impor
 
 Exit status: 0 after a normal shutdown, 1 when the engine died (`server.engine_watchdog`: the
 server then shuts down within a bounded time, for a supervisor to restart it) or a profile does
-not match the served pair.
+not match the served pair or names a bias or an adapter that cannot be served
+(`commands.serve_adapter`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def _serve(
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    from noisy_temp_server.commands.serve_adapter import plan_served_adapter  # noqa: PLC0415
+    from noisy_temp_server.commands.serve_stack import stack_settings  # noqa: PLC0415
     from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
     from noisy_temp_server.online.startup import start_online_learning  # noqa: PLC0415
     from noisy_temp_server.phases import logged_phase  # noqa: PLC0415
@@ -140,9 +143,11 @@ def _serve(
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
 
     started = time.perf_counter()
+    settings = stack_settings(settings)
     pair = resolve_pair(settings)
     model_name = settings.served_model_name or pair.served.name
     start, startup_policy = _starting_point(settings, environment, pair)
+    adapter = plan_served_adapter(settings, pair, start.profile, start.path, model_name)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     collector = stack.enter_context(
@@ -153,7 +158,13 @@ def _serve(
         )
     )
     with logged_phase(_LOGGER, "Starting the vLLM engine"):
-        engine = start_engine(settings, pair.served, model_name, pair.runtime_noise)
+        engine = start_engine(
+            settings,
+            pair.served if adapter is None else adapter.engine_model,
+            model_name,
+            pair.runtime_noise,
+            max_lora_rank=None if adapter is None else adapter.max_lora_rank,
+        )
     stack.callback(engine.shutdown)
     estimator, shadow = start_online_learning(
         settings,
@@ -178,6 +189,7 @@ def _serve(
         metrics_registry=serving_registry(),
         trace_source=collector,
         shadow=shadow,
+        adapter=None if adapter is None else adapter.adapter,
         on_shutdown=stack.close,
     )
     _LOGGER.info(

@@ -5,13 +5,15 @@ Request keys travel in ``SamplingParams.extra_args`` (`request_args` parses them
 one says where it is accepted:
 
 - `CLIENT_KEYS`: a client of ``noisy-temp-server serve`` sends them (top-level fields of the
-  request models in `server.protocol`, or inside ``vllm_xargs``);
+  request models in `server.protocol`, or inside ``vllm_xargs``); among them `API_ONLY_KEYS`,
+  which the API process consumes (`server.adapter`) and never hands to the engine;
 - `SERVER_KEYS`: ``serve`` sets them on every request and refuses them from a client;
 - `ENGINE_ONLY_KEYS`: accepted by the engine's parser (a stock vLLM server with this package),
   refused by ``serve``, where the same thing is a server setting.
 
-`REQUEST_KEYS` is all of them: the parser refuses any other ``nts_*`` key. The table in
-``docs/architecture.md`` ("Flat request keys") lists exactly these (a unit test holds it).
+`REQUEST_KEYS` is all of them but `API_ONLY_KEYS`: the engine's parser refuses any other
+``nts_*`` key. The table in ``docs/architecture.md`` ("Flat request keys") lists `REQUEST_KEYS`
+and `API_ONLY_KEYS` (a unit test holds it).
 
 The environment variables are the engine's configuration (`engine_env.EngineConfig` reads and
 writes them, nothing else does); `ENGINE_ENV_NAMES` is all of them.
@@ -20,6 +22,7 @@ writes them, nothing else does); `ENGINE_ENV_NAMES` is all of them.
 from __future__ import annotations
 
 __all__ = [
+    "API_ONLY_KEYS",
     "BIAS_DIR_ENV",
     "CAPTURE_POSITIONS_ENV",
     "CAPTURE_QUEUE_ROWS_ENV",
@@ -27,6 +30,7 @@ __all__ = [
     "CLIENT_KEYS",
     "ENGINE_ENV_NAMES",
     "ENGINE_ONLY_KEYS",
+    "KEY_ADAPTER",
     "KEY_BIAS",
     "KEY_CAPTURE",
     "KEY_POLICY",
@@ -61,6 +65,7 @@ KEY_POLICY = "nts_policy"
 KEY_TRACE_ID = "nts_trace_id"
 KEY_CAPTURE = "nts_capture"
 KEY_RUNTIME_NOISE_SIGMA = "nts_runtime_noise_sigma"
+KEY_ADAPTER = "nts_adapter"
 
 CLIENT_KEYS: tuple[str, ...] = (
     KEY_TUNE,
@@ -70,10 +75,14 @@ CLIENT_KEYS: tuple[str, ...] = (
     KEY_T_MAX,
     KEY_TRACE,
     KEY_BIAS,
+    KEY_ADAPTER,
 )
+API_ONLY_KEYS: tuple[str, ...] = (KEY_ADAPTER,)
 SERVER_KEYS: tuple[str, ...] = (KEY_POLICY, KEY_TRACE_ID, KEY_CAPTURE)
 ENGINE_ONLY_KEYS: tuple[str, ...] = (KEY_RUNTIME_NOISE_SIGMA,)
-REQUEST_KEYS: frozenset[str] = frozenset(CLIENT_KEYS + SERVER_KEYS + ENGINE_ONLY_KEYS)
+REQUEST_KEYS: frozenset[str] = frozenset(CLIENT_KEYS + SERVER_KEYS + ENGINE_ONLY_KEYS) - frozenset(
+    API_ONLY_KEYS
+)
 
 TRACE_ENDPOINT_ENV = "NTS_TRACE_ENDPOINT"
 BIAS_DIR_ENV = "NTS_BIAS_DIR"

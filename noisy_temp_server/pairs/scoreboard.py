@@ -63,6 +63,7 @@ __all__ = [
     "ScoreAccumulator",
     "ScoreboardResult",
     "TooFewPositionsError",
+    "paired_kld_gain",
 ]
 
 SCOREBOARD_PERCENTILES: tuple[float, ...] = (99.9, 99.0, 90.0, 50.0, 10.0, 5.0, 1.0)
@@ -233,6 +234,24 @@ class ScoreAccumulator:
             ln_ppl_ratio_stderr=log_ratio_stderr,
             ppl_ratio=math.exp(log_ratio),
         )
+
+
+def paired_kld_gain(reference: ScoreAccumulator, other: ScoreAccumulator) -> tuple[float, float]:
+    """Mean KLD(reference) - KLD(other) over the same positions, with its cluster-robust
+    standard error (the paired difference: per-sequence sums subtract). ValueError unless both
+    accumulated the same sequences with the same numbers of finite positions."""
+    ids, sums = reference._cluster_ids, reference._cluster_sums
+    if not torch.equal(ids, other._cluster_ids) or not torch.equal(
+        sums[:, _COUNT], other._cluster_sums[:, _COUNT]
+    ):
+        raise ValueError("a paired gain needs the same positions in both accumulators")
+    counts = sums[:, _COUNT]
+    total = float(counts.sum())
+    if total == 0:
+        raise ValueError("a paired gain needs positions")
+    difference = sums[:, _KLD] - other._cluster_sums[:, _KLD]
+    mean = float(difference.sum()) / total
+    return mean, cluster_stderr_of_sums(difference, counts, mean)
 
 
 def _check_named(

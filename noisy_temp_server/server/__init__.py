@@ -9,11 +9,12 @@ Modules (imported on demand, nothing happens on import of this package):
 - endpoint families, one router each: `completions` (`POST /v1/completions`), `chat`
   (`POST /v1/chat/completions`), `models` (`GET /v1/models`), `status` (`GET /v1/nts/status`),
   `health` (`GET /health`, `GET /metrics`);
-- `generation`: what the two generation endpoints share: admission, the `n` choices on the
-  engine, run to end or stream, client disconnects;
+- `serving`: what the two generation endpoints share: admission, the `n` choices on the
+  engine, run to end, client disconnects; `streaming`: their server-sent events;
 - `nts_summary`: the response's `nts` object from a choice's per-step T*;
 - `auth`: the API key dependency of the `/v1/*` routes;
-- `protocol`: request/response models; each request converts itself to `SamplingParams`;
+- `protocol`: request models, each converting itself to `SamplingParams`; `response_bodies`:
+  the response models;
 - `errors`: OpenAI error bodies and the exception handlers;
 - `engine`: environment, engine arguments and `AsyncLLM` start (call
   `prepare_environment` before vLLM or prometheus_client are imported);

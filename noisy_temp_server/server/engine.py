@@ -51,6 +51,7 @@ from noisy_temp_server.settings import Settings, engine_settings
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensInput
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -83,9 +84,15 @@ class GenerationEngine(Protocol):
     """What the HTTP layer uses of `AsyncLLM`."""
 
     def generate(
-        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: TokensInput,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say)."""
+        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say), with the
+        LoRA adapter `lora_request` when given (an engine started with LoRA enabled)."""
         ...
 
     async def check_health(self) -> None:
@@ -213,12 +220,15 @@ def build_engine_args(
     model_path: Path,
     model_name: str,
     runtime_noise: RuntimeLogitNoiseSpec | None = None,
+    *,
+    max_lora_rank: int | None = None,
 ) -> Any:
     """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`.
 
     With `runtime_noise`, `RuntimeLogitNoiseProcessor` is registered too; its σ and seed reach
     it through the engine's configuration (`start_engine` hands them over), not through these
-    arguments.
+    arguments. With `max_lora_rank` (a value vLLM accepts), LoRA is enabled for one adapter of up
+    to that rank.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
     from vllm.platforms import current_platform  # noqa: PLC0415
@@ -249,6 +259,9 @@ def build_engine_args(
         disable_log_stats=False,
         enable_log_requests=False,
         gpu_memory_utilization=utilization,
+        enable_lora=max_lora_rank is not None,
+        max_lora_rank=max_lora_rank or AsyncEngineArgs.max_lora_rank,  # type: ignore[arg-type]
+        max_loras=1,
     )
 
 
@@ -262,8 +275,11 @@ def start_engine(
     model_path: Path,
     model_name: str,
     runtime_noise: RuntimeLogitNoiseSpec | None = None,
+    *,
+    max_lora_rank: int | None = None,
 ) -> AsyncLLM:
-    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`).
+    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`), with LoRA enabled
+    up to `max_lora_rank` when given (`build_engine_args`).
 
     With `runtime_noise`, hands its σ and seed to the engine (`EngineConfig.runtime_noise_sigma`,
     `runtime_noise_seed`) before the engine starts.
@@ -290,7 +306,9 @@ def start_engine(
     started = time.perf_counter()
     _LOGGER.info("Starting the vLLM engine on %s ...", model_path)
     engine = AsyncLLM.from_engine_args(
-        build_engine_args(settings, model_path, model_name, runtime_noise),
+        build_engine_args(
+            settings, model_path, model_name, runtime_noise, max_lora_rank=max_lora_rank
+        ),
         usage_context=UsageContext.OPENAI_API_SERVER,
     )
     _LOGGER.info("vLLM engine started in %.1f s", time.perf_counter() - started)

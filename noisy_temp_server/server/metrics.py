@@ -9,7 +9,8 @@ that directory, and `/metrics` serves `serving_registry()`, a registry whose onl
 that is never served, so nothing is reported twice.
 
 Gauges use the `mostrecent` multiprocess mode (the value last set by any process). Labels are
-bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route templates.
+bounded: step-bucket labels, rule names, `one`/`served`, drop reasons, route templates, the one
+adapter a server serves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -81,6 +82,15 @@ class ApiMetrics:
             ["method", "route", "status"],
             registry=registry,
         )
+        self.adapter_info = Gauge(
+            "nts_adapter_info",
+            "The compensation adapter served: 1 with the path in force (folded into the "
+            "weights, lora: vLLM's LoRA, none) and the adapter's sha256 (16 hex digits; empty "
+            "for none).",
+            ["path", "sha256"],
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
         self.http_request_duration = Histogram(
             "nts_http_request_duration_seconds",
             "HTTP request latency (to the end of the response body) by route template.",
@@ -90,6 +100,11 @@ class ApiMetrics:
         )
         for reason in DROP_REASONS:
             self.capture_dropped_rows.labels(reason=reason)
+
+    def publish_adapter(self, path: str, sha256: str | None) -> None:
+        """Set `nts_adapter_info` to the adapter path in force (one series per server: a
+        server's adapter never changes while it runs)."""
+        self.adapter_info.labels(path=path, sha256=(sha256 or "")[:16]).set(1)
 
 
 def _route_template(scope: Scope) -> str:

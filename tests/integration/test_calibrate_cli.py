@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from noisy_temp_server.calibration.adapter_calibration import EORA_RIDGES
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
+from noisy_temp_server.correction.adapter import adapter_folder_name, find_adapter
 from noisy_temp_server.correction.files import bias_file_name, load_head_map_file
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
@@ -191,3 +193,41 @@ def _noisy_pair(clean: Path, out: Path, *, prompts: int, tokens: int) -> list[st
     spec = '{"kind": "weight_noise", "scale": 0.1}'
     pair = ["--clean", str(clean), "--spec", spec, "--out", str(out)]
     return [*pair, "--num-prompts", str(prompts), "--max-new-tokens", str(tokens)]
+
+
+def test_calibrate_fits_an_adapter_first_and_saves_it_beside_the_profile(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
+        "--validation-fraction",
+        "0.5",
+        "--bias-rows",
+        "500",
+        "--adapter-rank",
+        "8",
+    ]
+    assert _run(calibrate_command, argv) == 0
+    out = capsys.readouterr().out
+    assert "Adapter: rank 8 eora, 14 layers" in out
+    profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
+    adapter = profile.adapter
+    assert adapter is not None
+    assert profile.settings.adapter_rank == 8
+    assert adapter.ridge in EORA_RIDGES
+    assert adapter.test.gain > 0
+    folder, loaded = find_adapter([tmp_path], adapter.sha256)
+    assert folder.name == adapter_folder_name(adapter.sha256)
+    assert loaded.rank == 8
+    assert len(loaded.layers) == adapter.layers == 14
+
+
+def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_ones(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = '{"kind": "runtime_logit_noise", "sigma": 0.5}'
+    argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(tmp_path / "p.json")]
+    assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--adapter-rank", "4"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --adapter-rank needs a pair whose served weights differ")
+    assert not (tmp_path / "p.json").exists()

@@ -11,10 +11,20 @@ import torch
 from profile_helpers import sample_bias, sample_profile
 from transformers import AutoConfig
 
-from noisy_temp_server.calibration.profile import BiasSummary, ModelIdentity, Profile
+from noisy_temp_server.calibration.profile import (
+    AdapterSummary,
+    BiasSummary,
+    ModelIdentity,
+    Profile,
+)
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
+from noisy_temp_server.correction.adapter import (
+    adapter_folder_name,
+    adapter_sha256,
+    save_peft_adapter,
+)
 from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
@@ -22,6 +32,9 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter
+from noisy_temp_server.pairs.scorer import ScoringSequence
 from noisy_temp_server.temperature.rules import Rule
 
 SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'
@@ -176,3 +189,59 @@ def _save_for_pair(
     """Save `profile` with `bias`, as calibrated on the checkpoints `pair` (clean, served)."""
     clean, served = (ModelIdentity.of_checkpoint(p) for p in pair)
     profile.model_copy(update={"clean": clean, "served": served, "bias": bias}).save(path)
+
+
+def test_kld_table_header_keeps_its_column_titles_apart(
+    tiny_model_dir: Path, served_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24", "--t", "1.3"]
+    assert _run(kld_command, argv) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "T* (" in line)
+    assert header.split()[:2] == ["T=1", "T*"]
+
+
+def test_kld_shows_each_layer_of_a_stack_with_an_adapter(
+    tiny_model_dir: Path, served_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile naming a recommended adapter (fitted here on the tiny int4 pair): the served
+    model samples and is scored with it, and the table has the served model at T = 1, the
+    adapter alone and adapter + T, each with its share removed and greedy agreement."""
+    clean, _ = load_causal_lm(tiny_model_dir)
+    served, _ = load_causal_lm(served_dir)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [
+        ScoringSequence(torch.randint(3, 500, (48,), generator=generator).tolist(), 8, i)
+        for i in range(8)
+    ]
+    adapter = fit_compensation_adapter(clean, served, sequences, rank=16)
+    save_peft_adapter(tmp_path, adapter)
+    base = sample_profile(Rule.FIXED)
+    summary = AdapterSummary(
+        sha256=adapter_sha256(adapter),
+        rank=16,
+        target_modules=tuple(adapter.target_modules),
+        layers=len(adapter.layers),
+        method="eora",
+        ridge=0.01,
+        recommended=True,
+        validation=base.test_quality.rows[0],
+        test=base.test_quality.rows[0],
+    )
+    identities = {"clean": ModelIdentity.of_checkpoint(tiny_model_dir)}
+    identities["served"] = ModelIdentity.of_checkpoint(served_dir)
+    profile = tmp_path / "p.profile.json"
+    base.model_copy(update={**identities, "adapter": summary}).save(profile)
+    argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24", "--profile"]
+    assert _run(kld_command, [*argv, str(profile), "--greedy-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "The stack (adapter" in printed
+    assert _run(kld_command, [*argv, str(profile), "--json"]) == 0
+    stack = json.loads(capsys.readouterr().out)["stack"]
+    labels = [layer["label"] for layer in stack]
+    assert labels == ["served, T=1", "adapter, T=1", "adapter + T (fixed)"]
+    assert stack[0]["share_removed"] == 0
+    assert stack[1]["share_removed"] > 0.2
+    assert [layer["greedy"]["prompts"] for layer in stack] == [8, 8, 8]
+    (tmp_path / adapter_folder_name(summary.sha256) / "adapter_model.safetensors").unlink()
+    assert _run(kld_command, [*argv, str(profile)]) == 1
+    assert "adapter_model.safetensors" in capsys.readouterr().err

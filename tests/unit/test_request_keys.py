@@ -11,6 +11,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from noisy_temp_server.engine_contract.keys import (
+    API_ONLY_KEYS,
     CLIENT_KEYS,
     ENGINE_ONLY_KEYS,
     KEY_PREFIX,
@@ -35,6 +36,7 @@ _VALID_VALUES: dict[str, Any] = {
     "nts_trace_id": "choice-0",
     "nts_capture": True,
     "nts_runtime_noise_sigma": 0.5,
+    "nts_adapter": True,
 }
 _MODELS: dict[type[BaseModel], dict[str, Any]] = {
     CompletionRequest: {"prompt": "hi"},
@@ -43,10 +45,12 @@ _MODELS: dict[type[BaseModel], dict[str, Any]] = {
 
 
 def test_every_key_has_one_role() -> None:
-    roles = (CLIENT_KEYS, SERVER_KEYS, ENGINE_ONLY_KEYS)
+    engine_client_keys = tuple(key for key in CLIENT_KEYS if key not in API_ONLY_KEYS)
+    roles = (engine_client_keys, SERVER_KEYS, ENGINE_ONLY_KEYS)
     assert sum(len(keys) for keys in roles) == len(REQUEST_KEYS)
     assert set().union(*roles) == REQUEST_KEYS
-    assert all(key.startswith(KEY_PREFIX) for key in REQUEST_KEYS)
+    assert set(API_ONLY_KEYS) <= set(CLIENT_KEYS)
+    assert all(key.startswith(KEY_PREFIX) for key in REQUEST_KEYS | set(API_ONLY_KEYS))
 
 
 @pytest.mark.parametrize("key", sorted(REQUEST_KEYS))
@@ -55,10 +59,16 @@ def test_the_parser_accepts_every_key(key: str) -> None:
 
 
 def test_the_parser_accepts_no_other_key() -> None:
-    assert set(_VALID_VALUES) == REQUEST_KEYS  # a new key needs a value here
+    assert set(_VALID_VALUES) == REQUEST_KEYS | set(API_ONLY_KEYS)  # a new key needs a value
     with pytest.raises(ValueError, match="Unknown noisy-temp-server request key") as refused:
         parse_request_args({"nts_temperature": 1.0})
     assert all(key in str(refused.value) for key in REQUEST_KEYS)
+
+
+@pytest.mark.parametrize("key", API_ONLY_KEYS)
+def test_the_engine_refuses_a_key_of_the_api_process(key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        parse_request_args({key: _VALID_VALUES[key]})
 
 
 @pytest.mark.parametrize("model", list(_MODELS))
@@ -98,7 +108,8 @@ def _table_keys(document: Path, heading: str) -> set[str]:
 
 
 def test_the_architecture_table_lists_exactly_the_keys() -> None:
-    assert _table_keys(_ROOT / "docs" / "architecture.md", "### Flat request keys") == REQUEST_KEYS
+    listed = _table_keys(_ROOT / "docs" / "architecture.md", "### Flat request keys")
+    assert listed == REQUEST_KEYS | set(API_ONLY_KEYS)
 
 
 def test_the_readme_table_lists_exactly_the_client_keys() -> None:

@@ -1,0 +1,208 @@
+"""Calibrating the compensation adapter of a pair, before everything else calibration fits.
+
+`calibrate_adapter` takes completions sampled by the served model (without an adapter) for all
+the calibration prompts, split by prompt as the rest of calibration splits them
+(`split_fit_validation_test`, `split_selection_gate`, same seed). It fits the adapter
+(`pairs.layer_inputs.fit_compensation_adapter`) on the fit prompts' sequences once per ridge
+of `EORA_RIDGES` (one fit for ``svd``), keeps the ridge with the lowest KL(clean || served +
+adapter) at T = 1 on the selection half, and measures the kept adapter against the served
+model without it, both at T = 1, on the gate half (which decides `recommended`: a significant
+gain, `is_significant`) and on the test prompts (the figure to quote). The adapter is applied
+by forward hooks (`applied_adapter`): the served model's weights are never written.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from noisy_temp_server.calibration.profile import AdapterSummary, CalibrationSettings, QualityRow
+from noisy_temp_server.calibration.quality import quality_row
+from noisy_temp_server.calibration.significance import (
+    is_significant,
+    split_fit_validation_test,
+    split_selection_gate,
+)
+from noisy_temp_server.correction.adapter import LoraAdapter, adapter_sha256
+from noisy_temp_server.pairs.layer_inputs import (
+    AdapterMethod,
+    applied_deltas,
+    fit_compensation_adapter,
+)
+from noisy_temp_server.pairs.loading import LoadedPair
+from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+
+__all__ = [
+    "EORA_RIDGES",
+    "AdapterCalibration",
+    "adapter_quality_row",
+    "applied_adapter",
+    "calibrate_adapter",
+]
+
+EORA_RIDGES: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
+"""Relative ridges tried for the activation-aware fit (times the mean input eigenvalue)."""
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterCalibration:
+    """The kept adapter, its summary for the profile, and the selection KL of every ridge
+    tried ({ridge: mean KL at T = 1}; {None: ...} for ``svd``)."""
+
+    adapter: LoraAdapter
+    summary: AdapterSummary
+    selection_kl: dict[float | None, float]
+
+
+@contextmanager
+def applied_adapter(model: nn.Module, adapter: LoraAdapter | None) -> Iterator[None]:
+    """Within the block, `model` computes as if `adapter` were folded into it (None: no
+    change), by forward hooks (`applied_deltas`); the weights are not written."""
+    with applied_deltas(model, {} if adapter is None else adapter.layers):
+        yield
+
+
+def _log_blocks(label: str) -> Callable[[int, int], None]:
+    started = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        if done == total or done % 10 == 0:
+            logger.info("%s: block %d/%d (%.0f s)", label, done, total, time.monotonic() - started)
+
+    return report
+
+
+def _kl_records(
+    pair: LoadedPair,
+    sequences: Sequence[ScoringSequence],
+    adapter: LoraAdapter | None,
+    device: str | torch.device,
+) -> PositionRecords:
+    scorer = PairScorer(
+        pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
+    )
+    with applied_adapter(pair.served_model, adapter):
+        return scorer.score(sequences)
+
+
+def adapter_quality_row(with_adapter: PositionRecords, without: PositionRecords) -> QualityRow:
+    """KL at T = 1 of the served model with the adapter against without it, on the same
+    positions (records of the same sequences, in order): the row ``adapter``, its gain paired
+    position by position and clustered by sequence. ValueError for records of other positions."""
+    if not torch.equal(with_adapter.sequence_id, without.sequence_id):
+        raise ValueError("the adapter's quality compares the same positions with and without it")
+    finite = torch.isfinite(with_adapter.kl_at_one) & torch.isfinite(without.kl_at_one)
+    kl, base = with_adapter.kl_at_one[finite], without.kl_at_one[finite]
+    kl_one = float(base.double().mean())
+    return quality_row(
+        "adapter",
+        kl=kl,
+        temperatures=torch.ones(len(kl)),
+        sequence_ids=with_adapter.sequence_id[finite],
+        kl_at_one=base,
+        kl_one=kl_one,
+        kl_oracle=kl_one,
+        kl_fixed=None,
+    )
+
+
+def _split(
+    sequences: Sequence[ScoringSequence], settings: CalibrationSettings
+) -> tuple[
+    list[ScoringSequence], list[ScoringSequence], list[ScoringSequence], list[ScoringSequence]
+]:
+    """(fit, selection, gate, test) sequences, as calibration splits their records."""
+    ids = torch.tensor([s.sequence_id for s in sequences])
+    fit, validation, test = split_fit_validation_test(
+        ids, settings.validation_fraction, settings.test_fraction, settings.seed
+    )
+    selection, gate = split_selection_gate(ids[validation], settings.seed)
+    validation_ids = set(ids[validation][selection].tolist()), set(ids[validation][gate].tolist())
+
+    def pick(mask: Tensor) -> list[ScoringSequence]:
+        return [s for s, keep in zip(sequences, mask.tolist(), strict=True) if keep]
+
+    return (
+        pick(fit),
+        [s for s in sequences if s.sequence_id in validation_ids[0]],
+        [s for s in sequences if s.sequence_id in validation_ids[1]],
+        pick(test),
+    )
+
+
+def calibrate_adapter(
+    pair: LoadedPair,
+    sequences: Sequence[ScoringSequence],
+    settings: CalibrationSettings,
+    *,
+    rank: int,
+    method: AdapterMethod = "eora",
+    device: str | torch.device = "cpu",
+) -> AdapterCalibration:
+    """Fit, choose and measure the pair's adapter on `sequences` (sampled by the served model
+    without one; ids are prompt indices), as the module docstring describes. ValueError when
+    the pair's served weights equal the clean ones, or a split is empty."""
+    fit, selection, gate, test = _split(sequences, settings)
+    ridges: tuple[float | None, ...] = EORA_RIDGES if method == "eora" else (None,)
+    baseline = _kl_records(pair, selection, None, device)
+    candidates: dict[float | None, tuple[LoraAdapter, float]] = {}
+    for ridge in ridges:
+        started = time.monotonic()
+        adapter = fit_compensation_adapter(
+            pair.clean_model,
+            pair.served_model,
+            fit,
+            rank=rank,
+            method=method,
+            ridge=ridge or 1.0,
+            base_model=pair.clean.name,
+            progress=_log_blocks(f"adapter fit (ridge {ridge})"),
+        )
+        fit_seconds = time.monotonic() - started
+        records = _kl_records(pair, selection, adapter, device)
+        kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
+        logger.info(
+            "adapter rank %d %s ridge %s: fitted in %.1f s on %d sequences, selection KL %.5f",
+            rank,
+            method,
+            ridge,
+            fit_seconds,
+            len(fit),
+            kl,
+        )
+        candidates[ridge] = adapter, kl
+    ridge = min(candidates, key=lambda r: candidates[r][1])
+    adapter = candidates[ridge][0]
+    logger.info("selection KL without the adapter %.5f", float(baseline.kl_at_one.mean()))
+    validation = adapter_quality_row(
+        _kl_records(pair, gate, adapter, device), _kl_records(pair, gate, None, device)
+    )
+    test_row = adapter_quality_row(
+        _kl_records(pair, test, adapter, device), _kl_records(pair, test, None, device)
+    )
+    summary = AdapterSummary(
+        sha256=adapter_sha256(adapter),
+        rank=rank,
+        target_modules=tuple(adapter.target_modules),
+        layers=len(adapter.layers),
+        method=method,
+        ridge=ridge,
+        recommended=is_significant(validation.gain, validation.gain_stderr)
+        and math.isfinite(validation.gain),
+        validation=validation,
+        test=test_row,
+    )
+    return AdapterCalibration(
+        adapter=adapter,
+        summary=summary,
+        selection_kl={r: kl for r, (_, kl) in candidates.items()},
+    )

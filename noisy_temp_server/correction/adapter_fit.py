@@ -1,0 +1,76 @@
+"""Fitting one layer's low-rank compensation: the error E = W_clean - W_served by a rank-r
+product up @ down (torch only).
+
+Two methods:
+
+- `svd_delta`: the truncated SVD of E, the best rank-r approximation in Frobenius norm (the
+  plain baseline, "LoRC");
+- `eora_delta`: activation-aware (EoRA). With the layer's input second moment C = X^T X / n
+  and its ridged form C_r = C + ridge * mean(eigenvalues of C) I = S S^T for any square root
+  S (EoRA writes S = Q diag(lam_r)^{1/2} from the eigendecomposition; the Cholesky factor L
+  used here gives the same product for about a thirtieth of the work), the error is
+  projected, E' = E S, truncated to rank r by its SVD U_r S_r V_r^T, and mapped back:
+  up = U_r S_r, down = V_r^T S^{-1}. Since ||M S||_F^2 = tr(M C_r M^T), up @ down minimises
+  tr((E - D) C_r (E - D)^T) over rank-r D: the output error on the inputs X, ridged towards
+  the plain Frobenius error (ridge -> infinity gives `svd_delta`).
+
+Both compute in float64 and return float32 deltas.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from noisy_temp_server.correction.adapter import LowRankDelta
+
+__all__ = ["eora_delta", "svd_delta", "weighted_error"]
+
+
+def _check(error: Tensor, rank: int) -> None:
+    if error.ndim != 2:
+        raise ValueError(f"the error must be a matrix [out, in], got {tuple(error.shape)}")
+    if not 1 <= rank <= min(error.shape):
+        raise ValueError(f"rank {rank} must be between 1 and {min(error.shape)} for this layer")
+
+
+def svd_delta(error: Tensor, rank: int) -> LowRankDelta:
+    """The truncated SVD of `error` [out, in] at `rank`: up = U_r S_r, down = V_r^T.
+    ValueError for a non-matrix or a rank outside [1, min(out, in)]."""
+    _check(error, rank)
+    u, s, vh = torch.linalg.svd(error.double(), full_matrices=False)
+    return LowRankDelta(down=vh[:rank].float().contiguous(), up=(u[:, :rank] * s[:rank]).float())
+
+
+def eora_delta(error: Tensor, second_moment: Tensor, rank: int, ridge: float) -> LowRankDelta:
+    """The activation-aware rank-`rank` delta of `error` [out, in] for inputs whose second
+    moment X^T X / n is `second_moment` [in, in] (symmetric, positive semi-definite), ridged
+    by `ridge` (> 0) times its mean eigenvalue (see the module docstring). ValueError for
+    shapes that do not match, a rank outside [1, min(out, in)], a ridge <= 0 or a zero
+    second moment."""
+    _check(error, rank)
+    columns = error.shape[1]
+    if second_moment.shape != (columns, columns):
+        raise ValueError(
+            f"second moment {tuple(second_moment.shape)} does not match the error's "
+            f"{columns} input features"
+        )
+    if not ridge > 0:
+        raise ValueError(f"the ridge must be > 0, got {ridge}")
+    moment = second_moment.double()
+    moment = (moment + moment.T) / 2
+    mean = float(torch.diagonal(moment).mean())  # the mean eigenvalue: trace / in
+    if not mean > 0:
+        raise ValueError("the second moment is zero: the layer saw no input")
+    regularised = moment + ridge * mean * torch.eye(columns, dtype=moment.dtype)
+    lower = torch.linalg.cholesky(regularised)  # C + ridge mean I = L L^T
+    u, s, vh = torch.linalg.svd(error.double() @ lower, full_matrices=False)
+    down = torch.linalg.solve_triangular(lower, vh[:rank], upper=False, left=False)
+    return LowRankDelta(down=down.float().contiguous(), up=(u[:, :rank] * s[:rank]).float())
+
+
+def weighted_error(error: Tensor, delta: LowRankDelta | None, second_moment: Tensor) -> float:
+    """tr(R C R^T) with R = error - delta (or error alone for None): the mean squared output
+    error of the layer on inputs of second moment C."""
+    residual = error.double() - (0.0 if delta is None else delta.dense().double())
+    return float(((residual @ second_moment.double()) * residual).sum())

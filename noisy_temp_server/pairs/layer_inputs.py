@@ -1,0 +1,245 @@
+"""The compensation adapter's fit, one decoder block at a time, on token sequences.
+
+`fit_compensation_adapter` walks the served model's decoder blocks in order. The hidden states
+entering the first block are captured once per sequence (the forward stops there); then, for
+each block, forward hooks on its perturbed linear layers (weights that differ from the clean
+model's) accumulate each layer's input second moment X^T X / n, every layer's error
+W_clean - W_served is fitted at the adapter's rank (`correction.adapter_fit`), and the block is
+run again with its fitted corrections applied by hooks to give the next block's inputs: later
+blocks are fitted on the inputs the compensated model gives them. The served model's weights
+are never written (the caller folds the adapter it keeps, `correction.adapter.fold_adapter`).
+
+Memory, beyond the two models: the hidden states of every sequence at one block boundary (with
+their rotary tables: about 4 (d + head_dim) bytes per token), one block's second moments
+(4 in^2 bytes per distinct linear layer, 4 (4 d^2 + d_ff^2) for a Llama block: 0.8 GB for an
+8B model), and one layer's SVD in float64 (8 out in bytes, 3 times, 1.4 GB for an 8B MLP).
+
+Real quantized checkpoints load through transformers, which decompresses their weights, so the
+served weights here are already dequantized floats and the error is their difference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from noisy_temp_server.correction.adapter import LoraAdapter, LowRankDelta
+from noisy_temp_server.correction.adapter_fit import eora_delta, svd_delta
+from noisy_temp_server.pairs.scorer import ScoringSequence
+
+__all__ = [
+    "AdapterMethod",
+    "applied_deltas",
+    "decoder_blocks",
+    "fit_compensation_adapter",
+    "perturbed_linears",
+]
+
+AdapterMethod = Literal["eora", "svd"]
+logger = logging.getLogger(__name__)
+
+
+class _ForwardStoppedError(Exception):
+    """Raised by a hook to end a forward pass once the block inputs it needs are captured."""
+
+
+@dataclass
+class _BlockInput:
+    """One sequence's hidden states entering a block, with the keyword arguments (rotary
+    tables, mask, positions) the model passes every block."""
+
+    hidden: Tensor
+    kwargs: dict[str, Any]
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The module path and list of a causal LM's decoder blocks (``model.layers`` of a Llama).
+    ValueError for a model without one."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module):
+            return name, module
+    raise ValueError(f"{type(model).__name__} has no list of decoder blocks to fit an adapter on")
+
+
+def perturbed_linears(clean: nn.Module, served: nn.Module) -> list[str]:
+    """Module paths of the served decoder blocks' linear layers whose weight differs from the
+    clean model's (the output head and embeddings are left out). Empty when the served model
+    is the clean one."""
+    if clean is served:
+        return []
+    prefix, _ = decoder_blocks(served)
+    clean_modules = dict(clean.named_modules())
+    names = []
+    for name, module in served.named_modules():
+        if not (name.startswith(prefix + ".") and isinstance(module, nn.Linear)):
+            continue
+        reference = clean_modules.get(name)
+        if not isinstance(reference, nn.Linear) or reference.weight.shape != module.weight.shape:
+            raise ValueError(f"the clean model has no linear layer {name} of the served shape")
+        if not torch.equal(reference.weight, module.weight):
+            names.append(name)
+    return names
+
+
+@torch.no_grad()
+def _first_block_inputs(
+    model: nn.Module, blocks: nn.ModuleList, sequences: Sequence[ScoringSequence]
+) -> list[_BlockInput]:
+    captured: list[_BlockInput] = []
+
+    def capture(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append(
+            _BlockInput(hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        )
+        raise _ForwardStoppedError
+
+    device = next(model.parameters()).device
+    handle = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for sequence in sequences:
+            ids = torch.tensor([sequence.token_ids], dtype=torch.int64, device=device)
+            with suppress(_ForwardStoppedError):
+                model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    return captured
+
+
+@contextmanager
+def _hooked(modules: dict[str, nn.Module], hook: Callable[..., Any]) -> Iterator[None]:
+    handles = [
+        module.register_forward_hook(lambda m, i, o, name=name: hook(name, i[0], o))
+        for name, module in modules.items()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def _second_moments(
+    block: nn.Module, linears: dict[str, nn.Module], inputs: Sequence[_BlockInput]
+) -> dict[str, Tensor]:
+    sums: dict[str, Tensor] = {}
+    counts: dict[str, int] = dict.fromkeys(linears, 0)
+
+    def accumulate(name: str, x: Tensor, _: Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        sums[name] = sums[name] + rows.T @ rows if name in sums else rows.T @ rows
+        counts[name] += rows.shape[0]
+
+    with _hooked(linears, accumulate):
+        for item in inputs:
+            block(item.hidden, **item.kwargs)
+    return {name: sums[name] / counts[name] for name in linears}
+
+
+@contextmanager
+def applied_deltas(model: nn.Module, deltas: Mapping[str, LowRankDelta]) -> Iterator[None]:
+    """Within the block, each linear layer of `model` named in `deltas` (module path -> delta)
+    computes (W + up @ down) x, by a forward hook; the weights are not written. KeyError for a
+    name `model` lacks."""
+    modules = dict(model.named_modules())
+    handles = []
+
+    def hook(delta: LowRankDelta) -> Callable[..., Tensor]:
+        def correct(_: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+            x = inputs[0]
+            return output + (x @ delta.down.to(x).T) @ delta.up.to(x).T
+
+        return correct
+
+    try:
+        for name, delta in deltas.items():
+            handles.append(modules[name].register_forward_hook(hook(delta)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def _next_inputs(
+    model: nn.Module,
+    block: nn.Module,
+    deltas: Mapping[str, LowRankDelta],
+    inputs: Sequence[_BlockInput],
+) -> list[_BlockInput]:
+    outputs = []
+    with applied_deltas(model, deltas):
+        for item in inputs:
+            hidden = block(item.hidden, **item.kwargs)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+            outputs.append(_BlockInput(hidden, item.kwargs))
+    return outputs
+
+
+def _layer_delta(
+    clean: nn.Module,
+    served: nn.Module,
+    moment: Tensor | None,
+    rank: int,
+    ridge: float,
+) -> LowRankDelta:
+    clean_weight, served_weight = clean.weight, served.weight
+    assert isinstance(clean_weight, Tensor)
+    assert isinstance(served_weight, Tensor)
+    error = clean_weight.detach().double() - served_weight.detach().double()
+    if moment is None:
+        return svd_delta(error, rank)
+    return eora_delta(error, moment, rank, ridge)
+
+
+def fit_compensation_adapter(
+    clean_model: nn.Module,
+    served_model: nn.Module,
+    sequences: Sequence[ScoringSequence],
+    *,
+    rank: int,
+    method: AdapterMethod = "eora",
+    ridge: float = 1e-2,
+    base_model: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> LoraAdapter:
+    """The rank-`rank` adapter correcting every perturbed linear layer of `served_model`
+    towards `clean_model` (`perturbed_linears`), fitted block by block on the inputs of
+    `sequences` as the module docstring describes (``svd``: plain SVD, inputs unused).
+    `progress(done, total)` after each block. Leaves both models' weights as they were.
+    ValueError when no layer differs (runtime noise serves the clean weights: nothing for an
+    adapter to correct), for no sequences, or a rank above a layer's smallest side."""
+    names = perturbed_linears(clean_model, served_model)
+    if not names:
+        raise ValueError(
+            "the served weights equal the clean ones (e.g. runtime logit noise): there is no "
+            "weight error for an adapter to correct"
+        )
+    if not sequences:
+        raise ValueError("an adapter is fitted on token sequences; got none")
+    prefix, blocks = decoder_blocks(served_model)
+    clean_modules = dict(clean_model.named_modules())
+    served_modules = dict(served_model.named_modules())
+    inputs = _first_block_inputs(served_model, blocks, sequences) if method == "eora" else []
+    layers: dict[str, LowRankDelta] = {}
+    for index, block in enumerate(blocks):
+        block_prefix = f"{prefix}.{index}."
+        linears = {n: served_modules[n] for n in names if n.startswith(block_prefix)}
+        moments = _second_moments(block, linears, inputs) if method == "eora" and linears else {}
+        deltas = {
+            name: _layer_delta(clean_modules[name], module, moments.get(name), rank, ridge)
+            for name, module in linears.items()
+        }
+        layers.update(deltas)
+        if method == "eora" and index + 1 < len(blocks):
+            inputs = _next_inputs(served_model, block, deltas, inputs)
+        if progress is not None:
+            progress(index + 1, len(blocks))
+    return LoraAdapter(layers=layers, rank=rank, base_model=base_model)

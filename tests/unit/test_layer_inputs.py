@@ -1,0 +1,89 @@
+"""The compensation adapter's block-by-block fit on the tiny model and its int4 copy."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from noisy_temp_server.correction.adapter import fold_adapter
+from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter, perturbed_linears
+from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation
+from noisy_temp_server.pairs.scorer import ScoringSequence
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    clean, _ = load_causal_lm(tiny_model_dir)
+    served = copy.deepcopy(clean)
+    apply_perturbation(served, QuantizationSpec(format="int4", group_size=32))
+    return clean, served
+
+
+def _sequences(count: int, seed: int) -> list[ScoringSequence]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        ScoringSequence(torch.randint(3, 500, (48,), generator=generator).tolist(), 8, i)
+        for i in range(count)
+    ]
+
+
+@torch.no_grad()
+def _mean_kl(
+    clean: torch.nn.Module, served: torch.nn.Module, sequences: list[ScoringSequence]
+) -> float:
+    ids = torch.tensor([s.token_ids for s in sequences])
+    p = torch.log_softmax(clean(input_ids=ids).logits.double(), -1)
+    q = torch.log_softmax(served(input_ids=ids).logits.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def _folded(served: torch.nn.Module, adapter) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    copy_ = copy.deepcopy(served)
+    fold_adapter(copy_.state_dict(), adapter)
+    return copy_
+
+
+def test_the_perturbed_layers_are_the_seven_projections_of_each_block(models) -> None:  # type: ignore[no-untyped-def]
+    clean, served = models
+    names = perturbed_linears(clean, served)
+    assert len(names) == 14
+    assert "model.layers.1.mlp.down_proj" in names
+    assert not any("lm_head" in name or "embed" in name for name in names)
+    assert perturbed_linears(clean, clean) == []
+
+
+def test_the_fit_corrects_held_out_sequences_and_eora_beats_svd(models) -> None:  # type: ignore[no-untyped-def]
+    clean, served = models
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    fit, held_out = _sequences(12, seed=1), _sequences(6, seed=2)
+    eora = fit_compensation_adapter(clean, served, fit, rank=16, method="eora", ridge=1e-2)
+    plain = fit_compensation_adapter(clean, served, fit, rank=16, method="svd")
+    assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
+    assert sorted(eora.layers) == sorted(perturbed_linears(clean, served))
+    assert eora.rank == 16
+    kl_none = _mean_kl(clean, served, held_out)
+    kl_svd = _mean_kl(clean, _folded(served, plain), held_out)
+    kl_eora = _mean_kl(clean, _folded(served, eora), held_out)
+    assert kl_eora < kl_svd < kl_none
+
+
+def test_at_full_rank_the_folded_adapter_restores_the_clean_weights(models) -> None:  # type: ignore[no-untyped-def]
+    clean, served = models
+    adapter = fit_compensation_adapter(clean, served, _sequences(4, seed=3), rank=32, ridge=1e-3)
+    restored = _folded(served, adapter)
+    names = perturbed_linears(clean, served)
+    modules = dict(restored.named_modules())
+    clean_modules = dict(clean.named_modules())
+    for name in names:
+        if min(modules[name].weight.shape) == 32:
+            assert torch.allclose(modules[name].weight, clean_modules[name].weight, atol=1e-4)
+
+
+def test_a_pair_without_weight_error_is_refused(models) -> None:  # type: ignore[no-untyped-def]
+    clean, _ = models
+    with pytest.raises(ValueError, match="no weight error"):
+        fit_compensation_adapter(clean, clean, _sequences(2, seed=4), rank=4)

@@ -89,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     warn_if_open_without_api_key(settings)
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
-    environment = prepare_environment(settings)
+    try:
+        environment = prepare_environment(settings)
+    except ValueError as error:  # an invalid engine variable (NTS_*) in the environment
+        _LOGGER.error("Refusing to serve: %s", error)
+        return 1
     from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:

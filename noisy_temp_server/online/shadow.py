@@ -1,8 +1,8 @@
 """The shadow scorer: online estimation from a sample of live traffic, off the serving path.
 
 The HTTP layer calls `ShadowScorer.admit` for every choice it admits whose served rows the
-engine can capture (`vllm_plugin.capture.capturable`): a fraction of them are sampled, and a
-sampled choice runs with its per-step T* trace and with the capture of its served logits
+engine can capture (`engine_contract.request_args.capturable`): a fraction of them are sampled,
+and a sampled choice runs with its per-step T* trace and with the capture of its served logits
 (``nts_capture``: the engine sends the rows it sampled from, before any temperature, for the
 first `positions` steps) and goes to `ShadowScorer.submit` when it finishes, which puts it on a
 bounded queue without ever blocking (a full queue drops the item and counts it). One daemon
@@ -60,6 +60,7 @@ import torch
 
 from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
+from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.cpu_budget import CpuBudget
 from noisy_temp_server.online.metrics import OnlineMetrics
 from noisy_temp_server.pairs.scoreboard import LiveScoreboard
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
     from noisy_temp_server.online.estimator import OnlineEstimator
 
 __all__ = [
-    "CapturedRowsSource",
     "SequenceScorer",
     "ShadowScorer",
     "request_sequence_id",
@@ -96,16 +96,6 @@ class SequenceScorer(Protocol):
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
-
-
-class CapturedRowsSource(Protocol):
-    """Where the engine's captured rows of a request are (`TraceCollector`)."""
-
-    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> Any: ...
-
-    def drop_rows(self, trace_id: str) -> None: ...
-
-    def capture_drops(self) -> dict[str, int]: ...
 
 
 def request_sequence_id(request_id: str) -> int:
@@ -144,7 +134,7 @@ class ShadowScorer:
     `warmup_cpu_share`: the CPU budget after and before the first policy, as shares of the
     machine (`cores` CPUs; default: those this process may run on); `cost_per_position_s`: the
     CPU seconds per scored position assumed until the first request is scored.
-    `rows`: the captured served rows (`CapturedRowsSource`);
+    `rows`: the captured served rows (`engine_contract.trace_channel.TraceSource`);
     `positions`: the steps the engine captures per request (``capture_positions``);
     `rows_timeout_s`: how long the scoring thread waits for rows still under way;
     `bias_rows`: paired rows per scored request passed to the estimator for the online bias
@@ -162,7 +152,7 @@ class ShadowScorer:
         queue_size: int,
         version_of: Callable[[Any], int],
         on_policy: Callable[[Any], None],
-        rows: CapturedRowsSource,
+        rows: TraceSource,
         positions: int,
         rows_timeout_s: float = 2.0,
         rng: random.Random | None = None,
@@ -259,7 +249,7 @@ class ShadowScorer:
         one cluster for the standard errors and one unit of the online bias's held-out split:
         they are scored as one sequence, `request_sequence_id`);
         `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
-        greedy choices are never sampled, `capture.capturable`), whose target
+        greedy choices are never sampled, `request_args.capturable`), whose target
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
         `correction`: the per-token bias and head map it was served with (None: none), applied
         before T* in its scores as served (loaded from the bias directories,
@@ -341,7 +331,7 @@ class ShadowScorer:
         value means a hung scorer, whose queue then fills and drops);
         the live scoreboard (None before the first scored request), the clean backend's
         own status (e.g. a remote clean server's failures and last error) and the captured
-        served rows dropped, by reason (`CapturedRowsSource.capture_drops`)."""
+        served rows dropped, by reason (`TraceSource.capture_drops`)."""
         with self._lock:
             counts = dict(self._counts)
             seconds = dict(self._seconds)

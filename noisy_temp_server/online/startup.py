@@ -17,10 +17,11 @@ from typing import NamedTuple
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.correction.files import check_bias_vocabulary, check_head_map_vocabulary
+from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.heap import fix_mmap_threshold
 from noisy_temp_server.online.metrics import OnlineMetrics
-from noisy_temp_server.online.shadow import CapturedRowsSource, ShadowScorer
+from noisy_temp_server.online.shadow import ShadowScorer
 from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError
 from noisy_temp_server.pairs.perturbation import parse_spec
 from noisy_temp_server.pairs.scorer import PairScorer
@@ -180,7 +181,7 @@ def start_online_learning(
     pair: ServedPair,
     profile: Profile | None,
     metrics: OnlineMetrics,
-    rows: CapturedRowsSource,
+    rows: TraceSource,
     *,
     online_bias_dir: Path,
 ) -> tuple[OnlineEstimator | None, ShadowScorer | None]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from noisy_temp_server.correction.adapter import adapter_folder_name
+from noisy_temp_server.engine_contract.keys import KEY_ADAPTER
 from noisy_temp_server.server.errors import OpenAIError
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAPTER_PATHS",
-    "KEY_ADAPTER",
     "NO_ADAPTER",
     "AdapterPath",
     "RequestAdapter",
@@ -43,9 +43,6 @@ __all__ = [
     "request_adapter",
 ]
 
-KEY_ADAPTER = "nts_adapter"
-"""The request key that turns the adapter off or names it (read by the HTTP server only; it
-never reaches the engine)."""
 
 AdapterPath = Literal["folded", "lora", "none"]
 ADAPTER_PATHS: tuple[AdapterPath, ...] = ("folded", "lora", "none")

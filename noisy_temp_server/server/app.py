@@ -31,12 +31,13 @@ from noisy_temp_server.server.dashboard import dashboard_router
 from noisy_temp_server.server.errors import install_error_handlers
 from noisy_temp_server.server.metrics import ApiMetrics, HttpMetricsMiddleware
 from noisy_temp_server.server.openapi import install_openapi
-from noisy_temp_server.server.state import ChatTokenizer, ServerState, TraceSource, attach_state
+from noisy_temp_server.server.state import ChatTokenizer, ServerState, attach_state
 from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from noisy_temp_server.engine_contract.trace_channel import TraceSource
     from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.server.adapter import ServedAdapter

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from noisy_temp_server.engine_contract.trace_channel import DROP_REASONS
+from noisy_temp_server.engine_contract.trace_wire import DROP_REASONS
 from noisy_temp_server.online.metrics import OnlineMetrics
 
 __all__ = [

@@ -11,9 +11,10 @@ The server runs the `n` choices of a request as `n` engine requests (choice `i` 
 temperature trace; `to_sampling_params` builds the parameters of one choice.
 
 Per-request temperature control comes as flat keys, either top-level (the `openai` client's
-`extra_body`) or inside `vllm_xargs` (vLLM's convention); `nts_request_args` merges both. Their
-values are validated by the one parser of those keys, `noisy_temp_server.vllm_plugin
-.request_args`, not here.
+`extra_body`) or inside `vllm_xargs` (vLLM's convention); `nts_request_args` merges both. The
+keys are named in `engine_contract.keys` (each request model has one field per `CLIENT_KEYS`);
+their values are validated by the one parser of those keys, `engine_contract.request_args`, not
+here.
 """
 
 from __future__ import annotations
@@ -24,32 +25,20 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.engine_contract.request_args import KEY_RUNTIME_NOISE_SIGMA
+from noisy_temp_server.engine_contract.keys import (
+    CLIENT_KEYS,
+    KEY_PREFIX,
+    KEY_RUNTIME_NOISE_SIGMA,
+    SERVER_KEYS,
+)
 
 __all__ = [
-    "NTS_CLIENT_KEYS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
     "add_extra_args",
 ]
-
-NTS_CLIENT_KEYS = (
-    "nts_tune",
-    "nts_rule",
-    "nts_t",
-    "nts_t_min",
-    "nts_t_max",
-    "nts_trace",
-    "nts_bias",
-    "nts_adapter",
-)
-"""The flat keys a client may set (the server sets `nts_policy`, `nts_trace_id` and
-`nts_capture`). `nts_adapter` is the HTTP server's own (`server.adapter`): it never reaches the
-engine."""
-
-_SERVER_KEYS = ("nts_policy", "nts_trace_id", "nts_capture")
 
 XargValue = str | bool | int | float | list[str | int | float]
 
@@ -90,14 +79,6 @@ class _SamplingFields(_Request):
         logit_bias: dict[str, float] | None
         ignore_eos: bool
         repetition_penalty: float | None
-        nts_tune: bool | None
-        nts_rule: str | None
-        nts_t: float | None
-        nts_t_min: float | None
-        nts_t_max: float | None
-        nts_trace: bool | None
-        nts_bias: bool | None
-        nts_adapter: bool | str | None
         vllm_xargs: dict[str, XargValue] | None
 
     def requested_max_tokens(self) -> int | None:
@@ -123,12 +104,12 @@ class _SamplingFields(_Request):
         sets a key reserved for the server.
         """
         merged: dict[str, Any] = {
-            key: getattr(self, key) for key in NTS_CLIENT_KEYS if getattr(self, key) is not None
+            key: getattr(self, key) for key in CLIENT_KEYS if getattr(self, key) is not None
         }
         for key, value in (self.vllm_xargs or {}).items():
-            if key in _SERVER_KEYS:
+            if key in SERVER_KEYS:
                 raise ValueError(f"vllm_xargs.{key} is set by the server; remove it.")
-            if not key.startswith("nts_"):
+            if not key.startswith(KEY_PREFIX):
                 continue
             if key in merged and merged[key] != value:
                 raise ValueError(
@@ -151,7 +132,7 @@ class _SamplingFields(_Request):
         passthrough = {
             key: value
             for key, value in (self.vllm_xargs or {}).items()
-            if not key.startswith("nts_")
+            if not key.startswith(KEY_PREFIX)
         }
         logprobs = self.requested_logprobs()
         return SamplingParams.from_optional(
@@ -240,6 +221,7 @@ class CompletionRequest(_SamplingFields):
     # --- noisy-temp-server and vLLM extras ---
     ignore_eos: StrictBool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # one field per engine_contract.keys.CLIENT_KEYS (tests/unit/test_request_keys.py holds it)
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None
@@ -352,6 +334,7 @@ class ChatCompletionRequest(_SamplingFields):
     # --- noisy-temp-server and vLLM extras ---
     ignore_eos: StrictBool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # one field per engine_contract.keys.CLIENT_KEYS (tests/unit/test_request_keys.py holds it)
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None

@@ -35,18 +35,25 @@ from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import tokens_input
 from vllm.utils.async_utils import merge_async_iterators
 
+from noisy_temp_server.engine_contract.keys import (
+    KEY_ADAPTER,
+    KEY_RULE,
+    KEY_T,
+    KEY_T_MAX,
+    KEY_T_MIN,
+)
 from noisy_temp_server.engine_contract.request_args import (
     GREEDY_TEMPERATURE,
     LogitCorrection,
     RequestTuning,
     TuningKeys,
+    capturable,
     parse_request_args,
     resolve_correction,
     resolve_request,
 )
 from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.server.adapter import (
-    KEY_ADAPTER,
     NO_ADAPTER,
     RequestAdapter,
     known_model_ids,
@@ -64,7 +71,7 @@ from noisy_temp_server.server.response_bodies import (
     NtsSummary,
     Usage,
 )
-from noisy_temp_server.vllm_plugin.capture import capturable
+from noisy_temp_server.temperature.rules import Rule
 
 if TYPE_CHECKING:
     from vllm.logprobs import PromptLogprobs, SampleLogprobs
@@ -266,17 +273,17 @@ def _pinned_keys(
     estimator publishes meanwhile. Raises ValueError (HTTP 400) naming the bad key."""
     merged = dict(client_args)
     defaults = {
-        "nts_rule": settings.default_rule,
-        "nts_t": settings.default_t,
-        "nts_t_min": settings.default_t_min,
-        "nts_t_max": settings.default_t_max,
+        KEY_RULE: settings.default_rule,
+        KEY_T: settings.default_t,
+        KEY_T_MIN: settings.default_t_min,
+        KEY_T_MAX: settings.default_t_max,
     }
     for key, value in defaults.items():
         if value is not None and key not in merged:
             merged[key] = value
-    forced_rule = merged.get("nts_rule") or policy.rule.value
-    if "nts_t" not in client_args and ("nts_rule" in client_args or forced_rule != "fixed"):
-        merged.pop("nts_t", None)  # the server's fixed T belongs to its default fixed rule
+    forced_rule = merged.get(KEY_RULE) or policy.rule.value
+    if KEY_T not in client_args and (KEY_RULE in client_args or forced_rule != Rule.FIXED.value):
+        merged.pop(KEY_T, None)  # the server's fixed T belongs to its default fixed rule
     return dataclasses.replace(parse_request_args(merged), policy_json=policy.to_json())
 
 

@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from noisy_temp_server.engine_contract.trace_channel import TraceReport
+    from noisy_temp_server.engine_contract.trace_channel import TraceSource
     from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
     from noisy_temp_server.server.adapter import ServedAdapter
@@ -26,7 +26,6 @@ __all__ = [
     "ChatTokenizer",
     "ServerState",
     "ServerStateDep",
-    "TraceSource",
     "attach_state",
     "server_state",
 ]
@@ -46,18 +45,6 @@ class ChatTokenizer(Protocol):
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
     ) -> Any: ...
-
-
-class TraceSource(Protocol):
-    """The API side of the trace channel (`engine_contract.trace_channel.TraceCollector`)."""
-
-    async def wait_for(
-        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
-    ) -> TraceReport: ...
-
-    def forget(self, trace_id: str) -> None: ...
-
-    def drop_rows(self, trace_id: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ before any temperature:
   below what any statistic of the scorer resolves.
 
 Both runners apply penalties, logit bias and the like before, so a row includes them; the
-server samples only requests without them (`vllm_plugin.capture.capturable`). Our
+server samples only requests without them (`engine_contract.request_args.capturable`). Our
 runtime-noise processor always runs before the capture (it hands its noise to the T* processor
 where vLLM's order would put it after, see `runtime_noise`): its noise is exactly the served
 side's difference of the runtime-noise pair.
 
-Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``:
-`vllm_plugin.capture.capture_bounds_from_settings`):
+Cost and bounds (`CaptureBounds`, from the engine's configuration ``NTS_CAPTURE_*``, which the
+server sets from its settings ``capture_*``: `CaptureBounds.from_engine_config`):
 
 - no captured request in the batch: one host-side count is read, nothing else (no device work,
   no sync); rows are chosen by host-known indices (V1: batch rows; V2: ``ctx.idx_mapping_np``);
@@ -35,7 +35,7 @@ Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``:
   ``queue_rows`` rows wait for it, beyond which rows are dropped and counted
   (`reports.Reporter.capture_dropped_rows`): the step loop never blocks.
 
-The drop counts travel with the rows (cumulative, by reason: `trace_channel.DROP_REASONS`), so
+The drop counts travel with the rows (cumulative, by reason: `trace_wire.DROP_REASONS`), so
 the API process shows them on ``/v1/nts/status`` (``shadow.capture_dropped_rows``) and as
 ``nts_capture_dropped_rows_total{reason}`` (`trace_channel.TraceCollector.capture_drops`).
 
@@ -61,6 +61,7 @@ from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, p
 from noisy_temp_server.step.batch_rows import RowColumns
 
 if TYPE_CHECKING:
+    from noisy_temp_server.engine_contract.engine_env import EngineConfig
     from noisy_temp_server.step.reports import Reporter
 
 __all__ = ["CaptureBounds", "CapturedStep", "RowCapture", "trace_id_to_capture"]
@@ -76,6 +77,16 @@ class CaptureBounds:
     rows_per_step: int = 8
     positions: int = 128
     queue_rows: int = 64
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> CaptureBounds:
+        """The bounds of the engine's configuration (``NTS_CAPTURE_*``, which the server sets
+        from its settings of the same names)."""
+        return cls(
+            rows_per_step=config.capture_rows_per_step,
+            positions=config.capture_positions,
+            queue_rows=config.capture_queue_rows,
+        )
 
 
 @dataclass(frozen=True)

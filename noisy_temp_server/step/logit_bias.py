@@ -46,7 +46,6 @@ by zero).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -63,17 +62,15 @@ from noisy_temp_server.correction.files import (
     find_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.engine_env import engine_config
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, KEY_BIAS, KEY_POLICY
 from noisy_temp_server.engine_contract.request_args import (
-    KEY_BIAS,
-    KEY_POLICY,
-    POLICY_FILE_ENV,
     LogitCorrection,
     default_policy_json,
     parse_policy_json,
 )
 
 __all__ = [
-    "BIAS_DIR_ENV",
     "FILE_CORRECTIONS",
     "CorrectionSource",
     "SlotBias",
@@ -85,24 +82,21 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-BIAS_DIR_ENV = "NTS_BIAS_DIR"
 _LOADED_BIASES = 8
 _LOADED_MAPS = 2  # a map is 2 r V floats: 50 MB at rank 128 and a 49k vocabulary
 _Loaded = TypeVar("_Loaded")
 
 
 def bias_directories() -> tuple[Path, ...]:
-    """Where the engine finds bias files, in order: the folders of ``$NTS_BIAS_DIR``
-    (``os.pathsep``-separated), else the folder of ``$NTS_POLICY_FILE`` when that policy names
+    """Where the engine finds bias files, in order: the folders of ``NTS_BIAS_DIR``
+    (`EngineConfig.bias_dirs`), else the folder of ``NTS_POLICY_FILE`` when that policy names
     a bias, else none (no bias possible). Raises ValueError when the policy file is needed and
     invalid."""
-    listed = os.environ.get(BIAS_DIR_ENV, "").split(os.pathsep)
-    directories = tuple(Path(entry.strip()) for entry in listed if entry.strip())
-    if directories:
-        return directories
-    policy_file = os.environ.get(POLICY_FILE_ENV, "").strip()
-    if policy_file and parse_policy_json(default_policy_json()).bias is not None:
-        return (Path(policy_file).parent,)
+    config = engine_config()
+    if config.bias_dirs:
+        return config.bias_dirs
+    if config.policy_file is not None and parse_policy_json(default_policy_json()).bias is not None:
+        return (config.policy_file.parent,)
     return ()
 
 

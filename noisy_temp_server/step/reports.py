@@ -54,7 +54,7 @@ _BUCKET_BOUNDS = np.asarray(STEP_TEMPERATURE_BUCKETS, dtype=np.float32)
 
 
 class StepSender(Protocol):
-    """Where a `Reporter` sends (the engine's: `trace_channel.TraceSender`); each call never
+    """Where a `Reporter` sends (the engine's: `trace_sender.TraceSender`); each call never
     blocks and says whether the message was queued."""
 
     def send_step(self, records: Sequence[tuple[str, int, float]]) -> bool: ...

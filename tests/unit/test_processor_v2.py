@@ -28,8 +28,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     build_custom_logits_processors_params_validator,
 )
 
-from noisy_temp_server.engine_contract.request_args import POLICY_FILE_ENV
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
+from noisy_temp_server.engine_contract.keys import POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import TraceCollector
 from noisy_temp_server.step.engine_metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature, step_temperatures

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, RUNTIME_NOISE_SEED_ENV
 from noisy_temp_server.online import startup
 from noisy_temp_server.online.startup import (
     DEFAULT_PAIR_PROFILE,
@@ -49,7 +51,6 @@ from noisy_temp_server.pairs.perturbed_checkpoint import (
 from noisy_temp_server.pairs.served_pair import ServedPair
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -331,3 +332,15 @@ def test_a_bias_that_does_not_fit_the_served_vocabulary_is_refused_at_startup(
     unknown_map = dataclasses.replace(policies[vocab], head_map="cd" * 32)
     with pytest.raises(ProfileError, match=r"head map cdcd.* not available to this engine"):
         check_served_bias(unknown_map, pair)
+
+
+def test_serve_refuses_an_invalid_engine_variable_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(RUNTIME_NOISE_SEED_ENV, "1.5")
+    monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)  # put back afterwards
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with caplog.at_level(logging.ERROR, logger="noisy_temp_server.serve"):
+        assert serve.run(parser.parse_args([])) == 1
+    assert f"Refusing to serve: {RUNTIME_NOISE_SEED_ENV}='1.5'" in caplog.text

@@ -40,6 +40,7 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.online.shadow import ShadowScorer
 from noisy_temp_server.pairs.clean_backend import RemoteClean
@@ -49,7 +50,6 @@ from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 REQUESTS = 12

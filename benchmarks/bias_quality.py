@@ -55,13 +55,11 @@ from quality import FAMILIES, bias_section, served_pairs
 
 from noisy_temp_server.calibration.bias_fit import (
     BiasCalibration,
-    ScoredSet,
-    bias_quality,
     calibrate_bias,
     fit_bias_for_serving,
     penalties_text,
-    score_with_rows,
 )
+from noisy_temp_server.calibration.bias_quality import ScoredSet, bias_quality, score_with_rows
 from noisy_temp_server.calibration.fitting import FITTED_RULES
 from noisy_temp_server.calibration.pipeline import calibrate_records, sample_completions
 from noisy_temp_server.calibration.profile import CalibrationSettings, QualityTable
@@ -71,8 +69,8 @@ from noisy_temp_server.calibration.significance import (
     split_by_sequence,
     split_fit_validation_test,
 )
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.online.bias import OnlineBias
 from noisy_temp_server.pairs.default_model import ensure_default_model

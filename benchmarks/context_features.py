@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.calibration.fitting import finite_positions
-from noisy_temp_server.calibration.significance import cluster_stderr, is_significant
+from noisy_temp_server.calibration.significance import is_significant
 from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -46,8 +46,9 @@ from transformers import AutoTokenizer
 
 from noisy_temp_server.calibration.fitting import noise_by_step
 from noisy_temp_server.calibration.prompts import encode_prompt, load_prompts
-from noisy_temp_server.commands.serve import pair_scorer, resolve_pair, startup_profile
+from noisy_temp_server.commands.serve import resolve_pair
 from noisy_temp_server.online.estimator import OnlineEstimator
+from noisy_temp_server.online.startup import pair_scorer, startup_profile
 from noisy_temp_server.pairs.loading import load_pair
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.sampling import generate_completions

@@ -60,8 +60,8 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor

@@ -60,18 +60,12 @@ import torch
 from quality_adapter import calibrate_family, head_map_gain, stack_section
 
 from noisy_temp_server.calibration.bias_fit import (
-    BiasQuality,
-    ScoredSet,
-    bias_quality,
     penalties_text,
     rule_temperatures_by_request_temperature,
 )
-from noisy_temp_server.calibration.fitting import (
-    FITTED_RULES,
-    best_curve_temperature,
-    finite_positions,
-    rule_temperatures,
-)
+from noisy_temp_server.calibration.bias_quality import BiasQuality, ScoredSet, bias_quality
+from noisy_temp_server.calibration.curves import best_curve_temperature
+from noisy_temp_server.calibration.fitting import FITTED_RULES, finite_positions, rule_temperatures
 from noisy_temp_server.calibration.pipeline import (
     CalibrationResult,
     calibrate_scored,
@@ -80,7 +74,7 @@ from noisy_temp_server.calibration.pipeline import (
 from noisy_temp_server.calibration.profile import CalibrationSettings, QualityRow, QualityTable
 from noisy_temp_server.calibration.prompts import Prompt, load_prompts
 from noisy_temp_server.calibration.quality import quality_row
-from noisy_temp_server.calibration.significance import cluster_stderr, is_not_worse
+from noisy_temp_server.calibration.significance import is_not_worse
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
@@ -91,6 +85,7 @@ from noisy_temp_server.pairs.perturbation import (
     WeightNoiseSpec,
 )
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.rules import Rule
 

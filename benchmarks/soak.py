@@ -332,8 +332,8 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
 
 
 def _tiny_pair(work: Path) -> list[str]:
-    from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint  # noqa: PLC0415
     from noisy_temp_server.pairs.perturbation import WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
     from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
 
     clean = build_tiny_llama(work / "tiny-llama", seed=0)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from noisy_temp_server.correction.bias import LogitBias, PairedRows
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows
 from noisy_temp_server.correction.streaming_bias import StreamingBias
 
 RESULTS = Path(__file__).resolve().parent / "results"

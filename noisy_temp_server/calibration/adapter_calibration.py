@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -69,6 +69,16 @@ def applied_adapter(model: nn.Module, adapter: LoraAdapter | None) -> Iterator[N
     change), by forward hooks (`applied_deltas`); the weights are not written."""
     with applied_deltas(model, {} if adapter is None else adapter.layers):
         yield
+
+
+def _log_blocks(label: str) -> Callable[[int, int], None]:
+    started = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        if done == total or done % 10 == 0:
+            logger.info("%s: block %d/%d (%.0f s)", label, done, total, time.monotonic() - started)
+
+    return report
 
 
 def _kl_records(
@@ -155,6 +165,7 @@ def calibrate_adapter(
             method=method,
             ridge=ridge or 1.0,
             base_model=pair.clean.name,
+            progress=_log_blocks(f"adapter fit (ridge {ridge})"),
         )
         fit_seconds = time.monotonic() - started
         records = _kl_records(pair, selection, adapter, device)

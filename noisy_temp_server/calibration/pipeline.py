@@ -52,12 +52,8 @@ from noisy_temp_server.calibration.adapter_calibration import (
     applied_adapter,
     calibrate_adapter,
 )
-from noisy_temp_server.calibration.bias_fit import (
-    BiasCalibration,
-    ScoredSet,
-    calibrate_bias,
-    score_with_rows,
-)
+from noisy_temp_server.calibration.bias_fit import BiasCalibration, calibrate_bias
+from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_rows
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.calibration.profile import CalibrationSettings, ModelIdentity, Profile
 from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
@@ -66,7 +62,7 @@ from noisy_temp_server.calibration.significance import (
     split_fit_validation_test,
     split_selection_gate,
 )
-from noisy_temp_server.correction.bias import PairedRows
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturbation import PerturbationSpec, output_head
 from noisy_temp_server.pairs.records import PositionRecords

@@ -22,19 +22,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from noisy_temp_server.calibration.fitting import (
-    FITTED_RULES,
-    finite_positions,
-    request_temperatures_of,
-    rule_temperatures,
-)
+from noisy_temp_server.calibration.curves import request_temperatures_of
+from noisy_temp_server.calibration.fitting import FITTED_RULES, finite_positions, rule_temperatures
 from noisy_temp_server.calibration.profile import QualityRow, QualityTable
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
-    cluster_stderr,
     is_material_gain,
 )
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

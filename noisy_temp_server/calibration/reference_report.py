@@ -26,12 +26,8 @@ from typing import Any
 import matplotlib as mpl
 import torch
 
-from noisy_temp_server.calibration.fitting import (
-    FITTED_RULES,
-    best_curve_temperature,
-    fit_rules,
-    rule_temperatures,
-)
+from noisy_temp_server.calibration.curves import best_curve_temperature
+from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules, rule_temperatures
 from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import encode_prompt, load_prompts
 from noisy_temp_server.files import write_atomically

@@ -1,10 +1,10 @@
 """How much evidence there is: prompt-level splits, cluster-robust standard errors, significance.
 
 Positions of one completion are correlated, so treating them as independent would overstate the
-evidence: standard errors of means over positions are cluster-robust by sequence (prompt), and
-sets are split by sequence, never by position. A mean gain is significant when it exceeds
-`SIGNIFICANCE_STDERRS` (2) standard errors; a mean loss is within noise when it is smaller than
-that many standard errors.
+evidence: standard errors of means over positions are cluster-robust by sequence (prompt,
+`pairs.standard_error.cluster_stderr`), and sets are split by sequence, never by position. A
+mean gain is significant when it exceeds `SIGNIFICANCE_STDERRS` (2) standard errors; a mean loss
+is within noise when it is smaller than that many standard errors.
 
 A gain measured on KL read off the records' KL curves (every rule but T = 1 and the oracle) also
 carries the curves' interpolation error, which near a minimum has a consistent sign: a standard
@@ -14,8 +14,6 @@ adds a practical floor for those gates, `MIN_RELATIVE_GAIN` of the reference KL.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -23,7 +21,6 @@ __all__ = [
     "MIN_RELATIVE_GAIN",
     "SIGNIFICANCE_STDERRS",
     "InsufficientDataError",
-    "cluster_stderr",
     "is_material_gain",
     "is_not_worse",
     "is_significant",
@@ -42,8 +39,8 @@ accepts. Sized to the interpolation error of the curves (cubic Hermite in log T 
 `KL_CURVE_TEMPERATURES`): on synthetic rows (logits of scale 0.5-4.5, noise 0.2-1.5) whose
 every optimum is one known T, the best T read off the pooled curves looks better than that
 optimum by at most 2.2e-5 of its KL, and the signed error of the mean curve is at most 2.2e-3
-of the KL anywhere in T in [0.7, 1.4]. Real gains the gates are for are per cent of the KL (the
-default pair's calibrated rule: 3-17 %); the online bias uses the same floor for the same
+of the KL anywhere in T in [0.7, 1.4]. Real gains the gates are for are per cent of the KL; the
+online bias uses the same floor for the same
 reason (its `min_relative_gain`)."""
 
 
@@ -110,21 +107,6 @@ def split_selection_gate(sequence_ids: Tensor, seed: int) -> tuple[Tensor, Tenso
             "more prompts or a larger validation_fraction"
         )
     return split_by_sequence(sequence_ids, 0.5, seed + 2)
-
-
-def cluster_stderr(values: Tensor, sequence_ids: Tensor) -> float:
-    """Standard error of the mean of `values` [N], cluster-robust over `sequence_ids`."""
-    count = values.shape[0]
-    if count < 2:
-        return math.inf
-    centred = values.double() - values.double().mean()
-    _, cluster = torch.unique(sequence_ids, return_inverse=True)
-    sums = torch.zeros(int(cluster.max()) + 1, dtype=torch.float64).index_add_(0, cluster, centred)
-    clusters = sums.shape[0]
-    if clusters < 2:
-        return math.inf
-    correction = clusters / (clusters - 1)
-    return math.sqrt(correction * float(sums.square().sum())) / count
 
 
 def is_significant(gain: float, stderr: float) -> bool:

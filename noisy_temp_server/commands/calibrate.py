@@ -93,8 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="fit a low-rank head map under the bias (z~ + L R z~ + b, served with it): its rank "
-        "(2 r V multiply-adds per served row; rank 128 removed 13%% of the int4 pair's KL "
-        "where the bias alone removed 9%%); 0: none",
+        "(2 r V multiply-adds per served row; its worth: docs/quality.md); 0: none",
     )
     parser.add_argument(
         "--adapter-rank",

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from safetensors.torch import load_file, save
 from torch import Tensor
 
 from noisy_temp_server.correction.head_map import HeadMap
@@ -88,6 +87,8 @@ def head_map_file_name(sha256: str) -> str:
 def _write(path: Path, tensors: dict[str, Tensor]) -> Path:
     """Write float32 copies of `tensors` to `path` (atomically, `write_atomically`; the folder
     must exist: a late write after its owner removed it fails instead of creating it again)."""
+    from safetensors.torch import save  # noqa: PLC0415 (the per-step core imports this module)
+
     contiguous = {
         name: tensor.detach().to("cpu", torch.float32).contiguous()
         for name, tensor in tensors.items()
@@ -98,6 +99,8 @@ def _write(path: Path, tensors: dict[str, Tensor]) -> Path:
 
 def _read(path: Path, names: Sequence[str]) -> dict[str, Tensor]:
     """The tensors `names` of the file `path`, each float32 and finite; ValueError otherwise."""
+    from safetensors.torch import load_file  # noqa: PLC0415 (as in `_write`)
+
     try:
         stored = load_file(str(path))
         tensors = {name: stored[name] for name in names}

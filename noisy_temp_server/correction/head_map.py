@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
+from noisy_temp_server.correction.paired_rows import (
+    MASKED_FLOOR,
+    LogitBias,
+    PairedRows,
+    evaluate_bias,
+)
 from noisy_temp_server.temperature.stats import KLTerms
 
 __all__ = [

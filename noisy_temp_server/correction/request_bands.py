@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.bias import MASKED_FLOOR, LogitBias, PairedRows
+from noisy_temp_server.correction.paired_rows import MASKED_FLOOR, LogitBias, PairedRows
 from noisy_temp_server.temperature.oracle import inverse_bounds, minimise_convex
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.stats import KLTerms

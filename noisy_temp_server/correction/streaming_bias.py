@@ -9,14 +9,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.bias import (
+from noisy_temp_server.correction.bias import diagonal_curvature
+from noisy_temp_server.correction.files import check_bias_vocabulary
+from noisy_temp_server.correction.paired_rows import (
     CHUNK_ELEMENTS,
     LogitBias,
     PairedRows,
-    diagonal_curvature,
     kl_objective,
 )
-from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.correction.request_bands import BandedBias
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
@@ -48,10 +48,8 @@ class StreamingBias:
     The penalties are the start's, chosen on validation for its `prior_rows`; they weigh as
     those rows do among all the rows seen (`a`), as the start's prior would in a batch fit of
     every row (the mean objective's penalty falls as 1/rows), so the anchor to the start
-    weakens as traffic outnumbers the rows it was fitted on (held at full strength, it kept the
-    fit at the start's penalty however many rows came; on the int4 in-domain stream the weakened
-    anchor lifts the gain after 14 000 rows from 10.6 % to 10.8 % of KL(T = 1), so it was not
-    the main reason the gain levels off below the per-position oracle's 11.8 %). Since the
+    weakens as traffic outnumbers the rows it was fitted on (held at full strength, it would
+    keep the fit at the start's penalty however many rows came). Since the
     1/seen steps average targets whose penalty fell as they came, x lags the optimum at the
     current `a`. A row is counted as one, though rows of similar prompts carry less than rows
     of new ones.

@@ -1,2 +1,8 @@
-"""The contract between the API process and the engine process: the per-request ``nts_*`` keys
-and their parser, the engine's environment, and the channel that carries traces back."""
+"""The contract between the API process and the engine process.
+
+- `keys`: every ``nts_*`` request key and every ``NTS_*`` engine variable, named once;
+- `request_args`: the one parser of the request keys (the server and the engine);
+- `engine_env`: the engine's configuration, written by the server and read by the engine;
+- `trace_wire`: the messages of the trace channel; `trace_sender`: its engine end;
+  `trace_channel`: its API end (`TraceCollector`, and `TraceSource`, what its readers need).
+"""

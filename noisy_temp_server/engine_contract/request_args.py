@@ -12,18 +12,8 @@ Two objects describe a request's tuning, one per stage of its path:
 - `RequestTuning`: what the processor applies to a tuned request, the overrides resolved against
   the pinned policy (`resolve_request`; None for a request that is not tuned).
 
-| key | type | meaning |
-|---|---|---|
-| ``nts_tune`` | bool | tuning on/off for this request (default on) |
-| ``nts_rule`` | str | ``off fixed sqrt linear fisher schedule calibrated`` (default: policy's) |
-| ``nts_t`` | float | the constant T of the ``fixed`` rule (finite, > 0) |
-| ``nts_t_min``, ``nts_t_max`` | float | bounds on T*, ``0 < t_min <= 1 <= t_max`` |
-| ``nts_trace`` | bool | return the per-step T trace |
-| ``nts_bias`` | bool | the policy's per-token logit bias on/off for this request (default on) |
-| ``nts_policy`` | str | the policy snapshot as compact JSON (set by the server) |
-| ``nts_trace_id`` | str | key of the request on the trace channel (set by the server) |
-| ``nts_capture`` | bool | capture the served logits for the shadow scorer (set by the server) |
-| ``nts_runtime_noise_sigma`` | float | runtime logit noise σ (`RuntimeLogitNoiseProcessor`) |
+The keys, and who may set each, are named in `keys` (`keys.REQUEST_KEYS`); what each means is
+the table "Flat request keys" of ``docs/architecture.md``.
 
 Values may arrive as JSON types or as strings (vLLM's ``vllm_xargs`` carries strings, ints and
 floats): booleans accept ``true/false/1/0/yes/no/on/off``, numbers accept numeric strings. Any
@@ -31,30 +21,47 @@ other ``nts_*`` key is rejected (a typo must not silently do nothing); keys with
 belong to others and are ignored.
 
 Without ``nts_policy`` (e.g. a stock vLLM server with this package installed), the policy comes
-from the JSON file named by ``NTS_POLICY_FILE`` (a `TemperaturePolicy` JSON), else the identity
-policy (rule ``off``): nothing is tuned unless a request asks for a rule.
+from the JSON file named by ``NTS_POLICY_FILE`` (`engine_env.EngineConfig.policy_file`, a
+`TemperaturePolicy` JSON), else the identity policy (rule ``off``): nothing is tuned unless a
+request asks for a rule.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from noisy_temp_server.engine_contract.engine_env import engine_config
+from noisy_temp_server.engine_contract.keys import (
+    KEY_BIAS,
+    KEY_CAPTURE,
+    KEY_POLICY,
+    KEY_PREFIX,
+    KEY_RULE,
+    KEY_RUNTIME_NOISE_SIGMA,
+    KEY_T,
+    KEY_T_MAX,
+    KEY_T_MIN,
+    KEY_TRACE,
+    KEY_TRACE_ID,
+    KEY_TUNE,
+    POLICY_FILE_ENV,
+    REQUEST_KEYS,
+)
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
 __all__ = [
     "GREEDY_TEMPERATURE",
-    "POLICY_FILE_ENV",
-    "REQUEST_KEYS",
     "LogitCorrection",
     "RequestTuning",
+    "SamplingSettings",
     "TuningKeys",
+    "capturable",
     "default_policy_json",
     "parse_policy_json",
     "parse_request_args",
@@ -63,36 +70,6 @@ __all__ = [
     "resolve_request",
 ]
 
-POLICY_FILE_ENV = "NTS_POLICY_FILE"
-
-KEY_TUNE = "nts_tune"
-KEY_RULE = "nts_rule"
-KEY_T = "nts_t"
-KEY_T_MIN = "nts_t_min"
-KEY_T_MAX = "nts_t_max"
-KEY_TRACE = "nts_trace"
-KEY_BIAS = "nts_bias"
-KEY_POLICY = "nts_policy"
-KEY_TRACE_ID = "nts_trace_id"
-KEY_CAPTURE = "nts_capture"
-KEY_RUNTIME_NOISE_SIGMA = "nts_runtime_noise_sigma"
-
-REQUEST_KEYS: frozenset[str] = frozenset(
-    {
-        KEY_TUNE,
-        KEY_RULE,
-        KEY_T,
-        KEY_T_MIN,
-        KEY_T_MAX,
-        KEY_TRACE,
-        KEY_BIAS,
-        KEY_POLICY,
-        KEY_TRACE_ID,
-        KEY_CAPTURE,
-        KEY_RUNTIME_NOISE_SIGMA,
-    }
-)
-_KEY_PREFIX = "nts_"
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _RULE_NAMES = " ".join(rule.value for rule in Rule)
@@ -202,7 +179,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
     """
     if not extra_args:
         return TuningKeys()
-    unknown = sorted(k for k in extra_args if k.startswith(_KEY_PREFIX) and k not in REQUEST_KEYS)
+    unknown = sorted(k for k in extra_args if k.startswith(KEY_PREFIX) and k not in REQUEST_KEYS)
     if unknown:
         raise ValueError(
             f"Unknown noisy-temp-server request key(s) {', '.join(unknown)}; "
@@ -370,7 +347,55 @@ def resolve_correction(keys: TuningKeys) -> LogitCorrection | None:
 
 
 def default_policy_json() -> str:
-    """The compact JSON of the engine's default policy: ``$NTS_POLICY_FILE`` (read once per
-    path) or the identity policy. Raises ValueError when the file is unreadable or invalid."""
-    path = os.environ.get(POLICY_FILE_ENV, "").strip()
-    return _policy_file_json(path) if path else _identity_policy_json()
+    """The compact JSON of the engine's default policy: the file of ``NTS_POLICY_FILE``
+    (`EngineConfig.policy_file`, read once per path) or the identity policy. Raises ValueError
+    when the file is unreadable or invalid."""
+    path = engine_config().policy_file
+    return _policy_file_json(str(path)) if path is not None else _identity_policy_json()
+
+
+class SamplingSettings(Protocol):
+    """What `capturable` reads of a request's sampling parameters (vLLM's `SamplingParams`;
+    typed here so that the contract imports no vLLM)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def presence_penalty(self) -> float: ...
+
+    @property
+    def frequency_penalty(self) -> float: ...
+
+    @property
+    def repetition_penalty(self) -> float: ...
+
+    @property
+    def logit_bias(self) -> object: ...
+
+    @property
+    def min_tokens(self) -> object: ...
+
+    @property
+    def bad_words(self) -> object: ...
+
+    @property
+    def allowed_token_ids(self) -> object: ...
+
+
+def capturable(params: SamplingSettings) -> bool:
+    """Whether the rows vLLM samples a request from are the served model's own, so that the
+    shadow scorer may sample it (and the server mark it with ``nts_capture``): not greedy (see
+    `vllm_plugin.capture.capture_trace_id`), and no penalties, logit bias, minimum length, bad
+    words or allowed-token list (vLLM applies them before our processor: the rows would measure
+    them, not the model)."""
+    return (
+        params.temperature >= GREEDY_TEMPERATURE
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and not params.min_tokens
+        and not params.bad_words
+        and params.allowed_token_ids is None
+    )

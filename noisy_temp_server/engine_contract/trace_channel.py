@@ -1,166 +1,54 @@
-"""The per-step temperature trace, from vLLM's engine process to the API process.
+"""The API process's end of the trace channel, from vLLM's engine process: `TraceCollector`.
 
-The logits processor runs inside vLLM's engine (or worker) process, the HTTP response is built
-in the API process. Between them runs one ZeroMQ PUSH → PULL channel:
+The logits processor runs in vLLM's engine process, the HTTP response is built in the API
+process. Between them runs one ZeroMQ PUSH → PULL channel: the collector *binds* a PULL socket
+(an ``ipc://`` path in production, any ZeroMQ address in tests), whose address the server hands
+to the engine as ``NTS_TRACE_ENDPOINT`` (`engine_env.EngineConfig`) before it starts it; the
+processor's `trace_sender.TraceSender` *connects* there and sends the messages of `trace_wire`.
 
-- the API process owns a `TraceCollector`, which *binds* a PULL socket on an address (an
-  ``ipc://`` path in production, any ZeroMQ address in tests) and puts that address into the
-  environment as ``NTS_TRACE_ENDPOINT`` *before* it starts the engine;
-- the processor builds a `TraceSender` from the environment (`TraceSender.from_env`), which
-  *connects* a PUSH socket there. Without ``NTS_TRACE_ENDPOINT`` (e.g. inside a stock vLLM
-  server) there is no sender and nothing is reported.
+`TraceSource` is what the API process's readers need of the collector: the HTTP layer waits for
+a choice's T* (`wait_for`, a coroutine: the reader thread resolves asyncio futures, so a waiting
+request ties up no thread); the shadow scorer takes captured rows (`take_rows`), held apart from
+the T* reports because it may come long after the response, and the drop counts summed over
+the senders (`capture_drops`; data-parallel engines each report their own, a restarted engine
+is a new sender).
 
-Wire format: UTF-8 JSON objects of two kinds (``T`` = the T* applied, without the request's
-own temperature):
-
-- ``{"t": [[trace_id, step, T], ...]}``: one engine step's rows of traced requests (``nts_trace``
-  or the server's shadow sample); ``step`` = the generation step, 0 for the first token;
-- ``{"s": [[trace_id, part, sum, count, min, max], ...]}``: cumulative T* summaries of requests
-  (every tuned request with a trace id), one per *part* (an occupancy of an engine slot; a
-  preempted request has several). A later summary of the same part replaces the earlier one.
-
-and one two-part kind, the served-logit rows of shadow-sampled requests (`capture`):
-
-- ``{"c": [[trace_id, step], ...], "d": [[trace_id, step], ...], "v": V, "n": {reason: count},
-  "e": sender}`` then the rows as raw float32 ``[len(c), V]`` (native byte order: both ends run
-  on the same host); ``d`` lists the steps whose rows the engine dropped (bounds, full queue),
-  so nobody waits for them; ``n`` is the sending engine's cumulative count of dropped rows by
-  reason (`DROP_REASONS`) and ``e`` names that sender (`TraceSender.sender_id`): the collector
-  sums the counts over its senders (data-parallel engines each report their own; a restarted
-  engine is a new sender), `TraceCollector.capture_drops`.
-  The collector keeps them per trace id (`TraceCollector.take_rows`), apart from the T*
-  reports: their reader is the shadow scorer, which may come long after the response.
-
-`TraceCollector.wait_for` is a coroutine: the reader thread resolves asyncio futures, so a
-waiting request ties up no thread.
-
-The sender never blocks the engine: it sends with ``NOBLOCK`` and a small high-water mark, and a
-message that cannot be queued (peer absent or slow) is dropped and counted
-(`TraceSender.dropped_messages`). The collector keeps memory bounded: an id is forgotten once
-`TraceCollector.wait_for` has returned it or the server calls `TraceCollector.forget` (a choice
-cancelled, or finished without a wait), and records that arrive for a forgotten id during a
-grace period afterwards (the engine's last reports lag the response) are dropped instead of
-opening a new entry; ids nobody waits for or forgets expire after a TTL. Captured rows are held
-up to ``max_row_bytes`` in all (then the oldest request's rows go first) and for ``rows_ttl_s``;
-once a request's rows are taken (`take_rows`) or let go (`drop_rows`), rows still arriving for
-it during the grace period are dropped too.
+Memory stays bounded: an id is forgotten once `wait_for` has returned it or the server calls
+`forget`, and records arriving for it during a grace period afterwards (the engine's last
+reports lag the response) are dropped; ids nobody waits for expire after a TTL. Captured rows
+are held up to ``max_row_bytes`` in all (the oldest request's go first) and for ``rows_ttl_s``;
+rows arriving after a request's were taken (`take_rows`) or let go (`drop_rows`) are dropped
+during the grace period too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import os
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import zmq
 
+from noisy_temp_server.engine_contract.trace_wire import DROP_REASONS, decode_rows, decode_trace
+
 __all__ = [
-    "DROP_REASONS",
-    "TRACE_ENDPOINT_ENV",
     "CapturedRows",
     "TraceCollector",
     "TraceReport",
-    "TraceSender",
+    "TraceSource",
 ]
 
-TRACE_ENDPOINT_ENV = "NTS_TRACE_ENDPOINT"
-
-DROP_REASONS = ("rows_per_step", "speculative", "queue_full", "buffer_full")
-"""Why a captured row was dropped (`capture`): over ``rows_per_step`` in its step; several rows
-per request (Model Runner V2's speculative decoding); the engine reporter's queue full
-(``queue_rows``); evicted from the API process's buffer (``max_row_bytes``) before the scorer
-took it."""
-
 _LOGGER = logging.getLogger(__name__)
-_SEND_HIGH_WATER_MARK = 1024
 _RECEIVE_POLL_MS = 100
 _EXPIRY_INTERVAL_S = 1.0
 _FORGOTTEN_GRACE_S = 30.0
-
-
-class TraceSender:
-    """Engine side: a non-blocking PUSH socket connected to the collector's address.
-
-    Not thread-safe (one sender per processor, used from the engine's step loop only).
-    """
-
-    def __init__(self, endpoint: str) -> None:
-        """Connect to ``endpoint`` (a ZeroMQ address, e.g. ``ipc:///tmp/nts-trace.sock``).
-
-        Connecting does not wait for the peer; messages sent before it is there are queued up to
-        the high-water mark, then dropped.
-        """
-        self.endpoint = endpoint
-        self.sender_id = uuid.uuid4().hex  # keys its cumulative drop counts on the collector
-        self.dropped_messages = 0
-        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, _SEND_HIGH_WATER_MARK)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(endpoint)
-        self._warned_drop = False
-
-    @classmethod
-    def from_env(cls) -> TraceSender | None:
-        """A sender for ``$NTS_TRACE_ENDPOINT``, or None when it is unset or empty."""
-        endpoint = os.environ.get(TRACE_ENDPOINT_ENV, "").strip()
-        return cls(endpoint) if endpoint else None
-
-    def send_step(self, records: Sequence[tuple[str, int, float]]) -> bool:
-        """Send one step's ``(trace_id, step, T)`` records. Never blocks; False when dropped."""
-        return self._send({"t": [[tid, int(step), float(t)] for tid, step, t in records]})
-
-    def send_summaries(self, records: Sequence[tuple[str, int, float, int, float, float]]) -> bool:
-        """Send ``(trace_id, part, sum, count, min, max)`` cumulative summaries. Never blocks."""
-        return self._send({"s": [list(record) for record in records]})
-
-    def send_rows(
-        self,
-        records: Sequence[tuple[str, int]],
-        rows: np.ndarray,
-        dropped: Sequence[tuple[str, int]] = (),
-        drop_counts: Mapping[str, int] | None = None,
-    ) -> bool:
-        """Send captured ``(trace_id, step)`` rows (``rows`` float32 ``[len(records), V]``), the
-        ``(trace_id, step)`` of dropped ones and this sender's cumulative drop counts by reason.
-        Never blocks; False when dropped."""
-        header: dict[str, object] = {"c": [list(r) for r in records]}
-        header |= {"d": [list(d) for d in dropped], "v": int(rows.shape[-1])}
-        header |= {"n": dict(drop_counts or {}), "e": self.sender_id}
-        body = np.ascontiguousarray(rows, dtype=np.float32)
-        return self._send(header, body)
-
-    def _send(self, message: dict[str, object], body: np.ndarray | None = None) -> bool:
-        """Queue one message; False (counted, the first one logged) when it cannot be queued."""
-        payload = json.dumps(message, separators=(",", ":")).encode()
-        try:
-            if body is None:
-                self._socket.send(payload, flags=zmq.NOBLOCK)
-            else:
-                self._socket.send_multipart([payload, body.data], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self.dropped_messages += 1
-            if not self._warned_drop:
-                self._warned_drop = True
-                _LOGGER.warning(
-                    "Temperature trace channel %s is full or has no reader; dropping trace "
-                    "messages (counted in TraceSender.dropped_messages).",
-                    self.endpoint,
-                )
-            return False
-        return True
-
-    def close(self) -> None:
-        """Close the socket; pending messages are discarded (LINGER 0)."""
-        self._socket.close(linger=0)
 
 
 @dataclass(frozen=True)
@@ -187,11 +75,43 @@ class CapturedRows:
     rows: np.ndarray
 
 
+class TraceSource(Protocol):
+    """What the API process reads from the engine through the channel (`TraceCollector`; a
+    test's fake): the HTTP layer waits for a choice's T* report (`wait_for`) or lets it go
+    (`forget`, `drop_rows`); the shadow scorer takes a sampled choice's captured rows
+    (`take_rows`, `drop_rows`) and shows the drop counts (`capture_drops`). See
+    `TraceCollector` for each method's contract."""
+
+    async def wait_for(
+        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
+    ) -> TraceReport: ...
+
+    def forget(self, trace_id: str) -> None: ...
+
+    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> CapturedRows | None: ...
+
+    def drop_rows(self, trace_id: str) -> None: ...
+
+    def capture_drops(self) -> dict[str, int]: ...
+
+
 @dataclass
 class _HeldRows:
     rows: dict[int, np.ndarray | None] = field(default_factory=dict)  # None: dropped
     nbytes: int = 0
     last_update: float = field(default_factory=time.monotonic)
+
+    def put(self, step: int, row: np.ndarray | None, now: float) -> int:
+        """Hold ``row`` for ``step`` (None: announced dropped, unless a row arrived: V1
+        re-captures a chunked prefill's step); the change in bytes held."""
+        previous = self.rows.get(step)
+        if row is None and previous is not None:
+            return 0
+        change = (0 if row is None else row.nbytes) - (0 if previous is None else previous.nbytes)
+        self.rows[step] = row
+        self.nbytes += change
+        self.last_update = now
+        return change
 
     def accounted(self, n_steps: int) -> bool:
         return all(step in self.rows for step in range(n_steps))
@@ -479,15 +399,11 @@ class TraceCollector:
 
     def _ingest(self, message: bytes) -> None:
         try:
-            data = json.loads(message)
-            steps = [(str(tid), int(step), float(t)) for tid, step, t in data.get("t", ())]
-            parts = [
-                (str(tid), int(part), float(total), int(count), float(low), float(high))
-                for tid, part, total, count, low, high in data.get("s", ())
-            ]
-        except (ValueError, TypeError, AttributeError):
+            decoded = decode_trace(message)
+        except ValueError:
             self.malformed_messages += 1
             return
+        steps, parts = decoded.steps, decoded.summaries
         now = time.monotonic()
         woken: list[_Waiter] = []
         with self._lock:
@@ -513,39 +429,24 @@ class TraceCollector:
 
     def _ingest_rows(self, parts: list[bytes]) -> None:
         try:
-            header = json.loads(parts[0])
-            captured = [(str(tid), int(step)) for tid, step in header["c"]]
-            dropped = [(str(tid), int(step)) for tid, step in header["d"]]
-            counts = {str(reason): int(n) for reason, n in header.get("n", {}).items()}
-            sender = str(header.get("e", ""))
-            width = int(header["v"]) if captured else 0
-            rows = np.frombuffer(parts[1], dtype=np.float32).reshape(len(captured), width)
-        except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+            message = decode_rows(parts)
+        except ValueError:
             self.malformed_messages += 1
             return
         arrived: list[tuple[tuple[str, int], np.ndarray | None]] = [
-            *zip(captured, rows, strict=True),
-            *((record, None) for record in dropped),
+            *zip(message.captured, message.rows, strict=True),
+            *((record, None) for record in message.dropped),
         ]
         now = time.monotonic()
         with self._rows_arrived:
-            grown = self._count_drops(sender, counts)
+            grown = self._count_drops(message.sender, message.drop_counts)
             for (trace_id, step), row in arrived:
                 if trace_id in self._rows_let_go:
                     continue
                 held = self._held.get(trace_id)
                 if held is None:
                     held = self._held[trace_id] = _HeldRows()
-                previous = held.rows.get(step)
-                if row is None and previous is not None:
-                    continue  # a row that arrived stays (V1 re-captures a chunked prefill's step)
-                change = (0 if row is None else row.nbytes) - (
-                    0 if previous is None else previous.nbytes
-                )
-                held.rows[step] = row
-                held.nbytes += change
-                held.last_update = now
-                self._held_bytes += change
+                self._held_bytes += held.put(step, row, now)
             evicted = 0
             while self._held_bytes > self._max_row_bytes:
                 oldest = self._pop_rows(next(iter(self._held)))

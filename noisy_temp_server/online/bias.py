@@ -30,19 +30,19 @@ from torch import Tensor
 
 from noisy_temp_server.calibration.profile import BiasSummary
 from noisy_temp_server.calibration.significance import (
-    cluster_stderr,
     is_not_worse,
     is_significant,
 )
-from noisy_temp_server.correction.bias import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.files import (
     check_bias_vocabulary,
     check_head_map_vocabulary,
     head_map_sha256,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.correction.streaming_bias import StreamingBias
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["OnlineBias"]

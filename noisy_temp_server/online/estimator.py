@@ -65,11 +65,9 @@ import torch
 from noisy_temp_server.calibration.fitting import finite_positions, fit_rules, rule_temperatures
 from noisy_temp_server.calibration.profile import CalibrationSettings, Profile, StepBucketNoise
 from noisy_temp_server.calibration.significance import (
-    cluster_stderr,
     is_not_worse,
     split_by_sequence,
 )
-from noisy_temp_server.correction.bias import LogitBias, PairedRows
 from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
@@ -77,8 +75,10 @@ from noisy_temp_server.correction.files import (
     find_head_map_file,
     save_bias_file,
 )
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows
 from noisy_temp_server.online.bias import OnlineBias
 from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -109,6 +109,22 @@ def _not_worse_than_one(policy: TemperaturePolicy, held_out: PositionRecords) ->
     )
     gain = held_out.kl_at_one.double() - served.double()
     return is_not_worse(float(gain.mean()), cluster_stderr(gain, held_out.sequence_id))
+
+
+def _starting_policy(initial: Profile | TemperaturePolicy | None) -> TemperaturePolicy:
+    """The policy the estimator starts from (see the module docstring): a profile's (the bias
+    with its T kept as calibrated; `calibrated` in place of `off`, with a one-band table), a
+    given policy, or the calibrated rule at T = 1."""
+    if isinstance(initial, TemperaturePolicy):
+        return initial
+    if initial is None:
+        return TemperaturePolicy(rule=Rule.CALIBRATED)
+    if initial.to_policy().bias is None and initial.recommended_rule is Rule.OFF:
+        policy = initial.to_policy(Rule.CALIBRATED)
+        if len(policy.calibrated.request_temperature_edges) > 1:  # not refittable online
+            policy = dataclasses.replace(policy, calibrated=CalibratedTable())
+        return policy
+    return initial.to_policy()
 
 
 class OnlineEstimator:
@@ -163,21 +179,9 @@ class OnlineEstimator:
             )
         if kept_bias_files < 1:
             raise ValueError("need kept_bias_files >= 1 (the served bias's file)")
-        if isinstance(initial, Profile) and initial.to_policy().bias is not None:
-            policy = initial.to_policy()  # the bias with its T, kept as calibrated
-            settings = settings or initial.settings
-        elif isinstance(initial, Profile) and initial.recommended_rule is Rule.OFF:
-            policy = initial.to_policy(Rule.CALIBRATED)
-            if len(policy.calibrated.request_temperature_edges) > 1:  # not refittable online
-                policy = dataclasses.replace(policy, calibrated=CalibratedTable())
-            settings = settings or initial.settings
-        elif isinstance(initial, Profile):
-            policy = initial.to_policy()
-            settings = settings or initial.settings
-        elif isinstance(initial, TemperaturePolicy):
-            policy = initial
-        else:
-            policy = TemperaturePolicy(rule=Rule.CALIBRATED)
+        policy = _starting_policy(initial)
+        if settings is None and isinstance(initial, Profile):
+            settings = initial.settings
         self._settings = settings or CalibrationSettings(
             t_min=policy.bounds.t_min, t_max=policy.bounds.t_max
         )
@@ -215,20 +219,31 @@ class OnlineEstimator:
         self._bias_write_failures = 0
         self._bias: OnlineBias | None = None
         profile = initial if isinstance(initial, Profile) else None
-        summary = None if profile is None else profile.bias
-        if online_bias_dir is not None and policy.bias and profile and summary and summary.penalty:
-            vector = find_bias_file(bias_dirs, policy.bias)
-            head_map = policy.head_map
-            self._bias = OnlineBias.refining(
-                LogitBias(bias=vector, temperature=summary.temperature),  # its T at T_r = 1
-                summary,
-                request_temperatures=profile.settings.request_temperatures,
-                head_basis=head_basis,
-                fallback_prior_rows=self._settings.bias_rows,
-                bounds=policy.bounds,
-                head_map=None if head_map is None else find_head_map_file(bias_dirs, head_map),
-            )
-            online_bias_dir.mkdir(exist_ok=True)
+        if online_bias_dir is not None and profile is not None:
+            self._bias = self._refined_bias(profile, bias_dirs, head_basis)
+            if self._bias is not None:
+                online_bias_dir.mkdir(exist_ok=True)
+
+    def _refined_bias(
+        self, profile: Profile, bias_dirs: Sequence[Path], head_basis: torch.Tensor | None
+    ) -> OnlineBias | None:
+        """The online refinement of the profile's bias (None when the policy serves none or the
+        profile records no penalty to refine it with), its file and its head map's found in
+        `bias_dirs` (ValueError when missing)."""
+        policy, summary = self._policy, profile.bias
+        if not policy.bias or summary is None or not summary.penalty:
+            return None
+        vector = find_bias_file(bias_dirs, policy.bias)
+        head_map = policy.head_map
+        return OnlineBias.refining(
+            LogitBias(bias=vector, temperature=summary.temperature),  # its T at T_r = 1
+            summary,
+            request_temperatures=profile.settings.request_temperatures,
+            head_basis=head_basis,
+            fallback_prior_rows=self._settings.bias_rows,
+            bounds=policy.bounds,
+            head_map=None if head_map is None else find_head_map_file(bias_dirs, head_map),
+        )
 
     @property
     def reads_kl_curves(self) -> bool:

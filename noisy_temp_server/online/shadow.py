@@ -1,8 +1,8 @@
 """The shadow scorer: online estimation from a sample of live traffic, off the serving path.
 
 The HTTP layer calls `ShadowScorer.admit` for every choice it admits whose served rows the
-engine can capture (`vllm_plugin.capture.capturable`): a fraction of them are sampled, and a
-sampled choice runs with its per-step T* trace and with the capture of its served logits
+engine can capture (`engine_contract.request_args.capturable`): a fraction of them are sampled,
+and a sampled choice runs with its per-step T* trace and with the capture of its served logits
 (``nts_capture``: the engine sends the rows it sampled from, before any temperature, for the
 first `positions` steps) and goes to `ShadowScorer.submit` when it finishes, which puts it on a
 bounded queue without ever blocking (a full queue drops the item and counts it). One daemon
@@ -54,23 +54,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
-from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.engine_contract.trace_channel import TraceSource
+from noisy_temp_server.online.cpu_budget import CpuBudget
+from noisy_temp_server.online.metrics import OnlineMetrics
 from noisy_temp_server.pairs.scoreboard import LiveScoreboard
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
-from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.step.logit_bias import load_bias, load_head_map
 
+if TYPE_CHECKING:
+    from noisy_temp_server.online.estimator import OnlineEstimator
+
 __all__ = [
-    "CapturedRowsSource",
-    "CpuBudget",
-    "PolicyEstimator",
     "SequenceScorer",
     "ShadowScorer",
     "request_sequence_id",
@@ -98,29 +98,6 @@ class SequenceScorer(Protocol):
     def clean_status(self) -> dict[str, Any]: ...
 
 
-class CapturedRowsSource(Protocol):
-    """Where the engine's captured rows of a request are (`TraceCollector`)."""
-
-    def take_rows(self, trace_id: str, n_steps: int, timeout: float) -> Any: ...
-
-    def drop_rows(self, trace_id: str) -> None: ...
-
-    def capture_drops(self) -> dict[str, int]: ...
-
-
-class PolicyEstimator(Protocol):
-    """What the shadow loop needs of `online.estimator.OnlineEstimator`."""
-
-    def add(self, records: PositionRecords, rows: PairedRows | None = None) -> Any: ...
-
-    @property
-    def reads_kl_curves(self) -> bool: ...
-
-    def current_policy(self) -> Any: ...
-
-    def status(self) -> dict[str, Any]: ...
-
-
 def request_sequence_id(request_id: str) -> int:
     """The sequence id of every choice of request `request_id`: 56 bits of its blake2b hash
     (non-negative, fits int64; evenly spread, so `id % k` picks about one request in k)."""
@@ -133,66 +110,6 @@ WARMUP_HORIZON_S = 10.0
 several requests at once, so the first policy is not held back by the bucket's burst."""
 STEADY_HORIZON_S = 1.0
 """Then 1 s worth: after a quiet spell the scorer spends at most that in a burst."""
-
-
-class CpuBudget:
-    """A token bucket of CPU seconds: credit grows at ``share`` x ``cores`` CPU-seconds per
-    wall-second, up to ``horizon_s`` seconds' worth; `take` spends (it may leave the credit
-    negative: a debt repaid by time), and is refused while the credit is not positive;
-    `give` returns what was taken and not spent. ``share`` >= 1: no limit. Not thread-safe
-    (the scorer holds its lock)."""
-
-    def __init__(
-        self,
-        share: float,
-        cores: int,
-        *,
-        horizon_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if cores < 1:
-            raise ValueError(f"need cores >= 1, got {cores}")
-        self.cores = cores
-        self._clock = clock
-        self._last = clock()
-        self.share = 1.0
-        self.horizon_s = 1.0
-        self.credit = 0.0
-        self.set_share(share, horizon_s)
-
-    def set_share(self, share: float, horizon_s: float) -> None:
-        """A new share of the machine and horizon, from now on (the credit starts full)."""
-        if not share > 0.0 or not horizon_s > 0.0:
-            raise ValueError(f"need a CPU share and horizon > 0, got {share}, {horizon_s}")
-        self._refill()
-        self.share = share
-        self.horizon_s = horizon_s
-        self.credit = self._capacity
-
-    @property
-    def _capacity(self) -> float:
-        return self.share * self.cores * self.horizon_s
-
-    def _refill(self) -> None:
-        now = self._clock()
-        gained = self.share * self.cores * (now - self._last)
-        self.credit = min(self._capacity, self.credit + gained)
-        self._last = now
-
-    def take(self, seconds: float) -> bool:
-        """Spend `seconds` of CPU if any credit is left; False (nothing spent) otherwise."""
-        if self.share >= 1.0:
-            return True
-        self._refill()
-        if self.credit <= 0.0:
-            return False
-        self.credit -= seconds
-        return True
-
-    def give(self, seconds: float) -> None:
-        """Return `seconds` taken and not spent (negative: spend more than was taken)."""
-        self._refill()
-        self.credit = min(self._capacity, self.credit + seconds)
 
 
 @dataclass(frozen=True)
@@ -217,7 +134,7 @@ class ShadowScorer:
     `warmup_cpu_share`: the CPU budget after and before the first policy, as shares of the
     machine (`cores` CPUs; default: those this process may run on); `cost_per_position_s`: the
     CPU seconds per scored position assumed until the first request is scored.
-    `rows`: the captured served rows (`CapturedRowsSource`);
+    `rows`: the captured served rows (`engine_contract.trace_channel.TraceSource`);
     `positions`: the steps the engine captures per request (``capture_positions``);
     `rows_timeout_s`: how long the scoring thread waits for rows still under way;
     `bias_rows`: paired rows per scored request passed to the estimator for the online bias
@@ -228,14 +145,14 @@ class ShadowScorer:
     def __init__(
         self,
         scorer: SequenceScorer,
-        estimator: PolicyEstimator,
-        metrics: ApiMetrics,
+        estimator: OnlineEstimator,
+        metrics: OnlineMetrics,
         *,
         fraction: float,
         queue_size: int,
         version_of: Callable[[Any], int],
         on_policy: Callable[[Any], None],
-        rows: CapturedRowsSource,
+        rows: TraceSource,
         positions: int,
         rows_timeout_s: float = 2.0,
         rng: random.Random | None = None,
@@ -332,7 +249,7 @@ class ShadowScorer:
         one cluster for the standard errors and one unit of the online bias's held-out split:
         they are scored as one sequence, `request_sequence_id`);
         `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
-        greedy choices are never sampled, `capture.capturable`), whose target
+        greedy choices are never sampled, `request_args.capturable`), whose target
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
         `correction`: the per-token bias and head map it was served with (None: none), applied
         before T* in its scores as served (loaded from the bias directories,
@@ -414,7 +331,7 @@ class ShadowScorer:
         value means a hung scorer, whose queue then fills and drops);
         the live scoreboard (None before the first scored request), the clean backend's
         own status (e.g. a remote clean server's failures and last error) and the captured
-        served rows dropped, by reason (`CapturedRowsSource.capture_drops`)."""
+        served rows dropped, by reason (`TraceSource.capture_drops`)."""
         with self._lock:
             counts = dict(self._counts)
             seconds = dict(self._seconds)
@@ -565,11 +482,6 @@ class ShadowScorer:
             self._counts["scored"] += 1
             self._counts["tokens"] += count
             self._seconds["scoring"] += elapsed
-        metrics = self._metrics
-        metrics.shadow_requests_scored.inc()
-        metrics.shadow_tokens_scored.inc(count)
-        metrics.shadow_score_seconds.observe(elapsed)
-        for temperature, scores in (("one", live.at_one), ("served", live.at_served)):
-            histogram = metrics.shadow_kl.labels(temperature=temperature)
-            for value in scores.kld.tolist():
-                histogram.observe(value)
+        self._metrics.observe_scored(
+            count, elapsed, {"one": live.at_one.kld.tolist(), "served": live.at_served.kld.tolist()}
+        )

@@ -13,8 +13,8 @@ model, logit for logit (bfloat16 would round them and halve the 540 MB; the exac
 more to a project that measures logit differences). The rope base is the GGUF's
 `llama.rope.freq_base` (100000), written as `rope_parameters.rope_theta` in config.json.
 
-Conversion takes ~40 s on two cores; it runs under a file lock, so concurrent callers (tests,
-the server) convert once and the others wait and reuse the result.
+Conversion runs once, under a file lock, so concurrent callers (tests, the server) convert
+once and the others wait and reuse the result.
 """
 
 from __future__ import annotations

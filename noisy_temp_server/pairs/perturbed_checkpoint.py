@@ -1,12 +1,14 @@
 """Materialise a perturbation: the clean checkpoint, perturbed, written as a checkpoint folder.
 
 The one place that turns (clean checkpoint, spec) into a served checkpoint, used by
-`noisy-temp-server perturb` and by `serve` for its default pair. The manifest's metadata
+`noisy-temp-server perturb` and, written once into the cache (`ensure_perturbed_checkpoint`), by
+`serve`. The manifest's metadata
 records the spec and the clean model's identity, which is what a profile is matched against.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from noisy_temp_server.pairs.checkpoint import (
@@ -14,17 +16,20 @@ from noisy_temp_server.pairs.checkpoint import (
     load_causal_lm,
     read_manifest,
     save_checkpoint,
+    verify_checkpoint,
 )
 from noisy_temp_server.pairs.perturbation import (
     ExternalPairSpec,
     PerturbationSpec,
     PerturbationSpecError,
+    QuantizationSpec,
     RuntimeLogitNoiseSpec,
+    WeightNoiseSpec,
     apply_perturbation,
     spec_to_json,
 )
 
-__all__ = ["write_perturbed_checkpoint"]
+__all__ = ["ensure_perturbed_checkpoint", "write_perturbed_checkpoint"]
 
 
 def write_perturbed_checkpoint(
@@ -67,3 +72,29 @@ def write_perturbed_checkpoint(
         },
         replace=replace,
     )
+
+
+def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_dir: Path) -> Path:
+    """The checkpoint of `clean_dir` perturbed by the weight-changing `spec`, in the cache.
+
+    Written once (atomically, with the spec in its metadata) under
+    `cache_dir/served/<clean name>-<spec hash>`; later calls reuse it after the fast integrity
+    check. Raises ValueError for a spec that does not change weights.
+    """
+    if not isinstance(spec, WeightNoiseSpec | QuantizationSpec):
+        raise ValueError(
+            f"only weight noise and quantization specs change weights, not {spec.kind}: "
+            "runtime logit noise serves the clean weights, an external pair names its folders."
+        )
+    digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:12]
+    dest = cache_dir / "served" / f"{clean_dir.name}-{digest}"
+    if dest.exists():
+        verify_checkpoint(dest, full=False)
+        return dest
+    write_perturbed_checkpoint(
+        clean_dir,
+        spec,
+        dest,
+        source=f"noisy-temp-server serve: {clean_dir} perturbed by the spec in metadata",
+    )
+    return dest

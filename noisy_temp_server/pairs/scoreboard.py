@@ -15,8 +15,8 @@ q = softmax(served / T) at a per-position temperature T against p = softmax(clea
 
 Standard errors of means are cluster-robust by sequence (prompt): the positions of one
 completion are correlated, so treating them as independent would understate the uncertainty.
-With G sequences, N positions, per-sequence sums S_g over n_g positions and mean m,
-SE^2 = G / (G - 1) * sum_g (S_g - n_g m)^2 / N^2 (as the calibration quality table does).
+`pairs.standard_error` computes them from per-sequence sums (as the calibration quality table
+does from positions).
 
 Memory is bounded: means and standard errors need only per-sequence sums (a few floats per
 sequence); percentiles are exact while at most `capacity` positions have been seen and
@@ -35,8 +35,8 @@ the temperature.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -49,6 +49,8 @@ from noisy_temp_server.correction.files import (
     head_map_sha256,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.pairs.position_scores import PositionScores, corrected_rows, scores_as_served
+from noisy_temp_server.pairs.standard_error import cluster_stderr_of_sums
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms
@@ -58,15 +60,10 @@ __all__ = [
     "SCOREBOARD_PERCENTILES",
     "LiveScoreboard",
     "PairScoreboard",
-    "PositionScores",
     "ScoreAccumulator",
     "ScoreboardResult",
     "TooFewPositionsError",
-    "corrected_rows",
     "paired_kld_gain",
-    "position_scores",
-    "scores_as_served",
-    "scores_at_temperatures",
 ]
 
 SCOREBOARD_PERCENTILES: tuple[float, ...] = (99.9, 99.0, 90.0, 50.0, 10.0, 5.0, 1.0)
@@ -85,146 +82,6 @@ class TooFewPositionsError(ValueError):
     """Fewer than `MIN_SCOREBOARD_POSITIONS` finite positions to report on."""
 
 
-@dataclass(frozen=True)
-class PositionScores:
-    """Per-position scalars of one chunk, on the CPU: int64 `sequence_id`, `step` [B];
-    float64 `kld`, `delta_p`, `log_ratio` (ln p(x) - ln q(x)) [B]; bool `same_top` [B]."""
-
-    sequence_id: Tensor
-    step: Tensor
-    kld: Tensor
-    same_top: Tensor
-    delta_p: Tensor
-    log_ratio: Tensor
-
-    @classmethod
-    def concat(cls, parts: Sequence[PositionScores]) -> PositionScores:
-        """The rows of all `parts`, in order (zero rows for no parts)."""
-        if not parts:
-            ints, floats = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
-            return cls(ints, ints, floats, torch.zeros(0, dtype=torch.bool), floats, floats)
-        return cls(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)})
-
-    def select(self, rows: Tensor | slice) -> PositionScores:
-        """The rows picked by a bool mask [B], an index tensor or a slice."""
-        return PositionScores(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
-
-    def __len__(self) -> int:
-        return int(self.step.shape[0])
-
-
-def scores_at_temperatures(
-    pair: PairTerms,
-    next_tokens: Tensor,
-    temperatures: Sequence[float | Tensor],
-    *,
-    sequence_id: int | Tensor,
-    step: Tensor,
-) -> list[PositionScores]:
-    """Scores of a `[B, V]` clean/served pair (its `PairTerms`: the clean log-softmax and the KL
-    terms, computed once) at each of `temperatures` (each a float or `[B]`, > 0): one
-    log-sum-exp of the served rows per temperature other than the float 1.0, which the terms
-    already hold.
-
-    next_tokens: int [B], the token that followed each position (the one scored for
-    perplexity); step: int [B]; sequence_id: an int or int [B].
-    """
-    clean, served, terms = pair.clean, pair.served, pair.kl
-    batch = clean.shape[0]
-    if next_tokens.shape != (batch,) or step.shape != (batch,):
-        raise ValueError(f"next_tokens and step must have shape [{batch}]")
-    shifted = terms.served_shifted  # s = served - max(served) <= 0
-    top = clean.argmax(dim=-1, keepdim=True)
-    tokens = next_tokens.to(clean.device, torch.int64)[:, None]
-    same_top = (top[:, 0] == served.argmax(dim=-1)).cpu()
-    log_normaliser_clean = pair.clean_log_normaliser
-    p_top = (clean.gather(1, top)[:, 0] - log_normaliser_clean).exp()
-    log_p_token = clean.gather(1, tokens)[:, 0] - log_normaliser_clean
-    ids = torch.as_tensor(sequence_id, dtype=torch.int64).expand(batch).clone()
-    steps = step.detach().to("cpu", torch.int64)
-
-    def cpu(values: Tensor) -> Tensor:
-        return values.detach().to("cpu", torch.float64)
-
-    results = []
-    for temperature in temperatures:
-        t = torch.as_tensor(temperature, dtype=shifted.dtype, device=shifted.device)
-        u = t.expand(batch).reciprocal()
-        if isinstance(temperature, float) and temperature == 1.0:
-            log_normaliser = pair.served_shifted_log_normaliser()  # known from the terms
-        else:
-            log_normaliser = torch.logsumexp(shifted * u[:, None], dim=-1)  # [B]
-        kld = terms.neg_entropy_clean - u * terms.served_mean_under_clean + log_normaliser
-        log_q_top = u * shifted.gather(1, top)[:, 0] - log_normaliser
-        log_q_token = u * shifted.gather(1, tokens)[:, 0] - log_normaliser
-        results.append(
-            PositionScores(
-                sequence_id=ids,
-                step=steps,
-                kld=cpu(kld.clamp(min=0.0)),
-                same_top=same_top,
-                delta_p=cpu(log_q_top.exp() - p_top),
-                log_ratio=cpu(log_p_token - log_q_token),
-            )
-        )
-    return results
-
-
-def corrected_rows(served: Tensor, bias: Tensor, head_map: HeadMap | None = None) -> Tensor:
-    """`[B, V]` served logits z~ as the engine corrects them before the temperature:
-    H(z~) + b, the head map `head_map` H (None: none; `HeadMap.apply`) and then the per-token
-    bias `bias` b (float [V]). A new tensor; the rows must have no masked (-inf) token, which
-    the map would turn into NaN (captured and teacher-forced rows have none)."""
-    mapped = served if head_map is None else head_map.apply(served)
-    return mapped + bias.to(mapped)
-
-
-def scores_as_served(
-    pair: PairTerms,
-    next_tokens: Tensor,
-    temperature: Tensor,
-    *,
-    biased: PairTerms | None,
-    sequence_id: int | Tensor,
-    step: Tensor,
-) -> tuple[PositionScores, PositionScores]:
-    """Scores at T = 1 and as served: softmax(z~ / T*) from `pair`, or, when the policy serves a
-    per-token bias b (on a head map H), softmax((H(z~) + b) / T*) from `biased` (the `PairTerms`
-    of the clean and the corrected served logits, `corrected_rows`); `temperature`: T* [B]. See
-    `scores_at_temperatures`."""
-    if biased is None:
-        one, served = scores_at_temperatures(
-            pair, next_tokens, [1.0, temperature], sequence_id=sequence_id, step=step
-        )
-        return one, served
-    (one,) = scores_at_temperatures(pair, next_tokens, [1.0], sequence_id=sequence_id, step=step)
-    (served,) = scores_at_temperatures(
-        biased, next_tokens, [temperature], sequence_id=sequence_id, step=step
-    )
-    return one, served
-
-
-def position_scores(
-    clean: Tensor,
-    served: Tensor,
-    next_tokens: Tensor,
-    temperature: float | Tensor,
-    *,
-    sequence_id: int | Tensor,
-    step: Tensor,
-) -> PositionScores:
-    """Scores of `[B, V]` clean and served logits at one `temperature` (a float or `[B]`, > 0);
-    see `scores_at_temperatures`."""
-    (scores,) = scores_at_temperatures(
-        PairTerms.from_logits(clean, served),
-        next_tokens,
-        [temperature],
-        sequence_id=sequence_id,
-        step=step,
-    )
-    return scores
-
-
 def _mix32(x: Tensor) -> Tensor:
     """A 32-bit integer hash of int64 values in [0, 2^32) (products stay below 2^59)."""
     x = x ^ (x >> 16)
@@ -240,16 +97,6 @@ def _sample_keys(sequence_id: Tensor, step: Tensor) -> Tensor:
     high = _mix32(_mix32(seq) ^ st) >> 1
     low = _mix32(_mix32(st ^ 0x9E3779B9) ^ seq) >> 1
     return (high << 31) | low
-
-
-def _cluster_stderr(sums: Tensor, counts: Tensor, mean: float) -> float:
-    """Cluster-robust standard error of a mean from per-cluster sums and counts (docstring)."""
-    clusters = sums.shape[0]
-    total = float(counts.sum())
-    if clusters < 2 or total == 0:
-        return math.inf
-    residual = sums - counts * mean
-    return math.sqrt(clusters / (clusters - 1) * float(residual.square().sum())) / total
 
 
 def _percentiles(values: Tensor) -> dict[str, float]:
@@ -363,7 +210,7 @@ class ScoreAccumulator:
 
         def mean_and_stderr(column: int) -> tuple[float, float]:
             mean = float(sums[:, column].sum()) / total
-            return mean, _cluster_stderr(sums[:, column], counts, mean)
+            return mean, cluster_stderr_of_sums(sums[:, column], counts, mean)
 
         kld_mean, kld_stderr = mean_and_stderr(_KLD)
         dp_mean, dp_stderr = mean_and_stderr(_DP)
@@ -404,7 +251,7 @@ def paired_kld_gain(reference: ScoreAccumulator, other: ScoreAccumulator) -> tup
         raise ValueError("a paired gain needs positions")
     difference = sums[:, _KLD] - other._cluster_sums[:, _KLD]
     mean = float(difference.sum()) / total
-    return mean, _cluster_stderr(difference, counts, mean)
+    return mean, cluster_stderr_of_sums(difference, counts, mean)
 
 
 def _check_named(

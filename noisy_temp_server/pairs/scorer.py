@@ -26,23 +26,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturbation import (
     RuntimeLogitNoiseSpec,
     add_runtime_logit_noise,
     output_head,
 )
+from noisy_temp_server.pairs.position_scores import (
+    PositionScores,
+    corrected_rows,
+    scores_as_served,
+)
 from noisy_temp_server.pairs.records import (
     KL_CURVE_TEMPERATURES,
     PositionRecords,
     terms_at_request_temperature,
-)
-from noisy_temp_server.pairs.scoreboard import (
-    PositionScores,
-    corrected_rows,
-    scores_as_served,
 )
 from noisy_temp_server.temperature.stats import PairTerms
 
@@ -231,7 +231,7 @@ class PairScorer:
         grid), for an estimator that refits no rule that reads them. `bias`: the per-token
         bias b the request was served with (float [V]; None: none), and `head_map`: the head
         map H under it (None: none; only with a bias): its scores as served are then those of
-        softmax((H(z~) + b) / (T_r T*)) (`scoreboard.corrected_rows`); the records and rows
+        softmax((H(z~) + b) / (T_r T*)) (`position_scores.corrected_rows`); the records and rows
         stay those of z~ (the online bias maps its rows itself, `OnlineBias`). ValueError for a
         head map without a bias."""
         if not request_temperature > 0:

@@ -24,21 +24,24 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from noisy_temp_server.server import chat, completions, health, models, status
+from noisy_temp_server.server.adapter import adapter_status
 from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.body_limit import BodyLimitMiddleware
 from noisy_temp_server.server.dashboard import dashboard_router
 from noisy_temp_server.server.errors import install_error_handlers
 from noisy_temp_server.server.metrics import ApiMetrics, HttpMetricsMiddleware
 from noisy_temp_server.server.openapi import install_openapi
-from noisy_temp_server.server.state import ChatTokenizer, ServerState, TraceSource, attach_state
+from noisy_temp_server.server.state import ChatTokenizer, ServerState, attach_state
 from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from noisy_temp_server.engine_contract.trace_channel import TraceSource
+    from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
+    from noisy_temp_server.server.adapter import ServedAdapter
     from noisy_temp_server.server.engine import GenerationEngine
-    from noisy_temp_server.server.policy_source import PolicySource
 
 __all__ = ["create_app"]
 
@@ -55,6 +58,7 @@ def create_app(
     metrics_registry: CollectorRegistry,
     trace_source: TraceSource | None,
     shadow: ShadowScorer | None = None,
+    adapter: ServedAdapter | None = None,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build the app over one `ServerState` of these parts (see `ServerState` for each).
@@ -89,8 +93,11 @@ def create_app(
             metrics_registry=metrics_registry,
             trace_source=trace_source,
             shadow=shadow,
+            adapter=adapter,
         ),
     )
+    served_adapter = adapter_status(adapter)
+    metrics.publish_adapter(served_adapter["path"], served_adapter["sha256"])
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     install_openapi(app)

@@ -16,12 +16,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.errors import OpenAIError
-from noisy_temp_server.server.protocol import (
+from noisy_temp_server.server.protocol import ChatCompletionRequest
+from noisy_temp_server.server.response_bodies import (
     ChatChunkChoice,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionLogprobs,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
@@ -37,10 +37,10 @@ from noisy_temp_server.server.serving import (
     overall_summary,
     prepare_request,
     run_unless_disconnected,
-    stream_choices,
     usage,
 )
 from noisy_temp_server.server.state import ServerState, ServerStateDep
+from noisy_temp_server.server.streaming import stream_choices
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs

@@ -1,22 +1,29 @@
 """`POST /v1/completions`: a text (or token id) prompt, JSON or server-sent events.
 
-The handler tokenizes the prompt and formats the response; admission, the engine run, the
-stream and the `nts` summaries are `server.serving`'s.
+The handler tokenizes the prompt and formats the response; admission, the engine run and the
+`nts` summaries are `server.serving`'s, the stream `server.streaming`'s.
+
+`echo` (non-streamed) puts the prompt before each choice's text, as vLLM's server does; with
+`logprobs` the prompt tokens get theirs too (the first has none: null), and `max_tokens: 0`
+returns the prompt alone. Prompt logprobs are the served model's own: vLLM computes them from
+the model's logits, before any logits processor, so neither T* nor the per-token bias touches
+them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.protocol import (
+from noisy_temp_server.server.protocol import CompletionRequest
+from noisy_temp_server.server.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
 )
@@ -28,13 +35,15 @@ from noisy_temp_server.server.serving import (
     overall_summary,
     prepare_request,
     run_unless_disconnected,
-    stream_choices,
     usage,
 )
 from noisy_temp_server.server.state import ServerStateDep
+from noisy_temp_server.server.streaming import stream_choices
 
 if TYPE_CHECKING:
-    from vllm.logprobs import SampleLogprobs
+    from vllm.logprobs import LogprobsOnePosition
+
+    from noisy_temp_server.server.state import ServerState
 
 __all__ = ["router"]
 
@@ -65,43 +74,92 @@ async def create_completion(
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if request.echo:
+        echo = _Echo(prompt, prepared.prompt_ids, request.echoes_prompt_only, state)
+        finished = [(choice, echo.prepend(choice, piece)) for choice, piece in finished]
+    decode = _decoder(state)
     return CompletionResponse(
         id=prepared.request_id,
         model=state.model_name,
-        choices=[_completion_choice(choice, piece) for choice, piece in finished],
+        choices=[_completion_choice(choice, piece, decode) for choice, piece in finished],
         usage=usage(prepared),
         nts=overall_summary(prepared),
     )
 
 
-def _completion_choice(choice: Choice, piece: Piece) -> CompletionChoice:
-    """One choice of a response (all of it) or of a stream chunk (what one step added)."""
+@dataclass(frozen=True)
+class _Echo:
+    """The prompt a choice echoes: its text (decoded when it came as token ids), its ids, and
+    whether the generated token is left out (`max_tokens: 0`)."""
+
+    prompt: str | list[int]
+    prompt_ids: list[int]
+    prompt_only: bool
+    state: ServerState
+
+    def prepend(self, choice: Choice, piece: Piece) -> Piece:
+        """`piece` (a whole choice) with the prompt before it: text, token ids and, when the
+        choice has prompt logprobs, logprobs."""
+        text = self.prompt if isinstance(self.prompt, str) else _decoder(self.state)(self.prompt)
+        generated = Piece([], "", [], piece.finish_reason, 0) if self.prompt_only else piece
+        logprobs = None
+        if choice.prompt_logprobs is not None and piece.logprobs is not None:
+            logprobs = [*choice.prompt_logprobs, *(generated.logprobs or [])]
+        return Piece(
+            token_ids=[*self.prompt_ids, *generated.token_ids],
+            text=text + generated.text,
+            logprobs=logprobs,
+            finish_reason=piece.finish_reason,
+            text_offset=0,
+        )
+
+
+def _decoder(state: ServerState) -> Callable[[Sequence[int]], str]:
+    """Token ids to text with the served model's tokenizer (special tokens kept, as vLLM's
+    prompt text)."""
+    # A flat list of ids decodes to one string (a list of lists would give one per list).
+    return lambda token_ids: cast(str, state.tokenizer.decode(list(token_ids)))
+
+
+def _completion_choice(
+    choice: Choice, piece: Piece, decode: Callable[[Sequence[int]], str] | None = None
+) -> CompletionChoice:
+    """One choice of a response (all of it) or of a stream chunk (what one step added).
+    `decode` names the tokens whose logprobs carry no text (the first prompt token)."""
     return CompletionChoice(
         text=piece.text,
         index=choice.index,
         logprobs=None
         if piece.logprobs is None
-        else _completion_logprobs(piece.token_ids, piece.logprobs, piece.text_offset),
+        else _completion_logprobs(piece.token_ids, piece.logprobs, piece.text_offset, decode),
         finish_reason=piece.finish_reason,
         nts=choice.summary,
     )
 
 
 def _completion_logprobs(
-    token_ids: Sequence[int], logprobs: SampleLogprobs, text_offset_start: int
+    token_ids: Sequence[int],
+    logprobs: Sequence[LogprobsOnePosition | None],
+    text_offset_start: int,
+    decode: Callable[[Sequence[int]], str] | None,
 ) -> CompletionLogprobs:
-    """The legacy completions logprobs: tokens, their logprobs, the top candidates by token
-    text, and each token's offset in the choice's text."""
+    """The legacy completions logprobs: tokens, their logprobs (null where the engine gives
+    none: the first prompt token), the top candidates by token text (null there too), and each
+    token's offset in the choice's text."""
     result = CompletionLogprobs()
     offset = text_offset_start
     for token_id, position in zip(token_ids, logprobs, strict=False):
         candidates = position or {}
         chosen = candidates.get(token_id)
-        token = (chosen.decoded_token if chosen else None) or ""
+        token = chosen.decoded_token if chosen else None
+        if token is None:
+            token = decode([token_id]) if decode is not None else ""
         result.tokens.append(token)
         result.token_logprobs.append(clean_logprob(chosen.logprob) if chosen else None)
         result.top_logprobs.append(
-            {(c.decoded_token or ""): clean_logprob(c.logprob) for c in candidates.values()}
+            None
+            if position is None
+            else {(c.decoded_token or ""): clean_logprob(c.logprob) for c in candidates.values()}
         )
         result.text_offset.append(offset)
         offset += len(token)

@@ -3,20 +3,22 @@
 Order matters, because vLLM and prometheus_client read their environment when first imported:
 
 1. `prepare_environment` (before anything imports vLLM's engine or prometheus_client) settles
-   the multiprocess metrics directory (below), sets the CPU KV cache size and publishes the
-   trace channel's address as `NTS_TRACE_ENDPOINT` for the engine process;
+   the multiprocess metrics directory (below), sets the CPU KV cache size and hands the engine
+   the trace channel's address and the capture bounds;
 2. `publish_bias_directories` (once the startup policy is known, before the engine starts)
-   sets `NTS_BIAS_DIR` to the folders of the per-token bias files, only when a policy can name
-   a bias (a bias directory makes the V1 processor non-argmax-invariant, see
-   `vllm_plugin.processor_v1`);
+   hands it the folders of the per-token bias files, only when a policy can name a bias (a bias
+   directory makes the V1 processor non-argmax-invariant, see `vllm_plugin.processor_v1`);
 3. `start_engine` builds `AsyncEngineArgs` (logprobs reflect the tuned temperature:
    `logprobs_mode="processed_logprobs"`, unless `tuned_logprobs` is off; the temperature
    processor is loaded once, from its entry point when the package is installed, else by its
    `<module>:<type>` name) and starts
    `AsyncLLM`. For runtime logit noise it also registers `RuntimeLogitNoiseProcessor` by name
-   (it is no entry point) and sets its σ and seed in the environment the engine process
-   inherits (`NTS_RUNTIME_NOISE_SIGMA`, `NTS_RUNTIME_NOISE_SEED`); vLLM runs it before the
+   (it is no entry point) and hands the engine its σ and seed; vLLM runs it before the
    temperature processor because it is not argmax-invariant.
+
+What the engine gets from the server is one `engine_contract.engine_env.EngineConfig`, written
+into the environment the engine process inherits with `EngineConfig.apply`: each step above
+adds what it knows to the configuration in force (`engine_config`) and writes it whole.
 
 Multiprocess metrics directory: a `PROMETHEUS_MULTIPROC_DIR` given by the deployment (the
 Docker image sets one; Kubernetes mounts an in-memory volume there) is used as it is: created if
@@ -31,6 +33,7 @@ the small fake engine of the unit tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -43,12 +46,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.engine_env import EngineConfig, engine_config
 from noisy_temp_server.settings import Settings, engine_settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensInput
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -81,9 +84,15 @@ class GenerationEngine(Protocol):
     """What the HTTP layer uses of `AsyncLLM`."""
 
     def generate(
-        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: TokensInput,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say)."""
+        """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say), with the
+        LoRA adapter `lora_request` when given (an engine started with LoRA enabled)."""
         ...
 
     async def check_health(self) -> None:
@@ -119,22 +128,30 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
     chosen at import): raises RuntimeError otherwise. Creates a fresh runtime directory (the
     trace socket; the metric files unless `PROMETHEUS_MULTIPROC_DIR` is already set, see the
     module docstring, whose stale `*.db` files it then deletes); the caller removes it with
-    `EngineEnvironment.cleanup`.
+    `EngineEnvironment.cleanup`. Raises ValueError naming the variable, and creates nothing,
+    when an engine variable this process inherited is invalid (`EngineConfig.from_environ`).
     """
     if "prometheus_client" in sys.modules:
         raise RuntimeError(
             "prometheus_client was imported before prepare_environment(); metrics of the "
             "engine process would be lost. Call prepare_environment() first thing at startup."
         )
+    inherited = engine_config()
     runtime_dir = Path(tempfile.mkdtemp(prefix="nts-serve-"))
     prometheus_dir = _multiprocess_directory(runtime_dir)
     trace_endpoint = f"ipc://{runtime_dir / 'trace.sock'}"
     os.environ[_PROMETHEUS_DIR_ENV] = str(prometheus_dir)
     cpu_kv_cache_gib = engine_settings(settings, on_cpu=True).kv_cache_gib
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
-    os.environ[TRACE_ENDPOINT_ENV] = trace_endpoint
-    for name in ("capture_rows_per_step", "capture_positions", "capture_queue_rows"):
-        os.environ[f"NTS_{name.upper()}"] = str(getattr(settings, name))  # for the engine
+    _hand_to_engine(
+        dataclasses.replace(
+            inherited,
+            trace_endpoint=trace_endpoint,
+            capture_rows_per_step=settings.capture_rows_per_step,
+            capture_positions=settings.capture_positions,
+            capture_queue_rows=settings.capture_queue_rows,
+        )
+    )
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)
 
 
@@ -145,26 +162,28 @@ def publish_bias_directories(
     *,
     profile_dir: Path | None,
 ) -> tuple[Path, ...]:
-    """The folders the engine looks per-token bias files up in, in order, also set as
-    `NTS_BIAS_DIR` (joined by `os.pathsep`, `step.logit_bias.bias_directories`) for the
-    engine process and this one: `settings.bias_dir` when given; when the startup `policy` names
-    a bias, then `profile_dir`, the folder the startup profile was loaded from (None: no
-    profile; its own bias file lies there, so setting `bias_dir` for other biases cannot hide
-    it), and then `environment.online_bias_dir`, where the online refinement publishes its
-    biases (it starts only from a policy that names one, so without one nothing is ever
-    published). Empty, with
-    `NTS_BIAS_DIR` removed, when no policy can name a bias: the V1 processor then stays
-    argmax-invariant (skipped on greedy-only batches, after penalties)."""
+    """The folders the engine looks per-token bias files up in, in order, also handed to the
+    engine process and this one as `EngineConfig.bias_dirs` (`NTS_BIAS_DIR`,
+    `step.logit_bias.bias_directories`): `settings.bias_dir` when given; when the startup
+    `policy` names a bias, then `profile_dir`, the folder the startup profile was loaded from
+    (None: no profile; its own bias file lies there, so setting `bias_dir` for other biases
+    cannot hide it), and then `environment.online_bias_dir`, where the online refinement
+    publishes its biases (it starts only from a policy that names one, so without one nothing
+    is ever published). Empty, with `NTS_BIAS_DIR` removed, when no policy can name a bias: the
+    V1 processor then stays argmax-invariant (skipped on greedy-only batches, after penalties).
+    Raises ValueError when a folder's path holds `os.pathsep`."""
     folders: list[Path] = [] if settings.bias_dir is None else [settings.bias_dir]
     if policy is not None and policy.bias is not None:
         if profile_dir is not None and profile_dir not in folders:
             folders.append(profile_dir)
         folders.append(environment.online_bias_dir)
-    if folders:
-        os.environ[BIAS_DIR_ENV] = os.pathsep.join(str(folder) for folder in folders)
-    else:
-        os.environ.pop(BIAS_DIR_ENV, None)
+    _hand_to_engine(dataclasses.replace(engine_config(), bias_dirs=tuple(folders)))
     return tuple(folders)
+
+
+def _hand_to_engine(config: EngineConfig) -> None:
+    """Write `config` into this process's environment, which the engine process inherits."""
+    config.apply(os.environ)
 
 
 def _multiprocess_directory(runtime_dir: Path) -> Path:
@@ -201,11 +220,15 @@ def build_engine_args(
     model_path: Path,
     model_name: str,
     runtime_noise: RuntimeLogitNoiseSpec | None = None,
+    *,
+    max_lora_rank: int | None = None,
 ) -> Any:
     """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`.
 
     With `runtime_noise`, `RuntimeLogitNoiseProcessor` is registered too; its σ and seed reach
-    it through the environment (`start_engine` sets them), not through these arguments.
+    it through the engine's configuration (`start_engine` hands them over), not through these
+    arguments. With `max_lora_rank` (a value vLLM accepts), LoRA is enabled for one adapter of up
+    to that rank.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
     from vllm.platforms import current_platform  # noqa: PLC0415
@@ -236,6 +259,9 @@ def build_engine_args(
         disable_log_stats=False,
         enable_log_requests=False,
         gpu_memory_utilization=utilization,
+        enable_lora=max_lora_rank is not None,
+        max_lora_rank=max_lora_rank or AsyncEngineArgs.max_lora_rank,  # type: ignore[arg-type]
+        max_loras=1,
     )
 
 
@@ -249,25 +275,29 @@ def start_engine(
     model_path: Path,
     model_name: str,
     runtime_noise: RuntimeLogitNoiseSpec | None = None,
+    *,
+    max_lora_rank: int | None = None,
 ) -> AsyncLLM:
-    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`).
+    """Start vLLM's `AsyncLLM` on `model_path` (after `prepare_environment`), with LoRA enabled
+    up to `max_lora_rank` when given (`build_engine_args`).
 
-    With `runtime_noise`, sets `NTS_RUNTIME_NOISE_SIGMA` and `NTS_RUNTIME_NOISE_SEED` in this
-    process's environment (inherited by the engine process) before the engine starts.
+    With `runtime_noise`, hands its σ and seed to the engine (`EngineConfig.runtime_noise_sigma`,
+    `runtime_noise_seed`) before the engine starts.
     """
-    if not os.environ.get(TRACE_ENDPOINT_ENV):
+    config = engine_config()
+    if config.trace_endpoint is None:
         raise RuntimeError("call prepare_environment() before start_engine().")
     from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
-    from noisy_temp_server.vllm_plugin.runtime_noise import (  # noqa: PLC0415
-        RUNTIME_NOISE_SEED_ENV,
-        RUNTIME_NOISE_SIGMA_ENV,
-    )
-
     if runtime_noise is not None:
-        os.environ[RUNTIME_NOISE_SIGMA_ENV] = repr(runtime_noise.sigma)
-        os.environ[RUNTIME_NOISE_SEED_ENV] = str(runtime_noise.seed)
+        _hand_to_engine(
+            dataclasses.replace(
+                config,
+                runtime_noise_sigma=runtime_noise.sigma,
+                runtime_noise_seed=runtime_noise.seed,
+            )
+        )
         _LOGGER.info(
             "Runtime logit noise: sigma %g, seed %d (RuntimeLogitNoiseProcessor)",
             runtime_noise.sigma,
@@ -276,7 +306,9 @@ def start_engine(
     started = time.perf_counter()
     _LOGGER.info("Starting the vLLM engine on %s ...", model_path)
     engine = AsyncLLM.from_engine_args(
-        build_engine_args(settings, model_path, model_name, runtime_noise),
+        build_engine_args(
+            settings, model_path, model_name, runtime_noise, max_lora_rank=max_lora_rank
+        ),
         usage_context=UsageContext.OPENAI_API_SERVER,
     )
     _LOGGER.info("vLLM engine started in %.1f s", time.perf_counter() - started)

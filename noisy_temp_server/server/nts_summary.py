@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
 from noisy_temp_server.engine_contract.trace_channel import TraceReport
-from noisy_temp_server.server.protocol import NtsSummary
+from noisy_temp_server.server.response_bodies import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -46,12 +46,14 @@ def choice_summary(
     with_trace: bool,
     report: TraceReport | None = None,
     correction: LogitCorrection | None = None,
+    adapter: str | None = None,
 ) -> NtsSummary:
     """The `nts` object of one choice of `steps` generated tokens under the pinned `policy`,
     whose per-step T* are `trace` (possibly incomplete or empty). The T statistics come from
     the engine's `report` when it has some, else from `trace` (None if nothing arrived); the
     trace itself is included when `with_trace`; `correction`: the per-token bias and head map
-    the choice was served with (None: none), reported by their sha256 (`bias`, `head_map`)."""
+    the choice was served with (None: none), reported by their sha256 (`bias`, `head_map`);
+    `adapter`: the sha256 of the compensation adapter it was served with (None: none)."""
     values = [_float32_digits(t) for t in trace]
     if report is not None and report.t_mean is not None:
         stats = (report.t_mean, report.t_min, report.t_max)
@@ -69,6 +71,7 @@ def choice_summary(
         t_max=t_max,
         steps=steps,
         trace=values if with_trace else None,
+        adapter=adapter,
         **_correction_fields(correction),
     )
 
@@ -90,10 +93,12 @@ def combine_summaries(
     tuning: RequestTuning | None,
     summaries: Sequence[NtsSummary],
     correction: LogitCorrection | None = None,
+    adapter: str | None = None,
 ) -> NtsSummary:
     """The request-level `nts` object over all choices: step-weighted means of α and T*, the
     extreme T*; it carries the per-step trace (when asked) only for a single choice, otherwise
-    each choice has its own; `correction` as in `choice_summary` (the request's)."""
+    each choice has its own; `correction` and `adapter` as in `choice_summary` (the
+    request's)."""
     steps = sum(s.steps for s in summaries)
     means = [(s.t_mean, s.steps) for s in summaries if s.t_mean is not None and s.steps]
     lows = [s.t_min for s in summaries if s.t_min is not None]
@@ -109,5 +114,6 @@ def combine_summaries(
         t_max=max(highs, default=None),
         steps=steps,
         trace=summaries[0].trace if len(summaries) == 1 else None,
+        adapter=adapter,
         **_correction_fields(correction),
     )

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from noisy_temp_server.server.protocol import (
+from noisy_temp_server.server.response_bodies import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,

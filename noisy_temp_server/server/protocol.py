@@ -1,4 +1,5 @@
-"""The OpenAI protocol as this server speaks it: request and response models.
+"""The OpenAI protocol as this server speaks it: the request models (the response bodies are
+`server.response_bodies`).
 
 Request fields follow the order of the OpenAI API reference; what this project adds sits in one
 marked block at the end of each request. Unknown fields are rejected (400), as OpenAI does, so a
@@ -10,61 +11,34 @@ The server runs the `n` choices of a request as `n` engine requests (choice `i` 
 temperature trace; `to_sampling_params` builds the parameters of one choice.
 
 Per-request temperature control comes as flat keys, either top-level (the `openai` client's
-`extra_body`) or inside `vllm_xargs` (vLLM's convention); `nts_request_args` merges both. Their
-values are validated by the one parser of those keys, `noisy_temp_server.vllm_plugin
-.request_args`, not here.
+`extra_body`) or inside `vllm_xargs` (vLLM's convention); `nts_request_args` merges both. The
+keys are named in `engine_contract.keys` (each request model has one field per `CLIENT_KEYS`);
+their values are validated by the one parser of those keys, `engine_contract.request_args`, not
+here.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.engine_contract.request_args import KEY_RUNTIME_NOISE_SIGMA
+from noisy_temp_server.engine_contract.keys import (
+    CLIENT_KEYS,
+    KEY_PREFIX,
+    KEY_RUNTIME_NOISE_SIGMA,
+    SERVER_KEYS,
+)
 
 __all__ = [
-    "NTS_CLIENT_KEYS",
-    "ChatChunkChoice",
-    "ChatCompletionChoice",
-    "ChatCompletionChunk",
-    "ChatCompletionLogprobs",
     "ChatCompletionRequest",
-    "ChatCompletionResponse",
-    "ChatDelta",
     "ChatMessage",
-    "ChatResponseMessage",
-    "ChatTokenLogprob",
-    "CompletionChoice",
-    "CompletionLogprobs",
     "CompletionRequest",
-    "CompletionResponse",
-    "CompletionStreamResponse",
-    "ModelCard",
-    "ModelList",
-    "NtsSummary",
     "StreamOptions",
-    "TopLogprob",
-    "Usage",
     "add_extra_args",
 ]
-
-NTS_CLIENT_KEYS = (
-    "nts_tune",
-    "nts_rule",
-    "nts_t",
-    "nts_t_min",
-    "nts_t_max",
-    "nts_trace",
-    "nts_bias",
-)
-"""The flat keys a client may set (the server sets `nts_policy`, `nts_trace_id` and
-`nts_capture`)."""
-
-_SERVER_KEYS = ("nts_policy", "nts_trace_id", "nts_capture")
 
 XargValue = str | bool | int | float | list[str | int | float]
 
@@ -82,10 +56,6 @@ def add_extra_args(params: SamplingParams, extra_args: dict[str, Any]) -> None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -108,13 +78,7 @@ class _SamplingFields(_Request):
         presence_penalty: float
         logit_bias: dict[str, float] | None
         ignore_eos: bool
-        nts_tune: bool | None
-        nts_rule: str | None
-        nts_t: float | None
-        nts_t_min: float | None
-        nts_t_max: float | None
-        nts_trace: bool | None
-        nts_bias: bool | None
+        repetition_penalty: float | None
         vllm_xargs: dict[str, XargValue] | None
 
     def requested_max_tokens(self) -> int | None:
@@ -124,6 +88,10 @@ class _SamplingFields(_Request):
     def requested_logprobs(self) -> int | None:
         """Top alternatives per token to return (None: no logprobs)."""
         raise NotImplementedError
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token to return (None: no prompt logprobs)."""
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -136,12 +104,12 @@ class _SamplingFields(_Request):
         sets a key reserved for the server.
         """
         merged: dict[str, Any] = {
-            key: getattr(self, key) for key in NTS_CLIENT_KEYS if getattr(self, key) is not None
+            key: getattr(self, key) for key in CLIENT_KEYS if getattr(self, key) is not None
         }
         for key, value in (self.vllm_xargs or {}).items():
-            if key in _SERVER_KEYS:
+            if key in SERVER_KEYS:
                 raise ValueError(f"vllm_xargs.{key} is set by the server; remove it.")
-            if not key.startswith("nts_"):
+            if not key.startswith(KEY_PREFIX):
                 continue
             if key in merged and merged[key] != value:
                 raise ValueError(
@@ -164,13 +132,14 @@ class _SamplingFields(_Request):
         passthrough = {
             key: value
             for key, value in (self.vllm_xargs or {}).items()
-            if not key.startswith("nts_")
+            if not key.startswith(KEY_PREFIX)
         }
         logprobs = self.requested_logprobs()
         return SamplingParams.from_optional(
             n=1,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=self.top_p,
             seed=None if self.seed is None else self.seed + choice,
@@ -178,6 +147,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs(),
             logit_bias=None
             if self.logit_bias is None
             else {int(token): bias for token, bias in self.logit_bias.items()},
@@ -230,13 +200,13 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
 
     model: str | None = None
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = Field(default=None, ge=1)
     echo: StrictBool = False
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
     n: int = Field(default=1, ge=1, le=128)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = None
@@ -250,6 +220,8 @@ class CompletionRequest(_SamplingFields):
 
     # --- noisy-temp-server and vLLM extras ---
     ignore_eos: StrictBool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # one field per engine_contract.keys.CLIENT_KEYS (tests/unit/test_request_keys.py holds it)
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None
@@ -257,16 +229,30 @@ class CompletionRequest(_SamplingFields):
     nts_t_max: float | None = None
     nts_trace: bool | None = None
     nts_bias: bool | None = None
+    nts_adapter: StrictBool | str | None = None
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        """`max_tokens`; 1 for an echo without generation (`max_tokens: 0`): the engine
+        generates one token, which the response leaves out, as vLLM's server does."""
+        return 1 if self.echoes_prompt_only else self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """With `echo`, the prompt's logprobs come with the same number of alternatives."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def echoes_prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the response is the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
     def prompt_text_or_ids(self) -> str | list[int]:
-        """The single prompt: a string or token ids."""
+        """The single prompt: a string or token ids (a one-prompt batch unwrapped)."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list):
+            return list(self.prompt[0])
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             return str(self.prompt[0])
         return self.prompt  # type: ignore[return-value]
@@ -276,12 +262,16 @@ class CompletionRequest(_SamplingFields):
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ValueError("prompt must not be empty.")
-            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            if isinstance(self.prompt[0], str | list) and len(self.prompt) != 1:
                 raise ValueError("one prompt per request is supported; send a request per prompt.")
+            if isinstance(self.prompt[0], list) and not self.prompt[0]:
+                raise ValueError("prompt must not be empty.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
-        if self.echo:
-            raise ValueError("echo is not supported; leave it false.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone).")
+        if self.echo and self.stream:
+            raise ValueError("echo is supported on non-streamed completions; set stream to false.")
         if self.suffix:
             raise ValueError("suffix is not supported; leave it unset.")
         return self
@@ -343,6 +333,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     # --- noisy-temp-server and vLLM extras ---
     ignore_eos: StrictBool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # one field per engine_contract.keys.CLIENT_KEYS (tests/unit/test_request_keys.py holds it)
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None
@@ -350,6 +342,7 @@ class ChatCompletionRequest(_SamplingFields):
     nts_t_max: float | None = None
     nts_trace: bool | None = None
     nts_bias: bool | None = None
+    nts_adapter: StrictBool | str | None = None
     vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
@@ -371,144 +364,3 @@ class ChatCompletionRequest(_SamplingFields):
         for message in self.messages:
             message.text()
         return self
-
-
-# --------------------------------------------------------------------------- responses
-
-
-class NtsSummary(_Response):
-    """The `nts` extension object: what temperature the request was served at.
-
-    `t_mean`, `t_min`, `t_max` summarise T* over the generation steps (T* only: the effective
-    temperature is the request's own temperature times T*). Greedy and tuning-off requests
-    report T* = 1. `trace` (per step) only when the request asked with `nts_trace`. The T
-    statistics are null when the engine's trace did not arrive (then `steps` still counts the
-    generated tokens). `bias`: the sha256 of the per-token logit bias added to the served
-    logits before the temperature (null: none); `head_map`: the sha256 of the low-rank head map
-    applied to the served logits before that bias (null: none; only with a bias). Unlike a
-    temperature, the bias and the head map change greedy output and the returned logprobs
-    (greedy requests get them too, unless `nts_bias` is false).
-    """
-
-    rule: str
-    policy_version: int
-    alpha: float | None = None
-    t_mean: float | None
-    t_min: float | None
-    t_max: float | None
-    steps: int
-    trace: list[float] | None = None
-    bias: str | None = None
-    head_map: str | None = None
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    text: str
-    index: int
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    nts: NtsSummary | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    nts: NtsSummary | None = None
-
-
-class CompletionStreamResponse(CompletionResponse):
-    """A streamed completion chunk (same object name as the full response, as OpenAI does)."""
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatCompletionLogprobs(_Response):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionChoice(_Response):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatCompletionLogprobs | None = None
-    finish_reason: str | None = None
-    nts: NtsSummary | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage | None = None
-    nts: NtsSummary | None = None
-
-
-class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatCompletionLogprobs | None = None
-    finish_reason: str | None = None
-    nts: NtsSummary | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    nts: NtsSummary | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "noisy-temp-server"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -10,8 +10,8 @@ A request's path:
    id, all before anything reaches the engine, so a bad request costs nothing and gets an
    OpenAI error body; the shadow scorer draws which choices it samples, and a sampled tuned
    choice runs with its per-step T* trace (the client's `nts` shows it only when asked);
-2. `run_unless_disconnected` (JSON response) or `stream_choices` (server-sent events): run the
-   choices on the engine, concurrently;
+2. `run_unless_disconnected` (JSON response) or `server.streaming.stream_choices` (server-sent
+   events): run the choices on the engine, concurrently;
 3. when a choice finishes, join its per-step T* (trace channel) with its output into its `nts`
    summary, feed the metrics, and submit it to the shadow scorer if sampled (never waiting).
 
@@ -22,48 +22,59 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.types import Receive, Scope, Send
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.inputs import tokens_input
 from vllm.utils.async_utils import merge_async_iterators
 
+from noisy_temp_server.engine_contract.keys import (
+    KEY_ADAPTER,
+    KEY_RULE,
+    KEY_T,
+    KEY_T_MAX,
+    KEY_T_MIN,
+)
 from noisy_temp_server.engine_contract.request_args import (
     GREEDY_TEMPERATURE,
     LogitCorrection,
     RequestTuning,
     TuningKeys,
+    capturable,
     parse_request_args,
     resolve_correction,
     resolve_request,
 )
 from noisy_temp_server.engine_contract.trace_channel import TraceReport
+from noisy_temp_server.server.adapter import (
+    NO_ADAPTER,
+    RequestAdapter,
+    known_model_ids,
+    listed_model_ids,
+    request_adapter,
+)
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries
 from noisy_temp_server.server.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionRequest,
-    CompletionStreamResponse,
-    NtsSummary,
-    Usage,
     add_extra_args,
 )
-from noisy_temp_server.vllm_plugin.capture import capturable
+from noisy_temp_server.server.response_bodies import (
+    NtsSummary,
+    Usage,
+)
+from noisy_temp_server.temperature.rules import Rule
 
 if TYPE_CHECKING:
-    from vllm.logprobs import SampleLogprobs
+    from vllm.logprobs import PromptLogprobs, SampleLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
 
@@ -75,13 +86,17 @@ __all__ = [
     "CLIENT_CLOSED_REQUEST",
     "MIN_LOGPROB",
     "Choice",
+    "GenerationRequest",
     "Piece",
     "PreparedRequest",
+    "absorb",
     "clean_logprob",
+    "engine_streams",
+    "forget_unsummarized",
     "overall_summary",
     "prepare_request",
     "run_unless_disconnected",
-    "stream_choices",
+    "summarize",
     "usage",
 ]
 
@@ -95,7 +110,9 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 @dataclass
 class Choice:
     """One choice's accumulated output. `shadow_sampled`: the shadow scorer sampled it at
-    admission (it runs traced and is submitted for scoring when it finishes)."""
+    admission (it runs traced and is submitted for scoring when it finishes).
+    `prompt_logprobs`: the served model's logprobs of the prompt tokens (None at position 0)
+    when the request asked for them."""
 
     index: int
     trace_id: str
@@ -104,6 +121,7 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     summary: NtsSummary | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +142,8 @@ class PreparedRequest:
 
     `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
     processor will apply to it (None when it is not tuned: no trace records will come);
-    `correction`: the per-token bias (and head map) its logits get (None: none).
+    `correction`: the per-token bias (and head map) its logits get (None: none); `adapter`:
+    the compensation adapter it is served with (`server.adapter`).
     """
 
     request_id: str
@@ -135,6 +154,7 @@ class PreparedRequest:
     choices: list[Choice]
     params: list[SamplingParams]
     correction: LogitCorrection | None = None
+    adapter: RequestAdapter = NO_ADAPTER
 
 
 def clean_logprob(value: float) -> float:
@@ -181,7 +201,12 @@ async def prepare_request(
         )
     policy = state.policy_source.current_policy()
     try:
-        keys = _pinned_keys(policy, request.nts_request_args(), state.settings)
+        client_args = request.nts_request_args()
+    except ValueError as error:
+        raise OpenAIError(str(error), status_code=400) from None
+    adapter = request_adapter(state.adapter, request.model, client_args.pop(KEY_ADAPTER, None))
+    try:
+        keys = _pinned_keys(policy, client_args, state.settings)
         tuning = resolve_request(keys, engine_temperature)
         correction = resolve_correction(keys)
     except ValueError as error:
@@ -189,12 +214,13 @@ async def prepare_request(
     for choice, choice_params in zip(choices, params, strict=True):
         choice.shadow_sampled = (
             state.shadow is not None
+            and adapter.as_served  # the online fit sees the model as served, adapter included
             and capturable(choice_params)
             and state.shadow.admit(choice.trace_id, max_tokens)
         )
         add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
     return PreparedRequest(
-        request_id, prompt_ids, keys, policy, tuning, choices, params, correction
+        request_id, prompt_ids, keys, policy, tuning, choices, params, correction, adapter
     )
 
 
@@ -209,10 +235,11 @@ def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice)
 
 
 def _check_model(state: ServerState, requested: str | None) -> None:
-    if requested is not None and requested != state.model_name:
+    served = listed_model_ids(state.model_name, state.adapter)
+    if requested is not None and requested not in known_model_ids(state.model_name, state.adapter):
         raise OpenAIError(
-            f"The model `{requested}` does not exist; this server serves `{state.model_name}` "
-            "(see GET /v1/models).",
+            f"The model `{requested}` does not exist; this server serves "
+            f"{' and '.join(f'`{name}`' for name in served)} (see GET /v1/models).",
             status_code=404,
             param="model",
             code="model_not_found",
@@ -246,36 +273,36 @@ def _pinned_keys(
     estimator publishes meanwhile. Raises ValueError (HTTP 400) naming the bad key."""
     merged = dict(client_args)
     defaults = {
-        "nts_rule": settings.default_rule,
-        "nts_t": settings.default_t,
-        "nts_t_min": settings.default_t_min,
-        "nts_t_max": settings.default_t_max,
+        KEY_RULE: settings.default_rule,
+        KEY_T: settings.default_t,
+        KEY_T_MIN: settings.default_t_min,
+        KEY_T_MAX: settings.default_t_max,
     }
     for key, value in defaults.items():
         if value is not None and key not in merged:
             merged[key] = value
-    forced_rule = merged.get("nts_rule") or policy.rule.value
-    if "nts_t" not in client_args and ("nts_rule" in client_args or forced_rule != "fixed"):
-        merged.pop("nts_t", None)  # the server's fixed T belongs to its default fixed rule
+    forced_rule = merged.get(KEY_RULE) or policy.rule.value
+    if KEY_T not in client_args and (KEY_RULE in client_args or forced_rule != Rule.FIXED.value):
+        merged.pop(KEY_T, None)  # the server's fixed T belongs to its default fixed rule
     return dataclasses.replace(parse_request_args(merged), policy_json=policy.to_json())
 
 
 # ----------------------------------------------------------------------------- running
 
 
-def _engine_streams(
+def engine_streams(
     state: ServerState, prepared: PreparedRequest
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """All choices' engine outputs, merged, each with its choice's index."""
     prompt = tokens_input(prepared.prompt_ids)
     generators = [
-        state.engine.generate(prompt, params, choice.trace_id)
+        state.engine.generate(prompt, params, choice.trace_id, **prepared.adapter.engine_kwargs())
         for choice, params in zip(prepared.choices, prepared.params, strict=True)
     ]
     return merge_async_iterators(*generators)
 
 
-def _absorb(choice: Choice, output: CompletionOutput) -> Piece:
+def absorb(choice: Choice, output: CompletionOutput) -> Piece:
     """Append a DELTA (or the FINAL_ONLY) output to its choice; return what it added."""
     piece = Piece(
         token_ids=list(output.token_ids),
@@ -290,7 +317,7 @@ def _absorb(choice: Choice, output: CompletionOutput) -> Piece:
     return piece
 
 
-async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choice) -> NtsSummary:
+async def summarize(state: ServerState, prepared: PreparedRequest, choice: Choice) -> NtsSummary:
     """A finished choice's `nts` summary; observes its mean T* and submits the choice to the
     shadow scorer when it was sampled. Awaits the engine's report of the choice's T* (summary,
     and the per-step trace when the client asked or the shadow scorer sampled it) when it was
@@ -321,6 +348,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
         with_trace=prepared.keys.trace,
         report=report,
         correction=prepared.correction,
+        adapter=prepared.adapter.sha256,
     )
     if summary.t_mean is not None:
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
@@ -337,7 +365,7 @@ async def _summarize(state: ServerState, prepared: PreparedRequest, choice: Choi
     return summary
 
 
-def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
+def forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
     """Tell the trace channel to drop what it holds for the choices that end without a summary
     (cancelled or failed): nobody will wait for their T* or take their captured rows, so it
     must not keep them."""
@@ -354,7 +382,9 @@ def _forget_unsummarized(state: ServerState, prepared: PreparedRequest) -> None:
 def overall_summary(prepared: PreparedRequest) -> NtsSummary:
     """The request-level `nts` summary over the choices summarized so far."""
     summaries = [c.summary for c in prepared.choices if c.summary is not None]
-    return combine_summaries(prepared.policy, prepared.tuning, summaries, prepared.correction)
+    return combine_summaries(
+        prepared.policy, prepared.tuning, summaries, prepared.correction, prepared.adapter.sha256
+    )
 
 
 def usage(prepared: PreparedRequest) -> Usage:
@@ -370,19 +400,19 @@ async def _run_to_end(state: ServerState, prepared: PreparedRequest) -> list[tup
     """Run every choice to its end; each with its summary and all of its output."""
     finals: dict[int, CompletionOutput] = {}
     try:
-        async for index, request_output in _engine_streams(state, prepared):
+        async for index, request_output in engine_streams(state, prepared):
             output = request_output.outputs[0]
-            _absorb(prepared.choices[index], output)
+            absorb(prepared.choices[index], output)
             finals[index] = output
-        summaries = await asyncio.gather(
-            *(_summarize(state, prepared, c) for c in prepared.choices)
-        )
+            if request_output.prompt_logprobs is not None:
+                prepared.choices[index].prompt_logprobs = request_output.prompt_logprobs
+        summaries = await asyncio.gather(*(summarize(state, prepared, c) for c in prepared.choices))
         for choice, summary in zip(prepared.choices, summaries, strict=True):
             choice.summary = summary
     except Exception as error:
         raise openai_error_from_exception(error) from error
     finally:
-        _forget_unsummarized(state, prepared)
+        forget_unsummarized(state, prepared)
     return [
         (c, Piece(c.token_ids, c.text, finals[c.index].logprobs, c.finish_reason, 0))
         for c in prepared.choices
@@ -408,111 +438,3 @@ async def run_unless_disconnected(
         return work.result()
     _LOGGER.info("Client disconnected: aborted %s", prepared.request_id)
     return None
-
-
-# ----------------------------------------------------------------------------- streaming
-
-
-async def _primed(
-    stream: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Fetch the first item now (so admission errors still get a proper status code)."""
-    try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        first = None
-    except Exception as error:
-        raise openai_error_from_exception(error) from error
-
-    async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
-        if first is None:
-            return
-        yield first
-        async for item in stream:
-            yield item
-
-    return rest()
-
-
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-async def stream_choices(
-    state: ServerState,
-    request: GenerationRequest,
-    prepared: PreparedRequest,
-    *,
-    chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
-    chunk_choice: Callable[[Choice, Piece], Any],
-    opening: Sequence[Any] = (),
-) -> StreamingResponse:
-    """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
-    made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
-    then `[DONE]`. Errors before the first output raise (proper status code); later ones
-    are reported in-band. When the response's ASGI call ends, whether or not its body was ever
-    iterated, the engine requests still running are aborted and the choices that end without a
-    summary are cancelled on the shadow scorer and forgotten on the trace channel."""
-    engine = _engine_streams(state, prepared)
-    try:
-        stream = await _primed(engine)
-    except BaseException:  # refused or cancelled before its first output: no `release`
-        _forget_unsummarized(state, prepared)
-        raise
-
-    async def release() -> None:
-        _forget_unsummarized(state, prepared)
-        await engine.aclose()  # aborts what the body did not run to its end
-
-    def chunk(choices: list[Any], **extra: Any) -> str:
-        response = chunk_type(
-            id=prepared.request_id, model=state.model_name, choices=choices, **extra
-        )
-        return _sse(response.model_dump(mode="json"))
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            for choice in opening:
-                yield chunk([choice])
-            async for index, request_output in stream:
-                choice = prepared.choices[index]
-                piece = _absorb(choice, request_output.outputs[0])
-                if piece.finish_reason is not None:
-                    choice.summary = await _summarize(state, prepared, choice)
-                yield chunk([chunk_choice(choice, piece)])
-            yield chunk(
-                [],
-                usage=usage(prepared) if request.include_usage_in_stream else None,
-                nts=overall_summary(prepared),
-            )
-        except Exception as error:  # after the 200 status line: report in-band
-            yield _sse(openai_error_from_exception(error).body())
-        yield _sse("[DONE]")
-
-    return _ReleasingStreamingResponse(events(), release=release, media_type="text/event-stream")
-
-
-class _ReleasingStreamingResponse(StreamingResponse):
-    """A `StreamingResponse` that awaits `release` once its ASGI call ends, however it ends:
-    streamed to the end, the client gone mid-stream, the client gone before Starlette iterates
-    the body at all (the body's generator then never starts, so a `finally` in it never runs),
-    sending failed or the call cancelled (Starlette then skips its `background` task).
-    `release` runs shielded from that cancellation."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[str],
-        *,
-        release: Callable[[], Awaitable[None]],
-        media_type: str,
-    ) -> None:
-        super().__init__(content, media_type=media_type)
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._release()

@@ -14,18 +14,18 @@ from fastapi import Depends, FastAPI, Request
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from noisy_temp_server.engine_contract.trace_channel import TraceReport
+    from noisy_temp_server.engine_contract.trace_channel import TraceSource
+    from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
+    from noisy_temp_server.server.adapter import ServedAdapter
     from noisy_temp_server.server.engine import GenerationEngine
     from noisy_temp_server.server.metrics import ApiMetrics
-    from noisy_temp_server.server.policy_source import PolicySource
     from noisy_temp_server.settings import Settings
 
 __all__ = [
     "ChatTokenizer",
     "ServerState",
     "ServerStateDep",
-    "TraceSource",
     "attach_state",
     "server_state",
 ]
@@ -38,21 +38,13 @@ class ChatTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False
+    ) -> str | list[str]: ...
+
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
     ) -> Any: ...
-
-
-class TraceSource(Protocol):
-    """The API side of the trace channel (`engine_contract.trace_channel.TraceCollector`)."""
-
-    async def wait_for(
-        self, trace_id: str, n_steps: int, timeout: float, *, want_trace: bool = False
-    ) -> TraceReport: ...
-
-    def forget(self, trace_id: str) -> None: ...
-
-    def drop_rows(self, trace_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +56,9 @@ class ServerState:
     requests report no T statistics); `shadow`: the shadow scorer sampled choices are submitted
     to (None: no shadow scoring); `metrics`: the API metrics, registered where
     `metrics_registry` (what `/metrics` serves) sees them; `model_name`: the served model name
-    clients must send; `max_model_len`: the context length prompts and completions share.
+    clients must send; `max_model_len`: the context length prompts and completions share;
+    `adapter`: the compensation adapter the served model id stands for with the model (None:
+    none; `server.adapter`).
     """
 
     settings: Settings
@@ -77,6 +71,7 @@ class ServerState:
     metrics_registry: CollectorRegistry
     trace_source: TraceSource | None
     shadow: ShadowScorer | None
+    adapter: ServedAdapter | None = None
 
 
 def attach_state(app: FastAPI, state: ServerState) -> None:

@@ -1,2 +1,4 @@
-"""What the logits processors do on every decode step, free of vLLM (torch, numpy and the
-standard library only): per-slot temperature state, the bias and head map, the reports."""
+"""What the logits processors do on every decode step, free of vLLM (torch, numpy, the standard
+library and prometheus-client only: `tests/unit/test_step_imports.py`): per-slot temperature
+tables and the step (`slot_tables`, `slot_tuning`), the bias and head map (`logit_bias`), the
+capture of served rows (`capture`, `batch_rows`), the reports (`reports`, `engine_metrics`)."""

@@ -46,7 +46,6 @@ by zero).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -63,17 +62,17 @@ from noisy_temp_server.correction.files import (
     find_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.engine_env import engine_config
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, KEY_BIAS, KEY_POLICY
 from noisy_temp_server.engine_contract.request_args import (
-    KEY_BIAS,
-    KEY_POLICY,
-    POLICY_FILE_ENV,
     LogitCorrection,
     default_policy_json,
     parse_policy_json,
 )
 
 __all__ = [
-    "BIAS_DIR_ENV",
+    "FILE_CORRECTIONS",
+    "CorrectionSource",
     "SlotBias",
     "bias_directories",
     "check_correction",
@@ -83,24 +82,21 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-BIAS_DIR_ENV = "NTS_BIAS_DIR"
 _LOADED_BIASES = 8
 _LOADED_MAPS = 2  # a map is 2 r V floats: 50 MB at rank 128 and a 49k vocabulary
 _Loaded = TypeVar("_Loaded")
 
 
 def bias_directories() -> tuple[Path, ...]:
-    """Where the engine finds bias files, in order: the folders of ``$NTS_BIAS_DIR``
-    (``os.pathsep``-separated), else the folder of ``$NTS_POLICY_FILE`` when that policy names
+    """Where the engine finds bias files, in order: the folders of ``NTS_BIAS_DIR``
+    (`EngineConfig.bias_dirs`), else the folder of ``NTS_POLICY_FILE`` when that policy names
     a bias, else none (no bias possible). Raises ValueError when the policy file is needed and
     invalid."""
-    listed = os.environ.get(BIAS_DIR_ENV, "").split(os.pathsep)
-    directories = tuple(Path(entry.strip()) for entry in listed if entry.strip())
-    if directories:
-        return directories
-    policy_file = os.environ.get(POLICY_FILE_ENV, "").strip()
-    if policy_file and parse_policy_json(default_policy_json()).bias is not None:
-        return (Path(policy_file).parent,)
+    config = engine_config()
+    if config.bias_dirs:
+        return config.bias_dirs
+    if config.policy_file is not None and parse_policy_json(default_policy_json()).bias is not None:
+        return (config.policy_file.parent,)
     return ()
 
 
@@ -148,6 +144,19 @@ def load_head_map(sha256: str) -> HeadMap:
     return _from_bias_directories("head map", sha256, _load_head_map)
 
 
+@dataclass(frozen=True)
+class CorrectionSource:
+    """Where `SlotBias` gets the vectors a correction names: ``bias(sha256)``, a float32 [V]
+    tensor on the CPU, and ``head_map(sha256)``, a `HeadMap`; each raises ValueError when it
+    cannot. `FILE_CORRECTIONS` (the engine's): the bias directories."""
+
+    bias: Callable[[str], torch.Tensor]
+    head_map: Callable[[str], HeadMap]
+
+
+FILE_CORRECTIONS = CorrectionSource(bias=load_bias, head_map=load_head_map)
+
+
 def check_correction(correction: LogitCorrection | None) -> None:
     """ValueError unless the bias of ``correction`` (None: nothing to check) and its head map
     can be loaded (see `load_bias`)."""
@@ -160,16 +169,24 @@ def check_correction(correction: LogitCorrection | None) -> None:
 class SlotBias:
     """The corrections (biases, and head maps under them) of ``slots`` slots over a vocabulary
     of ``vocab_size`` tokens on ``device`` (see the module docstring). ``vocab_size`` None: the
-    engine's vocabulary is unknown, and every bias is refused at admission.
+    engine's vocabulary is unknown, and every bias is refused at admission. ``source``: where
+    the vectors come from (the bias directories unless told).
 
     `stage` / `flush` follow `SlotTuning`'s admission (host staging, one copy per wave); `add`
     is the per-step hook. ``biased_slots`` counts the slots holding a bias (host side).
     """
 
     def __init__(
-        self, slots: int, vocab_size: int | None, device: torch.device, *, pin_memory: bool
+        self,
+        slots: int,
+        vocab_size: int | None,
+        device: torch.device,
+        *,
+        pin_memory: bool,
+        source: CorrectionSource = FILE_CORRECTIONS,
     ) -> None:
         self.vocab_size = vocab_size
+        self.source = source
         self.device = device
         self._pin = pin_memory
         self.table = torch.zeros(1, vocab_size or 0, device=device)
@@ -214,7 +231,7 @@ class SlotBias:
         if row is not None:
             return row
         try:  # gone since validate_params, or fitted for another model: serve without it
-            vector = load_bias(correction.bias)
+            vector = self.source.bias(correction.bias)
             check_bias_vocabulary(vector, self.vocab_size, "the engine")
             if correction.head_map is not None and correction.head_map not in self._maps:
                 self._maps[correction.head_map] = self._device_map(correction.head_map)
@@ -226,7 +243,7 @@ class SlotBias:
         return row
 
     def _device_map(self, sha256: str) -> _DeviceMap:
-        head_map = load_head_map(sha256)
+        head_map = self.source.head_map(sha256)
         check_head_map_vocabulary(head_map, self.vocab_size, "the engine")
         return _DeviceMap(
             right=head_map.right.to(self.device).contiguous(),
@@ -318,7 +335,7 @@ class SlotBias:
             logits.addcmul_(weight[:, column : column + 1], self._vectors[column])
 
     def _held_columns(self, rows: np.ndarray) -> list[int]:
-        """The weight columns of the versions among table ``rows`` (a few µs on the host)."""
+        """The weight columns of the versions among table ``rows`` (host work, no device sync)."""
         if len(self._vectors) == 1:  # the usual case: one version, nothing to count
             return [0] if rows.any() else []
         return np.flatnonzero(np.bincount(rows)[1:]).tolist()
@@ -347,8 +364,7 @@ def _map_rows(logits: torch.Tensor, mapped: torch.Tensor, device_map: _DeviceMap
     """``logits`` [R, V] += L (R z~) on the rows where ``mapped`` [R, 1] (bool) is true, in
     place; the coordinates read masked (−inf) entries as the row's lowest finite logit, and a
     row whose coordinates are not finite (NaN or +inf logits, every token masked) is left
-    alone. Other rows get ``+ 0``. One [R, V] temporary; no boolean [R, V] mask (on a CPU a
-    comparison pass costs about 2.5 times a `nan_to_num`)."""
+    alone. Other rows get ``+ 0``. One [R, V] temporary; no boolean [R, V] mask."""
     guarded = logits.nan_to_num(nan=torch.nan, posinf=torch.inf, neginf=torch.inf)
     floor = guarded.amin(dim=1, keepdim=True)  # the lowest finite logit (NaN rows: NaN)
     torch.maximum(logits, floor, out=guarded)

@@ -6,7 +6,7 @@ asynchronous device→host copy of that state and, only while some slot is trace
 the step's ``[slot, step, T*, traced]`` rows. A `Reporter` background thread waits for those
 copies (a CUDA event on GPU; nothing to wait for on CPU), then:
 
-- sends the served-logit rows `capture.LogitCapture` staged (shadow-sampled requests), first,
+- sends the served-logit rows `capture.RowCapture` staged (shadow-sampled requests), first,
   so that a request's rows arrive before the summary that covers their steps; at most
   ``capture_queue_rows`` rows wait, beyond which a step's rows are dropped, counted
   (``capture_dropped_rows``) and announced as dropped;
@@ -34,23 +34,42 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from noisy_temp_server.engine_contract.trace_channel import TraceSender
 from noisy_temp_server.step.engine_metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
 
 if TYPE_CHECKING:
-    from noisy_temp_server.vllm_plugin.capture import CapturedStep
+    from noisy_temp_server.step.capture import CapturedStep
 
-__all__ = ["Occupancy", "Reporter", "StateLayout"]
+__all__ = ["Occupancy", "Reporter", "StateLayout", "StepSender"]
 
 _LOGGER = logging.getLogger(__name__)
 # Binned as the device would bin float32 T*: a value equal to a bound goes into its bucket.
 _BUCKET_BOUNDS = np.asarray(STEP_TEMPERATURE_BUCKETS, dtype=np.float32)
+
+
+class StepSender(Protocol):
+    """Where a `Reporter` sends (the engine's: `trace_sender.TraceSender`); each call never
+    blocks and says whether the message was queued."""
+
+    def send_step(self, records: Sequence[tuple[str, int, float]]) -> bool: ...
+
+    def send_summaries(
+        self, records: Sequence[tuple[str, int, float, int, float, float]]
+    ) -> bool: ...
+
+    def send_rows(
+        self,
+        records: Sequence[tuple[str, int]],
+        rows: np.ndarray,
+        dropped: Sequence[tuple[str, int]] = (),
+        drop_counts: Mapping[str, int] | None = None,
+    ) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -159,7 +178,7 @@ class Reporter:
 
     def __init__(
         self,
-        sender: TraceSender | None,
+        sender: StepSender | None,
         metrics: StepTemperatureMetrics,
         *,
         slots: int,

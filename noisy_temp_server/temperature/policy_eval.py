@@ -93,6 +93,46 @@ def bucket_index(values: Tensor, edges: Tensor) -> Tensor:
     return (torch.bucketize(values, edges, right=True) - 1).clamp_(min=0)
 
 
+def _checked_inputs(
+    policy: TemperaturePolicy,
+    step: Tensor,
+    served_logits: Tensor | None,
+    served_features: ServedRowFeatures | None,
+    *,
+    validate: bool,
+    per_row: dict[str, Tensor | None],
+    request_temperature: Tensor | None,
+) -> ServedRowFeatures | None:
+    """The served-row features `policy` reads (None when it reads none), computed from
+    `served_logits` unless given; ValueError for wrong shapes or missing served input (see
+    `policy_temperature`)."""
+    if step.dim() != 1:
+        raise ValueError(f"step must have shape [batch], got {tuple(step.shape)}")
+    batch, rule = step.shape[0], policy.rule
+    if served_logits is not None and served_features is not None:
+        raise ValueError("give served_logits or served_features, not both")
+    if served_logits is not None and (served_logits.dim() != 2 or served_logits.shape[0] != batch):
+        raise ValueError(
+            f"served_logits must have shape [{batch}, vocab], got {tuple(served_logits.shape)}"
+        )
+    if policy.reads_served_row:
+        if served_features is None:
+            if served_logits is None:
+                raise ValueError(
+                    f"rule {rule.value!r} reads the served row; pass served_logits "
+                    "(or served_features)"
+                )
+            served_features = served_row_features(
+                served_logits, validate=validate, need_variance=rule is Rule.FISHER
+            )
+        elif served_features.entropy.shape != (batch,) or served_features.var_q.shape != (batch,):
+            raise ValueError(f"served_features fields must have shape [{batch}]")
+    for name, values in {**per_row, "request_temperature": request_temperature}.items():
+        if values is not None and values.shape != (batch,):
+            raise ValueError(f"{name} must have shape [{batch}], got {tuple(values.shape)}")
+    return served_features
+
+
 def policy_temperature(
     policy: TemperaturePolicy,
     step: Tensor,
@@ -129,37 +169,16 @@ def policy_temperature(
     Raises ``ValueError`` for wrong shapes or missing served input, and
     :class:`~noisy_temp_server.temperature.stats.NonFiniteLogitsError` for bad served rows.
     """
-    if step.dim() != 1:
-        raise ValueError(f"step must have shape [batch], got {tuple(step.shape)}")
-    batch, device, rule = step.shape[0], step.device, policy.rule
-    if served_logits is not None and served_features is not None:
-        raise ValueError("give served_logits or served_features, not both")
-    if served_logits is not None and (served_logits.dim() != 2 or served_logits.shape[0] != batch):
-        raise ValueError(
-            f"served_logits must have shape [{batch}, vocab], got {tuple(served_logits.shape)}"
-        )
-    if policy.reads_served_row:
-        if served_features is None:
-            if served_logits is None:
-                raise ValueError(
-                    f"rule {rule.value!r} reads the served row; pass served_logits "
-                    "(or served_features)"
-                )
-            served_features = served_row_features(
-                served_logits, validate=validate, need_variance=rule is Rule.FISHER
-            )
-        elif served_features.entropy.shape != (batch,) or served_features.var_q.shape != (batch,):
-            raise ValueError(f"served_features fields must have shape [{batch}]")
-    per_row_inputs = (
-        ("fixed", fixed),
-        ("t_min", t_min),
-        ("t_max", t_max),
-        ("request_temperature", request_temperature),
+    served_features = _checked_inputs(
+        policy,
+        step,
+        served_logits,
+        served_features,
+        validate=validate,
+        per_row={"fixed": fixed, "t_min": t_min, "t_max": t_max},
+        request_temperature=request_temperature,
     )
-    for name, per_row in per_row_inputs:
-        if per_row is not None and per_row.shape != (batch,):
-            raise ValueError(f"{name} must have shape [{batch}], got {tuple(per_row.shape)}")
-
+    batch, device, rule = step.shape[0], step.device, policy.rule
     tables = _policy_tensors(policy, device)
     if rule is Rule.OFF:
         temperature = torch.ones(batch, device=device)

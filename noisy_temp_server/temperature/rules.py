@@ -2,7 +2,7 @@
 
 The functions are vectorised over ``[B]`` tensors (any device) and return float32 (float64 for
 float64 input) without bounds applied; :func:`clamp_temperature` applies the bounds. The maths
-is in ``shared/reference/``: ``kl-optimal-temperature-derivation.md`` (steps 11 and 12) and
+is in ``docs/reference/``: ``kl-optimal-temperature-derivation.md`` (steps 11 and 12) and
 ``weight-noise-experiments.md`` (variance matching and the schedule).
 """
 

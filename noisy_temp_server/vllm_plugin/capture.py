@@ -1,251 +1,39 @@
-"""The served logits of shadow-sampled requests, captured in the engine for the shadow scorer.
-
-The server marks the choices its shadow scorer samples with ``nts_capture`` and a trace id
-(`request_args`); for those requests (tuned or not, never greedy ones) the temperature
-processor hands every logits row it sees to `LogitCapture.capture`, *before* it applies T*
-(and before anything else of ours touches the row). The rows are what vLLM samples from,
-before any temperature:
-
-- Model Runner V2 calls custom processors before the request temperature: the row is the
-  unscaled served logits z̃, copied exactly;
-- the V1 runner calls argmax-invariant processors after dividing by T_request: the row is
-  multiplied back by T_request (host-known per row). In float32 that adds at most two roundings,
-  |fl(fl(z̃/T)·T) − z̃| ≤ 2·2⁻²⁴·|z̃| per entry (``tests/unit/test_capture.py`` holds it), far
-  below what any statistic of the scorer resolves.
-
-Both runners apply penalties, logit bias and the like before, so a row includes them; the
-server samples only requests without them (`capturable`). Our runtime-noise processor always
-runs before the capture (it hands its noise to the T* processor where vLLM's order would put it
-after, see `runtime_noise`): its noise is exactly the served side's difference of the
-runtime-noise pair.
-
-Cost and bounds (`CaptureBounds`, from the `Settings` fields ``capture_*``):
-
-- no captured request in the batch: one host-side count is read, nothing else (no device work,
-  no sync); rows are chosen by host-known indices (V1: batch rows; V2: ``ctx.idx_mapping_np``);
-- at most ``rows_per_step`` rows per step (rotating over the capturing requests when more want
-  one) and only generation steps ``0 .. positions - 1`` of a request; a row that is not taken is
-  *dropped*: counted (`dropped`, by reason) and announced to the scorer, so it never waits for
-  it;
-- the chosen rows are gathered on the device (one ``index_select``) and copied to the host
-  asynchronously (pinned memory on CUDA) by `reports.Reporter`, whose background thread sends
-  them on the trace channel; at most ``queue_rows`` rows wait for it, beyond which rows are
-  dropped and counted (`reports.Reporter.capture_dropped_rows`): the step loop never blocks.
-
-The drop counts travel with the rows (cumulative, by reason: `trace_channel.DROP_REASONS`), so
-the API process shows them on ``/v1/nts/status`` (``shadow.capture_dropped_rows``) and as
-``nts_capture_dropped_rows_total{reason}`` (`trace_channel.TraceCollector.capture_drops`).
-
-Full float32 rows rather than top-k + log-sum-exp: they are exact, every statistic of the scorer
-(KL curves, the scoreboard's Δp and same-top) reads the whole row, and at SmolLM's 49 152 tokens
-a row is 192 KiB, so the default bound (8 rows per step) moves at most 1.5 MiB per step.
-
-Under Model Runner V2 with speculative decoding (several rows per request) nothing is captured
-(counted under ``speculative``). Faults in capture are logged and never reach serving.
+"""The capture of served logits (`step.capture`) admitted from vLLM's sampling parameters:
+under which trace id a request is captured (`capture_trace_id`; which requests the server may
+mark for it: `engine_contract.request_args.capturable`), and the capture keyed by vLLM's V1
+batch rows or V2 slots (`LogitCapture`).
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import numpy as np
-import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
-from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, parse_request_args
-from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
-
-if TYPE_CHECKING:
-    from noisy_temp_server.step.reports import Reporter
+from noisy_temp_server.step.capture import RowCapture, trace_id_to_capture
+from noisy_temp_server.vllm_plugin.batch_rows import apply_batch_update
 
 __all__ = [
-    "CaptureBounds",
-    "CapturedStep",
     "LogitCapture",
-    "capturable",
     "capture_trace_id",
 ]
 
-_LOGGER = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CaptureBounds:
-    """At most ``rows_per_step`` rows per step, steps ``0 .. positions - 1`` of a request, and
-    ``queue_rows`` rows waiting for the reporter thread."""
-
-    rows_per_step: int = 8
-    positions: int = 128
-    queue_rows: int = 64
-
-    @classmethod
-    def from_settings(cls) -> CaptureBounds:
-        """The bounds of `Settings` (``NTS_CAPTURE_*`` in the engine's environment, which the
-        server sets from its own settings)."""
-        from noisy_temp_server.settings import Settings  # noqa: PLC0415 (engine process only)
-
-        settings = Settings()
-        return cls(
-            rows_per_step=settings.capture_rows_per_step,
-            positions=settings.capture_positions,
-            queue_rows=settings.capture_queue_rows,
-        )
-
-
-@dataclass(frozen=True)
-class CapturedStep:
-    """One step's captured rows on their way to the host: ``rows`` ``[n, V]`` float32 (device),
-    the trace id and generation step of each, the (trace id, step) of rows dropped at this
-    step (the scorer stops waiting for them), and the capture's cumulative drops by reason."""
-
-    trace_ids: list[str]
-    steps: list[int]
-    rows: torch.Tensor
-    dropped: list[tuple[str, int]]
-    drop_counts: dict[str, int]
-
-
-def capturable(params: SamplingParams) -> bool:
-    """Whether the rows vLLM samples a request from are the served model's own, so that the
-    shadow scorer may sample it: not greedy (see `capture_trace_id`), and no penalties, logit
-    bias, minimum length, bad words or allowed-token list (vLLM applies them before our
-    processor: the rows would measure them, not the model)."""
-    return (
-        params.temperature >= GREEDY_TEMPERATURE
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.logit_bias
-        and not params.min_tokens
-        and not params.bad_words
-        and params.allowed_token_ids is None
-    )
-
 
 def capture_trace_id(params: SamplingParams) -> str | None:
-    """The trace id to capture a request's served logits under, or None: not marked with
-    ``nts_capture``, no trace id, or greedy (vLLM's V1 sampler skips argmax-invariant
-    processors for an all-greedy batch, so a greedy request could not be captured reliably)."""
-    keys = parse_request_args(params.extra_args)
-    if not keys.capture or keys.trace_id is None or params.temperature < GREEDY_TEMPERATURE:
-        return None
-    return keys.trace_id
+    """`step.capture.trace_id_to_capture` of a request's sampling parameters."""
+    return trace_id_to_capture(params.extra_args, params.temperature)
 
 
-class LogitCapture:
-    """Which requests are captured, keyed by V1 batch row or V2 slot (``capacity`` keys), and
-    the per-step capture (see the module docstring). ``logits_scaled``: the rows arrive divided
-    by T_request (V1) and are multiplied back. ``reporter``: where the rows go (None: nothing
-    is captured)."""
-
-    def __init__(
-        self,
-        capacity: int,
-        reporter: Reporter | None,
-        bounds: CaptureBounds,
-        *,
-        logits_scaled: bool,
-    ) -> None:
-        self.reporter = reporter
-        self.bounds = bounds
-        self.logits_scaled = logits_scaled
-        self.dropped = {"rows_per_step": 0, "speculative": 0}
-        self._keys = BatchRows(capacity)
-        _, self._temperature = self._keys.array(torch.float32, 1.0)
-        self._trace_ids = self._keys.objects()
-        self._outputs = self._keys.objects()
-        self._turn = 0
-
-    @property
-    def active(self) -> int:
-        """How many keys capture (0: `capture` does nothing)."""
-        return self._keys.n_active
-
-    # -- admission -------------------------------------------------------------------------
+class LogitCapture(RowCapture):
+    """`step.capture.RowCapture` admitted from vLLM: V1 follows the persistent batch
+    (`update`, keyed by batch row), V2 its slots (`add_request`)."""
 
     def update(self, batch_update: BatchUpdate | None) -> None:
         """V1: follow the persistent batch (the key is the batch row)."""
-        self._keys.update(batch_update, self._admit)
+        apply_batch_update(self.keys, batch_update, self._write)
 
     def add_request(self, slot: int, params: SamplingParams) -> bool:
         """V2: slot ``slot`` has a new occupant; True when it is captured."""
-        self._keys.update(BatchUpdate(slot + 1, [], [(slot, params, None, [])], []), self._admit)
-        return bool(self._keys.active[slot])
+        return self.admit(slot, capture_trace_id(params), params.temperature, [])
 
-    def _admit(self, key: int, params: SamplingParams, outputs: list[int]) -> bool:
-        trace_id = None if self.reporter is None else capture_trace_id(params)
-        if trace_id is None:
-            return False
-        self._temperature[key] = params.temperature if self.logits_scaled else 1.0
-        self._trace_ids[key] = trace_id
-        self._outputs[key] = outputs
-        return True
-
-    # -- per step --------------------------------------------------------------------------
-
-    def capture(
-        self,
-        logits: torch.Tensor,
-        keys: np.ndarray,
-        steps: np.ndarray | None = None,
-    ) -> None:
-        """Stage the rows of this step's captured requests (``logits`` ``[R, V]`` float32, not
-        modified). ``keys``: the key of each row (host); ``steps``: the generation step of each
-        row (host; -1 for a row whose sample vLLM discards), None for V1, where it is the
-        length of the request's live output list. Never raises."""
-        if not self._keys.n_active or self.reporter is None:
-            return
-        try:
-            self._capture(logits, keys, steps)
-        except Exception:  # capture must never reach serving
-            _LOGGER.exception("noisy-temp-server: capturing served logits failed")
-
-    def _capture(self, logits: torch.Tensor, keys: np.ndarray, steps: np.ndarray | None) -> None:
-        assert self.reporter is not None
-        if len(keys) != logits.shape[0]:  # V2 speculative decoding: several rows per request
-            lost = int(self._keys.active[keys].sum())
-            if lost:
-                self.dropped["speculative"] += lost
-                empty = logits[:0]
-                self.reporter.stage_capture(CapturedStep([], [], empty, [], dict(self.dropped)))
-            return
-        rows = np.flatnonzero(self._keys.active[keys])
-        if not rows.size:
-            return
-        row_keys = keys[rows]
-        if steps is None:
-            row_steps = np.fromiter(
-                (len(self._outputs[key]) for key in row_keys.tolist()), np.int64, len(rows)
-            )
-        else:
-            row_steps = steps[rows]
-        wanted = (row_steps >= 0) & (row_steps < self.bounds.positions)
-        rows, row_keys, row_steps = rows[wanted], row_keys[wanted], row_steps[wanted]
-        if not rows.size:
-            return
-        order = np.roll(np.arange(rows.size), -(self._turn % rows.size))
-        self._turn += 1
-        taken, left = order[: self.bounds.rows_per_step], order[self.bounds.rows_per_step :]
-        self.dropped["rows_per_step"] += left.size
-        trace_ids = self._trace_ids
-        dropped = [
-            (trace_ids[key], step)
-            for key, step in zip(row_keys[left].tolist(), row_steps[left].tolist(), strict=True)
-        ]
-        index = torch.from_numpy(rows[taken]).to(logits.device, non_blocking=True)
-        served = logits.index_select(0, index)
-        if self.logits_scaled:
-            scale = torch.from_numpy(self._temperature[row_keys[taken]])
-            served.mul_(scale.to(logits.device, non_blocking=True).unsqueeze(1))
-        self.reporter.stage_capture(
-            CapturedStep(
-                trace_ids=[trace_ids[key] for key in row_keys[taken].tolist()],
-                steps=row_steps[taken].tolist(),
-                rows=served,
-                dropped=dropped,
-                drop_counts=dict(self.dropped),
-            )
-        )
+    def _write(self, key: int, params: SamplingParams, outputs: list[int]) -> bool:
+        return self.write(key, capture_trace_id(params), params.temperature, outputs)

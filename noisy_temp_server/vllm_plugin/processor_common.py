@@ -18,6 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm import SamplingParams
 
+from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.request_args import (
     LogitCorrection,
     RequestTuning,
@@ -26,12 +27,13 @@ from noisy_temp_server.engine_contract.request_args import (
     resolve_correction,
     resolve_request,
 )
-from noisy_temp_server.engine_contract.trace_channel import TraceSender
+from noisy_temp_server.engine_contract.trace_sender import TraceSender
+from noisy_temp_server.step.capture import CaptureBounds
 from noisy_temp_server.step.engine_metrics import step_temperature_metrics
 from noisy_temp_server.step.logit_bias import check_correction
 from noisy_temp_server.step.reports import Reporter
 from noisy_temp_server.step.slot_tuning import SlotTuning
-from noisy_temp_server.vllm_plugin.capture import CaptureBounds, LogitCapture
+from noisy_temp_server.vllm_plugin.capture import LogitCapture
 from noisy_temp_server.vllm_plugin.cpu_amx import request_amx_permission
 from noisy_temp_server.vllm_plugin.runners import reports_on_this_rank
 
@@ -114,7 +116,7 @@ def build_slot_tuning(
         )
     device = torch.device(device)
     reporter = None
-    bounds = CaptureBounds.from_settings()
+    bounds = CaptureBounds.from_engine_config(engine_config())
     if not duplicate and reports_on_this_rank(vllm_config):
         reporter = Reporter(
             TraceSender.from_env(),
@@ -131,5 +133,7 @@ def build_slot_tuning(
         keep_last=keep_last,
         vocab_size=vocab_size,
     )
-    capture = LogitCapture(capacity, reporter, bounds, logits_scaled=logits_scaled)
+    capture = LogitCapture(
+        capacity, reporter, bounds, logits_scaled=logits_scaled, pin_memory=device.type == "cuda"
+    )
     return duplicate, tuning, capture

@@ -6,7 +6,8 @@ scorer uses too). It changes the argmax, so it is *not* argmax-invariant: vLLM r
 before penalties, the request temperature and `NoisyTemperatureLogitsProcessor`, greedy rows
 included — exactly as noisy hardware would.
 
-Configuration (read in the engine process when the processor is built):
+Configuration (`engine_env.EngineConfig`, read in the engine process when the processor is
+built):
 
 - ``NTS_RUNTIME_NOISE_SIGMA``: σ in logit units for every row (default 0: off);
 - ``NTS_RUNTIME_NOISE_SEED``: seed of the processor's generator (default 0). The noise drawn for
@@ -29,8 +30,6 @@ logits) therefore sees the noisy rows, and T* divides the noise too.
 
 from __future__ import annotations
 
-import math
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +38,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
+from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.request_args import parse_runtime_noise_sigma
 from noisy_temp_server.pairs.perturbation import add_runtime_logit_noise
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
@@ -51,36 +51,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
-    "RUNTIME_NOISE_SEED_ENV",
-    "RUNTIME_NOISE_SIGMA_ENV",
     "RuntimeLogitNoiseProcessor",
-    "runtime_noise_from_env",
 ]
-
-RUNTIME_NOISE_SIGMA_ENV = "NTS_RUNTIME_NOISE_SIGMA"
-RUNTIME_NOISE_SEED_ENV = "NTS_RUNTIME_NOISE_SEED"
-
-
-def runtime_noise_from_env() -> tuple[float, int]:
-    """(σ, seed) from ``NTS_RUNTIME_NOISE_SIGMA`` and ``NTS_RUNTIME_NOISE_SEED``.
-
-    Raises ValueError naming the variable when a value is not a finite σ ≥ 0 or an integer seed.
-    """
-    raw_sigma = os.environ.get(RUNTIME_NOISE_SIGMA_ENV, "").strip() or "0"
-    raw_seed = os.environ.get(RUNTIME_NOISE_SEED_ENV, "").strip() or "0"
-    try:
-        sigma = float(raw_sigma)
-    except ValueError:
-        sigma = math.nan
-    if not math.isfinite(sigma) or sigma < 0:
-        raise ValueError(
-            f"{RUNTIME_NOISE_SIGMA_ENV}={raw_sigma!r}: expected a finite number >= 0 (logit units)."
-        )
-    try:
-        seed = int(raw_seed)
-    except ValueError:
-        raise ValueError(f"{RUNTIME_NOISE_SEED_ENV}={raw_seed!r}: expected an integer.") from None
-    return sigma, seed
 
 
 def _validate(sampling_params: SamplingParams) -> None:
@@ -94,9 +66,10 @@ class RuntimeNoiseV1(LogitsProcessor):
     validate_params = staticmethod(_validate)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        self.default_sigma, seed = runtime_noise_from_env()
+        config = engine_config()
+        self.default_sigma = config.runtime_noise_sigma
         self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(seed)
+        self._generator.manual_seed(config.runtime_noise_seed)
         capacity = vllm_config.scheduler_config.max_num_seqs
         # Rows whose σ differs from the default (a request override).
         self._rows = BatchRows(capacity)
@@ -152,9 +125,10 @@ class RuntimeNoiseV2(V2LogitsProcessor):
     validate_params = staticmethod(_validate)
 
     def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
-        self.default_sigma, seed = runtime_noise_from_env()
+        config = engine_config()
+        self.default_sigma = config.runtime_noise_sigma
         self._generator = torch.Generator(device=req_states.device)
-        self._generator.manual_seed(seed)
+        self._generator.manual_seed(config.runtime_noise_seed)
         self._sigma = torch.full(
             (req_states.max_num_reqs,), self.default_sigma, device=req_states.device
         )

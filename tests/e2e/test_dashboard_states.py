@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from server_helpers import free_port
 
+from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.step.engine_metrics import StepTemperatureMetrics
 from noisy_temp_server.temperature.policy import TemperaturePolicy
@@ -72,8 +72,8 @@ def served() -> Iterator[tuple[str, StandInEngine]]:
     for label, value in zip(["0-7", "8-31", "32+"], [1.1, 1.2, 1.3], strict=True):
         steps.histogram.labels(step_bucket=label, rule="sqrt").observe(value)
     for value in (0.2, 0.3):
-        metrics.shadow_kl.labels(temperature="one").observe(value)
-        metrics.shadow_kl.labels(temperature="served").observe(value / 2)
+        metrics.online.shadow_kl.labels(temperature="one").observe(value)
+        metrics.online.shadow_kl.labels(temperature="served").observe(value / 2)
     engine = StandInEngine()
     app = create_app(
         Settings(api_key=SecretStr(API_KEY)),

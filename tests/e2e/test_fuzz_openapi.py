@@ -6,7 +6,7 @@ event).
 
 Not checked: whether every schema-valid request is accepted (`positive_data_acceptance`).
 The document lists OpenAI's fields, some of which this server refuses with a 400 by design
-(`echo`, `suffix`, `best_of` != n, non-text content parts: see `server.protocol`).
+(`echo` with `stream`, `suffix`, `best_of` != n, non-text content parts: see `server.protocol`).
 """
 
 from __future__ import annotations

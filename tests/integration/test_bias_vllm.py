@@ -24,7 +24,7 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
+from noisy_temp_server.engine_contract.keys import TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import TraceCollector
 
 pytestmark = pytest.mark.vllm
 

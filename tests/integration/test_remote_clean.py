@@ -22,10 +22,10 @@ import pytest
 import torch
 from server_helpers import free_port, running_server, stop, wait_until
 
-from noisy_temp_server.commands.serve import ensure_perturbed_checkpoint
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
 from noisy_temp_server.pairs.perturbation import WeightNoiseSpec, apply_perturbation
+from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence, ServedRows
 from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE

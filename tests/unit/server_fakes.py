@@ -22,18 +22,20 @@ from prometheus_client import CollectorRegistry
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensInput
 from vllm.logprobs import Logprob
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceReport
+from noisy_temp_server.online.policy_source import StaticPolicySource
+from noisy_temp_server.pairs.position_scores import scores_at_temperatures
 from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scoreboard import scores_at_temperatures
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
+from noisy_temp_server.server.adapter import ServedAdapter
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.stats import PairTerms
@@ -51,14 +53,21 @@ class FakeEngine:
         self.dead = False
         self.step_seconds = 0.0
         self.aborted: list[str] = []
+        self.lora_requests: list[LoRARequest | None] = []
 
     async def generate(
-        self, prompt: TokensInput, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: TokensInput,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         ids = list(prompt["prompt_token_ids"])
         if any(i >= VOCAB for i in ids):
             raise VLLMValidationError("Token id out of vocabulary", parameter="prompt")
         self.calls.append((ids, sampling_params, request_id))
+        self.lora_requests.append(lora_request)
         count = sampling_params.max_tokens or 1
         new = [(len(ids) + step) % VOCAB for step in range(count)]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -98,11 +107,25 @@ class FakeEngine:
                 logprobs=logprobs,
                 finish_reason="length" if last else None,
             )
-            yield RequestOutput(request_id, None, ids, None, [output], finished=last)
+            first = step == 0 or not delta
+            prompt_logprobs = (
+                _prompt_logprobs(ids)
+                if first and sampling_params.prompt_logprobs is not None
+                else None
+            )
+            yield RequestOutput(request_id, None, ids, prompt_logprobs, [output], finished=last)
 
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("engine is dead")
+
+
+def _prompt_logprobs(ids: list[int]) -> list[dict[int, Logprob] | None]:
+    """As vLLM gives them: none for the first prompt token; -1 for each later one, and its
+    successor id at -2 as the other candidate."""
+    return [None] + [
+        {t: Logprob(-1.0, 1, chr(t)), t + 1: Logprob(-2.0, 2, chr(t + 1))} for t in ids[1:]
+    ]
 
 
 class FakeTokenizer:
@@ -111,6 +134,9 @@ class FakeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
@@ -174,6 +200,9 @@ def build(
     trace_t: float = 1.25,
     traces: FakeTraces | None = None,
     tokenizer: FakeTokenizer | None = None,
+    *,
+    adapter: ServedAdapter | None = None,
+    shadow: Any = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
     traces = traces or FakeTraces(trace_t)
@@ -187,6 +216,8 @@ def build(
         metrics=ApiMetrics(registry),
         metrics_registry=registry,
         trace_source=traces,
+        shadow=shadow,
+        adapter=adapter,
     )
     app.state.registry = registry
     return Harness(TestClient(app), engine, traces)

@@ -13,11 +13,10 @@ import torch
 from profile_helpers import CLEAN, SERVED
 from safetensors.torch import save_file
 
-from noisy_temp_server.calibration.bias_fit import (
+from noisy_temp_server.calibration.bias_fit import calibrate_bias, fit_band_temperatures
+from noisy_temp_server.calibration.bias_quality import (
     BIAS_ROW_NAME,
     bias_quality,
-    calibrate_bias,
-    fit_band_temperatures,
     kl_at_temperatures,
     score_with_rows,
 )
@@ -30,13 +29,14 @@ from noisy_temp_server.calibration.significance import (
     is_significant,
     split_fit_validation_test,
 )
-from noisy_temp_server.correction.bias import LogitBias, PairedRows, evaluate_bias, fit_logit_bias
+from noisy_temp_server.correction.bias import fit_logit_bias
 from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
     load_bias_file,
     save_bias_file,
 )
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import at_request_temperature
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation, output_head

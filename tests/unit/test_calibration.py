@@ -16,12 +16,12 @@ from kl_reference import kl_to_clean
 from profile_helpers import CLEAN, SERVED
 from spy_helpers import record_calls
 
-from noisy_temp_server.calibration import fitting
+from noisy_temp_server.calibration import calibrated_table, fitting
 from noisy_temp_server.calibration import pipeline as calibration_module
+from noisy_temp_server.calibration.calibrated_table import fit_calibrated_table
+from noisy_temp_server.calibration.curves import best_curve_temperature
 from noisy_temp_server.calibration.fitting import (
     FITTED_RULES,
-    best_curve_temperature,
-    fit_calibrated_table,
     fit_rules,
     noise_by_step,
     rule_temperatures,
@@ -310,7 +310,7 @@ def _table_of_bands(
 
 def _alone_beats_one(band: tuple[PositionRecords, PositionRecords]) -> bool:
     """Whether the band's constant beats T = 1 significantly on its own validation prompts."""
-    return fitting._refined_temperature(1.0, *band, BOUNDS, 40) != 1.0
+    return calibrated_table._refined_temperature(1.0, *band, BOUNDS, 40) != 1.0
 
 
 def test_bands_too_thin_to_show_their_gain_alone_adopt_their_constants_together() -> None:

@@ -19,15 +19,10 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
-from noisy_temp_server.engine_contract.request_args import POLICY_FILE_ENV
-from noisy_temp_server.engine_contract.trace_channel import (
-    TRACE_ENDPOINT_ENV,
-    CapturedRows,
-    TraceCollector,
-    TraceSender,
-)
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceCollector
+from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor

@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 
 from noisy_temp_server.calibration.bias_fit import calibrate_bias
 from noisy_temp_server.calibration.profile import CalibrationSettings
-from noisy_temp_server.correction.bias import MASKED_FLOOR, LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.files import (
     find_head_map_file,
     head_map_file_name,
@@ -21,6 +20,12 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap, fit_head_map, head_coordinates
+from noisy_temp_server.correction.paired_rows import (
+    MASKED_FLOOR,
+    LogitBias,
+    PairedRows,
+    evaluate_bias,
+)
 
 VOCAB, WIDTH = 300, 16
 BASIS = torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(0))

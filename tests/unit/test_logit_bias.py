@@ -23,9 +23,8 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
-from noisy_temp_server.engine_contract.request_args import POLICY_FILE_ENV
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV, bias_directories, load_bias
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
+from noisy_temp_server.step.logit_bias import bias_directories, load_bias
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule

@@ -13,8 +13,8 @@ from spy_helpers import record_calls
 from noisy_temp_server.calibration import fitting
 from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
 from noisy_temp_server.calibration.significance import split_by_sequence
-from noisy_temp_server.commands.serve import DEFAULT_PAIR_PROFILE
 from noisy_temp_server.online.estimator import OnlineEstimator
+from noisy_temp_server.online.startup import DEFAULT_PAIR_PROFILE
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature

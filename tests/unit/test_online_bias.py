@@ -17,12 +17,7 @@ import torch
 from profile_helpers import sample_bias, sample_profile
 
 from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
-from noisy_temp_server.correction.bias import (
-    LogitBias,
-    PairedRows,
-    evaluate_bias,
-    fit_bias_at_penalty,
-)
+from noisy_temp_server.correction.bias import fit_bias_at_penalty
 from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
@@ -33,6 +28,7 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import (
     BandedBias,
     at_request_temperature,

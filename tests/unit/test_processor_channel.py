@@ -12,12 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from noisy_temp_server.engine_contract.trace_channel import (
-    TRACE_ENDPOINT_ENV,
-    TraceCollector,
-    TraceReport,
-    TraceSender,
-)
+from noisy_temp_server.engine_contract.keys import TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import TraceCollector, TraceReport
+from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.step.engine_metrics import (
     STEP_TEMPERATURE_BUCKETS,
     StepTemperatureMetrics,

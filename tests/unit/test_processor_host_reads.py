@@ -29,8 +29,8 @@ from test_logit_bias import (
 from test_processor_v2 import _Batch, _ctx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -11,12 +11,8 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
 
-from noisy_temp_server.vllm_plugin.runtime_noise import (
-    RUNTIME_NOISE_SEED_ENV,
-    RUNTIME_NOISE_SIGMA_ENV,
-    RuntimeLogitNoiseProcessor,
-    RuntimeNoiseV2,
-)
+from noisy_temp_server.engine_contract.keys import RUNTIME_NOISE_SEED_ENV, RUNTIME_NOISE_SIGMA_ENV
+from noisy_temp_server.vllm_plugin.runtime_noise import RuntimeLogitNoiseProcessor, RuntimeNoiseV2
 
 
 def _processor(

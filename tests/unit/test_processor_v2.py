@@ -28,8 +28,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
     build_custom_logits_processors_params_validator,
 )
 
-from noisy_temp_server.engine_contract.request_args import POLICY_FILE_ENV
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV, TraceCollector
+from noisy_temp_server.engine_contract.keys import POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.trace_channel import TraceCollector
 from noisy_temp_server.step.engine_metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature, step_temperatures
@@ -513,7 +513,7 @@ def test_admission_evaluates_a_policy_once_per_bounds_and_band(
         evaluated.append(request_temperature)
         return step_temperatures(policy, request_temperature, **bounds)
 
-    monkeypatch.setattr("noisy_temp_server.step.slot_tuning.step_temperatures", counted)
+    monkeypatch.setattr("noisy_temp_server.step.slot_tables.step_temperatures", counted)
     table = CalibratedTable(
         step_edges=(0,), temperatures=(((1.25,),), ((0.75,),)), request_temperature_edges=(0, 0.9)
     )

@@ -9,10 +9,9 @@ from vllm.sampling_params import RequestOutputKind
 from noisy_temp_server.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    CompletionResponse,
-    NtsSummary,
     add_extra_args,
 )
+from noisy_temp_server.server.response_bodies import CompletionResponse, NtsSummary
 
 
 def _completion(**fields: object) -> CompletionRequest:
@@ -126,7 +125,8 @@ def test_server_keys_cannot_come_from_the_client() -> None:
         ({"temperature": -1}, "greater than or equal"),
         ({"n": 0}, "greater than or equal"),
         ({"stream_options": {"include_usage": True}}, "only allowed when stream"),
-        ({"echo": True}, "echo is not supported"),
+        ({"max_tokens": 0}, "0 only with echo"),
+        ({"echo": True, "stream": True}, "non-streamed"),
         ({"prompt": ["a", "b"]}, "one prompt per request"),
         ({"logit_bias": {"x": 1}}, "token ids"),
     ],
@@ -148,3 +148,14 @@ def test_response_serialises_with_nts_extension() -> None:
     assert body["object"] == "text_completion"
     assert body["nts"]["rule"] == "fixed"
     assert body["nts"]["trace"] is None
+
+
+def test_repetition_penalty_reaches_the_engine() -> None:
+    """vLLM's extension; `vllm bench serve --backend openai` sends it (1.0) on every request."""
+    assert (
+        _completion(repetition_penalty=1.3).to_sampling_params(max_tokens=4).repetition_penalty
+        == 1.3
+    )
+    assert _completion().to_sampling_params(max_tokens=4).repetition_penalty == 1.0
+    with pytest.raises(ValidationError, match="greater than 0"):
+        _completion(repetition_penalty=0)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from noisy_temp_server.engine_contract.keys import POLICY_FILE_ENV
 from noisy_temp_server.engine_contract.request_args import (
-    POLICY_FILE_ENV,
     LogitCorrection,
     TuningKeys,
     default_policy_json,

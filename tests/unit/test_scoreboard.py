@@ -14,16 +14,18 @@ from torch import Tensor
 
 from noisy_temp_server.correction.files import bias_sha256, head_map_sha256
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.pairs.position_scores import (
+    PositionScores,
+    position_scores,
+    scores_at_temperatures,
+)
 from noisy_temp_server.pairs.scoreboard import (
     SCOREBOARD_PERCENTILES,
     LiveScoreboard,
     PairScoreboard,
-    PositionScores,
     ScoreAccumulator,
     ScoreboardResult,
     TooFewPositionsError,
-    position_scores,
-    scores_at_temperatures,
 )
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule

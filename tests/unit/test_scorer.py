@@ -11,8 +11,8 @@ import torch
 from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
-from noisy_temp_server.correction.bias import PairedRows
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
 from noisy_temp_server.pairs.perturbation import (

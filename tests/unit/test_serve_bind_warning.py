@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from noisy_temp_server.commands.serve import listens_beyond_loopback, warn_if_open_without_api_key
+from noisy_temp_server.server.exposure import listens_beyond_loopback, warn_if_open_without_api_key
 from noisy_temp_server.settings import Settings
 
 

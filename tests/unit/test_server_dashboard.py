@@ -51,7 +51,7 @@ def test_shadow_kl_totals_are_zero_before_any_scoring_then_count_and_sum() -> No
         "served": HistogramTotals(),
     }
     for value in (0.1, 0.3):
-        metrics.shadow_kl.labels(temperature="one").observe(value)
+        metrics.online.shadow_kl.labels(temperature="one").observe(value)
     totals = shadow_kl_totals(registry.collect())
     assert totals["one"].count == 2
     assert totals["one"].mean == pytest.approx(0.2)
@@ -91,7 +91,7 @@ def client() -> TestClient:
     registry, metrics, steps = _registry()
     for label, value in zip(["0-7"], [1.25], strict=True):
         steps.histogram.labels(step_bucket=label, rule="sqrt").observe(value)
-    metrics.shadow_kl.labels(temperature="one").observe(0.4)
+    metrics.online.shadow_kl.labels(temperature="one").observe(0.4)
 
     async def require_key(request: Request) -> None:
         if request.headers.get("authorization") != f"Bearer {KEY}":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
@@ -14,19 +15,20 @@ import pytest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
 
-from noisy_temp_server.engine_contract.trace_channel import TRACE_ENDPOINT_ENV
+from noisy_temp_server.engine_contract.engine_env import engine_config
+from noisy_temp_server.engine_contract.keys import (
+    BIAS_DIR_ENV,
+    RUNTIME_NOISE_SEED_ENV,
+    RUNTIME_NOISE_SIGMA_ENV,
+    TRACE_ENDPOINT_ENV,
+)
 from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
 from noisy_temp_server.server import engine
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV, bias_directories
+from noisy_temp_server.step.logit_bias import bias_directories
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
-from noisy_temp_server.vllm_plugin.runtime_noise import (
-    RUNTIME_NOISE_SEED_ENV,
-    RUNTIME_NOISE_SIGMA_ENV,
-    RuntimeLogitNoiseProcessor,
-    runtime_noise_from_env,
-)
+from noisy_temp_server.vllm_plugin.runtime_noise import RuntimeLogitNoiseProcessor
 
 
 def _entry_points_return(found: list[EntryPoint], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +93,8 @@ def test_start_engine_sets_the_runtime_noise_environment_before_the_engine_start
 
     def fake_start(args: Any, usage_context: Any) -> str:
         seen["processors"] = args.logits_processors
-        seen["noise"] = runtime_noise_from_env()
+        config = engine_config()
+        seen["noise"] = (config.runtime_noise_sigma, config.runtime_noise_seed)
         return "engine"
 
     monkeypatch.setenv(TRACE_ENDPOINT_ENV, "ipc:///tmp/nts-test-trace.sock")
@@ -195,3 +198,13 @@ def test_the_engine_gets_bias_directories_only_when_a_policy_can_name_a_bias(
     assert bias_directories() == wanted
     listed = os.pathsep.join(str(folder) for folder in wanted) if wanted else None
     assert os.environ.get(BIAS_DIR_ENV) == listed
+
+
+def test_an_invalid_inherited_engine_variable_is_refused_before_anything_is_made(
+    clean_process_environment: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    clean_process_environment.setenv(RUNTIME_NOISE_SIGMA_ENV, "loud")
+    clean_process_environment.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match=RUNTIME_NOISE_SIGMA_ENV):
+        engine.prepare_environment(Settings())
+    assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ import pytest
 
 from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
 from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries, mean_alpha
-from noisy_temp_server.server.protocol import NtsSummary
+from noisy_temp_server.server.response_bodies import NtsSummary
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

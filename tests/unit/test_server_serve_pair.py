@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,16 +17,7 @@ from transformers import AutoConfig
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import serve
-from noisy_temp_server.commands.serve import (
-    DEFAULT_PAIR_PROFILE,
-    ServedPair,
-    ensure_perturbed_checkpoint,
-    load_profile_for_pair,
-    pair_scorer,
-    resolve_pair,
-    serves_default_pair,
-    startup_profile,
-)
+from noisy_temp_server.commands.serve import resolve_pair
 from noisy_temp_server.correction.files import (
     bias_sha256,
     head_map_sha256,
@@ -34,6 +26,16 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, RUNTIME_NOISE_SEED_ENV
+from noisy_temp_server.online import startup
+from noisy_temp_server.online.startup import (
+    DEFAULT_PAIR_PROFILE,
+    check_served_bias,
+    load_profile_for_pair,
+    pair_scorer,
+    serves_default_pair,
+    startup_profile,
+)
 from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
 from noisy_temp_server.pairs.clean_backend import InProcessModel
 from noisy_temp_server.pairs.perturbation import (
@@ -42,10 +44,13 @@ from noisy_temp_server.pairs.perturbation import (
     WeightNoiseSpec,
     parse_spec,
 )
-from noisy_temp_server.pairs.perturbed_checkpoint import write_perturbed_checkpoint
+from noisy_temp_server.pairs.perturbed_checkpoint import (
+    ensure_perturbed_checkpoint,
+    write_perturbed_checkpoint,
+)
+from noisy_temp_server.pairs.served_pair import ServedPair
 from noisy_temp_server.server import engine as engine_module
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
@@ -75,7 +80,7 @@ def test_runtime_noise_perturbation_serves_the_clean_weights_without_a_copy(
 def test_served_model_recording_runtime_noise_is_served_with_it_and_scores_against_itself(
     runtime_noise_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="noisy_temp_server.serve"):
+    with caplog.at_level(logging.INFO, logger="noisy_temp_server.pairs.served_pair"):
         pair = resolve_pair(Settings(served_model=runtime_noise_dir))
     assert pair == ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
     assert pair.runtime_noise == NOISE
@@ -248,7 +253,7 @@ def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
         clean_identity, ModelIdentity.perturbed(clean_identity, DEFAULT_NOISE), tmp_path / "d.json"
     )
     pair = ServedPair(tiny_model_dir, tiny_model_dir, DEFAULT_NOISE)
-    monkeypatch.setattr(serve, "DEFAULT_PAIR_PROFILE", fitting)
+    monkeypatch.setattr(startup, "DEFAULT_PAIR_PROFILE", fitting)
     profile, path, source = startup_profile(Settings(), pair)
     assert profile is not None
     assert path == fitting  # its folder holds its bias file (not that of `--profile`: none)
@@ -265,7 +270,7 @@ def test_the_default_pair_starts_from_the_shipped_profile_if_it_fits(
     # a shipped profile that does not fit (another conversion of the default model): T = 1
     other = ModelIdentity(name="other", weights_sha256="c" * 64)
     monkeypatch.setattr(
-        serve,
+        startup,
         "DEFAULT_PAIR_PROFILE",
         _profile_for(other, ModelIdentity.perturbed(other, DEFAULT_NOISE), tmp_path / "o.json"),
     )
@@ -306,24 +311,36 @@ def test_a_bias_that_does_not_fit_the_served_vocabulary_is_refused_at_startup(
         vector = torch.randn(size)
         save_bias_file(tmp_path, vector)
         policies[size] = dataclasses.replace(TemperaturePolicy.identity(), bias=bias_sha256(vector))
-    serve.check_served_bias(policies[vocab], pair)
-    serve.check_served_bias(TemperaturePolicy.identity(), pair)
+    check_served_bias(policies[vocab], pair)
+    check_served_bias(TemperaturePolicy.identity(), pair)
     with pytest.raises(
         ProfileError, match=rf"{vocab + 1} entries but the served model .* of {vocab} tokens"
     ):
-        serve.check_served_bias(policies[vocab + 1], pair)
+        check_served_bias(policies[vocab + 1], pair)
     missing = dataclasses.replace(TemperaturePolicy.identity(), bias="ab" * 32)
     with pytest.raises(ProfileError, match="not available to this engine"):
-        serve.check_served_bias(missing, pair)
+        check_served_bias(missing, pair)
     for size in (vocab, vocab + 1):
         head_map = HeadMap(left=torch.randn(size, 2), right=torch.randn(2, size))
         save_head_map_file(tmp_path, head_map)
         mapped = dataclasses.replace(policies[vocab], head_map=head_map_sha256(head_map))
         if size == vocab:
-            serve.check_served_bias(mapped, pair)
+            check_served_bias(mapped, pair)
             continue
         with pytest.raises(ProfileError, match=rf"head map .* maps rows of {vocab + 1} tokens"):
-            serve.check_served_bias(mapped, pair)
+            check_served_bias(mapped, pair)
     unknown_map = dataclasses.replace(policies[vocab], head_map="cd" * 32)
     with pytest.raises(ProfileError, match=r"head map cdcd.* not available to this engine"):
-        serve.check_served_bias(unknown_map, pair)
+        check_served_bias(unknown_map, pair)
+
+
+def test_serve_refuses_an_invalid_engine_variable_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(RUNTIME_NOISE_SEED_ENV, "1.5")
+    monkeypatch.delitem(sys.modules, "prometheus_client", raising=False)  # put back afterwards
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with caplog.at_level(logging.ERROR, logger="noisy_temp_server.serve"):
+        assert serve.run(parser.parse_args([])) == 1
+    assert f"Refusing to serve: {RUNTIME_NOISE_SEED_ENV}='1.5'" in caplog.text

@@ -26,11 +26,12 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
-from noisy_temp_server.online.shadow import CpuBudget, ShadowScorer, request_sequence_id
+from noisy_temp_server.online.cpu_budget import CpuBudget
+from noisy_temp_server.online.metrics import OnlineMetrics
+from noisy_temp_server.online.shadow import ShadowScorer, request_sequence_id
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
-from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 
 
 class Setup:
@@ -53,7 +54,7 @@ class Setup:
         self.shadow = ShadowScorer(
             scorer,
             self.estimator,
-            ApiMetrics(self.registry),
+            OnlineMetrics(self.registry),
             fraction=fraction,
             queue_size=queue_size,
             rows=FakeTraces(1.0),

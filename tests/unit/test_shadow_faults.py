@@ -40,6 +40,8 @@ from noisy_temp_server.correction.files import (
     save_head_map_file,
 )
 from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
+from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.online.shadow import ShadowScorer
 from noisy_temp_server.pairs.clean_backend import RemoteClean
 from noisy_temp_server.pairs.records import PositionRecords
@@ -47,9 +49,7 @@ from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequen
 from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
-from noisy_temp_server.server.policy_source import StaticPolicySource
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.step.logit_bias import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 REQUESTS = 12
@@ -105,7 +105,7 @@ class Served:
         self.shadow = ShadowScorer(
             scorer,
             estimator,
-            metrics,
+            metrics.online,
             fraction=fraction,
             queue_size=queue_size,
             rows=self.traces,

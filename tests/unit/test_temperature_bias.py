@@ -8,13 +8,8 @@ import pytest
 import torch
 from kl_reference import kl_to_clean
 
-from noisy_temp_server.correction.bias import (
-    LogitBias,
-    PairedRows,
-    evaluate_bias,
-    fit_bias_at_penalty,
-    fit_logit_bias,
-)
+from noisy_temp_server.correction.bias import fit_bias_at_penalty, fit_logit_bias
+from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import best_temperature
 from noisy_temp_server.temperature.rules import TemperatureBounds
 from noisy_temp_server.temperature.stats import pair_statistics

@@ -97,7 +97,15 @@ function renderPolicy(status) {
     rows.push(["last refit", refit ? new Date(refit * 1000).toLocaleTimeString() : "never"]);
     rows.push(["estimator", estimator.healthy === false ? `error: ${estimator.last_error}` : "healthy"]);
   }
+  rows.push(["adapter", adapterText(status.adapter), "the compensation adapter under the policy"]);
   facts("policy-facts", rows);
+}
+
+// The compensation adapter's path in force: folded into the weights, vLLM's LoRA, or none.
+function adapterText(adapter) {
+  if (!adapter || adapter.path === "none") return "none";
+  const how = adapter.path === "folded" ? "folded into the weights" : "LoRA (vLLM)";
+  return `${how} · rank ${fmt(adapter.rank)} · ${adapter.sha256.slice(0, 12)}…`;
 }
 
 function renderKl(dashboard) {

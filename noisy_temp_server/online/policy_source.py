@@ -1,8 +1,10 @@
-"""Where new requests get their temperature policy, and how the server describes it.
+"""Where new requests get their temperature policy, and how a policy is described.
 
-`PolicySource` is the policy holder the server asks at each admission (the online estimator is
-one; `StaticPolicySource` serves a profile's policy or the identity); `describe_policy` is what
-`/v1/nts/status` and the policy gauges report of a policy.
+`PolicySource` is the one protocol of a policy holder: the server asks it at each admission;
+`online.estimator.OnlineEstimator` is one (it refits the policy from live traffic),
+`StaticPolicySource` another (a profile's policy, or the identity, that never changes).
+`describe_policy` is what `/v1/nts/status` and the policy gauges (`online.metrics`) report of
+a policy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ __all__ = ["PolicySource", "StaticPolicySource", "describe_policy"]
 
 
 class PolicySource(Protocol):
-    """Where new requests get their policy (`online.estimator.OnlineEstimator` is one)."""
+    """Where new requests get their policy: `current_policy` is an immutable snapshot, safe to
+    call from any thread; `status` is JSON-ready."""
 
     def current_policy(self) -> TemperaturePolicy: ...
 
@@ -26,7 +29,8 @@ class PolicySource(Protocol):
 
 @dataclass(frozen=True)
 class StaticPolicySource:
-    """A policy that never changes (a profile, or the identity when there is no estimator)."""
+    """A policy that never changes (a profile's, or the identity when there is no estimator);
+    `origin` says where it came from, in words."""
 
     policy: TemperaturePolicy
     origin: str

@@ -1,0 +1,409 @@
+"""The per-step path of the T* processor on a device, checked without vLLM in one short run.
+
+For every rule (`gpu_check_step.POLICIES`: the table rules, ``schedule``, ``fisher``, a
+calibrated table over the entropy), every correction (none, a per-token bias, a bias with a head
+map) and every batch and vocabulary asked for, the real step objects (`gpu_check_step`) run a
+few steps on the device and on the CPU from the same served logits:
+
+- correctness: the device's logits equal the CPU's within `TOLERANCE` (NaN and ±inf where the
+  CPU has them), and so do what the step delivers to the host (per-request summaries, traces,
+  captured rows, the bad-row count, the histogram's count and sum); on CUDA every step runs
+  under ``torch.cuda.set_sync_debug_mode("error")``, so a synchronising call fails its case;
+- cost: per step, the device time (CUDA events; on a CPU, wall time) and the host time of the
+  step against the bare division ``logits / T`` on the same tensor (and the bare bias add and
+  head-map products), and the physical limit: one read and one write of the ``[B, V]`` float32
+  logits at the device's measured copy bandwidth;
+- goals (`GOALS`), evaluated at batch 256 and vocabulary 128 256 when measured.
+
+One JSON file holds it all (``--out``; docs/gpu.md explains each field). From the repository
+root, on the GPU machine (PyTorch, numpy and prometheus-client; no vLLM; nothing installed: the
+script finds the package beside it):
+
+    python benchmarks/gpu_check.py --device cuda --out gpu_check.json
+
+and in CI on a CPU, small sizes: ``--device cpu --quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:  # the checkout's package, installed or not
+    sys.path.insert(0, _ROOT)
+
+from gpu_check_step import (  # noqa: E402 (after the package's folder is on the path)
+    CORRECTIONS,
+    POLICIES,
+    STEPS,
+    TABLE_RULES,
+    Correction,
+    StepHarness,
+    served_logits,
+)
+
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+"""|device - cpu| <= atol + rtol |cpu| for every logit and every T* quantity delivered."""
+GOAL_SIZE = (256, 128_256)
+GOALS = {
+    "host_us_per_step": 50.0,
+    "step_over_divide": 2.0,
+    "map_step_over_products": 1.2,
+}
+"""At `GOAL_SIZE`: host µs per step and device time over the bare division, for every table rule
+with a bias; device time of a table rule's step with a bias and head map over its bare products."""
+FULL = {"batches": (1, 64, 256), "vocabs": (49_152, 128_256, 151_936), "repeats": 20, "rank": 128}
+QUICK = {"batches": (1, 8), "vocabs": (1_000, 3_001), "repeats": 3, "rank": 8}
+_LONG_INTERVAL_S = 3600.0  # the correctness harness's reporter delivers only at close
+
+
+@contextlib.contextmanager
+def _no_sync(device: torch.device) -> Iterator[None]:
+    """On CUDA, any synchronising call inside raises (``set_sync_debug_mode("error")``)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _close(got: Any, want: Any) -> bool:
+    return bool(np.allclose(got, want, equal_nan=True, **TOLERANCE))
+
+
+def _logits_error(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+    """(within `TOLERANCE` with NaN and ±inf where ``want`` has them, max |got - want| over the
+    finite entries), computed on ``got``'s device."""
+    want = want.to(got.device)
+    close = bool(torch.isclose(got, want, equal_nan=True, **TOLERANCE).all())
+    finite = want.isfinite() & got.isfinite()
+    error = torch.where(finite, (got - want).abs(), 0.0).max()
+    return close, float(error)
+
+
+def _compare_delivered(got: dict[str, Any], want: dict[str, Any]) -> dict[str, bool]:
+    """Whether each part of what the device's step delivered matches the CPU's."""
+
+    def same_ids(a: list[Any], b: list[Any], width: int) -> bool:
+        return [r[:width] for r in a] == [r[:width] for r in b]
+
+    summaries, traces = got["summaries"], got["traces"]
+    return {
+        "state": _close(got["state"], want["state"]),
+        "summaries": same_ids(summaries, want["summaries"], 2)
+        and [r[3] for r in summaries] == [r[3] for r in want["summaries"]]
+        and _close([r[2:] for r in summaries], [r[2:] for r in want["summaries"]]),
+        "traces": same_ids(traces, want["traces"], 2)
+        and _close([r[2] for r in traces], [r[2] for r in want["traces"]]),
+        "captured_rows": [r for r, _ in got["rows"]] == [r for r, _ in want["rows"]]
+        and all(
+            np.array_equal(a, b, equal_nan=True)
+            for (_, a), (_, b) in zip(got["rows"], want["rows"], strict=True)
+        ),
+        "bad_rows": got["bad_rows"] == want["bad_rows"],
+        "histogram": got["histogram"]["count"] == want["histogram"]["count"]
+        and _close(got["histogram"]["sum"], want["histogram"]["sum"]),
+    }
+
+
+def check_case(
+    rule: str,
+    correction: str,
+    served: torch.Tensor,
+    fixture: Correction,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Run `STEPS` on ``device`` and on the CPU from ``served`` [B, V] and compare."""
+    batch, vocab = served.shape
+    policy = fixture.policy(POLICIES[rule], correction)
+    harnesses = [
+        StepHarness(
+            policy,
+            batch,
+            vocab,
+            where,
+            corrections=fixture.source(),
+            report_interval_s=_LONG_INTERVAL_S,
+        )
+        for where in (torch.device("cpu"), device)
+    ]
+    reference, tested = harnesses
+    want, got = served.clone(), served.to(device, copy=True)
+    served_on_device = got.clone()
+    result: dict[str, Any] = {"rule": rule, "correction": correction, "batch": batch}
+    result |= {"vocab": vocab, "sync_error": None, "max_abs_error": 0.0, "logits_close": True}
+    for step in STEPS:
+        want.copy_(served)
+        got.copy_(served_on_device)
+        reference.step(want, *reference.keys(step))
+        keys, steps = tested.keys(step)
+        try:
+            with _no_sync(device), torch.inference_mode():  # as vLLM runs its sampler
+                tested.step(got, keys, steps)
+        except RuntimeError as error:
+            result["sync_error"] = str(error).splitlines()[0]
+            break
+        close, worst = _logits_error(got, want)
+        result["logits_close"] &= close
+        result["max_abs_error"] = max(result["max_abs_error"], worst)
+    for harness in harnesses:
+        harness.close()
+    delivered = _compare_delivered(tested.delivered(), reference.delivered())
+    result["delivered"] = delivered
+    result["passed"] = (
+        result["sync_error"] is None and result["logits_close"] and all(delivered.values())
+    )
+    return result
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(
+    run: Callable[[], Any], reset: Callable[[], Any], device: torch.device, repeats: int
+) -> tuple[float, float]:
+    """(device µs, host µs) of ``run``: medians over ``repeats`` calls, each after an untimed
+    ``reset`` and an idle device, after two warm-up calls. Device time: CUDA events around the
+    call (on a CPU, its wall time); host time: the wall time until the call returns."""
+    for _ in range(2):
+        reset()
+        run()
+    device_times, host_times = [], []
+    for _ in range(repeats):
+        reset()
+        _synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        started = time.perf_counter()
+        run()
+        host_times.append((time.perf_counter() - started) * 1e6)
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            device_times.append(start.elapsed_time(end) * 1e3)
+        else:
+            device_times.append(host_times[-1])
+    return statistics.median(device_times), statistics.median(host_times)
+
+
+def copy_bandwidth_gb_s(device: torch.device) -> float:
+    """The device's copy bandwidth (GB/s, read + write counted) of a 256 MiB ``copy_`` (on a
+    CPU, 32 MiB)."""
+    source = torch.ones((64 if device.type == "cuda" else 8) << 20, device=device)
+    target = torch.empty_like(source)
+    seconds, _ = _timed(lambda: target.copy_(source), lambda: None, device, 10)
+    return 2 * source.numel() * 4 / (seconds * 1e-6) / 1e9
+
+
+def measure_cost(
+    rule: str,
+    correction: str,
+    served: torch.Tensor,
+    fixture: Correction,
+    device: torch.device,
+    *,
+    repeats: int,
+    bandwidth_gb_s: float,
+) -> dict[str, Any]:
+    """The step's device and host time at ``served``'s size against the bare arithmetic, with
+    the reporter thread running as in the engine."""
+    batch, vocab = served.shape
+    policy = fixture.policy(POLICIES[rule], correction)
+    harness = StepHarness(
+        policy, batch, vocab, device, corrections=fixture.source(), report_interval_s=0.02
+    )
+    source = served.to(device)
+    logits = source.clone()
+    keys, steps = harness.keys(STEPS[1])
+
+    def reset() -> None:
+        logits.copy_(source)
+
+    with torch.inference_mode():
+        step = _timed(lambda: harness.step(logits, keys, steps), reset, device, repeats)
+        column = torch.full((batch, 1), 1.3, device=device)
+        divide = _timed(lambda: logits.div_(column), reset, device, repeats)
+        bias = fixture.bias.to(device)
+        add = _timed(lambda: logits.add_(bias), reset, device, repeats)
+        right = fixture.head_map.right.to(device)
+        left_t = fixture.head_map.left.T.contiguous().to(device)
+        products = _timed(lambda: logits.addmm_(logits @ right.T, left_t), reset, device, repeats)
+    harness.close()
+    limit_us = 2 * batch * vocab * 4 / (bandwidth_gb_s * 1e9) * 1e6
+    result = {"rule": rule, "correction": correction, "batch": batch, "vocab": vocab}
+    result |= {"step_device_us": step[0], "step_host_us": step[1]}
+    result |= {"divide_device_us": divide[0], "divide_host_us": divide[1]}
+    result |= {"add_device_us": add[0], "products_device_us": products[0], "limit_us": limit_us}
+    result |= {"step_over_divide": step[0] / divide[0], "step_over_products": step[0] / products[0]}
+    return {
+        key: round(value, 3) if isinstance(value, float) else value for key, value in result.items()
+    }
+
+
+def _goal(name: str, rows: list[dict[str, Any]], field: str) -> dict[str, Any]:
+    """The worst ``field`` of ``rows`` (the goal's cases at `GOAL_SIZE`) against its target."""
+    target = GOALS[name]
+    if not rows:
+        return {"name": name, "target": target, "measured": None, "passed": None}
+    worst = max(rows, key=lambda row: row[field])
+    measured = worst[field]
+    return {
+        "name": name,
+        "target": target,
+        "measured": measured,
+        "worst_rule": worst["rule"],
+        "passed": measured <= target,
+    }
+
+
+def evaluate_goals(
+    cost: list[dict[str, Any]], correctness: dict[str, Any], device: torch.device
+) -> list[dict[str, Any]]:
+    """`GOALS` from the measured cost (None where `GOAL_SIZE` was not measured), and no
+    synchronising call in any step (None on a CPU, where nothing can tell)."""
+    at_goal = [row for row in cost if (row["batch"], row["vocab"]) == GOAL_SIZE]
+    biased = [r for r in at_goal if r["rule"] in TABLE_RULES and r["correction"] == "bias"]
+    mapped = [r for r in at_goal if r["rule"] in TABLE_RULES and r["correction"] == "bias+map"]
+    synced = [case for case in correctness["cases"] if case.get("sync_error")]
+    no_sync = None if device.type != "cuda" else not synced
+    return [
+        {"name": "no_synchronising_call", "target": 0, "measured": len(synced), "passed": no_sync},
+        _goal("host_us_per_step", biased, "step_host_us"),
+        _goal("step_over_divide", biased, "step_over_divide"),
+        _goal("map_step_over_products", mapped, "step_over_products"),
+    ]
+
+
+def _sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """Every (batch, vocab) asked for, the goal size first (timings there matter most)."""
+    sizes = [(batch, vocab) for vocab in args.vocabs for batch in args.batches]
+    return sorted(sizes, key=lambda size: size != GOAL_SIZE)
+
+
+def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "command": " ".join(sys.argv),
+        "batches": list(args.batches),
+        "vocabs": list(args.vocabs),
+        "map_rank": args.map_rank,
+        "repeats": args.repeats,
+        "steps": list(STEPS),
+        "tolerance": TOLERANCE,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Correctness at every size, then the cost (the goal size first), within ``budget_s``: a
+    case past it is listed as skipped, and the results say so."""
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    generator = torch.Generator().manual_seed(args.seed)
+    fixtures = {v: Correction.random(v, args.map_rank, generator) for v in args.vocabs}
+    cases = [(rule, correction) for rule in POLICIES for correction in CORRECTIONS]
+    correctness: dict[str, Any] = {"cases": [], "skipped": 0}
+    cost: list[dict[str, Any]] = []
+    bandwidth = copy_bandwidth_gb_s(device)
+    for phase in ("correctness", "cost"):
+        for batch, vocab in _sizes(args):
+            served = served_logits(batch, vocab, generator)
+            for rule, correction in cases:
+                if time.perf_counter() - started > args.budget_s:
+                    correctness["skipped"] += phase == "correctness"
+                    continue
+                if phase == "correctness":
+                    case = check_case(rule, correction, served, fixtures[vocab], device)
+                    correctness["cases"].append(case)
+                else:
+                    row = measure_cost(
+                        rule,
+                        correction,
+                        served,
+                        fixtures[vocab],
+                        device,
+                        repeats=args.repeats,
+                        bandwidth_gb_s=bandwidth,
+                    )
+                    cost.append(row)
+            elapsed = time.perf_counter() - started
+            print(f"{phase} B={batch} V={vocab}: {elapsed:.0f} s", file=sys.stderr, flush=True)
+    correctness["passed"] = not correctness["skipped"] and all(
+        case["passed"] for case in correctness["cases"]
+    )
+    goals = evaluate_goals(cost, correctness, device)
+    return {
+        "meta": _meta(args, device) | {"seconds": round(time.perf_counter() - started, 1)},
+        "copy_bandwidth_gb_s": round(bandwidth, 1),
+        "correctness": correctness,
+        "cost": cost,
+        "cost_complete": len(cost) == len(cases) * len(_sizes(args)),
+        "goals": goals,
+        "passed": correctness["passed"] and all(goal["passed"] is not False for goal in goals),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file of results")
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI on a CPU)")
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 64 256")
+    parser.add_argument("--vocabs", type=int, nargs="+", help="default: 49152 128256 151936")
+    parser.add_argument("--repeats", type=int, help="timed steps per measurement (default 20)")
+    parser.add_argument("--map-rank", type=int, help="the head map's rank (default 128)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's)")
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="skip what is left after this many seconds"
+    )
+    args = parser.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    args.batches = args.batches or defaults["batches"]
+    args.vocabs = args.vocabs or defaults["vocabs"]
+    args.repeats = args.repeats or defaults["repeats"]
+    args.map_rank = args.map_rank or defaults["rank"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check, write ``--out``; exit status 0 when correctness and every measured goal
+    passed, 1 otherwise."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = run(args)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    summary = {goal["name"]: goal["passed"] for goal in results["goals"]}
+    print(json.dumps({"correctness": results["correctness"]["passed"], **summary}))
+    return 0 if results["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

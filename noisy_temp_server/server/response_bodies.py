@@ -1,0 +1,175 @@
+"""The OpenAI protocol's response bodies as this server sends them (requests:
+`server.protocol`). Unknown fields are refused here too, so a response never carries a field
+by mistake; the `nts` objects are this project's extension.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ChatChunkChoice",
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionLogprobs",
+    "ChatCompletionResponse",
+    "ChatDelta",
+    "ChatResponseMessage",
+    "ChatTokenLogprob",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionResponse",
+    "CompletionStreamResponse",
+    "ModelCard",
+    "ModelList",
+    "NtsSummary",
+    "TopLogprob",
+    "Usage",
+]
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NtsSummary(_Response):
+    """The `nts` extension object: what temperature the request was served at.
+
+    `t_mean`, `t_min`, `t_max` summarise T* over the generation steps (T* only: the effective
+    temperature is the request's own temperature times T*). Greedy and tuning-off requests
+    report T* = 1. `trace` (per step) only when the request asked with `nts_trace`. The T
+    statistics are null when the engine's trace did not arrive (then `steps` still counts the
+    generated tokens). `bias`: the sha256 of the per-token logit bias added to the served
+    logits before the temperature (null: none); `head_map`: the sha256 of the low-rank head map
+    applied to the served logits before that bias (null: none; only with a bias). Unlike a
+    temperature, the bias and the head map change greedy output and the returned logprobs
+    (greedy requests get them too, unless `nts_bias` is false). `adapter`: the sha256 of the
+    compensation adapter the served weights were corrected by (null: none; `server.adapter`).
+    """
+
+    rule: str
+    policy_version: int
+    alpha: float | None = None
+    t_mean: float | None
+    t_min: float | None
+    t_max: float | None
+    steps: int
+    trace: list[float] | None = None
+    bias: str | None = None
+    head_map: str | None = None
+    adapter: str | None = None
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    nts: NtsSummary | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    nts: NtsSummary | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed completion chunk (same object name as the full response, as OpenAI does)."""
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+    nts: NtsSummary | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage | None = None
+    nts: NtsSummary | None = None
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+    nts: NtsSummary | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    nts: NtsSummary | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "noisy-temp-server"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

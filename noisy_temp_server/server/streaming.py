@@ -1,0 +1,145 @@
+"""Server-sent events for `/v1/completions` and `/v1/chat/completions`: `stream_choices` runs a
+prepared request's choices on the engine (`server.serving`) and streams one chunk per engine
+output, then the usage and the `nts` summary, then `[DONE]`; the engine requests and the
+shadow scorer's samples are released however the response ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from noisy_temp_server.server.errors import openai_error_from_exception
+from noisy_temp_server.server.serving import (
+    Choice,
+    GenerationRequest,
+    Piece,
+    PreparedRequest,
+    absorb,
+    engine_streams,
+    forget_unsummarized,
+    overall_summary,
+    summarize,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+
+    from noisy_temp_server.server.response_bodies import (
+        ChatCompletionChunk,
+        CompletionStreamResponse,
+    )
+    from noisy_temp_server.server.state import ServerState
+
+__all__ = ["stream_choices"]
+
+
+async def _primed(
+    stream: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Fetch the first item now (so admission errors still get a proper status code)."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        first = None
+    except Exception as error:
+        raise openai_error_from_exception(error) from error
+
+    async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
+        if first is None:
+            return
+        yield first
+        async for item in stream:
+            yield item
+
+    return rest()
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def stream_choices(
+    state: ServerState,
+    request: GenerationRequest,
+    prepared: PreparedRequest,
+    *,
+    chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
+    chunk_choice: Callable[[Choice, Piece], Any],
+    opening: Sequence[Any] = (),
+) -> StreamingResponse:
+    """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
+    made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
+    then `[DONE]`. Errors before the first output raise (proper status code); later ones
+    are reported in-band. When the response's ASGI call ends, whether or not its body was ever
+    iterated, the engine requests still running are aborted and the choices that end without a
+    summary are cancelled on the shadow scorer and forgotten on the trace channel."""
+    engine = engine_streams(state, prepared)
+    try:
+        stream = await _primed(engine)
+    except BaseException:  # refused or cancelled before its first output: no `release`
+        forget_unsummarized(state, prepared)
+        raise
+
+    async def release() -> None:
+        forget_unsummarized(state, prepared)
+        await engine.aclose()  # aborts what the body did not run to its end
+
+    def chunk(choices: list[Any], **extra: Any) -> str:
+        response = chunk_type(
+            id=prepared.request_id, model=state.model_name, choices=choices, **extra
+        )
+        return _sse(response.model_dump(mode="json"))
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for choice in opening:
+                yield chunk([choice])
+            async for index, request_output in stream:
+                choice = prepared.choices[index]
+                piece = absorb(choice, request_output.outputs[0])
+                if piece.finish_reason is not None:
+                    choice.summary = await summarize(state, prepared, choice)
+                yield chunk([chunk_choice(choice, piece)])
+            yield chunk(
+                [],
+                usage=usage(prepared) if request.include_usage_in_stream else None,
+                nts=overall_summary(prepared),
+            )
+        except Exception as error:  # after the 200 status line: report in-band
+            yield _sse(openai_error_from_exception(error).body())
+        yield _sse("[DONE]")
+
+    return _ReleasingStreamingResponse(events(), release=release, media_type="text/event-stream")
+
+
+class _ReleasingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` that awaits `release` once its ASGI call ends, however it ends:
+    streamed to the end, the client gone mid-stream, the client gone before Starlette iterates
+    the body at all (the body's generator then never starts, so a `finally` in it never runs),
+    sending failed or the call cancelled (Starlette then skips its `background` task).
+    `release` runs shielded from that cancellation."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        *,
+        release: Callable[[], Awaitable[None]],
+        media_type: str,
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._release()

@@ -31,7 +31,6 @@ from noisy_temp_server.calibration.pipeline import (
 from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
 from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.significance import (
-    cluster_stderr,
     is_not_worse,
     is_significant,
     split_fit_validation_test,
@@ -42,6 +41,7 @@ from noisy_temp_server.correction.bias import evaluate_bias
 from noisy_temp_server.correction.files import save_bias_file, save_head_map_file
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.pairs.standard_error import cluster_stderr
 
 __all__ = ["AdapterFamily", "calibrate_family", "head_map_gain", "stack_section"]
 

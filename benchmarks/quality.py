@@ -32,6 +32,15 @@ the recommended rule and the oracle on the same test rows, and its paired gain o
 `--w8a8 DIR` adds a real compressed-tensors checkpoint from
 `noisy-temp-server quantize --format w8a8 --out DIR`.
 
+`--adapter-rank R` calibrates every family with the compensation adapter first
+(`calibrate --adapter-rank R`: every table above then measures the rules and the bias on top
+of it where it is recommended) and adds each layer of the stack on the test prompts (and on
+`--cross-domain FILE`'s prompts): served T = 1, adapter alone, adapter + T, adapter + bias +
+T, beside the per-position oracle T, with greedy agreement (`benchmarks/quality_adapter.py`);
+runtime logit noise is refused an adapter by calibration and reported so. `--head-map-rank R`
+(with `--head-map-families`) adds the paired gain of a head map fitted on top of it. Results
+then go to quality_adapter.md and quality_adapter.json.
+
 Writes benchmarks/results/quality.md and quality.json (after each family). 48 prompts (about
 19 fit, 14 validation, 15 test) of 32 tokens take a few minutes per family with --threads 1 on
 2 CPU cores.
@@ -48,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from quality_adapter import calibrate_family, head_map_gain, stack_section
 
 from noisy_temp_server.calibration.bias_fit import (
     penalties_text,
@@ -62,12 +72,12 @@ from noisy_temp_server.calibration.pipeline import (
     score_pair,
 )
 from noisy_temp_server.calibration.profile import CalibrationSettings, QualityRow, QualityTable
-from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.calibration.prompts import Prompt, load_prompts
 from noisy_temp_server.calibration.quality import quality_row
 from noisy_temp_server.calibration.significance import is_not_worse
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.loading import load_pair
+from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.perturbation import (
     PerturbationSpec,
     QuantizationSpec,
@@ -332,6 +342,60 @@ def _markdown(label: str, seconds: float, result: CalibrationResult, rows: list[
     return "\n".join(lines) + "\n"
 
 
+def _calibrate(
+    name: str,
+    pair: LoadedPair,
+    prompts: list[Prompt],
+    settings: CalibrationSettings,
+    args: argparse.Namespace,
+) -> tuple[CalibrationResult, ScoredSet, str, dict[str, Any]]:
+    """The family's calibration and scores; with `--adapter-rank`, calibrated with the adapter
+    and the stack's markdown and JSON (`quality_adapter`), else empty ones."""
+    if not settings.adapter_rank:
+        scored = score_pair(pair, prompts, settings, device=args.device)
+        return calibrate_scored(pair, scored, settings), scored, "", {}
+    family = calibrate_family(pair, prompts, settings, device=args.device)
+    text, document = stack_section(
+        pair,
+        family,
+        [] if args.cross_domain is None else load_prompts(args.cross_domain),
+        greedy_tokens=args.greedy_tokens,
+        device=args.device,
+    )
+    if args.head_map_rank and name in args.head_map_families:
+        map_text, document["head_map"] = head_map_gain(pair, family.data, args.head_map_rank)
+        text += "\n" + map_text
+    return family.data.result, family.data.scored, "\n" + text, {"adapter_stack": document}
+
+
+def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=0,
+        help="calibrate with a compensation adapter of this rank and measure its stack (0: off)",
+    )
+    parser.add_argument("--adapter-method", choices=("eora", "svd"), default="eora")
+    parser.add_argument(
+        "--cross-domain",
+        type=Path,
+        default=None,
+        help="with --adapter-rank: also measure the stack on these prompts (JSONL)",
+    )
+    parser.add_argument(
+        "--greedy-tokens", type=int, default=16, help="greedy answer length for the stack"
+    )
+    parser.add_argument(
+        "--head-map-rank",
+        type=int,
+        default=0,
+        help="with --adapter-rank: the paired gain of a head map of this rank on top (0: off)",
+    )
+    parser.add_argument(
+        "--head-map-families", nargs="+", default=["int4", "noise-0.05"], metavar="FAMILY"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -365,6 +429,7 @@ def main() -> int:
         default=None,
         help="torch CPU threads (default: torch's); 1 is much faster on a loaded, shared machine",
     )
+    _adapter_arguments(parser)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -373,14 +438,20 @@ def main() -> int:
     started = time.monotonic()
     clean_path = ensure_default_model(Settings().cache_dir)
     prompts = load_prompts()[: args.num_prompts]
-    settings = CalibrationSettings(prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    settings = CalibrationSettings(
+        prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        adapter_rank=args.adapter_rank,
+        adapter_method=args.adapter_method,
+    )
     pairs = served_pairs(args.families, args.w8a8)
     sections, documents = [], []
     for name, how in pairs:
         family_started = time.monotonic()
         pair = load_pair(clean_path, device=args.device, **how)
-        scored = score_pair(pair, prompts, settings, device=args.device)
-        result = calibrate_scored(pair, scored, settings)
+        result, scored, adapter_text, adapter_document = _calibrate(
+            name, pair, prompts, settings, args
+        )
         rows = [
             _request_temperature_row(result, t, settings.bounds)
             for t in settings.request_temperatures
@@ -397,6 +468,7 @@ def main() -> int:
                 getattr(result, split).save(args.records / f"{name}.{split}.safetensors")
         label = how["spec"].label if "spec" in how else pair.served.describe()
         section = _markdown(label, seconds, result, rows) + "\n" + bias_text + "\n" + served_text
+        section += adapter_text
         print(section, flush=True)
         sections.append(section)
         documents.append(
@@ -411,6 +483,7 @@ def main() -> int:
                 "validation_quality": result.profile.validation_quality.model_dump(mode="json"),
                 "test_quality": result.profile.test_quality.model_dump(mode="json"),
                 "bias": {**bias_document, "by_request_temperature": served_bias},
+                **adapter_document,
             }
         )
         total = time.monotonic() - started
@@ -428,7 +501,8 @@ def _write(
     sections: list[str],
     documents: list[dict],
 ) -> None:
-    """Write quality.md and quality.json of the families done so far."""
+    """Write quality.md and quality.json of the families done so far (quality_adapter.* with
+    `--adapter-rank`)."""
     header = (
         f"# Test-split quality on {model}\n\n{settings.prompts} prompts split fit / "
         f"validation / test ({settings.validation_fraction:g} validation, "
@@ -442,9 +516,19 @@ def _write(
         "the same for calibrated − T=1). The bias table: gain = KL(T=1) - KL paired by position "
         "with its prompt-clustered s.e.\n"
     )
+    stem = "quality"
+    if args.adapter_rank:
+        stem = "quality_adapter"
+        header += (
+            f"\nCalibrated with the compensation adapter (rank {args.adapter_rank}, "
+            f"{args.adapter_method}): where it is recommended, every table measures the rules "
+            "and the bias on top of it (their T = 1 is the adapter's); the stack tables measure "
+            "each layer against the served model at T = 1 on the same positions, the greedy "
+            f"columns over answers of {args.greedy_tokens} tokens.\n"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.md").write_text(header + "\n" + "\n".join(sections), encoding="utf-8")
-    (args.out / "quality.json").write_text(
+    (args.out / f"{stem}.md").write_text(header + "\n" + "\n".join(sections), encoding="utf-8")
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"total_seconds": total, "results": documents}, indent=2) + "\n",
         encoding="utf-8",
     )

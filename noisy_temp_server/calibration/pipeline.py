@@ -70,12 +70,15 @@ from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 
 __all__ = [
+    "CalibrationData",
     "CalibrationResult",
     "calibrate",
     "calibrate_records",
     "calibrate_scored",
+    "calibrate_with_data",
     "sample_completions",
     "score_pair",
+    "score_sequences",
 ]
 
 logger = logging.getLogger(__name__)
@@ -142,13 +145,29 @@ def score_pair(
     """Generate with the served model and score the pair: records for every prompt, each
     position once per request temperature of `settings`, and the full rows of up to
     `settings.bias_rows` positions for the bias fit."""
-    sequences = sample_completions(
+    return score_sequences(pair, _sample(pair, prompts, settings), settings, device=device)
+
+
+def _sample(
+    pair: LoadedPair, prompts: Sequence[Prompt], settings: CalibrationSettings
+) -> list[ScoringSequence]:
+    return sample_completions(
         pair,
         prompts,
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed,
         progress=_log_progress("generating"),
     )
+
+
+def score_sequences(
+    pair: LoadedPair,
+    sequences: Sequence[ScoringSequence],
+    settings: CalibrationSettings,
+    *,
+    device: str | torch.device = "cpu",
+) -> ScoredSet:
+    """`score_pair` on completions already sampled (`sample_completions`)."""
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
@@ -239,22 +258,44 @@ def calibrate(
     """The whole pipeline of the module docstring on one pair. ValueError before any scoring
     when the prompts are not the settings' count, or a head map is asked for that the clean
     model's output head cannot carry."""
+    return calibrate_with_data(pair, prompts, settings, device=device).result
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """`calibrate`'s result with what it was computed from: the completions sampled as
+    served (with the adapter where it is recommended) and their scores."""
+
+    result: CalibrationResult
+    sequences: list[ScoringSequence]
+    scored: ScoredSet
+
+
+def calibrate_with_data(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    settings: CalibrationSettings,
+    *,
+    device: str | torch.device = "cpu",
+) -> CalibrationData:
+    """`calibrate`, keeping the sequences and scores (what a benchmark measures further on)."""
     if len(prompts) != settings.prompts:
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
     _check_head_map_rank(pair, settings.head_map_rank)
     adapter = _calibrate_adapter(pair, prompts, settings, device) if settings.adapter_rank else None
     served = adapter.adapter if adapter is not None and adapter.summary.recommended else None
     with applied_adapter(pair.served_model, served):
-        scored = score_pair(pair, prompts, settings, device=device)
+        sequences = _sample(pair, prompts, settings)
+        scored = score_sequences(pair, sequences, settings, device=device)
         logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
         result = calibrate_scored(pair, scored, settings)
-    if adapter is None:
-        return result
-    return replace(
-        result,
-        profile=result.profile.model_copy(update={"adapter": adapter.summary}),
-        adapter=adapter,
-    )
+    if adapter is not None:
+        result = replace(
+            result,
+            profile=result.profile.model_copy(update={"adapter": adapter.summary}),
+            adapter=adapter,
+        )
+    return CalibrationData(result, sequences, scored)
 
 
 def _calibrate_adapter(

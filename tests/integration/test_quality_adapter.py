@@ -1,0 +1,70 @@
+"""`benchmarks/quality_adapter.py` on the tiny model: the stack of a pair with weight error, the
+head map's paired gain on top of it, and the refusal where the served weights are the clean
+ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from noisy_temp_server.calibration.profile import CalibrationSettings
+from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.pairs.loading import load_pair
+from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec, WeightNoiseSpec
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_adapter.py"
+
+
+@pytest.fixture(scope="module")
+def benchmark() -> ModuleType:
+    sys.path.insert(0, str(BENCHMARK.parent))
+    spec = importlib.util.spec_from_file_location("quality_adapter", BENCHMARK)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _settings(rank: int) -> CalibrationSettings:
+    return CalibrationSettings(
+        prompts=24, max_new_tokens=20, validation_fraction=0.5, bias_rows=500, adapter_rank=rank
+    )
+
+
+def test_the_stack_of_a_pair_with_weight_error_and_the_head_map_on_top(
+    benchmark: ModuleType, tiny_model_dir: Path
+) -> None:
+    pair = load_pair(tiny_model_dir, spec=WeightNoiseSpec(scale=0.1))
+    family = benchmark.calibrate_family(pair, load_prompts()[:24], _settings(8))
+    assert family.refusal is None
+    text, document = benchmark.stack_section(pair, family, greedy_tokens=4)
+    labels = [layer["label"] for layer in document["test_prompts"]["layers"]]
+    assert labels[:2] == ["served, T=1", "adapter, T=1"]
+    assert labels[2].startswith("adapter + T (")
+    adapter_alone = document["test_prompts"]["layers"][1]
+    assert adapter_alone["share_removed"] > 0
+    assert "oracle T" in document["test_prompts"]["oracle_share_removed"]
+    assert "adapter: rank 8 eora" in text
+    map_text, head_map = benchmark.head_map_gain(pair, family.data, 4)
+    assert head_map["rank"] == 4
+    assert head_map["significant"] == (head_map["gain"] - 2 * head_map["gain_stderr"] > 0)
+    assert "head map rank 4" in map_text
+
+
+def test_runtime_noise_is_refused_an_adapter_and_calibrated_without_one(
+    benchmark: ModuleType, tiny_model_dir: Path
+) -> None:
+    pair = load_pair(tiny_model_dir, spec=RuntimeLogitNoiseSpec(sigma=0.5))
+    family = benchmark.calibrate_family(pair, load_prompts()[:24], _settings(4))
+    assert family.refusal is not None
+    assert family.refusal.startswith("--adapter-rank needs a pair whose served weights differ")
+    assert family.data.result.profile.adapter is None
+    text, document = benchmark.stack_section(pair, family, greedy_tokens=4)
+    assert text.startswith("adapter: not applicable, calibration refuses it")
+    assert document["test_prompts"]["layers"][0]["label"] == "served, T=1"

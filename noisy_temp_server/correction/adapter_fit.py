@@ -62,7 +62,9 @@ def eora_delta(error: Tensor, second_moment: Tensor, rank: int, ridge: float) ->
     mean = float(torch.diagonal(moment).mean())  # the mean eigenvalue: trace / in
     if not mean > 0:
         raise ValueError("the second moment is zero: the layer saw no input")
-    regularised = moment + ridge * mean * torch.eye(columns, dtype=moment.dtype)
+    regularised = moment + ridge * mean * torch.eye(
+        columns, dtype=moment.dtype, device=moment.device
+    )
     lower = torch.linalg.cholesky(regularised)  # C + ridge mean I = L L^T
     u, s, vh = torch.linalg.svd(error.double() @ lower, full_matrices=False)
     down = torch.linalg.solve_triangular(lower, vh[:rank], upper=False, left=False)

@@ -157,11 +157,20 @@ def _profile_adapter(
 
 
 def _given_adapter(folder: Path, profile: Profile | None) -> tuple[Path, LoraAdapter]:
-    """The adapter of `--adapter` (a PEFT folder); AdapterError if unreadable, or if the profile
-    was calibrated with another adapter (its T* and bias correct what that one leaves)."""
+    """The adapter of `--adapter` (a PEFT folder); AdapterError if unreadable, or if there is a
+    profile that was not calibrated with this adapter recommended (its T* and bias correct the
+    served model as it was calibrated, not with another adapter under them)."""
     adapter = load_peft_adapter(folder)
-    summary = None if profile is None else profile.adapter
-    if summary is not None and summary.sha256 != adapter_sha256(adapter):
+    if profile is None:
+        return folder, adapter
+    summary = profile.adapter
+    if summary is None or not summary.recommended:
+        raise AdapterError(
+            f"the profile was calibrated without an adapter, so its T* and bias do not fit the "
+            f"model with {folder}; calibrate with --adapter-rank, or serve the adapter without "
+            "a profile"
+        )
+    if summary.sha256 != adapter_sha256(adapter):
         raise AdapterError(
             f"the profile was calibrated with the adapter {summary.sha256[:16]}..., not with "
             f"{folder}"
@@ -184,6 +193,12 @@ def plan_served_adapter(
     checkpoint when folding, all before the engine starts. Raises ProfileError with one line
     naming the problem."""
     if settings.adapter_serving == "off":
+        if profile is not None and profile.adapter is not None and profile.adapter.recommended:
+            _LOGGER.warning(
+                "--adapter-serving off: the profile's T* and bias were fitted on the model with "
+                "its adapter %s..., and are served without it",
+                profile.adapter.sha256[:16],
+            )
         return None
     from noisy_temp_server.correction.adapter import check_adapter_fits  # noqa: PLC0415
     from noisy_temp_server.pairs.adapter_checkpoint import (  # noqa: PLC0415

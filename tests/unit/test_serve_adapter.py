@@ -238,3 +238,12 @@ def test_an_adapter_folder_is_served_without_a_profile(pair: ServedPair, tmp_pat
     path, _ = _profile(pair, tmp_path / "profiles")  # calibrated with another adapter
     with pytest.raises(ProfileError, match="calibrated with the adapter"):
         plan_served_adapter(config, pair, Profile.load(path), path, "tiny")
+
+
+def test_an_adapter_folder_is_refused_beside_a_profile_calibrated_without_it(
+    pair: ServedPair, tmp_path: Path
+) -> None:
+    folder = save_peft_adapter(tmp_path / "given", random_adapter(pair.served, seed=1))
+    path, _ = _profile(pair, tmp_path / "profiles", recommended=False)
+    with pytest.raises(ProfileError, match="calibrated without an adapter"):
+        _plan(pair, path, tmp_path, adapter=folder)

@@ -78,7 +78,7 @@ async def create_chat_completion(
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return ChatCompletionResponse(
         id=prepared.request_id,
-        model=state.model_name,
+        model=prepared.model,
         choices=[
             ChatCompletionChoice(
                 index=choice.index,

@@ -80,7 +80,7 @@ async def create_completion(
     decode = _decoder(state)
     return CompletionResponse(
         id=prepared.request_id,
-        model=state.model_name,
+        model=prepared.model,
         choices=[_completion_choice(choice, piece, decode) for choice, piece in finished],
         usage=usage(prepared),
         nts=overall_summary(prepared),

@@ -143,7 +143,8 @@ class PreparedRequest:
     `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
     processor will apply to it (None when it is not tuned: no trace records will come);
     `correction`: the per-token bias (and head map) its logits get (None: none); `adapter`:
-    the compensation adapter it is served with (`server.adapter`).
+    the compensation adapter it is served with (`server.adapter`); `model`: the model id its
+    response names (the one it asked for: the base model id is served without the adapter).
     """
 
     request_id: str
@@ -155,6 +156,7 @@ class PreparedRequest:
     params: list[SamplingParams]
     correction: LogitCorrection | None = None
     adapter: RequestAdapter = NO_ADAPTER
+    model: str = ""
 
 
 def clean_logprob(value: float) -> float:
@@ -220,7 +222,16 @@ async def prepare_request(
         )
         add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
     return PreparedRequest(
-        request_id, prompt_ids, keys, policy, tuning, choices, params, correction, adapter
+        request_id,
+        prompt_ids,
+        keys,
+        policy,
+        tuning,
+        choices,
+        params,
+        correction,
+        adapter,
+        model=request.model or state.model_name,
     )
 
 

@@ -94,7 +94,7 @@ async def stream_choices(
 
     def chunk(choices: list[Any], **extra: Any) -> str:
         response = chunk_type(
-            id=prepared.request_id, model=state.model_name, choices=choices, **extra
+            id=prepared.request_id, model=prepared.model, choices=choices, **extra
         )
         return _sse(response.model_dump(mode="json"))
 

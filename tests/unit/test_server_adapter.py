@@ -86,6 +86,7 @@ def test_lora_adapter_is_off_by_key_or_base_model(extra: dict[str, Any]) -> None
     response = _complete(server, temperature=1.0, **extra)
     assert response.status_code == 200, response.text
     assert response.json()["nts"]["adapter"] is None
+    assert response.json()["model"] == extra.get("model", MODEL)  # the id it asked for
     assert server.engine.lora_requests == [None]
     assert shadow.admitted == []  # never mixed into the online fit
     _complete(server, temperature=1.0)

@@ -43,6 +43,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _LORA_A = ".lora_A.weight"
 _LORA_B = ".lora_B.weight"
+_UNSUPPORTED_CONFIG = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
 
 
 class AdapterError(ValueError):
@@ -184,6 +185,13 @@ def _read_config(folder: Path) -> dict[str, object]:
         raise AdapterError(f"{config_path} is not a LoRA adapter's configuration")
     if config.get("use_dora") or config.get("use_rslora") or config.get("fan_in_fan_out"):
         raise AdapterError(f"{config_path}: DoRA, rsLoRA and fan_in_fan_out are not supported")
+    extras = [key for key in _UNSUPPORTED_CONFIG if config.get(key)]
+    if config.get("bias", "none") != "none":
+        extras.append("bias")
+    if extras:
+        raise AdapterError(
+            f"{config_path}: {', '.join(extras)} are not supported (plain LoRA only)"
+        )
     return config
 
 
@@ -212,6 +220,9 @@ def load_peft_adapter(folder: Path) -> LoraAdapter:
     alpha = config.get("lora_alpha", rank)
     if not isinstance(alpha, int | float):
         raise AdapterError(f"{folder / ADAPTER_CONFIG}: lora_alpha must be a number")
+    others = sorted(key for key in tensors if not key.endswith((_LORA_A, _LORA_B)))
+    if others:
+        raise AdapterError(f"{folder / ADAPTER_WEIGHTS}: weights other than LoRA's: {others[:3]}")
     names = {key[: -len(_LORA_A)] for key in tensors if key.endswith(_LORA_A)}
     if not names or names != {key[: -len(_LORA_B)] for key in tensors if key.endswith(_LORA_B)}:
         raise AdapterError(f"{folder / ADAPTER_WEIGHTS}: lora_A and lora_B weights do not pair up")

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
 __all__ = [
-    "ADAPTER_PATHS",
     "NO_ADAPTER",
     "AdapterPath",
     "RequestAdapter",
@@ -45,7 +44,6 @@ __all__ = [
 
 
 AdapterPath = Literal["folded", "lora", "none"]
-ADAPTER_PATHS: tuple[AdapterPath, ...] = ("folded", "lora", "none")
 _BASE_SUFFIX = "-base"
 _LORA_INT_ID = 1  # one adapter per server
 _MIN_SHA_PREFIX = 16

@@ -94,3 +94,14 @@ def test_refuses_pickle_only_corrupt_and_unpaired(tmp_path: Path) -> None:
         find_adapter([tmp_path], "0" * 64)
     with pytest.raises(AdapterError, match="rank"):
         LoraAdapter(layers={"a": LowRankDelta(torch.ones(2, 3), torch.ones(3, 2))}, rank=3)
+
+
+def test_refuses_peft_features_it_would_not_serve_alike(tmp_path: Path) -> None:
+    folder = save_peft_adapter(tmp_path, _adapter())
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({**config, "rank_pattern": {"q_proj": 4}}))
+    with pytest.raises(AdapterError, match="rank_pattern"):
+        load_peft_adapter(folder)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({**config, "bias": "all"}))
+    with pytest.raises(AdapterError, match="bias"):
+        load_peft_adapter(folder)

@@ -153,7 +153,6 @@ def calibrate_adapter(
     the pair's served weights equal the clean ones, or a split is empty."""
     fit, selection, gate, test = _split(sequences, settings)
     ridges: tuple[float | None, ...] = EORA_RIDGES if method == "eora" else (None,)
-    baseline = _kl_records(pair, selection, None, device)
     candidates: dict[float | None, tuple[LoraAdapter, float]] = {}
     for ridge in ridges:
         started = time.monotonic()
@@ -180,9 +179,11 @@ def calibrate_adapter(
             kl,
         )
         candidates[ridge] = adapter, kl
-    ridge = min(candidates, key=lambda r: candidates[r][1])
+    finite = {r: candidate for r, candidate in candidates.items() if math.isfinite(candidate[1])}
+    if not finite:
+        raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
+    ridge = min(finite, key=lambda r: finite[r][1])
     adapter = candidates[ridge][0]
-    logger.info("selection KL without the adapter %.5f", float(baseline.kl_at_one.mean()))
     validation = adapter_quality_row(
         _kl_records(pair, gate, adapter, device), _kl_records(pair, gate, None, device)
     )

@@ -11,8 +11,8 @@ are never written (the caller folds the adapter it keeps, `correction.adapter.fo
 
 Memory, beyond the two models: the hidden states of every sequence at one block boundary (with
 their rotary tables: about 4 (d + head_dim) bytes per token), one block's second moments
-(4 in^2 bytes per distinct linear layer, 4 (4 d^2 + d_ff^2) for a Llama block: 0.8 GB for an
-8B model), and one layer's SVD in float64 (8 out in bytes, 3 times, 1.4 GB for an 8B MLP).
+(4 in^2 bytes per perturbed linear layer, 4 (6 d^2 + d_ff^2) for a Llama block: 1.2 GB for
+an 8B model), and one layer's SVD in float64 (8 out in bytes, 3 times, 1.4 GB for an 8B MLP).
 
 Real quantized checkpoints load through transformers, which decompresses their weights, so the
 served weights here are already dequantized floats and the error is their difference.

@@ -80,9 +80,10 @@ def test_at_full_rank_the_folded_adapter_restores_the_clean_weights(models) -> N
     names = perturbed_linears(clean, served)
     modules = dict(restored.named_modules())
     clean_modules = dict(clean.named_modules())
-    for name in names:
-        if min(modules[name].weight.shape) == 32:
-            assert torch.allclose(modules[name].weight, clean_modules[name].weight, atol=1e-4)
+    full_rank = [name for name in names if min(modules[name].weight.shape) == 32]
+    assert full_rank  # rank 32 covers these layers' whole error
+    for name in full_rank:
+        assert torch.allclose(modules[name].weight, clean_modules[name].weight, atol=1e-4)
 
 
 def test_a_pair_without_weight_error_is_refused(models) -> None:  # type: ignore[no-untyped-def]

@@ -220,10 +220,19 @@ def test_quantized_kernels_get_the_lora_path_and_refuse_folding(
         _plan(pair, path, tmp_path, adapter_serving="fold")
 
 
-def test_w8a8_on_the_cpu_is_refused_for_lora(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_w8a8_on_the_cpu_is_refused_for_lora(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
     pair, path = _quantized_pair(tiny_model_dir, tmp_path, "w8a8")
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
     with pytest.raises(ProfileError, match="vLLM CPU kernel cannot take a LoRA adapter"):
         _plan(pair, path, tmp_path)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    plan = _plan(pair, path, tmp_path)
+    assert plan is not None
+    assert plan.adapter.path == "lora"
     assert _plan(pair, path, tmp_path, adapter_serving="off") is None
 
 

@@ -31,6 +31,7 @@ from noisy_temp_server.pairs.greedy import (
     greedy_continuation,
 )
 from noisy_temp_server.pairs.loading import LoadedPair
+from noisy_temp_server.pairs.sampling import eos_ids
 from noisy_temp_server.pairs.scoreboard import (
     PairScoreboard,
     ScoreboardResult,
@@ -140,8 +141,7 @@ class _Greedy:
 
     def __init__(self, pair: LoadedPair, sequences: Sequence[ScoringSequence], tokens: int):
         self.pair, self.tokens = pair, tokens
-        eos = pair.served_model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = eos_ids(pair.served_model)
         self.prompts = [s.token_ids[: s.prompt_length] for s in sequences]
         self.clean = (
             [
@@ -207,7 +207,7 @@ def score_stack(
     layers_spec: list[tuple[str, PairScoreboard, str, GreedyAgreement | None]] = [
         ("served, T=1", base, "T=1", greedy.of(None, none)),
     ]
-    adapter_greedy = greedy.of(adapter, none)
+    adapter_greedy = layers_spec[0][3] if adapter is None else greedy.of(adapter, none)
     if adapter is not None:
         layers_spec.append(("adapter, T=1", rule, "T=1", adapter_greedy))
     layers_spec.append((f"{name} + T ({rule_policy.rule.value})", rule, "T*", adapter_greedy))

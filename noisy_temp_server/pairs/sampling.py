@@ -15,7 +15,7 @@ from noisy_temp_server.pairs.scorer import ScoringSequence
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["generate_completions"]
+__all__ = ["eos_ids", "generate_completions"]
 
 
 class _RuntimeNoise(LogitsProcessor):
@@ -29,7 +29,8 @@ class _RuntimeNoise(LogitsProcessor):
         return add_runtime_logit_noise(scores, self.sigma, self.generator)
 
 
-def _eos_ids(model: PreTrainedModel) -> set[int]:
+def eos_ids(model: PreTrainedModel) -> set[int]:
+    """The token ids that end a generation of `model` (its generation config's, as a set)."""
     eos_ids = model.generation_config.eos_token_id
     return set(eos_ids if isinstance(eos_ids, list) else [] if eos_ids is None else [eos_ids])
 
@@ -59,7 +60,7 @@ def generate_completions(
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
-    eos = _eos_ids(model)
+    eos = eos_ids(model)
     device = next(model.parameters()).device
     sequences: list[ScoringSequence] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -4,7 +4,7 @@ in-domain and cross-domain, on the embedded default model.
     .venv/bin/python benchmarks/bias_quality.py [--num-prompts 80] [--samples 1]
         [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
         [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K]
-        [--request-temperatures 0.5 1.0] [--head-map-rank R] [--threads N]
+        [--request-temperatures 0.5 1.0] [--threads N]
 
 Per perturbation family: the served model writes `--samples` completions (seeds 0, 1, ...) for
 each of the first `--num-prompts` shipped prompts (domain A; default all 80) and one for each of
@@ -32,13 +32,6 @@ its streaming fit measured on the in-domain test prompts after every round, at e
 temperature of `--request-temperatures` (default 1.0; the bias then has a band's T at each,
 refined online too; the rows taken to T_r exactly). `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
-`--head-map-rank R` adds both fits again on top of a rank-R `HeadMap` (a linear correction of
-the served row in the output head's span, `correction.head_map`; fitted on the fit prompts,
-its penalty chosen on the validation prompts' selection half), measured against the same T = 1
-and oracle: in-domain by `calibrate_bias`, cross-domain fitted on A as the bias is; with
-`--stream-samples` too, the online refinement then starts from the in-domain fit on the map (the
-map held, as `serve` holds it; the bias refined on mapped rows, measured against the rows as
-served).
 Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
@@ -55,21 +48,19 @@ from quality import FAMILIES, bias_section, served_pairs
 
 from noisy_temp_server.calibration.bias_fit import (
     BiasCalibration,
-    calibrate_bias,
     fit_bias_for_serving,
     penalties_text,
 )
 from noisy_temp_server.calibration.bias_quality import ScoredSet, bias_quality, score_with_rows
 from noisy_temp_server.calibration.fitting import FITTED_RULES
 from noisy_temp_server.calibration.pipeline import calibrate_records, sample_completions
-from noisy_temp_server.calibration.profile import CalibrationSettings, QualityTable
+from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.calibration.quality import quality_table
 from noisy_temp_server.calibration.significance import (
     split_by_sequence,
     split_fit_validation_test,
 )
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.online.bias import OnlineBias
@@ -77,7 +68,6 @@ from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 from noisy_temp_server.settings import Settings
-from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 HERE = Path(__file__).resolve().parent
 CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
@@ -143,14 +133,12 @@ def _streamed(
     prompts = [(i, p) for i, p in enumerate(shipped) if i not in test_ids]
     if calibration.path.refine_penalty is None:
         return "online refinement: none (the T-only fit won on validation, no bias to refine)", []
-    head_map = None if calibration.head_map is None else calibration.head_map.head_map
     online = OnlineBias.refining(
         calibration.correction,
         calibration.summary(),
         request_temperatures=settings.request_temperatures,
         head_basis=basis,
         bounds=settings.bounds,
-        head_map=head_map,
     )
     in_span = online.fit.steps_in_head_span
     per_request = Settings().shadow_bias_rows
@@ -166,7 +154,7 @@ def _streamed(
         "|---:|---:|---:|---:|---:|---:|---|",
     ]
     calibrated = BandedBias(calibration.correction, calibration.band_temperatures)
-    start = _round_figures(test_rows, calibrated, rows_fitted=0, head_map=head_map)
+    start = _round_figures(test_rows, calibrated, rows_fitted=0)
     lines.append(_round_line("0 (calibrated)", start, "(served)"))
     documents = []
     for round_index in range(args.stream_samples):
@@ -181,9 +169,7 @@ def _streamed(
         scored = score_with_rows(scorer, sequences, max_rows=per_request * len(sequences))
         for request in _requests(scored.rows, per_request):
             online.add(request)
-        figures = _round_figures(
-            test_rows, online.fit.banded, online.fit.rows_seen, head_map=head_map
-        )
+        figures = _round_figures(test_rows, online.fit.banded, online.fit.rows_seen)
         figures |= {"round": round_index + 1, "would_publish": online.candidate() is not None}
         lines.append(_round_line(str(round_index + 1), figures, str(figures["would_publish"])))
         print(lines[-1], flush=True)
@@ -191,24 +177,13 @@ def _streamed(
     return "\n".join(lines), documents
 
 
-def _round_figures(
-    test_rows: PairedRows,
-    correction: BandedBias,
-    rows_fitted: int,
-    *,
-    head_map: HeadMap | None = None,
-) -> dict:
-    """`correction` (on top of `head_map`, if any) on the test rows at each of its request
-    temperatures (the rows taken there, its band's T): shares of KL(T = 1) removed by it
-    (± s.e.) and by the per-position oracle T, both against the rows as served."""
-    mapped = test_rows if head_map is None else head_map.mapped(test_rows)
+def _round_figures(test_rows: PairedRows, correction: BandedBias, rows_fitted: int) -> dict:
+    """`correction` on the test rows at each of its request temperatures (the rows taken
+    there, its band's T): shares of KL(T = 1) removed by it (± s.e.) and by the per-position
+    oracle T."""
     by_request_temperature = []
     for t_r, band in correction.band_temperatures.items():
-        quality = bias_quality(
-            at_request_temperature(mapped, t_r),
-            correction.at(t_r),
-            unmapped=None if head_map is None else at_request_temperature(test_rows, t_r),
-        )
+        quality = bias_quality(at_request_temperature(test_rows, t_r), correction.at(t_r))
         kl_one = quality.t_one.mean_kl
         by_request_temperature.append(
             {
@@ -229,70 +204,6 @@ def _round_line(label: str, figures: dict, publish: str) -> str:
         f"{100 * band['share_stderr']:.1f} | {100 * band['oracle_share']:+.1f}% | {publish} |"
         for band in figures["by_request_temperature"]
     )
-
-
-def _head_mapped(
-    scored_a: ScoredSet,
-    scored_b: ScoredSet,
-    rules: tuple[QualityTable, QualityTable],
-    *,
-    rule: TemperaturePolicy,
-    settings: CalibrationSettings,
-    basis: torch.Tensor,
-    rank: int,
-) -> tuple[str, dict, BiasCalibration]:
-    """Both fits again on top of a rank-`rank` head map: in-domain as calibration fits it,
-    cross-domain with the map and the bias fitted on A (the map on A's fit prompts, its penalty
-    chosen on the selection half of A's validation prompts), beside the same rules; in-domain
-    recommended as calibration would, against the recommended `rule` too. Also returns the
-    in-domain calibration (map, bias and T)."""
-    in_domain = calibrate_bias(
-        scored_a.rows,
-        settings,
-        basis,
-        rule=rule,
-        row_records=scored_a.row_records,
-        head_map_rank=rank,
-    )
-    assert in_domain.head_map is not None
-    fit, validation = split_by_sequence(
-        scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
-    )
-    cross_path, _, cross_map = fit_bias_for_serving(
-        scored_a.rows.select(fit),
-        scored_a.rows.select(validation),
-        settings,
-        basis,
-        head_map_rank=rank,
-    )
-    assert cross_map is not None
-    cross = bias_quality(
-        cross_map.head_map.mapped(scored_b.rows),
-        cross_path.chosen.correction,
-        unmapped=scored_b.rows,
-    )
-    in_text, in_doc = bias_section(
-        f"in-domain, rank-{rank} head map (penalty {in_domain.head_map.penalty:.1e}) + bias + T",
-        rules[0],
-        in_domain.test,
-    )
-    cross_text, cross_doc = bias_section(
-        f"cross-domain, rank-{rank} head map (penalty {cross_map.penalty:.1e}) + bias + T",
-        rules[1],
-        cross,
-    )
-    document = {
-        "rank": rank,
-        "in_domain_penalty": in_domain.head_map.penalty,
-        "in_domain_selection_kl_by_penalty": {
-            str(p): kl for p, kl in in_domain.head_map.selection_kl.items()
-        },
-        "in_domain_bias_recommended": in_domain.recommended,
-        "cross_penalty": cross_map.penalty,
-        "in_domain": in_doc,
-        "cross_domain": cross_doc,
-    }
-    return f"{in_text}\n\n{cross_text}", document, in_domain
 
 
 def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str, dict]:
@@ -345,7 +256,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
     fit, validation = split_by_sequence(
         scored_a.rows.sequence_id, settings.validation_fraction, settings.seed
     )
-    cross_path, _, _ = fit_bias_for_serving(
+    cross_path, _ = fit_bias_for_serving(
         scored_a.rows.select(fit), scored_a.rows.select(validation), settings, basis
     )
     fit_seconds = time.monotonic() - fit_started
@@ -364,18 +275,6 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         cross_rules,
         bias_quality(scored_b.rows, cross),
     )
-    mapped_text, mapped_doc = "", dict[str, object]()
-    if args.head_map_rank:
-        assert basis is not None, "--head-map-rank needs the head basis (not --per-token-only)"
-        mapped_text, mapped_doc, calibration = _head_mapped(
-            scored_a,
-            scored_b,
-            (at_one, cross_rules),
-            rule=result.profile.parameters.to_policy(result.profile.recommended_rule),
-            settings=settings,
-            basis=basis,
-            rank=args.head_map_rank,
-        )
     stream_text, stream_doc = "", list[dict]()
     if args.stream_samples:
         stream_text, stream_doc = _streamed(
@@ -396,9 +295,7 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         f"T {correction.temperature:.3f}, max |b| {float(correction.bias.abs().max()):.2f}; "
         f"validation KL (1e-3) by head-span penalty: {_by_penalty(path.head_validation_kl)}; "
         f"by per-token penalty (inf: T only): {_by_penalty(path.validation_kl)}\n\n"
-        f"{in_text}\n\n{cross_text}\n"
-        + (f"\n{mapped_text}\n" if mapped_text else "")
-        + (f"\n{stream_text}\n" if stream_text else "")
+        f"{in_text}\n\n{cross_text}\n" + (f"\n{stream_text}\n" if stream_text else "")
     )
     document = {
         "family": name,
@@ -423,7 +320,6 @@ def _family(name: str, pair: LoadedPair, args: argparse.Namespace) -> tuple[str,
         },
         "in_domain": in_doc,
         "online_refinement": stream_doc,
-        "head_mapped": mapped_doc,
         "cross_domain": cross_doc,
     }
     return section, document
@@ -458,12 +354,6 @@ def main() -> int:
         default=[1.0],
         help="request temperatures the bias gets a band at (1.0 is always one); the streaming "
         "rounds report each",
-    )
-    parser.add_argument(
-        "--head-map-rank",
-        type=int,
-        default=0,
-        help="also fit both corrections on top of a head map of this rank (0: no map)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -1,8 +1,8 @@
 """The per-step path of the T* processor on a device, checked without vLLM in one short run.
 
 For every rule (`gpu_check_step.POLICIES`: the table rules, ``schedule``, ``fisher``, a
-calibrated table over the entropy), every correction (none, a per-token bias, a bias with a head
-map) and every batch and vocabulary asked for, the real step objects (`gpu_check_step`) run a
+calibrated table over the entropy), every correction (none, a per-token bias) and every batch
+and vocabulary asked for, the real step objects (`gpu_check_step`) run a
 few steps on the device and on the CPU from the same served logits:
 
 - correctness: the device's logits equal the CPU's within `TOLERANCE` (NaN and ±inf where the
@@ -10,8 +10,8 @@ few steps on the device and on the CPU from the same served logits:
   captured rows, the bad-row count, the histogram's count and sum); on CUDA every step runs
   under ``torch.cuda.set_sync_debug_mode("error")``, so a synchronising call fails its case;
 - cost: per step, the device time (CUDA events; on a CPU, wall time) and the host time of the
-  step against the bare division ``logits / T`` on the same tensor (and the bare bias add and
-  head-map products), and the physical limit: one read and one write of the ``[B, V]`` float32
+  step against the bare division ``logits / T`` on the same tensor (and the bare bias add), and
+  the physical limit: one read and one write of the ``[B, V]`` float32
   logits at the device's measured copy bandwidth;
 - goals (`GOALS`), evaluated at batch 256 and vocabulary 128 256 when measured.
 
@@ -60,12 +60,11 @@ GOAL_SIZE = (256, 128_256)
 GOALS = {
     "host_us_per_step": 50.0,
     "step_over_divide": 2.0,
-    "map_step_over_products": 1.2,
 }
 """At `GOAL_SIZE`: host µs per step and device time over the bare division, for every table rule
-with a bias; device time of a table rule's step with a bias and head map over its bare products."""
-FULL = {"batches": (1, 64, 256), "vocabs": (49_152, 128_256, 151_936), "repeats": 20, "rank": 128}
-QUICK = {"batches": (1, 8), "vocabs": (1_000, 3_001), "repeats": 3, "rank": 8}
+with a bias."""
+FULL = {"batches": (1, 64, 256), "vocabs": (49_152, 128_256, 151_936), "repeats": 20}
+QUICK = {"batches": (1, 8), "vocabs": (1_000, 3_001), "repeats": 3}
 _LONG_INTERVAL_S = 3600.0  # the correctness harness's reporter delivers only at close
 
 
@@ -243,16 +242,13 @@ def measure_cost(
         divide = _timed(lambda: logits.div_(column), reset, device, repeats)
         bias = fixture.bias.to(device)
         add = _timed(lambda: logits.add_(bias), reset, device, repeats)
-        right = fixture.head_map.right.to(device)
-        left_t = fixture.head_map.left.T.contiguous().to(device)
-        products = _timed(lambda: logits.addmm_(logits @ right.T, left_t), reset, device, repeats)
     harness.close()
     limit_us = 2 * batch * vocab * 4 / (bandwidth_gb_s * 1e9) * 1e6
     result = {"rule": rule, "correction": correction, "batch": batch, "vocab": vocab}
     result |= {"step_device_us": step[0], "step_host_us": step[1]}
     result |= {"divide_device_us": divide[0], "divide_host_us": divide[1]}
-    result |= {"add_device_us": add[0], "products_device_us": products[0], "limit_us": limit_us}
-    result |= {"step_over_divide": step[0] / divide[0], "step_over_products": step[0] / products[0]}
+    result |= {"add_device_us": add[0], "limit_us": limit_us}
+    result |= {"step_over_divide": step[0] / divide[0]}
     return {
         key: round(value, 3) if isinstance(value, float) else value for key, value in result.items()
     }
@@ -281,14 +277,12 @@ def evaluate_goals(
     synchronising call in any step (None on a CPU, where nothing can tell)."""
     at_goal = [row for row in cost if (row["batch"], row["vocab"]) == GOAL_SIZE]
     biased = [r for r in at_goal if r["rule"] in TABLE_RULES and r["correction"] == "bias"]
-    mapped = [r for r in at_goal if r["rule"] in TABLE_RULES and r["correction"] == "bias+map"]
     synced = [case for case in correctness["cases"] if case.get("sync_error")]
     no_sync = None if device.type != "cuda" else not synced
     return [
         {"name": "no_synchronising_call", "target": 0, "measured": len(synced), "passed": no_sync},
         _goal("host_us_per_step", biased, "step_host_us"),
         _goal("step_over_divide", biased, "step_over_divide"),
-        _goal("map_step_over_products", mapped, "step_over_products"),
     ]
 
 
@@ -311,7 +305,6 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "command": " ".join(sys.argv),
         "batches": list(args.batches),
         "vocabs": list(args.vocabs),
-        "map_rank": args.map_rank,
         "repeats": args.repeats,
         "steps": list(STEPS),
         "tolerance": TOLERANCE,
@@ -324,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     device = torch.device(args.device)
     generator = torch.Generator().manual_seed(args.seed)
-    fixtures = {v: Correction.random(v, args.map_rank, generator) for v in args.vocabs}
+    fixtures = {v: Correction.random(v, generator) for v in args.vocabs}
     cases = [(rule, correction) for rule in POLICIES for correction in CORRECTIONS]
     correctness: dict[str, Any] = {"cases": [], "skipped": 0}
     cost: list[dict[str, Any]] = []
@@ -375,7 +368,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", help="default: 1 64 256")
     parser.add_argument("--vocabs", type=int, nargs="+", help="default: 49152 128256 151936")
     parser.add_argument("--repeats", type=int, help="timed steps per measurement (default 20)")
-    parser.add_argument("--map-rank", type=int, help="the head map's rank (default 128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's)")
     parser.add_argument(
@@ -386,7 +378,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = args.batches or defaults["batches"]
     args.vocabs = args.vocabs or defaults["vocabs"]
     args.repeats = args.repeats or defaults["repeats"]
-    args.map_rank = args.map_rank or defaults["rank"]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch sees no CUDA device")
     return args

@@ -3,11 +3,11 @@ harness of `gpu_check.py`.
 
 A `StepHarness` holds the real step objects of one processor (`SlotTuning` with its `SlotBias`,
 a `RowCapture`, a `Reporter` whose sender records what it would send) for one case: a rule, a
-correction (none, a per-token bias, a bias with a head map under it), a batch and a vocabulary.
+correction (none, or a per-token bias), a batch and a vocabulary.
 Every slot of the batch holds a request of that case's policy with a trace id; every fourth is
 traced (``nts_trace``), every third captured (``nts_capture``). `StepHarness.step` does what
 ``NoisyTemperatureV2.apply`` does on the device: the capture of the served rows, then
-``SlotTuning.tune`` (head map, bias, T*, accounting, the reporter's snapshot).
+``SlotTuning.tune`` (bias, T*, accounting, the reporter's snapshot).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from noisy_temp_server.correction.files import bias_sha256, head_map_sha256
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256
 from noisy_temp_server.engine_contract.request_args import (
     parse_request_args,
     resolve_correction,
@@ -65,7 +64,7 @@ POLICIES: dict[str, TemperaturePolicy] = {
 """A policy per rule: the table rules (T* from the step alone: `TABLE_RULES`), ``schedule``,
 and the rules that read the served row (``fisher``, a calibrated table over the entropy)."""
 TABLE_RULES = ("off", "fixed", "sqrt", "linear", "calibrated")
-CORRECTIONS = ("none", "bias", "bias+map")
+CORRECTIONS = ("none", "bias")
 REQUEST_TEMPERATURE = 0.8
 STEPS = (0, 9, 40)
 """The generation steps of a case's steps: three step buckets of the tables."""
@@ -73,45 +72,32 @@ STEPS = (0, 9, 40)
 
 @dataclasses.dataclass(frozen=True)
 class Correction:
-    """A random per-token bias of ``vocab`` entries and a head map of rank ``rank`` under it,
-    with their content hashes (what a policy names them by)."""
+    """A random per-token bias of ``vocab`` entries with its content hash (what a policy names
+    it by)."""
 
     bias: torch.Tensor
-    head_map: HeadMap
     bias_sha256: str
-    head_map_sha256: str
 
     @classmethod
-    def random(cls, vocab: int, rank: int, generator: torch.Generator) -> Correction:
+    def random(cls, vocab: int, generator: torch.Generator) -> Correction:
         bias = 0.5 * torch.randn(vocab, generator=generator)
-        right = torch.randn(rank, vocab, generator=generator) / vocab**0.5
-        left = torch.randn(vocab, rank, generator=generator) * (0.3 / rank**0.5)
-        head_map = HeadMap(left=left, right=right)
-        return cls(bias, head_map, bias_sha256(bias), head_map_sha256(head_map))
+        return cls(bias, bias_sha256(bias))
 
     def source(self) -> CorrectionSource:
-        """Where `SlotBias` finds these vectors (instead of the bias directories)."""
+        """Where `SlotBias` finds the vector (instead of the bias directories)."""
 
         def bias(sha256: str) -> torch.Tensor:
             if sha256 != self.bias_sha256:
                 raise ValueError(f"no bias {sha256}")
             return self.bias
 
-        def head_map(sha256: str) -> HeadMap:
-            if sha256 != self.head_map_sha256:
-                raise ValueError(f"no head map {sha256}")
-            return self.head_map
-
-        return CorrectionSource(bias=bias, head_map=head_map)
+        return CorrectionSource(bias=bias)
 
     def policy(self, policy: TemperaturePolicy, correction: str) -> TemperaturePolicy:
-        """``policy`` with this bias (``bias``), and the map under it (``bias+map``)."""
+        """``policy`` with this bias (``bias``), or as it is (``none``)."""
         if correction == "none":
             return policy
-        policy = dataclasses.replace(policy, bias=self.bias_sha256)
-        if correction == "bias+map":
-            policy = dataclasses.replace(policy, head_map=self.head_map_sha256)
-        return policy
+        return dataclasses.replace(policy, bias=self.bias_sha256)
 
 
 class RecordingSender:

@@ -19,11 +19,7 @@ fixed, linear and a step-only calibrated table), ``schedule`` (the lookup plus i
 factor), ``fisher`` (reads the served row: one softmax pass) and ``sqrt+bias`` (``sqrt`` with a
 per-token logit bias in every row's policy: the processor adds it before the division, a gather
 of the rows' bias and an add; its bare arithmetic also counts one add of a [V] vector, so its
-overhead is apply - divide - add). ``sqrt+bias+map`` (not run by default: ``--rules``) adds a
-head map of rank ``--map-rank`` under the bias (`correction.head_map`): its bare arithmetic
-also counts the map's two products, ``logits.addmm_(logits @ Rᵀ, Lᵀ)``, so its overhead is
-what the processor adds around them (the masked-entry guard, the rows' selection).
-Each configuration is measured
+overhead is apply - divide - add). Each configuration is measured
 ``--rounds`` times, the rounds spread over the run; the table shows the least disturbed round (on
 a shared machine, the cost without interference) and the median over the rounds. Saved as JSON
 + markdown under ``benchmarks/results/``.
@@ -53,13 +49,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    head_map_sha256,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, TRACE_ENDPOINT_ENV
 from noisy_temp_server.engine_contract.trace_channel import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
@@ -85,8 +75,6 @@ POLICIES = {
 }
 BIASED = "sqrt+bias"
 """The ``sqrt`` policy with a per-token bias (made per vocabulary size by `_policy`)."""
-MAPPED = "sqrt+bias+map"
-"""`BIASED` with a head map under the bias."""
 
 
 class _Counter:
@@ -104,31 +92,21 @@ def _params(policy: TemperaturePolicy, row: int) -> SamplingParams:
 
 
 @contextlib.contextmanager
-def _policy(rule: str, vocab: int, map_rank: int) -> Iterator[TemperaturePolicy]:
+def _policy(rule: str, vocab: int) -> Iterator[TemperaturePolicy]:
     """The policy of ``rule``; for `BIASED`, ``sqrt`` with a random bias of ``vocab`` entries
-    saved in a temporary bias directory (``NTS_BIAS_DIR`` while the processor is built); for
-    `MAPPED`, also a random head map of rank ``map_rank``."""
-    if rule not in (BIASED, MAPPED):
+    saved in a temporary bias directory (``NTS_BIAS_DIR`` while the processor is built)."""
+    if rule != BIASED:
         yield POLICIES[rule]
         return
     bias = torch.randn(vocab)
     with tempfile.TemporaryDirectory() as folder:
         save_bias_file(Path(folder), bias)
         policy = dataclasses.replace(POLICIES["sqrt"], bias=bias_sha256(bias))
-        if rule == MAPPED:
-            head_map = _random_map(vocab, map_rank)
-            save_head_map_file(Path(folder), head_map)
-            policy = dataclasses.replace(policy, head_map=head_map_sha256(head_map))
         os.environ[BIAS_DIR_ENV] = folder
         try:
             yield policy
         finally:
             del os.environ[BIAS_DIR_ENV]
-
-
-def _random_map(vocab: int, rank: int) -> HeadMap:
-    scale = 0.1 / vocab**0.5
-    return HeadMap(left=scale * torch.randn(vocab, rank), right=scale * torch.randn(rank, vocab))
 
 
 Step = Callable[[torch.Tensor], Any]
@@ -226,9 +204,8 @@ def measure(
     *,
     steps: int,
     device: torch.device,
-    map_rank: int,
 ) -> dict[str, Any]:
-    with _policy(rule, vocab, map_rank) as policy:
+    with _policy(rule, vocab) as policy:
         if runner == "v1":
             processor, step = _v1_step(policy, batch, vocab, device)
         else:
@@ -247,16 +224,10 @@ def measure(
             step(logits)
         apply_ms = _median_ms(lambda: step(logits), steps, device, reset)
         divide_ms = _median_ms(lambda: logits.div_(temperature), steps, device, reset)
-        add_ms = map_ms = 0.0
-        if rule in (BIASED, MAPPED):
+        add_ms = 0.0
+        if rule == BIASED:
             vector = served[0].clone()
             add_ms = _median_ms(lambda: logits.add_(vector), steps, device, reset)
-        if rule == MAPPED:
-            head_map = _random_map(vocab, map_rank)
-            right, left_t = head_map.right.to(device), head_map.left.T.contiguous().to(device)
-            map_ms = _median_ms(
-                lambda: logits.addmm_(logits @ right.T, left_t), steps, device, reset
-            )
     processor.tuning.reporter.close()  # its thread would compete with the next measurement
     return {
         "runner": runner,
@@ -266,8 +237,7 @@ def measure(
         "apply_ms": round(apply_ms, 4),
         "divide_ms": round(divide_ms, 4),
         "add_ms": round(add_ms, 4),
-        "map_ms": round(map_ms, 4),
-        "overhead_ms": round(apply_ms - divide_ms - add_ms - map_ms, 4),
+        "overhead_ms": round(apply_ms - divide_ms - add_ms, 4),
     }
 
 
@@ -285,9 +255,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[1024, 128_000])
     parser.add_argument(
-        "--rules", nargs="+", choices=[*POLICIES, BIASED, MAPPED], default=[*POLICIES, BIASED]
+        "--rules", nargs="+", choices=[*POLICIES, BIASED], default=[*POLICIES, BIASED]
     )
-    parser.add_argument("--map-rank", type=int, default=128, help="rank of the head map rule")
     parser.add_argument("--steps", type=int, default=200, help="timed steps (vocab 1024)")
     parser.add_argument(
         "--rounds", type=int, default=3, help="measurements per configuration, spread in time"
@@ -311,9 +280,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for runner, rule, batch, vocab in configurations:
                 steps = args.steps if vocab <= 4096 else max(5, args.steps // 20)
-                row = measure(
-                    runner, rule, batch, vocab, steps=steps, device=device, map_rank=args.map_rank
-                )
+                row = measure(runner, rule, batch, vocab, steps=steps, device=device)
                 print(json.dumps(row), flush=True)
                 measured.setdefault((runner, rule, batch, vocab), []).append(row)
     rows = [_least_disturbed(rounds) for rounds in measured.values()]
@@ -335,17 +302,15 @@ def main() -> None:
         f"device {meta['device']}, torch {meta['torch']}, {meta['threads']} torch thread(s), "
         f"load average {meta['load_average_1min']:.1f} when done. "
         "apply: median ms per step of `apply()`; divide: the bare division; add: the bare add "
-        "of one [V] bias vector (bias rules); map: the bare map products (head map rule); "
-        "overhead: apply - divide - add - map, in the least "
+        "of one [V] bias vector (bias rule); overhead: apply - divide - add, in the least "
         f"disturbed of {args.rounds} rounds (median over the rounds).",
         "",
-        "| runner | rule | batch | vocab | apply ms | divide ms | add ms | map ms "
-        "| overhead ms (median) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| runner | rule | batch | vocab | apply ms | divide ms | add ms | overhead ms (median) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['runner']} | {r['rule']} | {r['batch']} | {r['vocab']} | {r['apply_ms']} | "
-        f"{r['divide_ms']} | {r['add_ms']} | {r['map_ms']} | {r['overhead_ms']} "
+        f"{r['divide_ms']} | {r['add_ms']} | {r['overhead_ms']} "
         f"({r['overhead_ms_median']}) |"
         for r in rows
     ]

@@ -37,9 +37,8 @@ the recommended rule and the oracle on the same test rows, and its paired gain o
 of it where it is recommended) and adds each layer of the stack on the test prompts (and on
 `--cross-domain FILE`'s prompts): served T = 1, adapter alone, adapter + T, adapter + bias +
 T, beside the per-position oracle T, with greedy agreement (`benchmarks/quality_adapter.py`);
-runtime logit noise is refused an adapter by calibration and reported so. `--head-map-rank R`
-(with `--head-map-families`) adds the paired gain of a head map fitted on top of it. Results
-then go to quality_adapter.md and quality_adapter.json.
+runtime logit noise is refused an adapter by calibration and reported so. Results then go to
+quality_adapter.md and quality_adapter.json.
 
 Writes benchmarks/results/quality.md and quality.json (after each family). 48 prompts (about
 19 fit, 14 validation, 15 test) of 32 tokens take a few minutes per family with --threads 1 on
@@ -57,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quality_adapter import calibrate_family, head_map_gain, stack_section
+from quality_adapter import calibrate_family, stack_section
 
 from noisy_temp_server.calibration.bias_fit import (
     penalties_text,
@@ -343,7 +342,6 @@ def _markdown(label: str, seconds: float, result: CalibrationResult, rows: list[
 
 
 def _calibrate(
-    name: str,
     pair: LoadedPair,
     prompts: list[Prompt],
     settings: CalibrationSettings,
@@ -362,9 +360,6 @@ def _calibrate(
         greedy_tokens=args.greedy_tokens,
         device=args.device,
     )
-    if args.head_map_rank and name in args.head_map_families:
-        map_text, document["head_map"] = head_map_gain(pair, family.data, args.head_map_rank)
-        text += "\n" + map_text
     return family.data.result, family.data.scored, "\n" + text, {"adapter_stack": document}
 
 
@@ -384,15 +379,6 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--greedy-tokens", type=int, default=16, help="greedy answer length for the stack"
-    )
-    parser.add_argument(
-        "--head-map-rank",
-        type=int,
-        default=0,
-        help="with --adapter-rank: the paired gain of a head map of this rank on top (0: off)",
-    )
-    parser.add_argument(
-        "--head-map-families", nargs="+", default=["int4", "noise-0.05"], metavar="FAMILY"
     )
 
 
@@ -449,9 +435,7 @@ def main() -> int:
     for name, how in pairs:
         family_started = time.monotonic()
         pair = load_pair(clean_path, device=args.device, **how)
-        result, scored, adapter_text, adapter_document = _calibrate(
-            name, pair, prompts, settings, args
-        )
+        result, scored, adapter_text, adapter_document = _calibrate(pair, prompts, settings, args)
         rows = [
             _request_temperature_row(result, t, settings.bounds)
             for t in settings.request_temperatures

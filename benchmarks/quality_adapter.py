@@ -7,8 +7,7 @@ calibration and calibrated without one, and the refusal is reported. Then, on th
 prompts (and the cross-domain prompts when given), each layer of the stack
 (`calibration.stack.score_stack`: served T = 1, adapter alone, adapter + T, adapter + bias
 + T) beside the per-position oracle T without and with the adapter, and whether the served
-stack is never significantly worse than T = 1. `head_map_gain` measures a head map fitted
-on top of the adapter against the bias + T alone, paired on the test rows.
+stack is never significantly worse than T = 1.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import Any
 import torch
 
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
-from noisy_temp_server.calibration.bias_fit import calibrate_bias
 from noisy_temp_server.calibration.pipeline import (
     CalibrationData,
     calibrate_with_data,
@@ -32,18 +30,14 @@ from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
 from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.significance import (
     is_not_worse,
-    is_significant,
-    split_fit_validation_test,
 )
 from noisy_temp_server.calibration.stack import StackReport, profile_adapter, score_stack
 from noisy_temp_server.correction.adapter import LoraAdapter, save_peft_adapter
-from noisy_temp_server.correction.bias import evaluate_bias
-from noisy_temp_server.correction.files import save_bias_file, save_head_map_file
+from noisy_temp_server.correction.files import save_bias_file
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.pairs.standard_error import cluster_stderr
 
-__all__ = ["AdapterFamily", "calibrate_family", "head_map_gain", "stack_section"]
+__all__ = ["AdapterFamily", "calibrate_family", "stack_section"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +73,6 @@ def _save_beside(folder: Path, data: CalibrationData) -> Path:
     result = data.result
     if result.bias is not None:
         save_bias_file(folder, result.bias.correction.bias)
-        if result.bias.head_map is not None:
-            save_head_map_file(folder, result.bias.head_map.head_map)
     if result.adapter is not None:
         save_peft_adapter(folder, result.adapter.adapter)
     path = folder / "profile.json"
@@ -197,57 +189,3 @@ def stack_section(
             texts.append(_stack_text(f"{title} ({len(sequences)})", stack, part))
             document[title.replace(" ", "_")] = part
     return "\n\n".join(texts) + "\n", document
-
-
-def head_map_gain(pair: LoadedPair, data: CalibrationData, rank: int) -> tuple[str, dict[str, Any]]:
-    """A rank-`rank` head map fitted on top of what calibration served (the adapter where
-    recommended), as `calibrate --head-map-rank` fits it, against the bias + T without it:
-    the paired gain KL(bias + T) - KL(map + bias + T) on the test rows at T_r = 1, ± its
-    prompt-clustered s.e. (both fitted and measured on the same rows)."""
-    result, scored = data.result, data.scored
-    settings = result.profile.settings
-    assert result.bias is not None  # calibration keeps rows
-    mapped = calibrate_bias(
-        scored.rows,
-        settings,
-        pair.head_basis(scored.rows.vocab_size),
-        rule=result.profile.to_policy(result.profile.recommended_rule),
-        row_records=scored.row_records,
-        head_map_rank=rank,
-    )
-    assert mapped.head_map is not None
-    test = split_fit_validation_test(
-        scored.rows.sequence_id.cpu(),
-        settings.validation_fraction,
-        settings.test_fraction,
-        settings.seed,
-    )[2]
-    rows = scored.rows.select(test)
-    kl_bias = evaluate_bias(rows, result.bias.correction).kl.double().cpu()
-    kl_map = evaluate_bias(mapped.head_map.head_map.mapped(rows), mapped.correction).kl
-    gain = kl_bias - kl_map.double().cpu()
-    mean, stderr = float(gain.mean()), cluster_stderr(gain, rows.sequence_id.cpu())
-    kl_one = mapped.test.t_one.mean_kl
-    document = {
-        "rank": rank,
-        "penalty": mapped.head_map.penalty,
-        "positions": len(rows),
-        "kl_t1": kl_one,
-        "bias_share_removed": result.bias.test.share_removed,
-        "map_bias_share_removed": mapped.test.share_removed,
-        "gain": mean,
-        "gain_stderr": stderr,
-        "significant": is_significant(mean, stderr),
-        "map_recommended": mapped.recommended,
-    }
-    share = 100 * mean / kl_one if kl_one > 0 else float("nan")
-    text = (
-        f"head map rank {rank} (penalty {mapped.head_map.penalty:.1e}) on top of what "
-        f"calibration served (the adapter where recommended), test rows ({len(rows)}), shares "
-        f"of KL at T = 1 of the rows as served: bias + T removes "
-        f"{100 * document['bias_share_removed']:.1f}%, map + bias + T "
-        f"{100 * document['map_bias_share_removed']:.1f}%; paired gain of the map "
-        f"{1e3 * mean:+.3f} ± {1e3 * stderr:.3f} e-3 ({share:+.1f}% of KL(T=1)): "
-        f"{'significant' if document['significant'] else 'not significant'}"
-    )
-    return text + "\n", document

@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     bias_dir: Path | None = Field(
         default=None,
         description="Folder of the per-token logit bias files (bias-<sha256>.safetensors) "
-        "and head map files (head-map-<sha256>.safetensors) a policy may name; the engine "
+        "a policy may name; the engine "
         "loads each once, looking here first, then in the profile's folder (where "
         "`calibrate` writes them) when the profile serves a bias. Unset, with a profile "
         "without a bias: no folder at all (the V1 processor then stays argmax-invariant). "

@@ -23,8 +23,7 @@ from noisy_temp_server.calibration.significance import (
     split_selection_gate,
 )
 from noisy_temp_server.correction.bias import BiasFit, BiasPath, fit_bias_at_penalty, fit_logit_bias
-from noisy_temp_server.correction.files import bias_sha256, head_map_sha256
-from noisy_temp_server.correction.head_map import HeadMapFit, fit_head_map
+from noisy_temp_server.correction.files import bias_sha256
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows
 from noisy_temp_server.correction.request_bands import (
     at_request_temperature,
@@ -80,9 +79,6 @@ class BiasCalibration:
     rule: Rule | None = None
     """The temperature rule `validation` compared the bias with (the profile's recommended
     rule), if any."""
-    head_map: HeadMapFit | None = None
-    """The head map the bias was fitted on top of (`calibrate_bias`'s `head_map_rank`), if any:
-    the correction measured and served is the two together."""
 
     @property
     def correction(self) -> LogitBias:
@@ -118,14 +114,8 @@ class BiasCalibration:
         """Its validation and test rows beside T = 1 and the oracle (KL in 1e-3 nats), the T
         served with it at each request temperature, and whether it is recommended."""
         bands = ", ".join(f"{t:.3f} at T_r {t_r:g}" for t_r, t in self.band_temperatures.items())
-        mapped = self.head_map
         lines = [
-            (
-                ""
-                if mapped is None
-                else f"Head map (rank {mapped.head_map.rank}, penalty {mapped.penalty:.1e}) + "
-            )
-            + f"Per-token bias + T: T = {self.correction.temperature:.3f} ({bands}), "
+            f"Per-token bias + T: T = {self.correction.temperature:.3f} ({bands}), "
             f"{penalties_text(self.path.chosen)}"
             f"; {'recommended' if self.recommended else 'not recommended'} (it needs, on the "
             f"gate half, a gain over T = 1 above 2 s.e.{self._over_rule_text()})"
@@ -159,9 +149,8 @@ class BiasCalibration:
         )
 
     def summary(self) -> BiasSummary:
-        """What the profile records (the vector and the head map themselves are written by
-        `correction.files.save_bias_file` and `save_head_map_file`)."""
-        mapped = self.head_map
+        """What the profile records (the vector itself is written by
+        `correction.files.save_bias_file`)."""
         head_penalty = self.path.chosen.head_penalty
         over_rule = self.validation.over_rule
         return BiasSummary(
@@ -181,9 +170,6 @@ class BiasCalibration:
             gain_over_rule_stderr=None if over_rule is None else over_rule[1],
             gain_over_rule_request_temperature=self.validation.over_rule_request_temperature,
             band_temperatures=tuple(self.band_temperatures.values()),
-            head_map=None if mapped is None else head_map_sha256(mapped.head_map),
-            head_map_rank=None if mapped is None else mapped.head_map.rank,
-            head_map_penalty=None if mapped is None else mapped.penalty,
         )
 
 
@@ -204,7 +190,6 @@ def calibrate_bias(
     *,
     rule: TemperaturePolicy | None = None,
     row_records: PositionRecords | None = None,
-    head_map_rank: int = 0,
 ) -> BiasCalibration:
     """Fit and measure the bias on calibration rows, split by prompt exactly as
     `calibrate_records` splits the records (same fractions and seed, the validation prompts
@@ -215,11 +200,8 @@ def calibrate_bias(
     recommended only if not significantly worse than it (`BiasCalibration.recommended`).
     The bias is served with a T of its own at every request temperature of `settings`
     (`fit_band_temperatures` on the fit and validation rows, as the served fit), and compared
-    with the rule so.
-    With `head_map_rank` > 0 (and a `basis`), a `HeadMap` of that rank is fitted first on the
-    fit prompts (its penalty chosen on the validation prompts' selection half) and the bias is
-    fitted and measured on top of it: the correction is then the map and the bias together.
-    Raises `InsufficientDataError` when a split is too small (see `bias_quality`)."""
+    with the rule so. Raises `InsufficientDataError` when a split is too small (see
+    `bias_quality`)."""
     fit, validation, test = split_fit_validation_test(
         rows.sequence_id.cpu(),
         settings.validation_fraction,
@@ -233,16 +215,14 @@ def calibrate_bias(
         rule_temperatures = rule_temperatures_by_request_temperature(
             rule, row_records.select(validation), settings.request_temperatures
         )
-    path, validation_quality, head_map = fit_bias_for_serving(
+    path, validation_quality = fit_bias_for_serving(
         rows.select(fit),
         rows.select(validation),
         settings,
         basis,
         rule_temperatures=rule_temperatures,
-        head_map_rank=head_map_rank,
     )
-    mapped = rows if head_map is None else head_map.head_map.mapped(rows)
-    fitted = mapped.select(fit | validation)
+    fitted = rows.select(fit | validation)
     return BiasCalibration(
         path=path,
         fitted_rows=len(fitted),
@@ -251,13 +231,9 @@ def calibrate_bias(
         ),
         validation=validation_quality,
         test=bias_quality(
-            mapped.select(test),
-            path.chosen.correction,
-            settings.min_quality_positions,
-            unmapped=None if head_map is None else rows.select(test),
+            rows.select(test), path.chosen.correction, settings.min_quality_positions
         ),
         rule=None if rule_temperatures is None or rule is None else rule.rule,
-        head_map=head_map,
     )
 
 
@@ -283,8 +259,7 @@ def fit_bias_for_serving(
     basis: Tensor | None = None,
     *,
     rule_temperatures: Mapping[float, Tensor] | None = None,
-    head_map_rank: int = 0,
-) -> tuple[BiasPath, BiasQuality, HeadMapFit | None]:
+) -> tuple[BiasPath, BiasQuality]:
     """The bias to serve from fit and validation rows. The validation rows are halved by prompt
     (`split_selection_gate`, as `calibrate_records` halves its records): the penalties are
     chosen on the selection half with fits on `fit` (`fit_logit_bias`, with the output head's
@@ -294,18 +269,9 @@ def fit_bias_for_serving(
     start). With `rule_temperatures` (a temperature rule's T at each validation row, by request
     temperature), the gate half's quality also compares the bias with that rule
     (`BiasQuality.over_rule`), the bias served at each request temperature with its T fitted
-    there on `fit` (`fit_band_temperatures`). With `head_map_rank` > 0 (and a `basis`), a
-    `HeadMap` of that rank is fitted first on `fit` (its penalty chosen on the selection half)
-    and returned, and all of the above runs on the mapped rows, measured against the rows as
-    served (`bias_quality`'s `unmapped`); else the map returned is None. Raises
-    `InsufficientDataError` when a half is too small (see `bias_quality`)."""
+    there on `fit` (`fit_band_temperatures`). Raises `InsufficientDataError` when a half is
+    too small (see `bias_quality`)."""
     selection, gate = split_selection_gate(validation.sequence_id.cpu(), settings.seed)
-    served_validation, head_map = validation, None
-    if head_map_rank:
-        if basis is None:
-            raise ValueError("a head map needs the output head's weights (basis)")
-        head_map = fit_head_map(fit, validation.select(selection), basis, head_map_rank)
-        fit, validation = head_map.head_map.mapped(fit), head_map.head_map.mapped(validation)
     path = fit_logit_bias(fit, validation.select(selection), basis=basis, bounds=settings.bounds)
     gate_quality = bias_quality(
         validation.select(gate),
@@ -319,7 +285,6 @@ def fit_bias_for_serving(
         else fit_band_temperatures(
             fit, path.chosen.correction, list(rule_temperatures), settings.bounds
         ),
-        unmapped=None if head_map is None else served_validation.select(gate),
     )
     chosen = path.chosen
     refit = fit_bias_at_penalty(
@@ -331,4 +296,4 @@ def fit_bias_for_serving(
         start=chosen,
         fit_bias=math.isfinite(chosen.penalty),
     )
-    return replace(path, chosen=refit), gate_quality, head_map
+    return replace(path, chosen=refit), gate_quality

@@ -145,16 +145,13 @@ def bias_quality(
     *,
     rule_temperatures: Mapping[float, Tensor] | None = None,
     band_temperatures: Mapping[float, float] | None = None,
-    unmapped: PairedRows | None = None,
 ) -> BiasQuality:
     """`correction` on held-out `rows`, paired with T = 1 and the per-row oracle T there, and
     with a temperature rule when `rule_temperatures` is given: per request temperature T_r,
     the rule's T at each row [N] there (`BiasQuality.over_rule`: the rule's softmax(z~/(T_r T))
     against the correction's softmax((z~ + b)/(T_r T_b)), both against softmax(z/T_r), exact
     KL; `at_request_temperature`), T_b being the correction's T at T_r in `band_temperatures`
-    (`fit_band_temperatures`), else its own. When `rows` were mapped (`HeadMap.mapped`), the
-    correction is the map and the bias together: `unmapped` are the same rows as served, where
-    T = 1, the oracle and the rule are measured.
+    (`fit_band_temperatures`), else its own.
 
     Raises `InsufficientDataError` below `min_positions` rows.
     """
@@ -163,11 +160,10 @@ def bias_quality(
             f"only {len(rows)} held-out rows; the bias quality row needs at least {min_positions}"
         )
     ids = rows.sequence_id.cpu()
-    served = rows if unmapped is None else unmapped
     corrected = evaluate_bias(rows, correction)
-    one = evaluate_bias(served, LogitBias.identity(rows.vocab_size, rows.served_shifted.device))
+    one = evaluate_bias(rows, LogitBias.identity(rows.vocab_size, rows.served_shifted.device))
     kl_one = one.kl.double().cpu()
-    oracle_t, oracle_kl = _oracle(served)
+    oracle_t, oracle_kl = _oracle(rows)
     row = functools.partial(
         quality_row,
         sequence_ids=ids,
@@ -185,7 +181,7 @@ def bias_quality(
     )
     for request_temperature, temperatures in rule_temperatures.items():
         gain = _gain_over_rule(
-            rows, served, banded.at(request_temperature), request_temperature, temperatures
+            rows, banded.at(request_temperature), request_temperature, temperatures
         )
         if over_rule is None or _margin(gain) < _margin(over_rule):
             over_rule, over_rule_at = gain, request_temperature
@@ -204,20 +200,15 @@ def bias_quality(
 
 def _gain_over_rule(
     rows: PairedRows,
-    served: PairedRows,
     correction: LogitBias,
     request_temperature: float,
     temperatures: Tensor,
 ) -> tuple[float, float]:
     """Mean paired gain KL(rule) - KL(correction) at `request_temperature` and its standard
-    error clustered by sequence, the rule serving `temperatures` [N] on the `served` rows and
-    `correction` being that of `rows` (the same, or mapped) taken there (`BandedBias.at`)."""
-    kl_correction = (
-        evaluate_bias(at_request_temperature(rows, request_temperature), correction)
-        .kl.double()
-        .cpu()
-    )
-    at_t_r = at_request_temperature(served, request_temperature)
+    error clustered by sequence, the rule serving `temperatures` [N] on `rows` and
+    `correction` being the one taken there (`BandedBias.at`)."""
+    at_t_r = at_request_temperature(rows, request_temperature)
+    kl_correction = evaluate_bias(at_t_r, correction).kl.double().cpu()
     gain = kl_at_temperatures(at_t_r, temperatures) - kl_correction
     return float(gain.mean()), cluster_stderr(gain, rows.sequence_id.cpu())
 

@@ -64,7 +64,7 @@ from noisy_temp_server.calibration.significance import (
 )
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.perturbation import PerturbationSpec, output_head
+from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
@@ -194,8 +194,7 @@ def calibrate_records(
     selection / gate halves; fit every rule on fit, choose the calibrated table's cells on the
     selection half, the recommended rule on the gate half (`recommend_rule`), report on test.
     With `rows` (of some of the same positions) the per-token bias is fitted and measured on
-    the same splits (`calibrate_bias`, with the clean output head's `basis` if given, on top of
-    a head map of `settings.head_map_rank` if > 0, which needs the `basis`), and,
+    the same splits (`calibrate_bias`, with the clean output head's `basis` if given), and,
     given `row_records` (the records at request temperature 1 of the positions of `rows`, row
     for row: `ScoredSet.row_records`), recommended only if not significantly worse than the
     recommended rule on the same gate rows.
@@ -225,7 +224,6 @@ def calibrate_records(
             basis,
             rule=parameters.to_policy(recommended_rule),
             row_records=row_records,
-            head_map_rank=settings.head_map_rank,
         )
         if rows is not None and len(rows)
         else None
@@ -256,8 +254,7 @@ def calibrate(
     device: str | torch.device = "cpu",
 ) -> CalibrationResult:
     """The whole pipeline of the module docstring on one pair. ValueError before any scoring
-    when the prompts are not the settings' count, or a head map is asked for that the clean
-    model's output head cannot carry."""
+    when the prompts are not the settings' count."""
     return calibrate_with_data(pair, prompts, settings, device=device).result
 
 
@@ -281,7 +278,6 @@ def calibrate_with_data(
     """`calibrate`, keeping the sequences and scores (what a benchmark measures further on)."""
     if len(prompts) != settings.prompts:
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
-    _check_head_map_rank(pair, settings.head_map_rank)
     adapter = _calibrate_adapter(pair, prompts, settings, device) if settings.adapter_rank else None
     served = adapter.adapter if adapter is not None and adapter.summary.recommended else None
     with applied_adapter(pair.served_model, served):
@@ -330,17 +326,6 @@ def _calibrate_adapter(
     )
     logger.info("adapter calibrated in %.0f s", time.monotonic() - started)
     return adapter
-
-
-def _check_head_map_rank(pair: LoadedPair, rank: int) -> None:
-    """ValueError unless a head map of `rank` (0: none) fits in the clean model's output head."""
-    if not rank:
-        return
-    head = output_head(pair.clean_model)
-    if head is None:
-        raise ValueError("a head map needs the clean model's output head, which was not found")
-    if rank > head.shape[1]:
-        raise ValueError(f"head map rank {rank} exceeds the output head's width {head.shape[1]}")
 
 
 def calibrate_scored(

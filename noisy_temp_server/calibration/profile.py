@@ -10,9 +10,12 @@ settings, alpha / sigma2 / tau2 by generation-step bucket, the fitted parameters
 `Profile.to_policy(rule)` turns it into the `TemperaturePolicy` the server applies.
 
 `schema_version` is checked on load: a profile written by another schema is refused, not
-guessed at. Every failure to use a profile (unreadable file, bad JSON, wrong schema version,
-failed validation, a pair that is not the one served) raises `ProfileError`, whose message
-names the file and what is wrong.
+guessed at. So is one that names a head map (a correction earlier versions could fit under the
+bias, since removed: docs/quality.md): its bias cannot be served as calibrated without it. The
+head-map fields those versions wrote with no map (null, rank 0) are dropped on load. Every
+failure to use a profile (unreadable file, bad JSON, wrong schema version, a head map, failed
+validation, a pair that is not the one served) raises `ProfileError`, whose message names the
+file and what is wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -46,6 +49,9 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA_VERSION = 2
+
+_HEAD_MAP_FIELDS = ("head_map_rank", "head_map", "head_map_penalty")
+"""Fields of the removed head map (settings: the rank; bias: hash, rank, penalty)."""
 
 
 class ProfileError(ValueError):
@@ -84,10 +90,6 @@ class CalibrationSettings(_Frozen):
     bias_rows: int = Field(default=2048, ge=0)
     """Positions whose full clean and served rows are kept to fit the per-token bias (8 bytes
     per vocabulary entry each: 2048 rows of a 49k vocabulary take 800 MB); 0: no bias."""
-    head_map_rank: int = Field(default=0, ge=0)
-    """Rank of the head map fitted under the bias (`correction.head_map`; 2 r V multiply-adds
-    per served row); 0: none. Needs the clean model's output head (a pair whose served
-    vocabulary it fits)."""
     adapter_rank: int = Field(default=0, ge=0)
     """Rank of the compensation adapter fitted first (`calibration.adapter_calibration`),
     under which everything else is fitted; 0: none. Needs a pair whose served weights differ
@@ -97,8 +99,8 @@ class CalibrationSettings(_Frozen):
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
-        """Bounds and step edges as `TemperaturePolicy` accepts them, some prompts left to fit
-        on, and bias rows for a head map (ValueError otherwise)."""
+        """Bounds and step edges as `TemperaturePolicy` accepts them and some prompts left to
+        fit on (ValueError otherwise)."""
         temperatures = self.request_temperatures
         if (
             1.0 not in temperatures
@@ -114,8 +116,6 @@ class CalibrationSettings(_Frozen):
                 f"validation_fraction ({self.validation_fraction}) + test_fraction "
                 f"({self.test_fraction}) must be < 1: the rest of the prompts fit the rules"
             )
-        if self.head_map_rank and not self.bias_rows:
-            raise ValueError("a head map is fitted under the bias: head_map_rank needs bias_rows")
         buckets = len(self.step_edges)
         TemperaturePolicy(
             bounds=self.bounds,
@@ -302,10 +302,6 @@ class BiasSummary(_Frozen):
     token, so its same-top rates are its own. `fitted_rows`: the rows the served bias was fitted
     on (the online refinement counts them as already seen; None in profiles written before it
     was recorded, when the refinement counts `CalibrationSettings.bias_rows`).
-    `head_map`: the sha256 of the head map the bias was fitted on top of and is served with
-    (`head_map_file_name(head_map)` beside the profile; None: none), of rank `head_map_rank`,
-    its ridge penalty `head_map_penalty` chosen on the selection half; its quality rows measure
-    the two together against the rows as served.
     """
 
     sha256: str
@@ -324,17 +320,6 @@ class BiasSummary(_Frozen):
     gain_over_rule_stderr: float | None = None
     gain_over_rule_request_temperature: float | None = None
     band_temperatures: tuple[float, ...] | None = None
-    head_map: str | None = None
-    head_map_rank: int | None = Field(default=None, ge=1)
-    head_map_penalty: float | None = Field(default=None, gt=0)
-
-    @model_validator(mode="after")
-    def _check_head_map(self) -> Self:
-        """A head map's hash, rank and penalty: all three or none (ValueError otherwise)."""
-        recorded = (self.head_map, self.head_map_rank, self.head_map_penalty)
-        if any(value is None for value in recorded) and any(v is not None for v in recorded):
-            raise ValueError("head_map, head_map_rank and head_map_penalty go together")
-        return self
 
     def served_temperatures(self, request_temperatures: Sequence[float]) -> dict[float, float]:
         """{T_r: the T served with the bias} at each of `request_temperatures` (the
@@ -424,9 +409,7 @@ class Profile(_Frozen):
 
     def _bias_policy(self, bias: BiasSummary, version: int) -> TemperaturePolicy:
         bands = bias.served_temperatures(self.settings.request_temperatures)
-        return self.parameters.to_policy(Rule.CALIBRATED, version).serving_bias(
-            bias.sha256, bands, head_map=bias.head_map
-        )
+        return self.parameters.to_policy(Rule.CALIBRATED, version).serving_bias(bias.sha256, bands)
 
     def save(self, path: Path) -> None:
         """Write the profile as indented JSON (`write_atomically`)."""
@@ -453,6 +436,7 @@ class Profile(_Frozen):
                 f"profile {path} has schema_version {version!r}, this noisy-temp-server reads "
                 f"version {PROFILE_SCHEMA_VERSION}; recreate it with `noisy-temp-server calibrate`"
             )
+        _drop_removed_head_map(path, document)
         try:
             return cls.model_validate(document)
         except ValidationError as error:
@@ -485,3 +469,18 @@ class Profile(_Frozen):
         except ProfileError as error:
             raise ProfileError(f"profile {path}: {error}") from error
         return profile
+
+
+def _drop_removed_head_map(path: Path, document: dict[str, Any]) -> None:
+    """Drop, in place, the head-map fields earlier versions wrote with no map (the settings'
+    `head_map_rank` 0; the bias's `head_map`, `head_map_rank`, `head_map_penalty` null);
+    `ProfileError` when they record a map, which is no longer served."""
+    settings, bias = document.get("settings"), document.get("bias")
+    sections = [part for part in (settings, bias) if isinstance(part, dict)]
+    removed = [part.pop(key) for part in sections for key in _HEAD_MAP_FIELDS if key in part]
+    if any(removed):
+        raise ProfileError(
+            f"profile {path} was calibrated with a head map under its bias, which "
+            'noisy-temp-server no longer serves (docs/quality.md, "The head map (removed)"); '
+            "recalibrate the pair with `noisy-temp-server calibrate`"
+        )

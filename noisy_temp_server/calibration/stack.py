@@ -1,6 +1,6 @@
 """Each layer of a profile's served stack, measured on the same positions: the served model at
 T = 1, then the compensation adapter alone, the adapter + the recommended temperature rule, and
-the adapter + the bias + its T (on the head map, when the bias sits on one).
+the adapter + the bias + its T.
 
 `score_stack` teacher-forces the sequences (sampled as served: with the adapter) through the
 clean model and the served model without and with the adapter, and accumulates llama.cpp's
@@ -23,8 +23,7 @@ from torch import Tensor
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
 from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.correction.adapter import LoraAdapter, find_adapter
-from noisy_temp_server.correction.files import load_bias_file, load_head_map_file
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import load_bias_file
 from noisy_temp_server.pairs.greedy import (
     GreedyAgreement,
     greedy_agreement,
@@ -112,17 +111,16 @@ def score_scoreboard(
     policy: TemperaturePolicy,
     *,
     bias: Tensor | None = None,
-    head_map: HeadMap | None = None,
     adapter: LoraAdapter | None = None,
     device: str = "cpu",
 ) -> PairScoreboard:
     """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only);
-    `bias`: the vector of the policy's per-token bias, `head_map`: the head map under it (see
-    `PairScoreboard`), `adapter`: applied to the served model while scoring (None: none)."""
+    `bias`: the vector of the policy's per-token bias (see `PairScoreboard`), `adapter`:
+    applied to the served model while scoring (None: none)."""
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
-    board = PairScoreboard(policy, bias=bias, head_map=head_map)
+    board = PairScoreboard(policy, bias=bias)
     with applied_adapter(pair.served_model, adapter):
         for sequence in sequences:
             completion = torch.tensor(
@@ -154,12 +152,9 @@ class _Greedy:
             else []
         )
 
-    def of(
-        self, adapter: LoraAdapter | None, correction: tuple[Tensor | None, HeadMap | None]
-    ) -> GreedyAgreement | None:
+    def of(self, adapter: LoraAdapter | None, bias: Tensor | None) -> GreedyAgreement | None:
         if self.tokens < 1:
             return None
-        bias, head_map = correction
         with applied_adapter(self.pair.served_model, adapter):
             return greedy_agreement(
                 self.pair.clean_model,
@@ -167,9 +162,7 @@ class _Greedy:
                 self.prompts,
                 max_new_tokens=self.tokens,
                 eos_ids=self.eos_ids,
-                row_correction=None
-                if bias is None
-                else (lambda row: corrected_rows(row, bias, head_map)),
+                row_correction=None if bias is None else (lambda row: corrected_rows(row, bias)),
                 clean_continuations=self.clean,
             )
 
@@ -190,41 +183,24 @@ def score_stack(
     adapter = profile_adapter(profile, folder)
     rule_policy = profile.to_policy(profile.recommended_rule)
     served_policy = profile.to_policy() if served_policy is None else served_policy
-    none: tuple[Tensor | None, HeadMap | None] = (None, None)
-    correction = none
-    if served_policy.bias is not None:
-        head_map = (
-            None
-            if served_policy.head_map is None
-            else load_head_map_file(folder, served_policy.head_map)
-        )
-        correction = load_bias_file(folder, served_policy.bias), head_map
+    bias = None if served_policy.bias is None else load_bias_file(folder, served_policy.bias)
     base = score_scoreboard(pair, sequences, TemperaturePolicy.identity(), device=device)
     reference = base.accumulators["T=1"]
     name = "adapter" if adapter is not None else "no adapter"
     rule = score_scoreboard(pair, sequences, rule_policy, adapter=adapter, device=device)
     greedy = _Greedy(pair, sequences, greedy_tokens)
     layers_spec: list[tuple[str, PairScoreboard, str, GreedyAgreement | None]] = [
-        ("served, T=1", base, "T=1", greedy.of(None, none)),
+        ("served, T=1", base, "T=1", greedy.of(None, None)),
     ]
-    adapter_greedy = layers_spec[0][3] if adapter is None else greedy.of(adapter, none)
+    adapter_greedy = layers_spec[0][3] if adapter is None else greedy.of(adapter, None)
     if adapter is not None:
         layers_spec.append(("adapter, T=1", rule, "T=1", adapter_greedy))
     layers_spec.append((f"{name} + T ({rule_policy.rule.value})", rule, "T*", adapter_greedy))
-    if correction[0] is not None:
-        with_map = "" if correction[1] is None else " + head map"
+    if bias is not None:
         full = score_scoreboard(
-            pair,
-            sequences,
-            served_policy,
-            bias=correction[0],
-            head_map=correction[1],
-            adapter=adapter,
-            device=device,
+            pair, sequences, served_policy, bias=bias, adapter=adapter, device=device
         )
-        layers_spec.append(
-            (f"{name}{with_map} + bias + T", full, "T*", greedy.of(adapter, correction))
-        )
+        layers_spec.append((f"{name} + bias + T", full, "T*", greedy.of(adapter, bias)))
     layers = []
     for label, board, column, agreement in layers_spec:
         accumulator = board.accumulators[column]

@@ -2,7 +2,7 @@
 
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
-        [--validation-fraction F] [--test-fraction F] [--bias-rows N] [--head-map-rank R]
+        [--validation-fraction F] [--test-fraction F] [--bias-rows N]
         [--adapter-rank [R] [--adapter-method eora|svd]]
         [--records FILE] [--report DIR] [--device DEV]
 
@@ -16,10 +16,9 @@ test split. The profile
 each headed by its split and request temperatures: validation (its gate half) and test pooled
 over the request
 temperatures, then the test split at each. The per-token bias + T is fitted too, on the full
-rows of up to `--bias-rows` positions (its table is printed), on top of a head map of rank
-`--head-map-rank` when given (`correction.head_map`); its vector is written beside the
-profile (`bias-<sha256>.safetensors`, the map in `head-map-<sha256>.safetensors`), and so is
-the recommended policy (`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias
+rows of up to `--bias-rows` positions (its table is printed); its vector is written beside the
+profile (`bias-<sha256>.safetensors`), and so is the recommended policy
+(`<profile stem>.policy.json`, what `NTS_POLICY_FILE` reads): the bias
 with its T at each request temperature when the bias is recommended, else the recommended
 rule. With `--adapter-rank R` a compensation adapter is fitted first
 (`calibration.adapter_calibration`) and saved beside the profile (`adapter-<hash>/`, PEFT LoRA);
@@ -92,13 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vocabulary; more fit it better; 0: no bias; default: CalibrationSettings.bias_rows)",
     )
     parser.add_argument(
-        "--head-map-rank",
-        type=int,
-        default=0,
-        help="fit a low-rank head map under the bias (z~ + L R z~ + b, served with it): its rank "
-        "(2 r V multiply-adds per served row; its worth: docs/quality.md); 0: none",
-    )
-    parser.add_argument(
         "--adapter-rank",
         type=int,
         nargs="?",
@@ -149,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
                 validation_fraction=args.validation_fraction,
                 test_fraction=args.test_fraction,
                 **({} if args.bias_rows is None else {"bias_rows": args.bias_rows}),
-                head_map_rank=args.head_map_rank,
                 adapter_rank=args.adapter_rank,
                 adapter_method=args.adapter_method,
                 **(
@@ -234,15 +225,10 @@ def adapter_text(calibration: AdapterCalibration) -> str:
 
 
 def _save_correction(folder: Path, bias: BiasCalibration) -> None:
-    """Write the bias vector, and the head map under it if any, beside the profile."""
-    from noisy_temp_server.correction.files import (  # noqa: PLC0415
-        save_bias_file,
-        save_head_map_file,
-    )
+    """Write the bias vector beside the profile."""
+    from noisy_temp_server.correction.files import save_bias_file  # noqa: PLC0415
 
     save_bias_file(folder, bias.correction.bias)
-    if bias.head_map is not None:
-        save_head_map_file(folder, bias.head_map.head_map)
 
 
 def _temperatures(text: str) -> tuple[float, ...]:

@@ -10,8 +10,7 @@ positions at a time, and `noisy_temp_server.pairs.scoreboard` accumulates llama.
 statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the clean top token,
 PPL ratio) for the served model at T = 1 and as served: the profile's recommended policy (or
 `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. When the profile recommends its
-per-token bias b, "served" is softmax((z~ + b) / T*) with the vector from beside the profile,
-softmax((H(z~) + b) / T*) when the bias sits on a head map H (also from beside the profile).
+per-token bias b, "served" is softmax((z~ + b) / T*) with the vector from beside the profile.
 With a profile whose compensation adapter is recommended (`calibrate --adapter-rank`), the
 served model samples and is scored with the adapter (from beside the profile), and the table
 has one column per layer of the stack (`calibration.stack`): the served model at T = 1, the
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
 
     from noisy_temp_server.calibration.profile import Profile
     from noisy_temp_server.calibration.stack import StackReport
-    from noisy_temp_server.correction.head_map import HeadMap
     from noisy_temp_server.pairs.loading import LoadedPair
     from noisy_temp_server.pairs.scoreboard import ScoreboardResult
     from noisy_temp_server.pairs.scorer import ScoringSequence
@@ -90,22 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
 
 
-def _policy_correction(
-    args: argparse.Namespace, policy: TemperaturePolicy
-) -> tuple[Tensor | None, HeadMap | None]:
-    """The vector of the policy's per-token bias and the head map under it (None for each it
-    does not name), from beside the profile; ValueError when one cannot be read there."""
-    from noisy_temp_server.correction.files import (  # noqa: PLC0415
-        load_bias_file,
-        load_head_map_file,
-    )
+def _policy_bias(args: argparse.Namespace, policy: TemperaturePolicy) -> Tensor | None:
+    """The vector of the policy's per-token bias (None when it names none), from beside the
+    profile; ValueError when it cannot be read there."""
+    from noisy_temp_server.correction.files import load_bias_file  # noqa: PLC0415
 
     if policy.bias is None:
-        return None, None
-    bias = load_bias_file(args.profile.parent, policy.bias)
-    if policy.head_map is None:
-        return bias, None
-    return bias, load_head_map_file(args.profile.parent, policy.head_map)
+        return None
+    return load_bias_file(args.profile.parent, policy.bias)
 
 
 def _policy(args: argparse.Namespace, profile: Profile | None) -> TemperaturePolicy:
@@ -274,14 +264,11 @@ def _score(
         )
         results = {layer.label: layer.result for layer in stack.layers}
         return results, results, None, stack
-    bias, head_map = _policy_correction(args, policy)
-    board = score_scoreboard(
-        pair, sequences, policy, bias=bias, head_map=head_map, device=args.device
-    )
+    bias = _policy_bias(args, policy)
+    board = score_scoreboard(pair, sequences, policy, bias=bias, device=args.device)
     by_label = board.result()
     mean_t_star = board.mean_temperature()
-    with_map = "" if policy.head_map is None else " + head map"
-    with_bias = "" if policy.bias is None else f"{with_map} + bias"
+    with_bias = "" if policy.bias is None else " + bias"
     label = f"T* ({policy.rule.value}{with_bias}, mean {mean_t_star:.3f})"
     return {"T=1": by_label["T=1"], label: by_label["T*"]}, by_label, mean_t_star, None
 

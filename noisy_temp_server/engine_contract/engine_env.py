@@ -46,7 +46,7 @@ class EngineConfig:
 
     ``trace_endpoint`` (``NTS_TRACE_ENDPOINT``): the ZeroMQ address of the API process's trace
     collector (None: the engine reports nothing). ``bias_dirs`` (``NTS_BIAS_DIR``, joined by
-    ``os.pathsep``): the folders bias and head map files are looked up in, in order.
+    ``os.pathsep``): the folders bias files are looked up in, in order.
     ``policy_file`` (``NTS_POLICY_FILE``): the engine's default policy, for requests without
     ``nts_policy`` (None: the identity policy). ``runtime_noise_sigma``, ``runtime_noise_seed``
     (``NTS_RUNTIME_NOISE_SIGMA``, ``NTS_RUNTIME_NOISE_SEED``): the runtime logit noise processor's

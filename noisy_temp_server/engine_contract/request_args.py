@@ -327,14 +327,13 @@ def resolve_request(keys: TuningKeys, request_temperature: float) -> RequestTuni
 @dataclass(frozen=True)
 class LogitCorrection:
     """The correction a request's logits get before its temperature: the sha256 of its
-    per-token bias and of the head map under it (None: none; a map comes only with a bias)."""
+    per-token bias."""
 
     bias: str
-    head_map: str | None = None
 
 
 def resolve_correction(keys: TuningKeys) -> LogitCorrection | None:
-    """The per-token bias (and head map) the request gets: its policy's, whatever the rule and
+    """The per-token bias the request gets: its policy's, whatever the rule and
     the request temperature (greedy requests get it too), or None: no bias in the policy,
     ``nts_bias`` off, or ``nts_tune`` off (no correction at all).
 
@@ -343,7 +342,7 @@ def resolve_correction(keys: TuningKeys) -> LogitCorrection | None:
     if not keys.tune or not keys.bias:
         return None
     policy = parse_policy_json(keys.policy_json or default_policy_json())
-    return None if policy.bias is None else LogitCorrection(policy.bias, policy.head_map)
+    return None if policy.bias is None else LogitCorrection(policy.bias)
 
 
 def default_policy_json() -> str:

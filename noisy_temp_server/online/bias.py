@@ -2,10 +2,7 @@
 is significantly better on rows it never trained on.
 
 `OnlineBias` receives the paired rows of each shadow-scored choice (a bounded, evenly spaced
-share of its positions). When the served bias sits on a head map H (`correction.head_map`),
-the bias is refined on top of it and the map is never refitted: each choice's served rows z~
-are mapped to H(z~) (`HeadMap.mapped`) as they arrive, so the fit and the reservoir both see
-the rows the bias is added to. The requests whose sequence id is a multiple of `holdout_every`
+share of its positions). The requests whose sequence id is a multiple of `holdout_every`
 (one in `holdout_every`: the shadow scorer's ids are hashes of the request id) go to a held-out
 reservoir (the most recent `holdout_rows` rows, whole choices); the others update a
 `StreamingBias` (O(V) state, the same objective and penalty as calibration's fit; with the bias
@@ -33,12 +30,7 @@ from noisy_temp_server.calibration.significance import (
     is_not_worse,
     is_significant,
 )
-from noisy_temp_server.correction.files import (
-    check_bias_vocabulary,
-    check_head_map_vocabulary,
-    head_map_sha256,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.correction.streaming_bias import StreamingBias
@@ -56,9 +48,8 @@ class OnlineBias:
     served in bands; ``penalty``: the per-token L2 penalty it was fitted with; ``basis`` and
     ``head_penalty``: the clean output head and the penalty of the part in its span (both or
     neither: the streaming fit then steps in that span too); ``prior_rows``: the rows the
-    published correction was fitted on (`StreamingBias`); ``head_map``: the head map the
-    published bias is served on top of (None: none), by which `add` maps the rows. A T_r = 1
-    entry of ``band_temperatures`` is the correction's own T, whatever it says."""
+    published correction was fitted on (`StreamingBias`). A T_r = 1 entry of
+    ``band_temperatures`` is the correction's own T, whatever it says."""
 
     def __init__(
         self,
@@ -70,7 +61,6 @@ class OnlineBias:
         head_penalty: float | None = None,
         prior_rows: int = 0,
         bounds: TemperatureBounds | None = None,
-        head_map: HeadMap | None = None,
         holdout_every: int = 4,
         holdout_rows: int = 256,
         min_holdout_requests: int = 8,
@@ -89,7 +79,6 @@ class OnlineBias:
             prior_rows=prior_rows,
             band_temperatures=band_temperatures,
         )
-        self.head_map = head_map
         bands = {**(band_temperatures or {}), 1.0: published.temperature}
         self.published = BandedBias(published, dict(sorted(bands.items())))
         self._calibrated = self.published  # the bands never fall behind it, version by version
@@ -115,24 +104,16 @@ class OnlineBias:
         head_basis: Tensor | None = None,
         fallback_prior_rows: int = 0,
         bounds: TemperatureBounds | None = None,
-        head_map: HeadMap | None = None,
     ) -> OnlineBias:
         """The online refinement of the calibrated bias `summary` describes, served as
         `published`: its per-token penalty; its bands, when it has them, at
         `request_temperatures` (the profile's); with a `head_basis` of the bias's vocabulary
         and a head-span part, steps in that span too (at its penalty); as prior rows the rows
-        it was fitted on (`fallback_prior_rows` when the profile predates recording them); on
-        top of `head_map`, the head map the summary names (`summary.head_map`). ValueError when
-        the summary has no per-token penalty (a T-only fit: no bias to refine), or `head_map`
-        is not the summary's (given without one, missing, or another map)."""
+        it was fitted on (`fallback_prior_rows` when the profile predates recording them).
+        ValueError when the summary has no per-token penalty (a T-only fit: no bias to
+        refine)."""
         if summary.penalty is None:
             raise ValueError("the calibrated fit is T only: there is no bias to refine")
-        given = None if head_map is None else head_map_sha256(head_map)
-        if given != summary.head_map:
-            raise ValueError(
-                f"the head map given ({given}) is not the one the bias was fitted on "
-                f"({summary.head_map})"
-            )
         fits = head_basis is not None and head_basis.shape[0] == published.bias.numel()
         head_penalty = summary.head_penalty if fits else None
         bands = (
@@ -148,25 +129,21 @@ class OnlineBias:
             head_penalty=head_penalty,
             prior_rows=summary.fitted_rows or fallback_prior_rows,
             bounds=bounds,
-            head_map=head_map,
         )
 
     def add(self, rows: PairedRows) -> None:
         """One choice's rows (one sequence id: its request's; the served side unmapped, z~, and
-        without masked tokens), mapped by `head_map` if any: to the reservoir when the id is a
+        without masked tokens): to the reservoir when the id is a
         multiple of `holdout_every`, else a step of the streaming fit. All choices of a request
         share its id, so they fall on the same side: a held-out row never has a twin (the n
         choices' identical first rows) that the fit trained on. ValueError when their
-        vocabulary is not the published bias's or the head map's (a correction fitted for
+        vocabulary is not the published bias's (a correction fitted for
         another model must not be refined, let alone published, for this one).
         """
         if not len(rows):
             return
         where = "the shadow-scored model"
         check_bias_vocabulary(self.published.correction.bias, rows.vocab_size, where)
-        if self.head_map is not None:
-            check_head_map_vocabulary(self.head_map, rows.vocab_size, where)
-            rows = self.head_map.mapped(rows)
         self.requests += 1
         if int(rows.sequence_id[0]) % self._holdout_every:
             self.fit.update(rows)

@@ -38,10 +38,7 @@ engine loads the bias when it admits it, maybe after a wait in its queue; a file
 would serve the request its T without the bias that T was fitted with); never the profile's. A
 write that fails (OSError: a read-only or full folder) publishes the version without the new
 bias (the served bias and its T stay, alpha / sigma2 are new), is counted and marks the
-estimator unhealthy until a bias is written. A head map under the profile's bias
-(`TemperaturePolicy.head_map`) is never refitted online: every version names the profile's, and
-the online bias is refined on the shadow scorer's rows mapped by it (`OnlineBias`; its file is
-found in `bias_dirs` as the bias's is).
+estimator unhealthy until a bias is written.
 
 Without a profile or policy it starts on the `calibrated` rule with an all-ones table, i.e. it
 serves T = 1 until the evidence says otherwise. All methods are thread-safe; `add` does the fit
@@ -72,7 +69,6 @@ from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
     find_bias_file,
-    find_head_map_file,
     save_bias_file,
 )
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows
@@ -141,14 +137,13 @@ class OnlineEstimator:
         settings: fit settings (step buckets, entropy buckets, evidence per cell); default: the
             profile's, else `CalibrationSettings()` with the initial policy's bounds.
         clock: returns the wall time in seconds (injectable for tests).
-        bias_dirs: the folders the profile's bias file (and head map file) is looked up in,
-            in order.
+        bias_dirs: the folders the profile's bias file is looked up in, in order.
         online_bias_dir: where published online biases are written; with it and a profile that
             serves a bias, the bias is refined online (see the module docstring) and the folder
             is created here if missing (its parent must exist: FileNotFoundError), never
             later, so a write after the server removed it fails (counted, see above) rather
-            than create it again. ValueError when the profile's bias file, or the file of the
-            head map under it, is in none of `bias_dirs`.
+            than create it again. ValueError when the profile's bias file is in none of
+            `bias_dirs`.
         kept_bias_files: files of the most recent published online biases kept in
             `online_bias_dir`.
         kept_bias_seconds: a published online bias's file is kept at least this long after the
@@ -228,13 +223,12 @@ class OnlineEstimator:
         self, profile: Profile, bias_dirs: Sequence[Path], head_basis: torch.Tensor | None
     ) -> OnlineBias | None:
         """The online refinement of the profile's bias (None when the policy serves none or the
-        profile records no penalty to refine it with), its file and its head map's found in
-        `bias_dirs` (ValueError when missing)."""
+        profile records no penalty to refine it with), its file found in `bias_dirs` (ValueError
+        when missing)."""
         policy, summary = self._policy, profile.bias
         if not policy.bias or summary is None or not summary.penalty:
             return None
         vector = find_bias_file(bias_dirs, policy.bias)
-        head_map = policy.head_map
         return OnlineBias.refining(
             LogitBias(bias=vector, temperature=summary.temperature),  # its T at T_r = 1
             summary,
@@ -242,7 +236,6 @@ class OnlineEstimator:
             head_basis=head_basis,
             fallback_prior_rows=self._settings.bias_rows,
             bounds=policy.bounds,
-            head_map=None if head_map is None else find_head_map_file(bias_dirs, head_map),
         )
 
     @property
@@ -316,10 +309,10 @@ class OnlineEstimator:
                     if rule not in refitted
                     for name in names
                 }
-                kept = {"bias": previous.bias, "head_map": previous.head_map, **kept}
+                kept = {"bias": previous.bias, **kept}
                 policy = dataclasses.replace(fitted, bounds=previous.bounds, **kept)
-                if published_bias is not None:  # on the same head map: it is never refitted
-                    policy = policy.serving_bias(*published_bias, head_map=previous.head_map)
+                if published_bias is not None:
+                    policy = policy.serving_bias(*published_bias)
                 self._policy = policy
                 self._noise = tuple(noise)
                 self._last_refit = self._clock()

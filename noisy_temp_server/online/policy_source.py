@@ -43,8 +43,8 @@ class StaticPolicySource:
 
 
 def describe_policy(policy: TemperaturePolicy) -> dict[str, Any]:
-    """Version, rule, α/σ² by step bucket label and the sha256 of the per-token bias and of the
-    head map under it (None: none), for `/v1/nts/status` and the gauges."""
+    """Version, rule, α/σ² by step bucket label and the sha256 of the per-token bias (None:
+    none), for `/v1/nts/status` and the gauges."""
     labels = step_bucket_labels(policy.step_edges)
     return {
         "policy_version": policy.version,
@@ -52,5 +52,4 @@ def describe_policy(policy: TemperaturePolicy) -> dict[str, Any]:
         "alpha_by_step_bucket": dict(zip(labels, policy.alpha_by_step, strict=True)),
         "sigma2_by_step_bucket": dict(zip(labels, policy.sigma2_by_step, strict=True)),
         "bias": policy.bias,
-        "head_map": policy.head_map,
     }

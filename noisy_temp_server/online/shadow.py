@@ -14,8 +14,8 @@ need: no per-position oracle, and no KL curves when the estimator refits no rule
 them, `OnlineEstimator.reads_kl_curves`), feeds the per-position records (measured at request
 temperature 1, what the estimator's fits read) to the online estimator and the per-position
 scores against the clean model at the choice's own temperature T_r, softmax(z / T_r), untuned
-(T* = 1: softmax(z~ / T_r)) and as served (softmax((H(z~) + b) / (T_r T*)) with the choice's
-head map H and bias b if it had them, at the T* the engine applied), to the live scoreboard
+(T* = 1: softmax(z~ / T_r)) and as served (softmax((z~ + b) / (T_r T*)) with the choice's
+bias b if it had one, at the T* the engine applied), to the live scoreboard
 (`pairs.scoreboard.LiveScoreboard`, published on the status endpoint and as
 `nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates the
 policy gauges. New requests pick the new version up from the estimator; requests in flight keep
@@ -58,14 +58,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
 from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.cpu_budget import CpuBudget
 from noisy_temp_server.online.metrics import OnlineMetrics
 from noisy_temp_server.pairs.scoreboard import LiveScoreboard
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
-from noisy_temp_server.step.logit_bias import load_bias, load_head_map
+from noisy_temp_server.step.logit_bias import load_bias
 
 if TYPE_CHECKING:
     from noisy_temp_server.online.estimator import OnlineEstimator
@@ -92,7 +91,6 @@ class SequenceScorer(Protocol):
         request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
-        head_map: HeadMap | None = None,
     ) -> LiveScores: ...
 
     def clean_status(self) -> dict[str, Any]: ...
@@ -121,7 +119,7 @@ class _Item:
     sequence_id: int
     trace_id: str
     reserved_s: float
-    correction: LogitCorrection | None  # the bias (and head map) the request was served with
+    correction: LogitCorrection | None  # the bias the request was served with
 
 
 class ShadowScorer:
@@ -251,9 +249,8 @@ class ShadowScorer:
         `request_temperature`: the temperature T_r the engine sampled the choice at (> 0:
         greedy choices are never sampled, `request_args.capturable`), whose target
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
-        `correction`: the per-token bias and head map it was served with (None: none), applied
-        before T* in its scores as served (loaded from the bias directories,
-        `step.logit_bias.load_bias` and `load_head_map`).
+        `correction`: the per-token bias it was served with (None: none), applied before T* in
+        its scores as served (loaded from the bias directories, `step.logit_bias.load_bias`).
         """
         if not completion_ids:
             self.cancel(trace_id)
@@ -441,7 +438,6 @@ class ShadowScorer:
         )
         served = ServedRows(torch.from_numpy(captured.steps), torch.from_numpy(captured.rows))
         correction = item.correction
-        head_map = None if correction is None else correction.head_map
         live = self._scorer.score_live(
             sequence,
             item.served_temperatures,
@@ -450,7 +446,6 @@ class ShadowScorer:
             request_temperature=item.request_temperature,
             kl_curve=self._estimator.reads_kl_curves,
             bias=None if correction is None else load_bias(correction.bias),
-            head_map=None if head_map is None else load_head_map(head_map),
         )
         scored = time.perf_counter()
         elapsed = scored - started

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
-from noisy_temp_server.correction.files import check_bias_vocabulary, check_head_map_vocabulary
+from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.heap import fix_mmap_threshold
@@ -27,7 +27,7 @@ from noisy_temp_server.pairs.perturbation import parse_spec
 from noisy_temp_server.pairs.scorer import PairScorer
 from noisy_temp_server.pairs.served_pair import ServedPair, clean_pair_scorer
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.step.logit_bias import bias_directories, load_bias, load_head_map
+from noisy_temp_server.step.logit_bias import bias_directories, load_bias
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
@@ -144,19 +144,17 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
 
 
 def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
-    """ProfileError unless the per-token bias `policy` names (None: nothing to check), and the
-    head map under it if any, load from the engine's bias directories
-    (`step.logit_bias.load_bias`; `server.engine.prepare_environment` sets them) and fit the
-    served model's vocabulary. The engine would otherwise answer 400 to every request naming
-    them, or serve them without the bias."""
+    """ProfileError unless the per-token bias `policy` names (None: nothing to check) loads
+    from the engine's bias directories (`step.logit_bias.load_bias`;
+    `server.engine.prepare_environment` sets them) and fits the served model's vocabulary. The
+    engine would otherwise answer 400 to every request naming it, or serve them without the
+    bias."""
     if policy.bias is None:
         return
     vocab_size = pair.served_vocab_size()
     where = f"the served model {pair.served}"
     try:
         check_bias_vocabulary(load_bias(policy.bias), vocab_size, where)
-        if policy.head_map is not None:
-            check_head_map_vocabulary(load_head_map(policy.head_map), vocab_size, where)
     except ValueError as error:
         raise ProfileError(f"the policy's per-token bias cannot be served: {error}") from error
 

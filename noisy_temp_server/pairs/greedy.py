@@ -1,8 +1,8 @@
 """Greedy agreement of a served model with the clean one: a sequence-level measure users read.
 
 Both models continue each prompt greedily (argmax, the served rows corrected as served when a
-`row_correction` is given: temperature never moves the argmax, a bias or head map can) for up
-to `max_new_tokens` tokens or the end-of-sequence token. For each prompt: the number of tokens
+`row_correction` is given: temperature never moves the argmax, a bias can) for up to
+`max_new_tokens` tokens or the end-of-sequence token. For each prompt: the number of tokens
 the two continuations share before their first difference, and whether they are identical
 (an exact match of the short answer).
 """

@@ -4,8 +4,8 @@ For each position of a `[B, V]` chunk of clean and served logits and the token t
 it, at a per-position temperature T (q = softmax(served / T), p = softmax(clean)): KL(p || q),
 whether the two agree on the top token, the change Δp = q(top) - p(top) of the clean model's top
 token, and ln p(x) - ln q(x) of the next token x (`PositionScores`). `scores_as_served` scores
-what the engine serves when the policy names a per-token bias (and a head map under it),
-`corrected_rows`. The streaming statistics over these scores are `pairs.scoreboard`'s.
+what the engine serves when the policy names a per-token bias, `corrected_rows`. The
+streaming statistics over these scores are `pairs.scoreboard`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.temperature.stats import PairTerms
 
 __all__ = [
@@ -113,13 +112,10 @@ def scores_at_temperatures(
     return results
 
 
-def corrected_rows(served: Tensor, bias: Tensor, head_map: HeadMap | None = None) -> Tensor:
-    """`[B, V]` served logits z~ as the engine corrects them before the temperature:
-    H(z~) + b, the head map `head_map` H (None: none; `HeadMap.apply`) and then the per-token
-    bias `bias` b (float [V]). A new tensor; the rows must have no masked (-inf) token, which
-    the map would turn into NaN (captured and teacher-forced rows have none)."""
-    mapped = served if head_map is None else head_map.apply(served)
-    return mapped + bias.to(mapped)
+def corrected_rows(served: Tensor, bias: Tensor) -> Tensor:
+    """`[B, V]` served logits z~ as the engine corrects them before the temperature: z~ + b,
+    the per-token bias `bias` b (float [V]) added (a new tensor)."""
+    return served + bias.to(served)
 
 
 def scores_as_served(
@@ -132,7 +128,7 @@ def scores_as_served(
     step: Tensor,
 ) -> tuple[PositionScores, PositionScores]:
     """Scores at T = 1 and as served: softmax(z~ / T*) from `pair`, or, when the policy serves a
-    per-token bias b (on a head map H), softmax((H(z~) + b) / T*) from `biased` (the `PairTerms`
+    per-token bias b, softmax((z~ + b) / T*) from `biased` (the `PairTerms`
     of the clean and the corrected served logits, `corrected_rows`); `temperature`: T* [B]. See
     `scores_at_temperatures`."""
     if biased is None:

@@ -27,28 +27,20 @@ supports) are counted in `infinite_positions` and left out of every statistic.
 
 `PairScoreboard` runs two accumulators side by side: T = 1 and T* of a served policy
 (`policy_temperature`, the one implementation of rule -> T). When the policy serves a per-token
-logit bias b (on top of a head map H, if it names one), its "T*" column scores what is served,
-q = softmax((H(z~) + b) / T*) (`corrected_rows`), as the engine maps the row and adds b before
-the temperature.
+logit bias b, its "T*" column scores what is served, q = softmax((z~ + b) / T*)
+(`corrected_rows`), as the engine adds b before the temperature.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    check_bias_vocabulary,
-    check_head_map_vocabulary,
-    head_map_sha256,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, check_bias_vocabulary
 from noisy_temp_server.pairs.position_scores import PositionScores, corrected_rows, scores_as_served
 from noisy_temp_server.pairs.standard_error import cluster_stderr_of_sums
 from noisy_temp_server.temperature.policy import TemperaturePolicy
@@ -75,7 +67,6 @@ DEFAULT_CAPACITY = 1 << 18
 _COUNT, _KLD, _SAME, _DP, _DP2, _LOG_RATIO = range(6)
 _COLUMNS = 6
 _MASK32 = 0xFFFFFFFF
-_Named = TypeVar("_Named")
 
 
 class TooFewPositionsError(ValueError):
@@ -254,28 +245,26 @@ def paired_kld_gain(reference: ScoreAccumulator, other: ScoreAccumulator) -> tup
     return mean, cluster_stderr_of_sums(difference, counts, mean)
 
 
-def _check_named(
-    what: str, named: str | None, given: _Named | None, sha256: Callable[[_Named], str]
-) -> None:
-    """ValueError unless `given` (a bias vector or a head map, `what`) is there exactly when the
-    policy names one (`named`, its sha256) and is the one it names (`sha256` of it)."""
+def _check_bias(named: str | None, given: Tensor | None) -> None:
+    """ValueError unless the bias vector `given` is there exactly when the policy names one
+    (`named`, its sha256) and is the one it names."""
+    what = "per-token bias vector"
     if (named is None) != (given is None):
         raise ValueError(
             f"the policy names a {what}: give it"
             if given is None
             else f"a {what} was given for a policy without one"
         )
-    if given is not None and sha256(given) != named:
+    if given is not None and bias_sha256(given) != named:
         raise ValueError(f"the {what} is not the policy's ({named})")
 
 
 class PairScoreboard:
     """Two accumulators over the same positions: the served model at T = 1 ("T=1") and as
-    `policy` serves it ("T*"): softmax((H(z~) + b) / T*), each position's T* from its step and
-    corrected row H(z~) + b (`corrected_rows`), b the policy's per-token bias and H its head
-    map (`bias`: the float [V] vector, `head_map`: the `HeadMap`; each required exactly when
-    the policy names one, and checked against the policy's hash; without, b = 0 and H(z~) =
-    z~)."""
+    `policy` serves it ("T*"): softmax((z~ + b) / T*), each position's T* from its step and
+    corrected row z~ + b (`corrected_rows`), b the policy's per-token bias (`bias`: the float
+    [V] vector, required exactly when the policy names one, and checked against the policy's
+    hash; without, b = 0)."""
 
     LABELS = ("T=1", "T*")
 
@@ -285,13 +274,10 @@ class PairScoreboard:
         capacity: int = DEFAULT_CAPACITY,
         *,
         bias: Tensor | None = None,
-        head_map: HeadMap | None = None,
     ) -> None:
-        _check_named("per-token bias vector", policy.bias, bias, bias_sha256)
-        _check_named("head map", policy.head_map, head_map, head_map_sha256)
+        _check_bias(policy.bias, bias)
         self.policy = policy
         self.bias = bias
-        self.head_map = head_map
         self.accumulators = {label: ScoreAccumulator(capacity) for label in self.LABELS}
         self.temperature_sum = 0.0
 
@@ -304,16 +290,13 @@ class PairScoreboard:
         step: Tensor,
         sequence_id: int | Tensor,
     ) -> None:
-        """Score one chunk of `[B, V]` logits (served: z~, before the head map, the bias and the
-        temperature; ValueError when the policy's bias or head map does not fit their
-        vocabulary)."""
+        """Score one chunk of `[B, V]` logits (served: z~, before the bias and the temperature;
+        ValueError when the policy's bias does not fit their vocabulary)."""
         terms = PairTerms.from_logits(clean, served)
         biased = None
         if self.bias is not None:
             check_bias_vocabulary(self.bias, served.shape[-1], "the served model")
-            if self.head_map is not None:
-                check_head_map_vocabulary(self.head_map, served.shape[-1], "the served model")
-            served = corrected_rows(served, self.bias, self.head_map)
+            served = corrected_rows(served, self.bias)
             biased = PairTerms.from_logits(clean, served)
         t_star = policy_temperature(self.policy, step.to(served.device), served)
         both = scores_as_served(

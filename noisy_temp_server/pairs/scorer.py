@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
 from noisy_temp_server.pairs.perturbation import (
@@ -99,9 +98,8 @@ class LiveScores:
     `oracle_kl` NaN); at_one: the scoreboard's per-position scores of the served model untuned,
     softmax(z~ / T_r), against the clean model at the request's temperature, softmax(z / T_r),
     every position; at_served: the same as served, softmax((z~ [+ b]) / (T_r T*)) at the T* the
-    engine applied (z~ mapped by the head map first when the request had one), for the
-    positions whose T* is known; rows: paired rows (z, z~) of an evenly spaced share of the
-    positions, for the online bias (None unless asked for; never mapped).
+    engine applied, for the positions whose T* is known; rows: paired rows (z, z~) of an evenly
+    spaced share of the positions, for the online bias (None unless asked for).
     """
 
     records: PositionRecords
@@ -152,16 +150,8 @@ class PairScorer:
             )
         self.runtime_noise = runtime_noise
         self.device = torch.device(device)
-        self._head_map_copy: tuple[HeadMap, HeadMap] | None = None
         self.chunk_positions = chunk_positions
         self.curve_temperatures = curve_temperatures.float()
-
-    def _on_device(self, head_map: HeadMap) -> HeadMap:
-        """`head_map` on the scoring device, copied once per map object (the loaders return one
-        object per map; 50 MB at rank 128 would otherwise cross to a GPU every request)."""
-        if self._head_map_copy is None or self._head_map_copy[0] is not head_map:
-            self._head_map_copy = (head_map, head_map.to(self.device))
-        return self._head_map_copy[1]
 
     @torch.no_grad()
     def logit_chunks(self, sequence: ScoringSequence) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
@@ -212,7 +202,6 @@ class PairScorer:
         request_temperature: float,
         kl_curve: bool = True,
         bias: Tensor | None = None,
-        head_map: HeadMap | None = None,
     ) -> LiveScores:
         """`LiveScores` of the positions of one finished request that have a captured served
         row (`served`; the clean side runs teacher-forced over the completion up to the last
@@ -229,16 +218,11 @@ class PairScorer:
         paired rows measure the pair at T_r = 1 whatever T_r was (`LiveScores`). ValueError
         when it is not > 0. `kl_curve` False leaves the records' KL curves out (an empty
         grid), for an estimator that refits no rule that reads them. `bias`: the per-token
-        bias b the request was served with (float [V]; None: none), and `head_map`: the head
-        map H under it (None: none; only with a bias): its scores as served are then those of
-        softmax((H(z~) + b) / (T_r T*)) (`position_scores.corrected_rows`); the records and rows
-        stay those of z~ (the online bias maps its rows itself, `OnlineBias`). ValueError for a
-        head map without a bias."""
+        bias b the request was served with (float [V]; None: none): its scores as served are
+        then those of softmax((z~ + b) / (T_r T*)) (`position_scores.corrected_rows`); the
+        records and rows stay those of z~."""
         if not request_temperature > 0:
             raise ValueError(f"request_temperature must be > 0, got {request_temperature!r}")
-        if head_map is not None and bias is None:
-            raise ValueError("a head map is served only under a per-token bias; give the bias")
-        head_map = None if head_map is None else self._on_device(head_map)
         ids = list(sequence.token_ids)
         steps_wanted = served.steps.to(torch.int64)
         if not len(steps_wanted) or int(steps_wanted[-1]) >= len(ids) - sequence.prompt_length:
@@ -265,7 +249,6 @@ class PairScorer:
                     request_temperature=request_temperature,
                     grid=grid,
                     bias=bias,
-                    head_map=head_map,
                 )
                 records.append(record)
                 if max_rows:
@@ -294,10 +277,9 @@ class PairScorer:
         request_temperature: float,
         grid: Tensor,
         bias: Tensor | None,
-        head_map: HeadMap | None,
     ) -> tuple[PositionScores, PositionScores, PositionRecords]:
         """One chunk of `score_live`: scores against softmax(z / T_r) at T* = 1 and as served at
-        the known T* (the rows whose step has one; mapped by `head_map` and `bias` added first),
+        the known T* (the rows whose step has one; `bias` added first),
         and the lean records at T_r = 1 with KL curves on `grid` (empty: none)."""
         pair = PairTerms.from_logits(clean, served)  # the records' (and at T_r = 1 the scores')
         record = PositionRecords.from_terms(
@@ -316,8 +298,8 @@ class PairScorer:
             t_star[known.to(self.device)] = values.to(self.device)
         at_request = terms_at_request_temperature(pair, request_temperature)
         biased = None
-        if bias is not None:  # softmax((H(z~) + b) / (T_r T*)) as served
-            biased_served = corrected_rows(served, bias, head_map) / request_temperature
+        if bias is not None:  # softmax((z~ + b) / (T_r T*)) as served
+            biased_served = corrected_rows(served, bias) / request_temperature
             biased = PairTerms.from_logits(at_request.clean, biased_served)
         one, starred = scores_as_served(
             at_request,

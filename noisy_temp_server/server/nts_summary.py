@@ -2,8 +2,8 @@
 
 A choice's summary joins its per-step T* from the trace channel with its policy: the rule
 applied (`off` for a request that is not tuned), the pinned policy's version, its mean α over
-the generated steps and the T* statistics, and the correction (per-token bias, head map) its
-logits got. The request's summary combines its choices'.
+the generated steps and the T* statistics, and the correction (per-token bias) its logits
+got. The request's summary combines its choices'.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def choice_summary(
     """The `nts` object of one choice of `steps` generated tokens under the pinned `policy`,
     whose per-step T* are `trace` (possibly incomplete or empty). The T statistics come from
     the engine's `report` when it has some, else from `trace` (None if nothing arrived); the
-    trace itself is included when `with_trace`; `correction`: the per-token bias and head map
-    the choice was served with (None: none), reported by their sha256 (`bias`, `head_map`);
+    trace itself is included when `with_trace`; `correction`: the per-token bias the choice
+    was served with (None: none), reported by its sha256 (`bias`);
     `adapter`: the sha256 of the compensation adapter it was served with (None: none)."""
     values = [_float32_digits(t) for t in trace]
     if report is not None and report.t_mean is not None:
@@ -72,15 +72,8 @@ def choice_summary(
         steps=steps,
         trace=values if with_trace else None,
         adapter=adapter,
-        **_correction_fields(correction),
+        bias=None if correction is None else correction.bias,
     )
-
-
-def _correction_fields(correction: LogitCorrection | None) -> dict[str, str | None]:
-    """The summary's `bias` and `head_map` (sha256 each, None: none) of `correction`."""
-    if correction is None:
-        return {"bias": None, "head_map": None}
-    return {"bias": correction.bias, "head_map": correction.head_map}
 
 
 def _float32_digits(value: float) -> float:
@@ -115,5 +108,5 @@ def combine_summaries(
         steps=steps,
         trace=summaries[0].trace if len(summaries) == 1 else None,
         adapter=adapter,
-        **_correction_fields(correction),
+        bias=None if correction is None else correction.bias,
     )

@@ -43,11 +43,10 @@ class NtsSummary(_Response):
     report T* = 1. `trace` (per step) only when the request asked with `nts_trace`. The T
     statistics are null when the engine's trace did not arrive (then `steps` still counts the
     generated tokens). `bias`: the sha256 of the per-token logit bias added to the served
-    logits before the temperature (null: none); `head_map`: the sha256 of the low-rank head map
-    applied to the served logits before that bias (null: none; only with a bias). Unlike a
-    temperature, the bias and the head map change greedy output and the returned logprobs
-    (greedy requests get them too, unless `nts_bias` is false). `adapter`: the sha256 of the
-    compensation adapter the served weights were corrected by (null: none; `server.adapter`).
+    logits before the temperature (null: none). Unlike a temperature, the bias changes greedy
+    output and the returned logprobs (greedy requests get it too, unless `nts_bias` is false).
+    `adapter`: the sha256 of the compensation adapter the served weights were corrected by
+    (null: none; `server.adapter`).
     """
 
     rule: str
@@ -59,7 +58,6 @@ class NtsSummary(_Response):
     steps: int
     trace: list[float] | None = None
     bias: str | None = None
-    head_map: str | None = None
     adapter: str | None = None
 
 

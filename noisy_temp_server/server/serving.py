@@ -142,7 +142,7 @@ class PreparedRequest:
 
     `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
     processor will apply to it (None when it is not tuned: no trace records will come);
-    `correction`: the per-token bias (and head map) its logits get (None: none); `adapter`:
+    `correction`: the per-token bias its logits get (None: none); `adapter`:
     the compensation adapter it is served with (`server.adapter`); `model`: the model id its
     response names (the one it asked for: the base model id is served without the adapter).
     """

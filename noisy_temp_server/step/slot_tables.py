@@ -201,7 +201,7 @@ class SlotTables:
         correction: LogitCorrection | None = None,
     ) -> None:
         """Give ``slot`` to a new occupant (``resolved``; None: untuned; ``correction``: its
-        per-token bias and head map) from the next `flush_staged` on; the previous occupant's
+        per-token bias) from the next `flush_staged` on; the previous occupant's
         state is dropped (after one last report)."""
         self._release(slot)
         self.bias.stage(slot, correction)

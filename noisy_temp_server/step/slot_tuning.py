@@ -67,7 +67,7 @@ class SlotTuning(SlotTables):
         all_rows_tuned: bool = False,
         batch_slots: np.ndarray | None = None,
     ) -> None:
-        """Apply each row's head map and add its per-token bias (if its slot has them), divide
+        """Add each row's per-token bias (if its slot has one), divide
         the row by its T* (``logits``: [R, V] float32, in place) and account it.
 
         ``slots``/``keys``: [R] integer slot (int32 or int64) and int64 step key of each row,

@@ -126,7 +126,6 @@ _JSON_KEYS = (
     "schedule_beta",
     "calibrated",
     "bias",
-    "head_map",
 )
 _CALIBRATED_KEYS = ("step_edges", "entropy_edges", "temperatures", "request_temperature_edges")
 
@@ -152,10 +151,6 @@ class TemperaturePolicy:
             on top of any rule; None: no bias. Only the hash travels with the policy; the
             vector (float32, one entry per vocabulary token) is a file the engine loads once
             (`correction.files.bias_file_name`).
-        head_map: the sha256 of a low-rank head map (`correction.head_map.HeadMap`) applied
-            to the served row before the bias, softmax((z~ + L R z~ + b) / T); None: none.
-            Only with a bias (the bias was fitted on mapped rows); stored like it
-            (`correction.files.head_map_file_name`).
 
     Sequences are normalised to tuples and numbers to float/int, so equal policies compare
     (and hash) equal and round-trip exactly through JSON.
@@ -173,7 +168,6 @@ class TemperaturePolicy:
     schedule_beta: float = 0.0
     calibrated: CalibratedTable = dataclasses.field(default_factory=CalibratedTable)
     bias: str | None = None
-    head_map: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
@@ -202,10 +196,7 @@ class TemperaturePolicy:
             "schedule_t_max": checks.number("schedule_t_max", self.schedule_t_max, positive=True),
             "schedule_beta": checks.number("schedule_beta", self.schedule_beta),
             "bias": None if self.bias is None else checks.sha256("bias", self.bias),
-            "head_map": None if self.head_map is None else checks.sha256("head_map", self.head_map),
         }
-        if self.head_map is not None and self.bias is None:
-            raise checks.fail("head_map", "None in a policy without a bias", self.head_map)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -231,10 +222,8 @@ class TemperaturePolicy:
         self,
         sha256: str,
         band_temperatures: Mapping[float, float],
-        head_map: str | None = None,
     ) -> TemperaturePolicy:
-        """This policy serving the bias `sha256` (on top of the head map `head_map`, if any)
-        with its T at each request temperature,
+        """This policy serving the bias `sha256` with its T at each request temperature,
         `band_temperatures` {T_r: T} (T_r = 1 among them): rule `fixed` at that T when every
         band has the same T, else rule `calibrated` with one band per request temperature
         (`CalibratedTable.by_request_temperature`); `fixed_temperature` is the T_r = 1 one
@@ -243,7 +232,6 @@ class TemperaturePolicy:
         served = dataclasses.replace(
             self,
             bias=sha256,
-            head_map=head_map,
             fixed_temperature=band_temperatures[1.0],
             rule=Rule.FIXED,
         )
@@ -295,8 +283,10 @@ class TemperaturePolicy:
     def from_json(cls, text: str) -> TemperaturePolicy:
         """Parse and validate :meth:`to_json` output; missing fields take the identity values.
 
-        Raises :class:`PolicyValidationError` for invalid JSON, a non-object, unknown fields,
-        NaN/Infinity, or any invalid field (named in the message).
+        Raises :class:`PolicyValidationError` for invalid JSON, a non-object, unknown fields
+        (a head map, which earlier versions could name, among them: it was removed, and such a
+        policy is refused with a line that says so), NaN/Infinity, or any invalid field (named
+        in the message).
         """
         try:
             data = json.loads(text, parse_constant=_reject_constant)
@@ -304,6 +294,11 @@ class TemperaturePolicy:
             raise PolicyValidationError(f"policy is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise PolicyValidationError(f"policy JSON must be an object, got {type(data).__name__}")
+        if "head_map" in data:
+            raise PolicyValidationError(
+                "policy names a head map (head_map), which noisy-temp-server no longer serves; "
+                "recalibrate with `noisy-temp-server calibrate` for a policy without one"
+            )
         _reject_unknown("policy", data, _JSON_KEYS)
         defaults = TemperaturePolicy()
         calibrated = defaults.calibrated
@@ -335,7 +330,6 @@ class TemperaturePolicy:
             schedule_beta=data.get("schedule_beta", defaults.schedule_beta),
             calibrated=calibrated,
             bias=data.get("bias", defaults.bias),
-            head_map=data.get("head_map", defaults.head_map),
         )
 
 
@@ -379,5 +373,4 @@ def _encode(policy: TemperaturePolicy) -> dict[str, Any]:
             "request_temperature_edges": list(table.request_temperature_edges),
         },
         "bias": policy.bias,
-        "head_map": policy.head_map,
     }

@@ -61,7 +61,7 @@ def request_tuning(
     params: SamplingParams,
 ) -> tuple[RequestTuning | None, LogitCorrection | None]:
     """What the processor applies to a request: its temperature tuning (None: untuned) and its
-    per-token bias and head map (None: none). The one place the processors read the request
+    per-token bias (None: none). The one place the processors read the request
     keys."""
     keys = parse_request_args(params.extra_args)
     return resolve_request(keys, params.temperature), resolve_correction(keys)
@@ -69,7 +69,7 @@ def request_tuning(
 
 def validate_request(params: SamplingParams) -> None:
     """Raise ValueError (HTTP 400 in vLLM's server) when the ``nts_*`` keys are invalid or
-    name a per-token bias or head map this engine cannot load."""
+    name a per-token bias this engine cannot load."""
     check_correction(resolve_correction(parse_request_args(params.extra_args)))
 
 

@@ -2,8 +2,7 @@
 
 The engine's bias directory (``NTS_BIAS_DIR``) makes the processor non-argmax-invariant, so
 vLLM runs it for greedy rows too: a bias that lifts one token far above the others makes every
-greedy token that token, while ``nts_bias: false`` gets the model's own greedy output. A head
-map that swaps two tokens' logits swaps them in the greedy output.
+greedy token that token, while ``nts_bias: false`` gets the model's own greedy output.
 """
 
 from __future__ import annotations
@@ -17,13 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    head_map_sha256,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
@@ -92,28 +85,3 @@ def test_a_bias_the_engine_does_not_have_is_refused(biased: Any) -> None:
     with pytest.raises(VLLMValidationError, match="not available to this engine"):
         _greedy(engine, nts_policy=unknown)
     assert len(_greedy(engine).token_ids) == 6  # the engine keeps serving
-
-
-def _swap_map(vocab: int, first: int, second: int) -> HeadMap:
-    """z -> z + (e_second - e_first)(z_first - z_second): the two tokens' logits swapped."""
-    swap = torch.zeros(vocab, 1)
-    swap[first], swap[second] = -1.0, 1.0
-    return HeadMap(left=swap, right=-swap.T.contiguous())
-
-
-def test_a_head_map_is_applied_to_greedy_rows_before_the_bias(biased: Any) -> None:
-    engine, _, folder = biased
-    plain = _greedy(engine)
-    first = plain.token_ids[0]
-    vocab = engine.llm_engine.model_config.get_vocab_size()
-    other = first - 1 if first else 1
-    zero = torch.zeros(vocab)
-    save_bias_file(folder, zero)
-    head_map = _swap_map(vocab, first, other)
-    save_head_map_file(folder, head_map)
-    policy = TemperaturePolicy(bias=bias_sha256(zero), head_map=head_map_sha256(head_map))
-    mapped = _greedy(engine, nts_policy=policy.to_json())
-    assert mapped.token_ids[0] == other
-    assert mapped.logprobs[0][other].logprob == pytest.approx(
-        plain.logprobs[0][first].logprob, abs=1e-4
-    )

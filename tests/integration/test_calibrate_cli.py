@@ -13,7 +13,7 @@ from noisy_temp_server.calibration.profile import ModelIdentity, Profile, Profil
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
 from noisy_temp_server.correction.adapter import adapter_folder_name, find_adapter
-from noisy_temp_server.correction.files import bias_file_name, load_head_map_file
+from noisy_temp_server.correction.files import bias_file_name
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 
@@ -137,55 +137,6 @@ def test_calibrate_measures_the_request_temperatures_it_is_given(
     assert "Test split at request temperature 0.5: " not in printed
     profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
     assert profile.settings.request_temperatures == (0.8, 1.0)
-
-
-def test_calibrate_fits_and_writes_a_head_map_under_the_bias(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = [
-        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
-        "--validation-fraction",
-        "0.5",
-        "--bias-rows",
-        "1000",
-        "--head-map-rank",
-        "4",
-    ]
-    assert _run(calibrate_command, argv) == 0
-    assert "Head map (rank 4, penalty " in capsys.readouterr().out
-    profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
-    assert profile.settings.head_map_rank == 4
-    bias = profile.bias
-    assert bias is not None
-    assert bias.head_map is not None
-    assert bias.head_map_rank == 4
-    head_map = load_head_map_file(tmp_path, bias.head_map)
-    assert head_map.rank == 4
-    assert (tmp_path / bias_file_name(bias.sha256)).is_file()
-    served = profile.model_copy(update={"bias": bias.model_copy(update={"recommended": True})})
-    assert served.to_policy().head_map == bias.head_map
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [(["--bias-rows", "0"], "needs bias_rows"), (["--head-map-rank", "100000"], "exceeds")],
-)
-def test_a_head_map_that_cannot_be_fitted_is_refused_before_scoring(
-    tiny_model_dir: Path,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    extra: list[str],
-    message: str,
-) -> None:
-    argv = [
-        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
-        "--head-map-rank",
-        "4",
-        *extra,
-    ]
-    assert _run(calibrate_command, argv) == 1
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "p.json").exists()
 
 
 def _noisy_pair(clean: Path, out: Path, *, prompts: int, tokens: int) -> list[str]:

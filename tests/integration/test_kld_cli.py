@@ -25,13 +25,7 @@ from noisy_temp_server.correction.adapter import (
     adapter_sha256,
     save_peft_adapter,
 )
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    head_map_sha256,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter
 from noisy_temp_server.pairs.scorer import ScoringSequence
@@ -145,42 +139,29 @@ def test_kld_serves_the_profiles_bias_before_t_star(
     assert served["same_top_rate"] != at_one["same_top_rate"]  # and moves the argmax
 
 
-def test_kld_maps_the_served_row_by_the_profiles_head_map_before_the_bias(
+def test_kld_refuses_a_profile_whose_bias_sits_on_a_head_map_in_one_line(
     tiny_model_dir: Path, served_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A zero bias on a head map: "served" is softmax(H(z~) / T*), no longer the T = 1 column;
-    the map's file is read from beside the profile, and a missing one is an error."""
-    vocab = int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
-    generator = torch.Generator().manual_seed(0)
-    head_map = HeadMap(
-        left=torch.randn(vocab, 2, generator=generator),
-        right=0.1 * torch.randn(2, vocab, generator=generator),
-    )
-    vector = torch.zeros(vocab)
+    """A profile an earlier version wrote with a head map under its bias (head maps were
+    removed): its bias was fitted on mapped rows, so it is refused, not served without it."""
+    vector = torch.zeros(int(AutoConfig.from_pretrained(tiny_model_dir).vocab_size))
     save_bias_file(tmp_path, vector)
-    save_head_map_file(tmp_path, head_map)
     base = sample_profile(Rule.FIXED)
-    summary = sample_bias(
-        base,
-        bias_sha256(vector),
-        vocab,
-        head_map=head_map_sha256(head_map),
-        head_map_rank=2,
-        head_map_penalty=1.0,
-    )
     profile = tmp_path / "mapped.profile.json"
-    _save_for_pair(base, summary, (tiny_model_dir, served_dir), profile)
+    _save_for_pair(
+        base,
+        sample_bias(base, bias_sha256(vector), vector.numel()),
+        (tiny_model_dir, served_dir),
+        profile,
+    )
+    document = json.loads(profile.read_text())
+    document["bias"].update(head_map="cd" * 32, head_map_rank=2, head_map_penalty=1.0)
+    profile.write_text(json.dumps(document))
     argv = [*_pair(tiny_model_dir, served_dir), "--max-new-tokens", "24"]
-    assert _run(kld_command, [*argv, "--profile", str(profile)]) == 0
-    assert "T* (fixed + head map + bias" in capsys.readouterr().out
-    assert _run(kld_command, [*argv, "--json", "--profile", str(profile)]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["policy"]["head_map"] == head_map_sha256(head_map)
-    served, at_one = report["statistics"]["T*"], report["statistics"]["T=1"]
-    assert served["kld_mean"] > at_one["kld_mean"] + 0.1  # b = 0 and T = 1: the map alone
-    (tmp_path / f"head-map-{head_map_sha256(head_map)[:16]}.safetensors").unlink()
     assert _run(kld_command, [*argv, "--profile", str(profile)]) == 1
-    assert "head-map-" in capsys.readouterr().err
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "head map under its bias, which noisy-temp-server no longer serves" in error
+    assert "recalibrate" in error
 
 
 def _save_for_pair(

@@ -1,6 +1,5 @@
-"""`benchmarks/quality_adapter.py` on the tiny model: the stack of a pair with weight error, the
-head map's paired gain on top of it, and the refusal where the served weights are the clean
-ones."""
+"""`benchmarks/quality_adapter.py` on the tiny model: the stack of a pair with weight error and
+the refusal where the served weights are the clean ones."""
 
 from __future__ import annotations
 
@@ -37,9 +36,7 @@ def _settings(rank: int) -> CalibrationSettings:
     )
 
 
-def test_the_stack_of_a_pair_with_weight_error_and_the_head_map_on_top(
-    benchmark: ModuleType, tiny_model_dir: Path
-) -> None:
+def test_the_stack_of_a_pair_with_weight_error(benchmark: ModuleType, tiny_model_dir: Path) -> None:
     pair = load_pair(tiny_model_dir, spec=WeightNoiseSpec(scale=0.1))
     family = benchmark.calibrate_family(pair, load_prompts()[:24], _settings(8))
     assert family.refusal is None
@@ -51,10 +48,6 @@ def test_the_stack_of_a_pair_with_weight_error_and_the_head_map_on_top(
     assert adapter_alone["share_removed"] > 0
     assert "oracle T" in document["test_prompts"]["oracle_share_removed"]
     assert "adapter: rank 8 eora" in text
-    map_text, head_map = benchmark.head_map_gain(pair, family.data, 4)
-    assert head_map["rank"] == 4
-    assert head_map["significant"] == (head_map["gain"] - 2 * head_map["gain_stderr"] > 0)
-    assert "head map rank 4" in map_text
 
 
 def test_runtime_noise_is_refused_an_adapter_and_calibrated_without_one(

@@ -26,7 +26,6 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceReport
 from noisy_temp_server.online.policy_source import StaticPolicySource
@@ -272,7 +271,6 @@ class FakeScorer:
         self.sequences: list[ScoringSequence] = []
         self.kl_curves: list[bool] = []
         self.biases: list[torch.Tensor | None] = []
-        self.head_maps: list[HeadMap | None] = []
         self.request_temperatures: list[float] = []
 
     def score_live(
@@ -285,12 +283,10 @@ class FakeScorer:
         request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
-        head_map: HeadMap | None = None,
     ) -> LiveScores:
         self.request_temperatures.append(request_temperature)
         self.kl_curves.append(kl_curve)
         self.biases.append(bias)
-        self.head_maps.append(head_map)
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:

@@ -228,21 +228,18 @@ def test_a_served_bias_and_its_temperature_are_kept() -> None:
     assert policy.alpha_by_step != profile.parameters.alpha_by_step
 
 
-def test_the_head_map_under_a_served_bias_is_kept_by_every_version() -> None:
-    """The online refit never refits the map (nor, without an online bias, the bias)."""
+def test_without_an_online_bias_the_served_bias_is_kept_by_every_version() -> None:
     profile = sample_profile(Rule.CALIBRATED)
-    bias = sample_bias(
-        profile, "ab" * 32, 200, head_map="cd" * 32, head_map_rank=4, head_map_penalty=1.0
-    )
+    bias = sample_bias(profile, "ab" * 32, 200)
     served = profile.model_copy(update={"bias": bias})
     settings = CalibrationSettings(step_edges=(0, 20), entropy_buckets=1, min_cell_positions=40)
     estimator = OnlineEstimator(served, settings=settings, min_positions=400, refit_every=400)
-    assert estimator.current_policy().head_map == "cd" * 32
+    assert estimator.current_policy().bias == bias.sha256
     for request in range(20):
         estimator.add(_request(request))
     policy = estimator.current_policy()
     assert policy.version == 2
-    assert (policy.bias, policy.head_map) == (bias.sha256, "cd" * 32)
+    assert policy.bias == bias.sha256
 
 
 def _without_curves(records: PositionRecords) -> PositionRecords:

@@ -22,12 +22,9 @@ from noisy_temp_server.correction.files import (
     bias_file_name,
     bias_sha256,
     find_bias_file,
-    head_map_sha256,
     load_bias_file,
     save_bias_file,
-    save_head_map_file,
 )
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import (
     BandedBias,
@@ -415,107 +412,6 @@ def test_the_estimator_refines_in_the_span_of_a_clean_head_that_fits(tmp_path: P
     assert head_span(torch.randn(VOCAB, 4)) == 1
     assert head_span(torch.randn(VOCAB + 1, 4)) == 0  # another vocabulary: per token only
     assert head_span(None) == 0
-
-
-LIFT = torch.randn(VOCAB, generator=torch.Generator().manual_seed(98)) * 1.5
-
-
-def _lifting_map() -> HeadMap:
-    """A rank-1 map adding about `LIFT` to every served row of `_logits`: its coordinate reads
-    the row along `SHIFT` (zero-sum, so blind to the row's constant), about 1 on each row."""
-    along = SHIFT - SHIFT.mean()
-    return HeadMap(left=LIFT[:, None].clone(), right=(along / along.dot(along))[None, :])
-
-
-def test_with_a_head_map_the_rows_are_mapped_before_the_fit_and_the_reservoir() -> None:
-    """Unmapped rows given to an `OnlineBias` on a map do what the mapped rows do without one."""
-    head_map = _lifting_map()
-    on_map = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2, head_map=head_map)
-    plain = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2)
-    unmapped = OnlineBias(LogitBias.identity(VOCAB), PENALTY, holdout_every=2)
-    for request in range(20):
-        on_map.add(_rows(request))
-        plain.add(head_map.mapped(_rows(request)))
-        unmapped.add(_rows(request))
-    torch.testing.assert_close(on_map.fit.correction.bias, plain.fit.correction.bias)
-    assert not torch.allclose(on_map.fit.correction.bias, unmapped.fit.correction.bias, atol=0.1)
-    candidates = on_map.candidate(), plain.candidate()
-    assert None not in candidates
-    torch.testing.assert_close(*(c.correction.bias for c in candidates if c is not None))
-
-
-def test_a_head_map_of_another_vocabulary_is_refused_before_any_step() -> None:
-    small = HeadMap(left=torch.zeros(VOCAB - 1, 1), right=torch.zeros(1, VOCAB - 1))
-    online = OnlineBias(LogitBias.identity(VOCAB), PENALTY, head_map=small)
-    with pytest.raises(ValueError, match=rf"maps rows of {VOCAB - 1} tokens"):
-        online.add(_rows(0))
-    assert online.requests == 0
-
-
-def _mapped_profile(folder: Path) -> tuple[Profile, str]:
-    """`_biased_profile` whose bias sits on `_lifting_map` (its file in `folder` too)."""
-    profile, _ = _biased_profile(folder)
-    save_head_map_file(folder, _lifting_map())
-    sha = head_map_sha256(_lifting_map())
-    assert profile.bias is not None
-    return profile.model_copy(
-        update={
-            "bias": profile.bias.model_copy(
-                update={"head_map": sha, "head_map_rank": 1, "head_map_penalty": 1.0}
-            )
-        }
-    ), sha
-
-
-def test_the_online_bias_on_a_head_map_learns_on_mapped_rows_and_keeps_the_map(
-    tmp_path: Path,
-) -> None:
-    """Every version names the profile's head map; the published bias undoes what the map adds
-    (`LIFT`) as well as `SHIFT`: it was refined on the rows as served, mapped."""
-    profile, map_sha = _mapped_profile(tmp_path)
-    estimator = _estimator(profile, tmp_path)
-    assert estimator.current_policy().head_map == map_sha
-    versions = []
-    for start in range(0, 60, 20):
-        _feed(estimator, range(start, start + 20))
-        versions.append(estimator.current_policy())
-    assert [policy.head_map for policy in versions] == [map_sha] * 3
-    policy = versions[-1]
-    assert policy.version >= 2
-    assert policy.bias not in (None, profile.bias.sha256 if profile.bias else None)
-    assert policy.bias is not None
-    bias = load_bias_file(tmp_path / "online", policy.bias)
-    bias = bias - bias.mean()
-
-    def undone(drift: torch.Tensor) -> float:
-        """The share of `drift` the bias takes away (its projection on -drift, centred)."""
-        centred = drift - drift.mean()
-        return float(bias.dot(-centred) / centred.dot(centred))
-
-    assert undone(SHIFT) > 0.1
-    # as much of LIFT as of SHIFT (0.94 of it here); refined on unmapped rows, none (-0.12)
-    assert undone(LIFT) > 0.5 * undone(SHIFT)
-
-
-def test_the_head_map_of_a_refined_bias_must_be_found_and_be_the_profiles(
-    tmp_path: Path,
-) -> None:
-    profile, map_sha = _mapped_profile(tmp_path)
-    (tmp_path / f"head-map-{map_sha[:16]}.safetensors").unlink()
-    with pytest.raises(ValueError, match="no head map file"):
-        _estimator(profile, tmp_path)
-    assert profile.bias is not None
-    start = LogitBias.identity(VOCAB)
-    with pytest.raises(ValueError, match="not the one the bias was fitted on"):
-        OnlineBias.refining(start, profile.bias, request_temperatures=(1.0,))
-    other = HeadMap(left=torch.ones(VOCAB, 1), right=torch.zeros(1, VOCAB))
-    with pytest.raises(ValueError, match="not the one the bias was fitted on"):
-        OnlineBias.refining(start, profile.bias, request_temperatures=(1.0,), head_map=other)
-    plain = profile.bias.model_copy(
-        update={"head_map": None, "head_map_rank": None, "head_map_penalty": None}
-    )
-    with pytest.raises(ValueError, match="not the one the bias was fitted on"):
-        OnlineBias.refining(start, plain, request_temperatures=(1.0,), head_map=_lifting_map())
 
 
 def test_rows_of_another_vocabulary_are_refused_before_any_step() -> None:

@@ -60,16 +60,36 @@ def test_a_recommended_bias_is_served_with_its_t_at_each_request_temperature() -
         Profile.model_validate(document)
 
 
-def test_a_bias_over_a_head_map_is_served_with_the_map() -> None:
+def _written_by_an_earlier_version(path: Path, rank: int, head_map: str | None) -> Profile:
+    """A profile with a bias saved to `path` with the head-map fields earlier versions wrote
+    (the settings' rank; the bias's hash, rank and penalty, null without a map)."""
     profile = sample_profile()
-    map_fields = {"head_map": "cd" * 32, "head_map_rank": 4, "head_map_penalty": 3.2}
-    bias = sample_bias(profile, "ab" * 32, 8, **map_fields)
-    policy = profile.model_copy(update={"bias": bias}).to_policy()
-    assert (policy.bias, policy.head_map) == ("ab" * 32, "cd" * 32)
-    not_recommended = bias.model_copy(update={"recommended": False})
-    assert profile.model_copy(update={"bias": not_recommended}).to_policy().head_map is None
-    with pytest.raises(ValueError, match="go together"):
-        sample_bias(profile, "ab" * 32, 8, head_map="cd" * 32)
+    profile = profile.model_copy(update={"bias": sample_bias(profile, "ab" * 32, 8)})
+    document = profile.model_dump(mode="json")
+    document["settings"]["head_map_rank"] = rank
+    document["bias"].update(
+        head_map=head_map,
+        head_map_rank=rank or None,
+        head_map_penalty=None if head_map is None else 3.2,
+    )
+    path.write_text(json.dumps(document))
+    return profile
+
+
+def test_an_earlier_profile_without_a_head_map_loads_as_it_was(tmp_path: Path) -> None:
+    profile = _written_by_an_earlier_version(tmp_path / "p.json", 0, None)
+    assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_a_profile_with_a_head_map_is_refused_with_one_line_saying_why(tmp_path: Path) -> None:
+    """Head maps were removed: its bias was fitted on mapped rows and cannot be served alone."""
+    _written_by_an_earlier_version(tmp_path / "p.json", 4, "cd" * 32)
+    with pytest.raises(ProfileError, match="head map under its bias") as refused:
+        Profile.load(tmp_path / "p.json")
+    message = str(refused.value)
+    assert "no longer serves" in message
+    assert "recalibrate" in message
+    assert "\n" not in message
 
 
 def test_mismatched_pair_names_the_model(tmp_path: Path) -> None:

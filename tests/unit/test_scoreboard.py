@@ -12,8 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.files import bias_sha256, head_map_sha256
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256
 from noisy_temp_server.pairs.position_scores import (
     PositionScores,
     position_scores,
@@ -252,59 +251,6 @@ def test_a_bias_must_be_the_policys_and_fit_the_vocabulary() -> None:
         PairScoreboard(policy, bias=bias).update(
             clean, served, corpus.tokens, step=corpus.step, sequence_id=0
         )
-
-
-def _head_map(vocab: int = VOCAB, seed: int = 3) -> HeadMap:
-    generator = torch.Generator().manual_seed(seed)
-    return HeadMap(
-        left=0.3 * torch.randn(vocab, 2, generator=generator),
-        right=0.3 * torch.randn(2, vocab, generator=generator),
-    )
-
-
-def _mapped_policy(bias: Tensor, head_map: HeadMap) -> TemperaturePolicy:
-    return TemperaturePolicy(
-        rule=Rule.FIXED,
-        fixed_temperature=1.3,
-        bias=bias_sha256(bias),
-        head_map=head_map_sha256(head_map),
-    )
-
-
-def test_with_a_head_map_the_served_column_maps_the_row_before_the_bias() -> None:
-    corpus = _corpus(LENGTHS, seed=5)
-    bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))
-    head_map = _head_map()
-    board = PairScoreboard(_mapped_policy(bias, head_map), bias=bias, head_map=head_map)
-    _fill(board, corpus)
-    results = board.result()
-    mapped = corpus.served + (corpus.served @ head_map.right.T) @ head_map.left.T
-    _assert_matches(results["T=1"], _reference(corpus, 1.0))
-    _assert_matches(
-        results["T*"], _reference(dataclasses.replace(corpus, served=mapped + bias), 1.3)
-    )
-    unmapped = _reference(dataclasses.replace(corpus, served=corpus.served + bias), 1.3)
-    assert results["T*"].kld_mean != pytest.approx(unmapped["kld_mean"], rel=1e-2)
-
-
-def test_a_head_map_must_be_the_policys_and_fit_the_vocabulary() -> None:
-    bias, head_map = torch.randn(VOCAB), _head_map()
-    policy = _mapped_policy(bias, head_map)
-    with pytest.raises(ValueError, match="names a head map: give it"):
-        PairScoreboard(policy, bias=bias)
-    bias_only = TemperaturePolicy(rule=Rule.FIXED, bias=bias_sha256(bias))
-    with pytest.raises(ValueError, match="head map was given for a policy without one"):
-        PairScoreboard(bias_only, bias=bias, head_map=head_map)
-    with pytest.raises(ValueError, match="head map is not the policy's"):
-        PairScoreboard(policy, bias=bias, head_map=_head_map(seed=4))
-    wider = torch.cat([bias, bias[:1]])
-    board = PairScoreboard(
-        _mapped_policy(wider, head_map), bias=wider, head_map=head_map
-    )  # a map of VOCAB tokens under a bias of VOCAB + 1
-    corpus = _corpus([4])
-    clean, served = (torch.cat([x, x[:, :1]], dim=1) for x in (corpus.clean, corpus.served))
-    with pytest.raises(ValueError, match=f"maps rows of {VOCAB} tokens"):
-        board.update(clean, served, corpus.tokens, step=corpus.step, sequence_id=0)
 
 
 def test_scores_at_several_temperatures_equal_one_temperature_at_a_time() -> None:

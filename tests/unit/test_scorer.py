@@ -11,7 +11,6 @@ import torch
 from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
-from noisy_temp_server.correction.head_map import HeadMap
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
@@ -298,46 +297,6 @@ def test_live_scores_with_a_bias_are_those_of_the_biased_served_logits(
         torch.testing.assert_close(getattr(biased.at_one, name), getattr(plain.at_one, name))
     assert not torch.allclose(biased.at_served.kld, plain.at_served.kld)
     torch.testing.assert_close(biased.records.kl_at_one, plain.records.kl_at_one)
-
-
-def test_live_scores_with_a_head_map_map_the_served_row_before_the_bias(
-    pair: tuple[PreTrainedModel, PreTrainedModel],
-) -> None:
-    """As served: softmax((H(z~) + b) / (T_r T*)); the records and the paired rows stay those
-    of z~ (the online bias maps its rows itself)."""
-    clean, served = pair
-    sequence = _sequences()[0]
-    captured = _captured(served, sequence)
-    vocab = captured.rows.shape[1]
-    generator = torch.Generator().manual_seed(5)
-    bias = torch.randn(vocab, generator=generator)
-    head_map = HeadMap(
-        left=0.05 * torch.randn(vocab, 2, generator=generator),
-        right=0.05 * torch.randn(2, vocab, generator=generator),
-    )
-    scorer = PairScorer(clean, chunk_positions=4)
-
-    def score(
-        rows: ServedRows, bias: torch.Tensor | None = None, head_map: HeadMap | None = None
-    ) -> LiveScores:
-        return scorer.score_live(
-            sequence, [1.3] * 21, rows, 5, request_temperature=0.7, bias=bias, head_map=head_map
-        )
-
-    biased = score(captured, bias=bias)
-    mapped = score(captured, bias=bias, head_map=head_map)
-    reference = score(ServedRows(captured.steps, head_map.apply(captured.rows) + bias))
-    for name in ("kld", "delta_p", "log_ratio", "same_top"):
-        actual, expected = getattr(mapped.at_served, name), getattr(reference.at_served, name)
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)  # map: other chunks
-        torch.testing.assert_close(getattr(mapped.at_one, name), getattr(biased.at_one, name))
-    assert not torch.allclose(mapped.at_served.kld, biased.at_served.kld)
-    torch.testing.assert_close(mapped.records.kl_at_one, biased.records.kl_at_one)
-    assert mapped.rows is not None
-    assert biased.rows is not None
-    torch.testing.assert_close(mapped.rows.served_shifted, biased.rows.served_shifted)
-    with pytest.raises(ValueError, match="only under a per-token bias"):
-        score(captured, head_map=head_map)
 
 
 def test_the_clean_head_is_the_in_process_models_own(

@@ -109,23 +109,22 @@ def test_greedy_and_untuned_requests_report_t_one(server: Harness, body: dict[st
     assert "nts_trace_id" not in (server.engine.calls[0][1].extra_args or {})
 
 
-def test_the_nts_object_names_the_policys_bias_and_head_map() -> None:
+def test_the_nts_object_names_the_policys_bias() -> None:
     """Greedy requests get the correction too (it changes their output); `nts_bias` false
-    takes both away."""
-    bias, head_map = "ab" * 32, "cd" * 32
-    corrected = TemperaturePolicy(version=3, rule="fixed", bias=bias, head_map=head_map)
+    takes it away."""
+    bias = "ab" * 32
+    corrected = TemperaturePolicy(version=3, rule="fixed", bias=bias)
     server = build(Settings(), corrected)
     for body in ({}, {"temperature": 0}):
         response = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, **body})
         assert response.status_code == 200, response.text
-        nts = response.json()["nts"]
-        assert (nts["bias"], nts["head_map"]) == (bias, head_map)
-        assert response.json()["choices"][0]["nts"]["head_map"] == head_map
+        assert response.json()["nts"]["bias"] == bias
+        assert response.json()["choices"][0]["nts"]["bias"] == bias
     streamed = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "stream": True})
     final = [e for e in sse_events(streamed) if e != "[DONE]"][-1]
-    assert (final["nts"]["bias"], final["nts"]["head_map"]) == (bias, head_map)
+    assert final["nts"]["bias"] == bias
     off = server.post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "nts_bias": False})
-    assert (off.json()["nts"]["bias"], off.json()["nts"]["head_map"]) == (None, None)
+    assert off.json()["nts"]["bias"] is None
 
 
 def test_a_tiny_temperature_is_tuned_as_the_engine_samples_it(server: Harness) -> None:

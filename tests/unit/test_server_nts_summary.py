@@ -49,21 +49,10 @@ def test_the_bias_a_request_was_served_with_is_reported() -> None:
     sha = "ab" * 32
     correction = LogitCorrection(sha)
     greedy = choice_summary(TWO_BUCKETS, None, [], steps=2, with_trace=False, correction=correction)
-    assert (greedy.rule, greedy.bias, greedy.head_map) == ("off", sha, None)
+    assert (greedy.rule, greedy.bias) == ("off", sha)
     assert combine_summaries(TWO_BUCKETS, None, [greedy], correction).bias == sha
     plain = choice_summary(TWO_BUCKETS, TUNED, [1.0], steps=1, with_trace=False)
-    assert (plain.bias, plain.head_map) == (None, None)
-
-
-def test_the_head_map_under_the_bias_is_reported_beside_it() -> None:
-    correction = LogitCorrection("ab" * 32, "cd" * 32)
-    summary = choice_summary(
-        TWO_BUCKETS, TUNED, [1.0], steps=1, with_trace=False, correction=correction
-    )
-    assert (summary.bias, summary.head_map) == ("ab" * 32, "cd" * 32)
-    combined = combine_summaries(TWO_BUCKETS, TUNED, [summary, summary], correction)
-    assert (combined.bias, combined.head_map) == ("ab" * 32, "cd" * 32)
-    assert combined.model_dump(mode="json")["head_map"] == "cd" * 32
+    assert plain.bias is None
 
 
 def test_an_untuned_choice_reports_off_and_no_alpha() -> None:

@@ -18,14 +18,7 @@ from transformers import AutoConfig
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import serve
 from noisy_temp_server.commands.serve import resolve_pair
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    head_map_sha256,
-    load_bias_file,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, load_bias_file, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, RUNTIME_NOISE_SEED_ENV
 from noisy_temp_server.online import startup
 from noisy_temp_server.online.startup import (
@@ -320,18 +313,6 @@ def test_a_bias_that_does_not_fit_the_served_vocabulary_is_refused_at_startup(
     missing = dataclasses.replace(TemperaturePolicy.identity(), bias="ab" * 32)
     with pytest.raises(ProfileError, match="not available to this engine"):
         check_served_bias(missing, pair)
-    for size in (vocab, vocab + 1):
-        head_map = HeadMap(left=torch.randn(size, 2), right=torch.randn(2, size))
-        save_head_map_file(tmp_path, head_map)
-        mapped = dataclasses.replace(policies[vocab], head_map=head_map_sha256(head_map))
-        if size == vocab:
-            check_served_bias(mapped, pair)
-            continue
-        with pytest.raises(ProfileError, match=rf"head map .* maps rows of {vocab + 1} tokens"):
-            check_served_bias(mapped, pair)
-    unknown_map = dataclasses.replace(policies[vocab], head_map="cd" * 32)
-    with pytest.raises(ProfileError, match=r"head map cdcd.* not available to this engine"):
-        check_served_bias(unknown_map, pair)
 
 
 def test_serve_refuses_an_invalid_engine_variable_in_one_line(

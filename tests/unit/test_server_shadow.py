@@ -19,13 +19,7 @@ from server_fakes import (
     FakeTraces,
 )
 
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    head_map_sha256,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
 from noisy_temp_server.online.cpu_budget import CpuBudget
@@ -281,7 +275,6 @@ class BudgetProbe(FakeScorer):
         request_temperature: float,
         kl_curve: bool = True,
         bias: torch.Tensor | None = None,
-        head_map: HeadMap | None = None,
     ) -> LiveScores:
         thread = threading.get_native_id()
         self.seen.append((torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, thread)))
@@ -440,44 +433,19 @@ def test_a_request_served_with_a_bias_is_scored_with_its_vector(
     assert with_bias is not None
     assert torch.equal(with_bias, vector)
     assert without is None
-    assert setup.scorer.head_maps == [None, None]
     assert setup.scorer.request_temperatures == [0.7, 1.0]  # each choice's own T_r
 
 
-def test_a_request_served_with_a_head_map_is_scored_with_it_under_its_bias(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
-    vector, head_map = torch.randn(16), HeadMap(torch.randn(16, 2), torch.randn(2, 16))
-    save_bias_file(tmp_path, vector)
-    save_head_map_file(tmp_path, head_map)
-    correction = LogitCorrection(bias_sha256(vector), head_map_sha256(head_map))
-    setup = Setup(FakeScorer(), every=100)
-    setup.shadow.start()
-    try:
-        _submit_one(setup, correction)
-        assert setup.shadow.wait_idle(5)
-    finally:
-        setup.shadow.close()
-    (bias,), (loaded,) = setup.scorer.biases, setup.scorer.head_maps
-    assert bias is not None
-    assert torch.equal(bias, vector)
-    assert loaded is not None
-    assert head_map_sha256(loaded) == correction.head_map
-
-
-def test_a_request_whose_head_map_is_gone_is_dropped(
+def test_a_request_whose_bias_is_gone_is_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine refuses such a request at admission; should its file go after, scoring it
-    fails and drops it (counted), as a missing bias does."""
+    fails and drops it (counted)."""
     monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
-    vector = torch.randn(16)
-    save_bias_file(tmp_path, vector)
     setup = Setup(FakeScorer(), every=100)
     setup.shadow.start()
     try:
-        _submit_one(setup, LogitCorrection(bias_sha256(vector), "cd" * 32))
+        _submit_one(setup, LogitCorrection("cd" * 32))
         assert setup.shadow.wait_idle(5)
     finally:
         setup.shadow.close()

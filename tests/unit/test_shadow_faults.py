@@ -33,13 +33,7 @@ from server_fakes import (
 from server_helpers import free_port
 from starlette.types import Message
 
-from noisy_temp_server.correction.files import (
-    bias_sha256,
-    head_map_sha256,
-    save_bias_file,
-    save_head_map_file,
-)
-from noisy_temp_server.correction.head_map import HeadMap
+from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.online.shadow import ShadowScorer
@@ -75,7 +69,6 @@ class HungScorer(FakeScorer):
         request_temperature: float,
         kl_curve: bool = True,
         bias: object = None,
-        head_map: object = None,
     ) -> LiveScores:
         self.entered.set()
         self.release.wait(60)
@@ -454,16 +447,13 @@ def test_an_unsampled_request_is_not_traced_in_the_engine_keys() -> None:
     assert (status["offered"], status["sampled"], status["scored"]) == (2, 0, 0)
 
 
-def test_a_sampled_request_is_scored_with_the_bias_and_head_map_it_was_served_with(
+def test_a_sampled_request_is_scored_with_the_bias_it_was_served_with(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(BIAS_DIR_ENV, str(tmp_path))
-    vector, head_map = torch.randn(16), HeadMap(torch.randn(16, 2), torch.randn(2, 16))
+    vector = torch.randn(16)
     save_bias_file(tmp_path, vector)
-    save_head_map_file(tmp_path, head_map)
-    policy = TemperaturePolicy(
-        version=2, rule="fixed", bias=bias_sha256(vector), head_map=head_map_sha256(head_map)
-    )
+    policy = TemperaturePolicy(version=2, rule="fixed", bias=bias_sha256(vector))
     scorer = FakeScorer()
     served = Served(scorer, FakeEstimator(every=100), queue_size=8, policy=policy)
     try:
@@ -472,12 +462,10 @@ def test_a_sampled_request_is_scored_with_the_bias_and_head_map_it_was_served_wi
             assert served.shadow.wait_idle(10)
     finally:
         served.shadow.close()
-    (bias, none), (mapped, unmapped) = scorer.biases, scorer.head_maps
+    bias, none = scorer.biases
     assert bias is not None
     assert torch.equal(bias, vector)
-    assert mapped is not None
-    assert head_map_sha256(mapped) == policy.head_map
-    assert (none, unmapped) == (None, None)
+    assert none is None
 
 
 def test_an_untuned_sampled_request_is_captured_under_its_trace_id() -> None:

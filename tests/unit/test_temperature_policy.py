@@ -257,17 +257,12 @@ def test_a_bias_travels_as_its_hash_only() -> None:
             TemperaturePolicy(bias=bad)  # type: ignore[arg-type]
 
 
-def test_a_head_map_travels_as_its_hash_and_only_with_a_bias() -> None:
+def test_a_policy_naming_a_head_map_is_refused_with_the_reason() -> None:
+    """Head maps were removed: a policy written by an earlier version that names one is
+    refused with one line that says so, not served without it."""
     bias, head_map = "0123456789abcdef" * 4, "fedcba9876543210" * 4
-    policy = dataclasses.replace(full_policy(Rule.FIXED), bias=bias, head_map=head_map)
-    assert TemperaturePolicy.from_json(policy.to_json()) == policy
-    assert f'"head_map":"{head_map}"' in policy.to_json()
-    assert policy.with_overrides(rule=Rule.SQRT).head_map == head_map
-    assert '"head_map"' not in dataclasses.replace(policy, head_map=None).to_json()
-    with pytest.raises(PolicyValidationError, match="'head_map' must be None in a policy without"):
-        TemperaturePolicy.from_json(f'{{"head_map":"{head_map}"}}')
-    with pytest.raises(PolicyValidationError, match="'head_map' must be a sha256"):
-        TemperaturePolicy(bias=bias, head_map="0" * 63)
+    with pytest.raises(PolicyValidationError, match=r"head map .* no longer serves; recalibrate"):
+        TemperaturePolicy.from_json(f'{{"rule":"off","bias":"{bias}","head_map":"{head_map}"}}')
 
 
 def test_sequences_and_integers_are_normalised() -> None:

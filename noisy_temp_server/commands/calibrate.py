@@ -105,9 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--adapter-method",
-        choices=["eora", "svd"],
-        default="eora",
-        help="adapter fit: eora (activation-aware, default) or svd (plain SVD of each error)",
+        choices=("propagated", "eora", "svd"),
+        default="propagated",
+        help="adapter fit: propagated (each layer fitted to give the clean model's outputs on "
+        "its inputs; default), eora (each layer's own error, weighted by its inputs) or svd "
+        "(plain SVD of each error)",
     )
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")

@@ -323,7 +323,7 @@ def fit_compensation_adapter(
     *,
     rank: int,
     method: AdapterMethod = "propagated",
-    ridge: float = 3.0,
+    ridge: float = 10.0,
     base_model: str = "",
     progress: Callable[[int, int], None] | None = None,
 ) -> LoraAdapter:

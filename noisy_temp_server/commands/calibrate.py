@@ -3,7 +3,7 @@
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
         [--validation-fraction F] [--test-fraction F] [--bias-rows N]
-        [--adapter-rank [R] [--adapter-method eora|svd]]
+        [--adapter-rank [R] [--adapter-method propagated|eora|svd]]
         [--records FILE] [--report DIR] [--device DEV]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is

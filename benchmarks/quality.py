@@ -370,7 +370,9 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="calibrate with a compensation adapter of this rank and measure its stack (0: off)",
     )
-    parser.add_argument("--adapter-method", choices=("eora", "svd"), default="eora")
+    parser.add_argument(
+        "--adapter-method", choices=("propagated", "eora", "svd"), default="propagated"
+    )
     parser.add_argument(
         "--cross-domain",
         type=Path,

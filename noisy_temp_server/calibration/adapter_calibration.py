@@ -3,12 +3,12 @@
 `calibrate_adapter` takes completions sampled by the served model (without an adapter) for all
 the calibration prompts, split by prompt as the rest of calibration splits them
 (`split_fit_validation_test`, `split_selection_gate`, same seed). It fits the adapter
-(`pairs.layer_inputs.fit_compensation_adapter`) on the fit prompts' sequences once per ridge
-of `EORA_RIDGES` (one fit for ``svd``), keeps the ridge with the lowest KL(clean || served +
-adapter) at T = 1 on the selection half, and measures the kept adapter against the served
-model without it, both at T = 1, on the gate half (which decides `recommended`: a significant
-gain, `is_significant`) and on the test prompts (the figure to quote). The adapter is applied
-by forward hooks (`applied_adapter`): the served model's weights are never written.
+(`pairs.layer_inputs.fit_compensation_adapter`) on the fit prompts' sequences once per ridge of
+`RIDGES` for its method (one fit for ``svd``), keeps the ridge with the lowest KL(clean ||
+served + adapter) at T = 1 on the selection half, and measures the kept adapter against the
+served model without it, both at T = 1, on the gate half (which decides `recommended`: a
+significant gain, `is_significant`) and on the test prompts (the figure to quote). The adapter
+is applied by forward hooks (`applied_adapter`): the served model's weights are never written.
 """
 
 from __future__ import annotations
@@ -41,15 +41,21 @@ from noisy_temp_server.pairs.records import PositionRecords
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 
 __all__ = [
-    "EORA_RIDGES",
+    "RIDGES",
     "AdapterCalibration",
     "adapter_quality_row",
     "applied_adapter",
     "calibrate_adapter",
 ]
 
-EORA_RIDGES: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
-"""Relative ridges tried for the activation-aware fit (times the mean input eigenvalue)."""
+RIDGES: dict[AdapterMethod, tuple[float | None, ...]] = {
+    "eora": (1e-3, 1e-2, 1e-1),
+    "propagated": (3.0, 10.0, 30.0),
+    "svd": (None,),
+}
+"""The relative ridges tried for each fit method (times the mean input eigenvalue;
+`fit_compensation_adapter`): ``eora`` ridges its input covariances, ``propagated`` pulls each
+layer's target towards its own error; ``svd`` has none."""
 logger = logging.getLogger(__name__)
 
 
@@ -145,16 +151,15 @@ def calibrate_adapter(
     settings: CalibrationSettings,
     *,
     rank: int,
-    method: AdapterMethod = "eora",
+    method: AdapterMethod = "propagated",
     device: str | torch.device = "cpu",
 ) -> AdapterCalibration:
     """Fit, choose and measure the pair's adapter on `sequences` (sampled by the served model
     without one; ids are prompt indices), as the module docstring describes. ValueError when
     the pair's served weights equal the clean ones, or a split is empty."""
     fit, selection, gate, test = _split(sequences, settings)
-    ridges: tuple[float | None, ...] = EORA_RIDGES if method == "eora" else (None,)
     candidates: dict[float | None, tuple[LoraAdapter, float]] = {}
-    for ridge in ridges:
+    for ridge in RIDGES[method]:
         started = time.monotonic()
         adapter = fit_compensation_adapter(
             pair.clean_model,

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.identity import ModelIdentity
+from noisy_temp_server.pairs.layer_inputs import AdapterMethod
 from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
@@ -94,8 +95,10 @@ class CalibrationSettings(_Frozen):
     """Rank of the compensation adapter fitted first (`calibration.adapter_calibration`),
     under which everything else is fitted; 0: none. Needs a pair whose served weights differ
     from the clean ones."""
-    adapter_method: Literal["eora", "svd"] = "eora"
-    """How the adapter is fitted: ``eora`` (activation-aware) or ``svd`` (plain SVD)."""
+    adapter_method: AdapterMethod = "propagated"
+    """How the adapter is fitted (`pairs.layer_inputs`): ``propagated`` (each layer fitted to
+    give the clean model's outputs on its inputs), ``eora`` (each layer's own error, weighted
+    by its inputs) or ``svd`` (plain SVD of each layer's error)."""
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
@@ -343,18 +346,20 @@ class AdapterSummary(_Frozen):
     The adapter is stored beside the profile in PEFT's LoRA format, in the folder
     `adapter_folder_name(sha256)`; `sha256` is its content hash. `rank` is the LoRA rank,
     `target_modules` the short names of the corrected modules, `layers` how many linear layers
-    it corrects, `method` how it was fitted (``eora``: activation-aware; ``svd``: plain SVD of
-    each layer's error), `ridge` the relative ridge added to each input covariance (None for
-    ``svd``). `recommended`: its gain over the served model without it (both at T = 1) on the
-    validation prompts is significant; a profile whose adapter is not recommended serves none.
-    Quality rows as in `QualityTable`: KL of the served model with the adapter at T = 1
-    against the served model without it."""
+    it corrects, `method` how it was fitted (`CalibrationSettings.adapter_method`), `ridge` the
+    relative ridge chosen for it (``eora``: added to each input covariance; ``propagated``:
+    pulling each layer's target towards its own error; None for ``svd``). `recommended`: its
+    gain over the served model without it (both at T = 1) on the validation prompts is
+    significant; a profile whose adapter is not recommended serves none. Quality rows as in
+    `QualityTable`: KL of the served model with the adapter at T = 1 against the served model
+    without it.
+    """
 
     sha256: str
     rank: int = Field(ge=1)
     target_modules: tuple[str, ...]
     layers: int = Field(ge=1)
-    method: Literal["eora", "svd"]
+    method: AdapterMethod
     ridge: float | None = Field(default=None, ge=0)
     recommended: bool
     validation: QualityRow

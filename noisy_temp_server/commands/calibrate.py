@@ -3,7 +3,7 @@
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--max-new-tokens N] [--seed N]
         [--validation-fraction F] [--test-fraction F] [--bias-rows N]
-        [--adapter-rank [R] [--adapter-method eora|svd]]
+        [--adapter-rank [R] [--adapter-method propagated|eora|svd]]
         [--records FILE] [--report DIR] [--device DEV]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
@@ -105,9 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--adapter-method",
-        choices=["eora", "svd"],
-        default="eora",
-        help="adapter fit: eora (activation-aware, default) or svd (plain SVD of each error)",
+        choices=("propagated", "eora", "svd"),
+        default="propagated",
+        help="adapter fit: propagated (each layer fitted to give the clean model's outputs on "
+        "its inputs; default), eora (each layer's own error, weighted by its inputs) or svd "
+        "(plain SVD of each error)",
     )
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from noisy_temp_server.correction.adapter import LowRankDelta
 
-__all__ = ["eora_delta", "svd_delta", "weighted_error"]
+__all__ = ["eora_delta", "propagated_error", "svd_delta", "weighted_error"]
 
 
 def _check(error: Tensor, rank: int) -> None:
@@ -32,6 +32,20 @@ def _check(error: Tensor, rank: int) -> None:
         raise ValueError(f"the error must be a matrix [out, in], got {tuple(error.shape)}")
     if not 1 <= rank <= min(error.shape):
         raise ValueError(f"rank {rank} must be between 1 and {min(error.shape)} for this layer")
+
+
+def _ridged(second_moment: Tensor, ridge: float) -> tuple[Tensor, float]:
+    """(C + rho I, rho) in float64, for C the symmetrised `second_moment` and rho = `ridge`
+    times its mean eigenvalue. ValueError for a ridge <= 0 or a zero second moment."""
+    if not ridge > 0:
+        raise ValueError(f"the ridge must be > 0, got {ridge}")
+    moment = second_moment.double()
+    moment = (moment + moment.T) / 2
+    mean = float(torch.diagonal(moment).mean())  # the mean eigenvalue: trace / in
+    if not mean > 0:
+        raise ValueError("the second moment is zero: the layer saw no input")
+    shift = ridge * mean
+    return moment + shift * torch.eye(len(moment), dtype=moment.dtype, device=moment.device), shift
 
 
 def svd_delta(error: Tensor, rank: int) -> LowRankDelta:
@@ -55,20 +69,43 @@ def eora_delta(error: Tensor, second_moment: Tensor, rank: int, ridge: float) ->
             f"second moment {tuple(second_moment.shape)} does not match the error's "
             f"{columns} input features"
         )
-    if not ridge > 0:
-        raise ValueError(f"the ridge must be > 0, got {ridge}")
-    moment = second_moment.double()
-    moment = (moment + moment.T) / 2
-    mean = float(torch.diagonal(moment).mean())  # the mean eigenvalue: trace / in
-    if not mean > 0:
-        raise ValueError("the second moment is zero: the layer saw no input")
-    regularised = moment + ridge * mean * torch.eye(
-        columns, dtype=moment.dtype, device=moment.device
-    )
+    regularised, _ = _ridged(second_moment, ridge)
     lower = torch.linalg.cholesky(regularised)  # C + ridge mean I = L L^T
     u, s, vh = torch.linalg.svd(error.double() @ lower, full_matrices=False)
     down = torch.linalg.solve_triangular(lower, vh[:rank], upper=False, left=False)
     return LowRankDelta(down=down.float().contiguous(), up=(u[:, :rank] * s[:rank]).float())
+
+
+def propagated_error(
+    clean_weight: Tensor,
+    served_weight: Tensor,
+    second_moment: Tensor,
+    cross_moment: Tensor,
+    ridge: float,
+) -> Tensor:
+    """The error E' [out, in] whose EoRA fit (`eora_delta(E', second_moment, rank, ridge)`)
+    makes the served layer reproduce the clean layer's outputs on the clean model's inputs.
+
+    With the served model's inputs X_s, the clean model's X_c at the same positions,
+    A = X_s^T X_s / n (`second_moment`) and B = X_s^T X_c / n (`cross_moment`), the delta D
+    minimising ||X_c W_c^T - X_s (W_s + D)^T||^2 / n + rho ||D - (W_c - W_s)||^2 (rho = `ridge`
+    times A's mean eigenvalue) is E' = W_c (B + rho I)^T (A + rho I)^{-1} - W_s, and the whole
+    objective is tr((D - E')(A + rho I)(D - E')^T) plus a constant, which `eora_delta`
+    minimises over rank-r D. With X_c = X_s it is the plain error W_c - W_s. ValueError for
+    shapes that do not match, a ridge <= 0 or a zero second moment."""
+    columns = served_weight.shape[1]
+    if second_moment.shape != (columns, columns) or cross_moment.shape != (columns, columns):
+        raise ValueError(
+            f"moments {tuple(second_moment.shape)} and {tuple(cross_moment.shape)} do not match "
+            f"the layer's {columns} input features"
+        )
+    regularised, shift = _ridged(second_moment, ridge)
+    target = (
+        clean_weight.double()
+        @ (cross_moment.double() + shift * torch.eye(columns, dtype=torch.float64)).T
+    )
+    lower = torch.linalg.cholesky(regularised)
+    return torch.cholesky_solve(target.T, lower).T - served_weight.double()
 
 
 def weighted_error(error: Tensor, delta: LowRankDelta | None, second_moment: Tensor) -> float:

@@ -1,18 +1,23 @@
 """The compensation adapter's fit, one decoder block at a time, on token sequences.
 
 `fit_compensation_adapter` walks the served model's decoder blocks in order. The hidden states
-entering the first block are captured once per sequence (the forward stops there); then, for
-each block, forward hooks on its perturbed linear layers (weights that differ from the clean
-model's) accumulate each layer's input second moment X^T X / n, every layer's error
-W_clean - W_served is fitted at the adapter's rank (`correction.adapter_fit`), and the block is
-run again with its fitted corrections applied by hooks to give the next block's inputs: later
-blocks are fitted on the inputs the compensated model gives them. The served model's weights
-are never written (the caller folds the adapter it keeps, `correction.adapter.fold_adapter`).
+entering the first block are captured once per sequence (the forward stops there); then each
+block's perturbed linear layers (weights that differ from the clean model's) are fitted at the
+adapter's rank (`correction.adapter_fit`) from their inputs, gathered by forward hooks, and
+the block is run again with its corrections applied by hooks to give the next block's inputs:
+later blocks are fitted on the inputs the compensated model gives them. Two activation-aware
+methods:
 
-Memory, beyond the two models: the hidden states of every sequence at one block boundary (with
-their rotary tables: about 4 (d + head_dim) bytes per token), one block's second moments
-(4 in^2 bytes per perturbed linear layer, 4 (6 d^2 + d_ff^2) for a Llama block: 1.2 GB for
-an 8B model), and one layer's SVD in float64 (8 out in bytes, 3 times, 1.4 GB for an 8B MLP).
+- ``eora``: each layer's own error W_clean - W_served, weighted by its input second moment
+  X_s^T X_s / n, all of a block's layers from one pass;
+- ``propagated``: the clean model's hidden states are carried alongside, and each layer is
+  fitted to give the clean layer's outputs on the clean model's inputs
+  (`correction.adapter_fit.propagated_error`), so it also corrects what reaches it from the
+  layers before; a block is fitted in stages (q, k, v; o; gate, up; down), each on the inputs
+  its earlier stages' corrections give it.
+
+The served model's weights are never written (the caller folds the adapter it keeps,
+`correction.adapter.fold_adapter`). Peak memory is stated in docs/adapter.md.
 
 Real quantized checkpoints load through transformers, which decompresses their weights, so the
 served weights here are already dequantized floats and the error is their difference.
@@ -30,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from noisy_temp_server.correction.adapter import LoraAdapter, LowRankDelta
-from noisy_temp_server.correction.adapter_fit import eora_delta, svd_delta
+from noisy_temp_server.correction.adapter_fit import eora_delta, propagated_error, svd_delta
 from noisy_temp_server.pairs.scorer import ScoringSequence
 
 __all__ = [
@@ -41,7 +46,10 @@ __all__ = [
     "perturbed_linears",
 ]
 
-AdapterMethod = Literal["eora", "svd"]
+AdapterMethod = Literal["eora", "propagated", "svd"]
+TRUNCATION_RIDGE = 1e-3
+"""The ridge of the input second moment in which ``propagated`` truncates each layer's target
+(times its mean eigenvalue): small, so the truncation weighs the directions the inputs use."""
 logger = logging.getLogger(__name__)
 
 
@@ -197,6 +205,65 @@ def _next_inputs(
     return outputs
 
 
+def _stages(block: nn.Module, linears: dict[str, nn.Module], item: _BlockInput) -> list[list[str]]:
+    """`linears` in the order a forward pass of `block` calls them, those called on the same
+    input tensor grouped (q, k, v; o; gate, up; down in a Llama block): a stage's inputs
+    depend only on the stages before it."""
+    calls: list[tuple[list[str], Tensor]] = []
+
+    def record(name: str, x: Tensor, _: Tensor) -> None:
+        if calls and calls[-1][1] is x:
+            calls[-1][0].append(name)
+        else:
+            calls.append(([name], x))
+
+    with torch.no_grad(), _hooked(linears, record):
+        block(item.hidden, **item.kwargs)
+    return [names for names, _ in calls]
+
+
+def _captured_inputs(
+    block: nn.Module, linears: dict[str, nn.Module], item: _BlockInput
+) -> dict[str, Tensor]:
+    inputs: dict[str, Tensor] = {}
+
+    def keep(name: str, x: Tensor, _: Tensor) -> None:
+        inputs[name] = x.reshape(-1, x.shape[-1]).float()
+
+    with _hooked(linears, keep):
+        block(item.hidden, **item.kwargs)
+    return inputs
+
+
+@torch.no_grad()
+def _paired_moments(
+    blocks: tuple[nn.Module, nn.Module],
+    linears: tuple[dict[str, nn.Module], dict[str, nn.Module]],
+    inputs: tuple[Sequence[_BlockInput], Sequence[_BlockInput]],
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """{name: (X_s^T X_s / n, X_s^T X_c / n)} for each layer of the (clean, served) `linears`,
+    X_c its inputs in the clean block, X_s in the served block, at the same positions."""
+    (clean_block, served_block), (clean_linears, served_linears) = blocks, linears
+    sums: dict[str, tuple[Tensor, Tensor]] = {}
+    count = 0
+    for clean_item, served_item in zip(*inputs, strict=True):
+        clean_x = _captured_inputs(clean_block, clean_linears, clean_item)
+        served_x = _captured_inputs(served_block, served_linears, served_item)
+        for name, x in served_x.items():
+            moment, cross = x.T @ x, x.T @ clean_x[name]
+            previous = sums.get(name)
+            sums[name] = (
+                (moment, cross)
+                if previous is None
+                else (
+                    previous[0] + moment,
+                    previous[1] + cross,
+                )
+            )
+        count += len(next(iter(served_x.values())))
+    return {name: (moment / count, cross / count) for name, (moment, cross) in sums.items()}
+
+
 def _layer_delta(
     clean: nn.Module,
     served: nn.Module,
@@ -213,23 +280,61 @@ def _layer_delta(
     return eora_delta(error, moment, rank, ridge)
 
 
+def _propagated_block_deltas(
+    models: tuple[nn.Module, nn.Module],
+    blocks: tuple[nn.Module, nn.Module],
+    names: Sequence[str],
+    inputs: tuple[Sequence[_BlockInput], Sequence[_BlockInput]],
+    *,
+    rank: int,
+    ridge: float,
+) -> dict[str, LowRankDelta]:
+    """The deltas of one block's perturbed layers `names`, fitted stage by stage (`_stages`)
+    so that each stage sees the served inputs its earlier stages' deltas give it, each to
+    reproduce the clean layer's outputs on the clean block's inputs (`propagated_error` with
+    `ridge`, truncated by `eora_delta` with `TRUNCATION_RIDGE`)."""
+    clean_model, served_model = models
+    clean_modules, served_modules = (
+        dict(clean_model.named_modules()),
+        dict(served_model.named_modules()),
+    )
+    fitted: dict[str, LowRankDelta] = {}
+    for stage in _stages(blocks[1], {n: served_modules[n] for n in names}, inputs[1][0]):
+        stage_linears = (
+            {n: clean_modules[n] for n in stage},
+            {n: served_modules[n] for n in stage},
+        )
+        with applied_deltas(served_model, fitted):
+            moments = _paired_moments(blocks, stage_linears, inputs)
+        for name in stage:
+            moment, cross = moments[name]
+            clean_weight, served_weight = clean_modules[name].weight, served_modules[name].weight
+            assert isinstance(clean_weight, Tensor)
+            assert isinstance(served_weight, Tensor)
+            error = propagated_error(clean_weight, served_weight, moment, cross, ridge)
+            fitted[name] = eora_delta(error, moment, rank, TRUNCATION_RIDGE)
+    return fitted
+
+
 def fit_compensation_adapter(
     clean_model: nn.Module,
     served_model: nn.Module,
     sequences: Sequence[ScoringSequence],
     *,
     rank: int,
-    method: AdapterMethod = "eora",
-    ridge: float = 1e-2,
+    method: AdapterMethod = "propagated",
+    ridge: float = 10.0,
     base_model: str = "",
     progress: Callable[[int, int], None] | None = None,
 ) -> LoraAdapter:
     """The rank-`rank` adapter correcting every perturbed linear layer of `served_model`
     towards `clean_model` (`perturbed_linears`), fitted block by block on the inputs of
-    `sequences` as the module docstring describes (``svd``: plain SVD, inputs unused).
-    `progress(done, total)` after each block. Leaves both models' weights as they were.
-    ValueError when no layer differs (runtime noise serves the clean weights: nothing for an
-    adapter to correct), for no sequences, or a rank above a layer's smallest side."""
+    `sequences` as the module docstring describes (``svd``: plain SVD, inputs unused;
+    ``propagated``: each layer fitted to give the clean layer's outputs on the clean model's
+    inputs, `_propagated_block_deltas`). `progress(done, total)` after each block. Leaves both
+    models' weights as they were. ValueError when no layer differs (runtime noise serves the
+    clean weights: nothing for an adapter to correct), for no sequences, or a rank above a
+    layer's smallest side."""
     names = perturbed_linears(clean_model, served_model)
     if not names:
         raise ValueError(
@@ -239,21 +344,38 @@ def fit_compensation_adapter(
     if not sequences:
         raise ValueError("an adapter is fitted on token sequences; got none")
     prefix, blocks = decoder_blocks(served_model)
+    _, clean_blocks = decoder_blocks(clean_model)
     clean_modules = dict(clean_model.named_modules())
     served_modules = dict(served_model.named_modules())
-    inputs = _first_block_inputs(served_model, blocks, sequences) if method == "eora" else []
+    uses_inputs = method != "svd"
+    inputs = _first_block_inputs(served_model, blocks, sequences) if uses_inputs else []
+    clean_inputs = (
+        _first_block_inputs(clean_model, clean_blocks, sequences) if method == "propagated" else []
+    )
     layers: dict[str, LowRankDelta] = {}
     for index, block in enumerate(blocks):
-        block_prefix = f"{prefix}.{index}."
-        linears = {n: served_modules[n] for n in names if n.startswith(block_prefix)}
-        moments = _second_moments(block, linears, inputs) if method == "eora" and linears else {}
-        deltas = {
-            name: _layer_delta(clean_modules[name], module, moments.get(name), rank, ridge)
-            for name, module in linears.items()
-        }
+        block_names = [n for n in names if n.startswith(f"{prefix}.{index}.")]
+        if method == "propagated" and block_names:
+            deltas = _propagated_block_deltas(
+                (clean_model, served_model),
+                (clean_blocks[index], block),
+                block_names,
+                (clean_inputs, inputs),
+                rank=rank,
+                ridge=ridge,
+            )
+        else:
+            linears = {n: served_modules[n] for n in block_names}
+            moments = _second_moments(block, linears, inputs) if uses_inputs and linears else {}
+            deltas = {
+                name: _layer_delta(clean_modules[name], module, moments.get(name), rank, ridge)
+                for name, module in linears.items()
+            }
         layers.update(deltas)
-        if method == "eora" and index + 1 < len(blocks):
+        if uses_inputs and index + 1 < len(blocks):
             inputs = _next_inputs(served_model, block, deltas, inputs)
+            if method == "propagated":
+                clean_inputs = _next_inputs(clean_model, clean_blocks[index], {}, clean_inputs)
         if progress is not None:
             progress(index + 1, len(blocks))
     return LoraAdapter(layers=layers, rank=rank, base_model=base_model)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from noisy_temp_server.calibration.adapter_calibration import EORA_RIDGES
+from noisy_temp_server.calibration.adapter_calibration import RIDGES
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
@@ -160,12 +160,12 @@ def test_calibrate_fits_an_adapter_first_and_saves_it_beside_the_profile(
     ]
     assert _run(calibrate_command, argv) == 0
     out = capsys.readouterr().out
-    assert "Adapter: rank 8 eora, 14 layers" in out
+    assert "Adapter: rank 8 propagated, 14 layers" in out
     profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
     adapter = profile.adapter
     assert adapter is not None
     assert profile.settings.adapter_rank == 8
-    assert adapter.ridge in EORA_RIDGES
+    assert adapter.ridge in RIDGES[adapter.method]
     assert adapter.test.gain > 0
     folder, loaded = find_adapter([tmp_path], adapter.sha256)
     assert folder.name == adapter_folder_name(adapter.sha256)

@@ -47,7 +47,7 @@ def test_the_stack_of_a_pair_with_weight_error(benchmark: ModuleType, tiny_model
     adapter_alone = document["test_prompts"]["layers"][1]
     assert adapter_alone["share_removed"] > 0
     assert "oracle T" in document["test_prompts"]["oracle_share_removed"]
-    assert "adapter: rank 8 eora" in text
+    assert "adapter: rank 8 propagated" in text
 
 
 def test_runtime_noise_is_refused_an_adapter_and_calibrated_without_one(

@@ -12,7 +12,12 @@ from noisy_temp_server.correction.adapter import fold_adapter
 from noisy_temp_server.correction.adapter_fit import svd_delta
 from noisy_temp_server.pairs.checkpoint import load_causal_lm
 from noisy_temp_server.pairs.compressed import write_compressed_checkpoint
-from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter, perturbed_linears
+from noisy_temp_server.pairs.layer_inputs import (
+    _first_block_inputs,
+    _stages,
+    fit_compensation_adapter,
+    perturbed_linears,
+)
 from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation
 from noisy_temp_server.pairs.scorer import ScoringSequence
 
@@ -73,9 +78,40 @@ def test_the_fit_corrects_held_out_sequences_and_eora_beats_svd(models) -> None:
     assert kl_eora < kl_svd < kl_none
 
 
+def test_the_propagated_fit_corrects_held_out_sequences_stage_by_stage(models) -> None:  # type: ignore[no-untyped-def]
+    clean, served = models
+    before = {k: v.clone() for k, v in served.state_dict().items()}
+    fit, held_out = _sequences(12, seed=1), _sequences(6, seed=2)
+    adapter = fit_compensation_adapter(clean, served, fit, rank=16, method="propagated", ridge=1.0)
+    assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
+    assert sorted(adapter.layers) == sorted(perturbed_linears(clean, served))
+    assert _mean_kl(clean, _folded(served, adapter), held_out) < 0.5 * _mean_kl(
+        clean, served, held_out
+    )
+
+
+def test_a_llama_block_runs_its_projections_in_four_stages(models) -> None:  # type: ignore[no-untyped-def]
+    _, served = models
+    block = served.model.layers[0]
+    linears = {
+        name: module
+        for name, module in block.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    (item,) = _first_block_inputs(served, served.model.layers, _sequences(1, seed=6))
+    assert _stages(block, linears, item) == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ]
+
+
 def test_at_full_rank_the_folded_adapter_restores_the_clean_weights(models) -> None:  # type: ignore[no-untyped-def]
     clean, served = models
-    adapter = fit_compensation_adapter(clean, served, _sequences(4, seed=3), rank=32, ridge=1e-3)
+    adapter = fit_compensation_adapter(
+        clean, served, _sequences(4, seed=3), rank=32, method="eora", ridge=1e-3
+    )
     restored = _folded(served, adapter)
     names = perturbed_linears(clean, served)
     modules = dict(restored.named_modules())

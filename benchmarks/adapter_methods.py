@@ -1,0 +1,173 @@
+"""The compensation adapter's fit methods side by side, on the same pair, rank and prompts.
+
+The served model samples one completion (T = 1) per fit prompt (the first ``--fit-prompts``
+shipped calibration prompts) and per test prompt (``--test-prompts``, by default the 24
+formal prompts of another domain). Each method of ``--methods`` (``method:ridge``, e.g.
+``eora:0.001`` or ``propagated:10``) fits a rank-``--rank`` adapter on the fit sequences
+(`pairs.layer_inputs.fit_compensation_adapter`), and the served model with it is scored
+against the clean one at T = 1 on the test sequences. Reported per method: the fit's wall
+time, mean KL(clean || served + adapter), the share of KL(T = 1) removed with its
+prompt-clustered standard error, and the paired difference in that share to every method
+listed before it (positive: this one removes more), clustered the same way.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/adapter_methods.py \\
+        --spec '{"kind": "quantization", "format": "int4", "group_size": 128}' --rank 16 \\
+        --methods eora:0.001,propagated:10 --out benchmarks/results/adapter_methods_int4_r16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast, get_args
+
+import torch
+
+from noisy_temp_server.calibration.adapter_calibration import applied_adapter
+from noisy_temp_server.calibration.pipeline import sample_completions
+from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.commands.perturb import default_clean_path
+from noisy_temp_server.pairs.layer_inputs import AdapterMethod, fit_compensation_adapter
+from noisy_temp_server.pairs.loading import LoadedPair, load_pair
+from noisy_temp_server.pairs.perturbation import parse_spec
+from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.pairs.standard_error import cluster_stderr
+
+FORMAL_PROMPTS = Path(__file__).parent / "data" / "prompts_formal.jsonl"
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="perturbation spec (JSON)")
+    parser.add_argument("--clean", type=Path, default=None, help="default: the embedded model")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--methods", default="eora:0.001,propagated:10")
+    parser.add_argument("--fit-prompts", type=int, default=40)
+    parser.add_argument("--test-prompts", type=Path, default=FORMAL_PROMPTS)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, required=True, help="folder for result.json/.md")
+    return parser.parse_args()
+
+
+def _methods(text: str) -> list[tuple[AdapterMethod, float]]:
+    """[(method, ridge)] from ``method:ridge,...``; ValueError for a malformed entry."""
+    methods = []
+    for entry in text.split(","):
+        method, _, ridge = entry.partition(":")
+        if method not in get_args(AdapterMethod) or (method != "svd" and not ridge):
+            raise ValueError(f"--methods entry {entry!r}: expected eora:R, propagated:R or svd")
+        methods.append((cast("AdapterMethod", method), float(ridge or 1.0)))
+    return methods
+
+
+def _kl(pair: LoadedPair, sequences: list[ScoringSequence], adapter: Any) -> tuple[Any, Any]:
+    scorer = PairScorer(pair.clean_model, pair.served_model, runtime_noise=None, device="cpu")
+    with applied_adapter(pair.served_model, adapter):
+        records = scorer.score(sequences)
+    return records.kl_at_one.double(), records.sequence_id
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    clean = args.clean or default_clean_path(None)
+    pair = load_pair(clean, spec=parse_spec(args.spec))
+    fit = sample_completions(
+        pair, load_prompts()[: args.fit_prompts], max_new_tokens=args.max_new_tokens, seed=0
+    )
+    test = sample_completions(
+        pair, load_prompts(args.test_prompts), max_new_tokens=args.max_new_tokens, seed=1
+    )
+    base, ids = _kl(pair, test, None)
+    kl_one = float(base.mean())
+    rows: list[dict[str, Any]] = []
+    kept: dict[str, Any] = {}
+    for method, ridge in _methods(args.methods):
+        label = f"{method}:{ridge:g}"
+        started = time.monotonic()
+        adapter = fit_compensation_adapter(
+            pair.clean_model, pair.served_model, fit, rank=args.rank, method=method, ridge=ridge
+        )
+        seconds = time.monotonic() - started
+        kl, _ = _kl(pair, test, adapter)
+        versus = {
+            other: {
+                "share_difference": float((earlier - kl).mean()) / kl_one,
+                "stderr": cluster_stderr(earlier - kl, ids) / kl_one,
+            }
+            for other, earlier in kept.items()
+        }
+        kept[label] = kl
+        rows.append(
+            {
+                "method": label,
+                "fit_seconds": seconds,
+                "kl": float(kl.mean()),
+                "share_removed": float((base - kl).mean()) / kl_one,
+                "stderr": cluster_stderr(base - kl, ids) / kl_one,
+                "versus": versus,
+            }
+        )
+        print(_row_text(rows[-1]), flush=True)
+    return {
+        "spec": json.loads(args.spec),
+        "rank": args.rank,
+        "fit_prompts": args.fit_prompts,
+        "fit_tokens": sum(len(s.token_ids) for s in fit),
+        "test_prompts": str(args.test_prompts),
+        "test_positions": len(base),
+        "max_new_tokens": args.max_new_tokens,
+        "kl_at_one": kl_one,
+        "methods": rows,
+    }
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    versus = "; ".join(
+        f"vs {other} {100 * d['share_difference']:+.2f} % ± {100 * d['stderr']:.2f}"
+        for other, d in row["versus"].items()
+    )
+    return (
+        f"| {row['method']} | {row['fit_seconds']:.0f} | {1e3 * row['kl']:.1f} "
+        f"| {100 * row['share_removed']:.1f} % ± {100 * row['stderr']:.1f} | {versus} |"
+    )
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"# Adapter fit methods, rank {result['rank']}, {json.dumps(result['spec'])}",
+        "",
+        f"Fit: {result['fit_prompts']} shipped prompts ({result['fit_tokens']} tokens); test: "
+        f"{result['test_prompts']} ({result['test_positions']} positions), completions of up "
+        f"to {result['max_new_tokens']} tokens sampled by the served model; KL(T = 1) "
+        f"{1e3 * result['kl_at_one']:.1f} × 10⁻³ nats.",
+        "",
+        "| method:ridge | fit (s) | KL (1e-3) | share of KL(T=1) removed ± s.e. "
+        "| paired difference in share ± s.e. |",
+        "|---|---:|---:|---:|---|",
+    ]
+    return "\n".join(lines + [_row_text(row) for row in result["methods"]]) + "\n"
+
+
+def main() -> int:
+    args = _arguments()
+    try:
+        _methods(args.methods)
+        parse_spec(args.spec)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = _measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "result.md").write_text(_markdown(result))
+    print(_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,8 @@
 - `keys`: every ``nts_*`` request key and every ``NTS_*`` engine variable, named once;
 - `request_args`: the one parser of the request keys (the server and the engine);
 - `engine_env`: the engine's configuration, written by the server and read by the engine;
+- `bias_files`: where the engine finds per-token bias files (its bias directories), and
+  loading one by its content hash (the engine and the online learner alike);
 - `trace_wire`: the messages of the trace channel; `trace_sender`: its engine end;
   `trace_channel`: its API end (`TraceCollector`, and `TraceSource`, what its readers need).
 """

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from noisy_temp_server.step.engine_metrics import step_bucket_labels
-from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy import TemperaturePolicy, step_bucket_labels
 
 __all__ = ["PolicySource", "StaticPolicySource", "describe_policy"]
 

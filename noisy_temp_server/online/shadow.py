@@ -58,13 +58,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from noisy_temp_server.engine_contract.bias_files import load_bias
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
 from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.cpu_budget import CpuBudget
 from noisy_temp_server.online.metrics import OnlineMetrics
 from noisy_temp_server.pairs.scoreboard import LiveScoreboard
 from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
-from noisy_temp_server.step.logit_bias import load_bias
 
 if TYPE_CHECKING:
     from noisy_temp_server.online.estimator import OnlineEstimator
@@ -250,7 +250,8 @@ class ShadowScorer:
         greedy choices are never sampled, `request_args.capturable`), whose target
         softmax(z / T_r) its scores are measured against (`PairScorer.score_live`);
         `correction`: the per-token bias it was served with (None: none), applied before T* in
-        its scores as served (loaded from the bias directories, `step.logit_bias.load_bias`).
+        its scores as served (loaded from the bias directories,
+        `engine_contract.bias_files.load_bias`).
         """
         if not completion_ids:
             self.cancel(trace_id)

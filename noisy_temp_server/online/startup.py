@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.correction.files import check_bias_vocabulary
+from noisy_temp_server.engine_contract.bias_files import bias_directories, load_bias
 from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.heap import fix_mmap_threshold
@@ -27,7 +28,6 @@ from noisy_temp_server.pairs.perturbation import parse_spec
 from noisy_temp_server.pairs.scorer import PairScorer
 from noisy_temp_server.pairs.served_pair import ServedPair, clean_pair_scorer
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
-from noisy_temp_server.step.logit_bias import bias_directories, load_bias
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [
@@ -145,7 +145,7 @@ def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
 
 def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
     """ProfileError unless the per-token bias `policy` names (None: nothing to check) loads
-    from the engine's bias directories (`step.logit_bias.load_bias`;
+    from the engine's bias directories (`engine_contract.bias_files.load_bias`;
     `server.engine.prepare_environment` sets them) and fits the served model's vocabulary. The
     engine would otherwise answer 400 to every request naming it, or serve them without the
     bias."""

@@ -164,7 +164,7 @@ def publish_bias_directories(
 ) -> tuple[Path, ...]:
     """The folders the engine looks per-token bias files up in, in order, also handed to the
     engine process and this one as `EngineConfig.bias_dirs` (`NTS_BIAS_DIR`,
-    `step.logit_bias.bias_directories`): `settings.bias_dir` when given; when the startup
+    `bias_files.bias_directories`): `settings.bias_dir` when given; when the startup
     `policy` names a bias, then `profile_dir`, the folder the startup profile was loaded from
     (None: no profile; its own bias file lies there, so setting `bias_dir` for other biases
     cannot hide it), and then `environment.online_bias_dir`, where the online refinement

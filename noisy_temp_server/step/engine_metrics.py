@@ -18,7 +18,6 @@ Label children are cached per (step bucket, rule).
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Sequence
 
@@ -29,7 +28,6 @@ __all__ = [
     "OVERFLOW_STEP_BUCKET",
     "STEP_TEMPERATURE_BUCKETS",
     "StepTemperatureMetrics",
-    "step_bucket_labels",
     "step_temperature_metrics",
 ]
 
@@ -42,13 +40,6 @@ MAX_LABELS = 256
 later pairs share the step bucket `OVERFLOW_STEP_BUCKET` of their rule (requests choose their
 own step edges, so the label set is otherwise unbounded)."""
 OVERFLOW_STEP_BUCKET = "other"
-
-
-def step_bucket_labels(edges: Sequence[int]) -> tuple[str, ...]:
-    """Label of each step bucket given ascending edges starting at 0: bucket ``i`` covers
-    ``[edges[i], edges[i+1])``, e.g. ``(0, 8, 32)`` -> ``("0-7", "8-31", "32+")``."""
-    inner = [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(edges)]
-    return (*inner, f"{edges[-1]}+")
 
 
 class StepTemperatureMetrics:

@@ -1,15 +1,8 @@
-"""The per-token logit bias inside the processor: where it comes from and how a step applies it.
+"""The per-token logit bias inside the processor: how a step applies it.
 
-A policy names its bias by content hash (`TemperaturePolicy.bias`); the vector is the file
-``bias_file_name(sha256)`` (`correction.files.save_bias_file`) in one of the engine's
-*bias directories*: ``$NTS_BIAS_DIR``, a search path of folders separated by ``os.pathsep``
-(``:``) looked up in order (safe, since the name is the content hash), else the folder of
-``$NTS_POLICY_FILE`` when that policy names a bias (`calibrate` writes the two side by side).
-Without either no bias is possible, and a request whose policy names one is refused
-(`check_correction`, run by the processors' ``validate_params``: HTTP 400). ``noisy-temp-server
-serve`` sets ``NTS_BIAS_DIR`` for its engine only when its policy can name a bias
-(`server.engine.publish_bias_directories`: the profile's folder, then the folder the online
-refinement publishes to).
+A policy names its bias by content hash; the vector comes from the engine's bias directories
+(`engine_contract.bias_files`). A request whose policy names a bias the engine cannot load is
+refused (`check_correction`, run by the processors' ``validate_params``: HTTP 400).
 
 `SlotBias` keeps the vectors on the device as the rows of one table ``[rows, V]``: row 0 stands
 for "no bias", each correction a slot holds (a bias: one per policy version that has one) is
@@ -33,72 +26,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from noisy_temp_server.correction.files import check_bias_vocabulary, find_bias_file
-from noisy_temp_server.engine_contract.engine_env import engine_config
-from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, KEY_BIAS, KEY_POLICY
-from noisy_temp_server.engine_contract.request_args import (
-    LogitCorrection,
-    default_policy_json,
-    parse_policy_json,
-)
+from noisy_temp_server.correction.files import check_bias_vocabulary
+from noisy_temp_server.engine_contract.bias_files import load_bias
+from noisy_temp_server.engine_contract.request_args import LogitCorrection
 
 __all__ = [
     "FILE_CORRECTIONS",
     "CorrectionSource",
     "SlotBias",
-    "bias_directories",
     "check_correction",
-    "load_bias",
 ]
 
 _LOGGER = logging.getLogger(__name__)
-
-_LOADED_BIASES = 8
-
-
-def bias_directories() -> tuple[Path, ...]:
-    """Where the engine finds bias files, in order: the folders of ``NTS_BIAS_DIR``
-    (`EngineConfig.bias_dirs`), else the folder of ``NTS_POLICY_FILE`` when that policy names
-    a bias, else none (no bias possible). Raises ValueError when the policy file is needed and
-    invalid."""
-    config = engine_config()
-    if config.bias_dirs:
-        return config.bias_dirs
-    if config.policy_file is not None and parse_policy_json(default_policy_json()).bias is not None:
-        return (config.policy_file.parent,)
-    return ()
-
-
-@lru_cache(maxsize=_LOADED_BIASES)
-def _load_bias(directories: tuple[Path, ...], sha256: str) -> torch.Tensor:
-    return find_bias_file(directories, sha256)
-
-
-def load_bias(sha256: str) -> torch.Tensor:
-    """The bias vector (float32 [V] on the CPU) with content hash ``sha256`` from the first bias
-    directory that has it; read once per (directories, hash) while recently used. ValueError
-    (a 400 at admission) when there is no bias directory, no such file, or the file does not
-    hold it."""
-    directories = bias_directories()
-    if not directories:
-        raise ValueError(
-            f"the policy ({KEY_POLICY}) names the per-token bias {sha256[:16]}..., but this "
-            f"engine has no bias directory ({BIAS_DIR_ENV}); send {KEY_BIAS}=false or a policy "
-            "without a bias."
-        )
-    try:
-        return _load_bias(directories, sha256)
-    except ValueError as error:
-        raise ValueError(
-            f"the per-token bias {sha256[:16]}... of the policy is not available to this "
-            f"engine: {error}"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -115,7 +58,7 @@ FILE_CORRECTIONS = CorrectionSource(bias=load_bias)
 
 def check_correction(correction: LogitCorrection | None) -> None:
     """ValueError unless the bias of ``correction`` (None: nothing to check) can be loaded (see
-    `load_bias`)."""
+    `engine_contract.bias_files.load_bias`)."""
     if correction is not None:
         load_bias(correction.bias)
 

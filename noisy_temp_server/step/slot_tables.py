@@ -28,14 +28,10 @@ import numpy as np
 import torch
 
 from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
-from noisy_temp_server.step.engine_metrics import (
-    MAX_LABELS,
-    OVERFLOW_STEP_BUCKET,
-    step_bucket_labels,
-)
+from noisy_temp_server.step.engine_metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.step.logit_bias import FILE_CORRECTIONS, CorrectionSource, SlotBias
 from noisy_temp_server.step.reports import Occupancy, Reporter, StateLayout
-from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy import TemperaturePolicy, step_bucket_labels
 from noisy_temp_server.temperature.policy_eval import (
     StepTemperatures,
     step_temperatures,

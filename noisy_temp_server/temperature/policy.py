@@ -31,6 +31,7 @@ __all__ = [
     "PolicyValidationError",
     "TemperaturePolicy",
     "request_temperature_band_edges",
+    "step_bucket_labels",
 ]
 
 
@@ -110,6 +111,13 @@ def request_temperature_band_edges(request_temperatures: Sequence[float]) -> tup
     """Band edges (from 0) with each of the ascending `request_temperatures` in its own band:
     the boundaries are the midpoints between neighbours."""
     return (0.0, *((a + b) / 2 for a, b in itertools.pairwise(request_temperatures)))
+
+
+def step_bucket_labels(edges: Sequence[int]) -> tuple[str, ...]:
+    """Label of each step bucket given ascending edges starting at 0: bucket ``i`` covers
+    ``[edges[i], edges[i+1])``, e.g. ``(0, 8, 32)`` -> ``("0-7", "8-31", "32+")``."""
+    inner = [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(edges)]
+    return (*inner, f"{edges[-1]}+")
 
 
 _JSON_KEYS = (

@@ -16,7 +16,7 @@ Where V1 runs the processor depends on `is_argmax_invariant`, fixed at construct
 argmax-invariant processor runs only for sampled rows, after penalties, the request temperature
 and min-p (logits z̃/T_req); the others run for every row, greedy ones included, before
 penalties and the request temperature (logits z̃). A per-token bias changes greedy output, so
-when a bias is possible (the engine has a bias directory, `logit_bias.bias_directories`) the
+when a bias is possible (the engine has a bias directory, `bias_files.bias_directories`) the
 processor is not argmax-invariant: it sees z̃ as under Model Runner V2, adds b and divides by
 T*, and the sampler's division by T_req gives softmax((z̃ + b)/(T_req·T*)), min-p included.
 Frequency and presence penalties then act on (z̃ + b)/T* (on z̃ + b under V2, where they run
@@ -34,7 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from noisy_temp_server.step.logit_bias import bias_directories
+from noisy_temp_server.engine_contract.bias_files import bias_directories
 from noisy_temp_server.step.slot_tuning import STEP_STRIDE
 from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,

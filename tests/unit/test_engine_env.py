@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from noisy_temp_server.engine_contract import keys
+from noisy_temp_server.engine_contract.bias_files import bias_directories
 from noisy_temp_server.engine_contract.engine_env import EngineConfig, engine_config
 from noisy_temp_server.engine_contract.request_args import default_policy_json
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.step.capture import CaptureBounds
-from noisy_temp_server.step.logit_bias import bias_directories
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.runtime_noise import RuntimeLogitNoiseProcessor

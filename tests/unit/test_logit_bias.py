@@ -17,8 +17,8 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate
 
 from noisy_temp_server.correction.files import bias_sha256, save_bias_file
+from noisy_temp_server.engine_contract.bias_files import bias_directories, load_bias
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.step.logit_bias import bias_directories, load_bias
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule

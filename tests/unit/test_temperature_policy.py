@@ -15,6 +15,7 @@ from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     PolicyValidationError,
     TemperaturePolicy,
+    step_bucket_labels,
 )
 from noisy_temp_server.temperature.policy_eval import (
     bucket_index,
@@ -538,3 +539,8 @@ def test_step_edges_are_bounded(edges: tuple[int, ...]) -> None:
         ).step_edges
         == widest
     )
+
+
+def test_step_bucket_labels_name_each_bucket_by_its_steps() -> None:
+    assert step_bucket_labels((0, 8, 32)) == ("0-7", "8-31", "32+")
+    assert step_bucket_labels((0,)) == ("0+",)

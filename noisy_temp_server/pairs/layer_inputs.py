@@ -280,6 +280,7 @@ def _layer_delta(
     return eora_delta(error, moment, rank, ridge)
 
 
+@torch.no_grad()
 def _propagated_block_deltas(
     models: tuple[nn.Module, nn.Module],
     blocks: tuple[nn.Module, nn.Module],
@@ -311,7 +312,9 @@ def _propagated_block_deltas(
             clean_weight, served_weight = clean_modules[name].weight, served_modules[name].weight
             assert isinstance(clean_weight, Tensor)
             assert isinstance(served_weight, Tensor)
-            error = propagated_error(clean_weight, served_weight, moment, cross, ridge)
+            error = propagated_error(
+                clean_weight.detach(), served_weight.detach(), moment, cross, ridge
+            )
             fitted[name] = eora_delta(error, moment, rank, TRUNCATION_RIDGE)
     return fitted
 

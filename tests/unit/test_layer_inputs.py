@@ -85,6 +85,8 @@ def test_the_propagated_fit_corrects_held_out_sequences_stage_by_stage(models) -
     adapter = fit_compensation_adapter(clean, served, fit, rank=16, method="propagated", ridge=1.0)
     assert all(torch.equal(before[k], v) for k, v in served.state_dict().items())
     assert sorted(adapter.layers) == sorted(perturbed_linears(clean, served))
+    # no autograd graph kept: each one held a layer's float64 work alive (an OOM at 135M)
+    assert not any(d.up.requires_grad or d.down.requires_grad for d in adapter.layers.values())
     assert _mean_kl(clean, _folded(served, adapter), held_out) < 0.5 * _mean_kl(
         clean, served, held_out
     )

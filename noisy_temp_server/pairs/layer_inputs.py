@@ -244,22 +244,23 @@ def _paired_moments(
     """{name: (X_s^T X_s / n, X_s^T X_c / n)} for each layer of the (clean, served) `linears`,
     X_c its inputs in the clean block, X_s in the served block, at the same positions."""
     (clean_block, served_block), (clean_linears, served_linears) = blocks, linears
-    sums: dict[str, tuple[Tensor, Tensor]] = {}
+    device = next(served_block.parameters()).device
+    sums = {
+        name: (
+            torch.zeros(module.in_features, module.in_features, device=device),
+            torch.zeros(module.in_features, module.in_features, device=device),
+        )
+        for name, module in served_linears.items()
+        if isinstance(module, nn.Linear)
+    }
     count = 0
     for clean_item, served_item in zip(*inputs, strict=True):
         clean_x = _captured_inputs(clean_block, clean_linears, clean_item)
         served_x = _captured_inputs(served_block, served_linears, served_item)
         for name, x in served_x.items():
-            moment, cross = x.T @ x, x.T @ clean_x[name]
-            previous = sums.get(name)
-            sums[name] = (
-                (moment, cross)
-                if previous is None
-                else (
-                    previous[0] + moment,
-                    previous[1] + cross,
-                )
-            )
+            moment, cross = sums[name]
+            moment.addmm_(x.T, x)
+            cross.addmm_(x.T, clean_x[name])
         count += len(next(iter(served_x.values())))
     return {name: (moment / count, cross / count) for name, (moment, cross) in sums.items()}
 

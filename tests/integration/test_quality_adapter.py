@@ -3,12 +3,11 @@ the refusal where the served weights are the clean ones."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_loading import load_script
 
 from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import load_prompts
@@ -20,14 +19,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_adapte
 
 @pytest.fixture(scope="module")
 def benchmark() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARK.parent))
-    spec = importlib.util.spec_from_file_location("quality_adapter", BENCHMARK)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCHMARK, "quality_adapter")
 
 
 def _settings(rank: int) -> CalibrationSettings:

@@ -3,14 +3,13 @@ and every relative link of the README and docs/ reaches a file (and heading) of 
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from argparse import _SubParsersAction
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_loading import load_script
 
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.settings import Settings
@@ -24,14 +23,7 @@ FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 
 
 def _configuration_doc() -> ModuleType:
-    path = REPO_ROOT / "scripts" / "configuration_doc.py"
-    spec = importlib.util.spec_from_file_location("configuration_doc", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO_ROOT / "scripts" / "configuration_doc.py", "configuration_doc")
 
 
 def _serve_help() -> str:

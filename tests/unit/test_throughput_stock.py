@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from script_loading import load_script
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
 LOADERS = """
@@ -21,14 +22,7 @@ print(json.dumps([[c.__name__ for c in load()] for load in
 
 
 def _benchmark() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARK.parent))  # as when run as a script: its sibling modules
-    spec = importlib.util.spec_from_file_location("throughput_benchmark", BENCHMARK)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCHMARK, "throughput_benchmark")
 
 
 def _loaded_processors(env: dict[str, str] | None) -> list[list[str]]:

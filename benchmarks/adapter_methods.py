@@ -26,14 +26,14 @@ from typing import Any, cast, get_args
 
 import torch
 
-from noisy_temp_server.calibration.adapter_calibration import applied_adapter
+from noisy_temp_server.calibration.adapter_calibration import adapter_kl_records
 from noisy_temp_server.calibration.pipeline import sample_completions
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.commands.perturb import default_clean_path
 from noisy_temp_server.pairs.layer_inputs import AdapterMethod, fit_compensation_adapter
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.perturbation import parse_spec
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.pairs.scorer import ScoringSequence
 from noisy_temp_server.pairs.standard_error import cluster_stderr
 
 FORMAL_PROMPTS = Path(__file__).parent / "data" / "prompts_formal.jsonl"
@@ -65,9 +65,7 @@ def _methods(text: str) -> list[tuple[AdapterMethod, float]]:
 
 
 def _kl(pair: LoadedPair, sequences: list[ScoringSequence], adapter: Any) -> tuple[Any, Any]:
-    scorer = PairScorer(pair.clean_model, pair.served_model, runtime_noise=None, device="cpu")
-    with applied_adapter(pair.served_model, adapter):
-        records = scorer.score(sequences)
+    records = adapter_kl_records(pair, sequences, adapter, "cpu")
     return records.kl_at_one.double(), records.sequence_id
 
 

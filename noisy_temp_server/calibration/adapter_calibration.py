@@ -43,6 +43,7 @@ from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 __all__ = [
     "RIDGES",
     "AdapterCalibration",
+    "adapter_kl_records",
     "adapter_quality_row",
     "applied_adapter",
     "calibrate_adapter",
@@ -87,12 +88,14 @@ def _log_blocks(label: str) -> Callable[[int, int], None]:
     return report
 
 
-def _kl_records(
+def adapter_kl_records(
     pair: LoadedPair,
     sequences: Sequence[ScoringSequence],
     adapter: LoraAdapter | None,
     device: str | torch.device,
 ) -> PositionRecords:
+    """The pair's records on `sequences`, the served model computing as if `adapter` (None:
+    none) were folded into it (`applied_adapter`)."""
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
@@ -172,7 +175,7 @@ def calibrate_adapter(
             progress=_log_blocks(f"adapter fit (ridge {ridge})"),
         )
         fit_seconds = time.monotonic() - started
-        records = _kl_records(pair, selection, adapter, device)
+        records = adapter_kl_records(pair, selection, adapter, device)
         kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
         logger.info(
             "adapter rank %d %s ridge %s: fitted in %.1f s on %d sequences, selection KL %.5f",
@@ -190,10 +193,12 @@ def calibrate_adapter(
     ridge = min(finite, key=lambda r: finite[r][1])
     adapter = candidates[ridge][0]
     validation = adapter_quality_row(
-        _kl_records(pair, gate, adapter, device), _kl_records(pair, gate, None, device)
+        adapter_kl_records(pair, gate, adapter, device),
+        adapter_kl_records(pair, gate, None, device),
     )
     test_row = adapter_quality_row(
-        _kl_records(pair, test, adapter, device), _kl_records(pair, test, None, device)
+        adapter_kl_records(pair, test, adapter, device),
+        adapter_kl_records(pair, test, None, device),
     )
     summary = AdapterSummary(
         sha256=adapter_sha256(adapter),

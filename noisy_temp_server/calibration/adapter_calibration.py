@@ -5,10 +5,12 @@ the calibration prompts, split by prompt as the rest of calibration splits them
 (`split_fit_validation_test`, `split_selection_gate`, same seed). It fits the adapter
 (`pairs.layer_inputs.fit_compensation_adapter`) on the fit prompts' sequences once per ridge of
 `RIDGES` for its method (one fit for ``svd``), keeps the ridge with the lowest KL(clean ||
-served + adapter) at T = 1 on the selection half, and measures the kept adapter against the
-served model without it, both at T = 1, on the gate half (which decides `recommended`: a
-significant gain, `is_significant`) and on the test prompts (the figure to quote). The adapter
-is applied by forward hooks (`applied_adapter`): the served model's weights are never written.
+served + adapter) at T = 1 on the selection half, refits it with that ridge on the fit and
+selection prompts together (for the methods that read the inputs: not ``svd``), and measures
+the kept adapter against the served model without it, both at T = 1, on the gate half (which
+decides `recommended`: a significant gain, `is_significant`) and on the test prompts (the
+figure to quote); neither half was fitted on. The adapter is applied by forward hooks
+(`applied_adapter`): the served model's weights are never written.
 """
 
 from __future__ import annotations
@@ -161,37 +163,41 @@ def calibrate_adapter(
     without one; ids are prompt indices), as the module docstring describes. ValueError when
     the pair's served weights equal the clean ones, or a split is empty."""
     fit, selection, gate, test = _split(sequences, settings)
-    candidates: dict[float | None, tuple[LoraAdapter, float]] = {}
-    for ridge in RIDGES[method]:
+
+    def fitted(on: Sequence[ScoringSequence], ridge: float | None) -> LoraAdapter:
         started = time.monotonic()
         adapter = fit_compensation_adapter(
             pair.clean_model,
             pair.served_model,
-            fit,
+            on,
             rank=rank,
             method=method,
             ridge=ridge or 1.0,
             base_model=pair.clean.name,
             progress=_log_blocks(f"adapter fit (ridge {ridge})"),
         )
-        fit_seconds = time.monotonic() - started
-        records = adapter_kl_records(pair, selection, adapter, device)
-        kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
         logger.info(
-            "adapter rank %d %s ridge %s: fitted in %.1f s on %d sequences, selection KL %.5f",
+            "adapter rank %d %s ridge %s: fitted in %.1f s on %d sequences",
             rank,
             method,
             ridge,
-            fit_seconds,
-            len(fit),
-            kl,
+            time.monotonic() - started,
+            len(on),
         )
+        return adapter
+
+    candidates: dict[float | None, tuple[LoraAdapter, float]] = {}
+    for ridge in RIDGES[method]:
+        adapter = fitted(fit, ridge)
+        records = adapter_kl_records(pair, selection, adapter, device)
+        kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
+        logger.info("adapter ridge %s: selection KL %.5f", ridge, kl)
         candidates[ridge] = adapter, kl
     finite = {r: candidate for r, candidate in candidates.items() if math.isfinite(candidate[1])}
     if not finite:
         raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
     ridge = min(finite, key=lambda r: finite[r][1])
-    adapter = candidates[ridge][0]
+    adapter = candidates[ridge][0] if method == "svd" else fitted([*fit, *selection], ridge)
     validation = adapter_quality_row(
         adapter_kl_records(pair, gate, adapter, device),
         adapter_kl_records(pair, gate, None, device),

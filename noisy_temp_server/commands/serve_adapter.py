@@ -205,7 +205,7 @@ def plan_served_adapter(
         ensure_folded_checkpoint,
         linear_shapes,
     )
-    from noisy_temp_server.server.adapter import ServedAdapter  # noqa: PLC0415
+    from noisy_temp_server.server.adapter import CalibratedKl, ServedAdapter  # noqa: PLC0415
 
     try:
         if settings.adapter is not None:
@@ -219,7 +219,9 @@ def plan_served_adapter(
         check_adapter_fits(adapter, linear_shapes(pair.served))
         path = _choose_path(settings, pair.served, adapter)
         sha256 = adapter_sha256(adapter)
-        served = ServedAdapter(sha256, path, folder, adapter.rank, model_name)
+        test = None if profile is None or profile.adapter is None else profile.adapter.test
+        calibrated = None if test is None else CalibratedKl(test.mean_kl + test.gain, test.mean_kl)
+        served = ServedAdapter(sha256, path, folder, adapter.rank, model_name, calibrated)
         if path == "lora":
             return AdapterPlan(served, pair.served, lora_engine_rank(adapter.rank))
         folded = ensure_folded_checkpoint(pair.served, adapter, settings.cache_dir)

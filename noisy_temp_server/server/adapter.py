@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_ADAPTER",
     "AdapterPath",
+    "CalibratedKl",
     "RequestAdapter",
     "ServedAdapter",
     "adapter_status",
@@ -52,15 +53,26 @@ _FALSE = frozenset({"false", "0", "no", "off"})
 
 
 @dataclass(frozen=True)
+class CalibratedKl:
+    """Mean KL(clean || served) at T = 1 per position, nats, on the calibration's test prompts:
+    the served model without the adapter and with it (the profile's `AdapterSummary.test`)."""
+
+    without_adapter: float
+    with_adapter: float
+
+
+@dataclass(frozen=True)
 class ServedAdapter:
     """The adapter a server serves: its content hash, how (`path`: ``folded`` or ``lora``), its
-    PEFT folder and rank, and the served model id it is part of (`model_name`)."""
+    PEFT folder and rank, the served model id it is part of (`model_name`), and what it was
+    measured to remove at calibration (`calibrated_kl`; None without a profile)."""
 
     sha256: str
     path: Literal["folded", "lora"]
     folder: Path
     rank: int
     model_name: str
+    calibrated_kl: CalibratedKl | None = None
 
     @property
     def base_model_id(self) -> str:
@@ -176,12 +188,20 @@ def known_model_ids(model_name: str, served: ServedAdapter | None) -> list[str]:
 
 def adapter_status(served: ServedAdapter | None) -> dict[str, Any]:
     """The adapter part of ``/v1/nts/status``: path (``folded``, ``lora`` or ``none``), sha256,
-    rank and the base model id (None where there is none)."""
+    rank, the base model id and the calibration's KL at T = 1 without and with the adapter on
+    its test prompts (`CalibratedKl`; None where there is none)."""
     if served is None:
-        return {"path": "none", "sha256": None, "rank": None, "base_model_id": None}
+        return {
+            "path": "none",
+            "sha256": None,
+            "rank": None,
+            "base_model_id": None,
+            "calibrated_kl": None,
+        }
     return {
         "path": served.path,
         "sha256": served.sha256,
         "rank": served.rank,
         "base_model_id": served.base_model_id if served.path == "lora" else None,
+        "calibrated_kl": None if served.calibrated_kl is None else vars(served.calibrated_kl),
     }

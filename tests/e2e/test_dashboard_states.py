@@ -1,7 +1,7 @@
 """The status page in a real headless chromium against the app with a stand-in engine (no vLLM
 engine starts): the API key is asked for once and a wrong one is named, a dead engine is named,
-and the charts draw what the registry holds. Seconds, not minutes; the page with a real engine
-and real traffic is `test_dashboard_live.py`.
+the charts draw what the registry holds, and the adapter is shown with its calibration figures.
+Seconds, not minutes; the page with a real engine and real traffic is `test_dashboard_live.py`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import SecretStr
 from server_helpers import free_port
 
 from noisy_temp_server.online.policy_source import StaticPolicySource
+from noisy_temp_server.server.adapter import CalibratedKl, ServedAdapter
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.settings import Settings
@@ -34,6 +35,7 @@ POLICY = TemperaturePolicy(
     alpha_by_step=(0.04, 0.09, 0.16),
     sigma2_by_step=(0.4, 0.9, 1.6),
 )
+ADAPTER_KL = CalibratedKl(without_adapter=0.5, with_adapter=0.2)
 STATUS = "document.getElementById('status').dataset.state"
 STEP_POINTS = "Number(document.getElementById('chart-steps').dataset.points)"
 KL_POINTS = "Number(document.getElementById('chart-kl').dataset.points)"
@@ -85,6 +87,9 @@ def served() -> Iterator[tuple[str, StandInEngine]]:
         metrics=metrics,
         metrics_registry=registry,
         trace_source=None,
+        adapter=ServedAdapter(
+            "ab" * 32, "folded", Path("/adapters/adapter-abab"), 16, "stand-in", ADAPTER_KL
+        ),
     )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -146,6 +151,9 @@ def test_with_the_key_the_charts_draw_the_registry(
     kl = browser.evaluate("document.getElementById('kl-facts').innerText")
     assert "0.250" in kl  # mean of 0.2 and 0.3
     assert "0.125" in kl
+    policy = browser.evaluate("document.getElementById('policy-facts').innerText")
+    assert "folded into the weights · rank 16 · abababababab…" in policy
+    assert "KL 0.500 → 0.200 (60 % removed)" in policy
     # The key is asked for once: a reload in the same tab goes straight to the data.
     browser.open(url)
     browser.wait_for(f"{STATUS} === 'ok'", 15)

@@ -30,6 +30,7 @@ from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
 from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
 from noisy_temp_server.pairs.served_pair import ServedPair
 from noisy_temp_server.server import engine as engine_module
+from noisy_temp_server.server.adapter import CalibratedKl
 from noisy_temp_server.settings import Settings
 
 SPEC = WeightNoiseSpec(scale=0.1)
@@ -65,6 +66,8 @@ def test_float_weights_get_the_adapter_folded_in_once(pair: ServedPair, tmp_path
     assert plan.adapter.path == "folded"
     assert plan.max_lora_rank is None
     assert plan.adapter.sha256 == profile.adapter.sha256  # type: ignore[union-attr]
+    test = profile.adapter.test  # type: ignore[union-attr]
+    assert plan.adapter.calibrated_kl == CalibratedKl(test.mean_kl + test.gain, test.mean_kl)
     assert folded_adapter_of(plan.engine_model) == plan.adapter.sha256
     adapter = random_adapter(pair.served, base_model=pair.served.name)
     served, folded = (load_file(p / "model.safetensors") for p in (pair.served, plan.engine_model))
@@ -244,6 +247,7 @@ def test_an_adapter_folder_is_served_without_a_profile(pair: ServedPair, tmp_pat
     assert plan is not None
     assert plan.adapter.sha256 == adapter_sha256(adapter)
     assert plan.adapter.path == "folded"
+    assert plan.adapter.calibrated_kl is None  # nothing measured it
     path, _ = _profile(pair, tmp_path / "profiles")  # calibrated with another adapter
     with pytest.raises(ProfileError, match="calibrated with the adapter"):
         plan_served_adapter(config, pair, Profile.load(path), path, "tiny")

@@ -10,14 +10,18 @@ from typing import Any
 import pytest
 from server_fakes import MODEL, POLICY, Harness, assert_error, build, sse_events
 
-from noisy_temp_server.server.adapter import ServedAdapter
+from noisy_temp_server.server.adapter import CalibratedKl, ServedAdapter
 from noisy_temp_server.settings import Settings
 
 SHA = "ab" * 32
 
 
+CALIBRATED = CalibratedKl(without_adapter=0.48, with_adapter=0.18)
+
+
 def _adapter(path: str) -> ServedAdapter:
-    return ServedAdapter(SHA, path, Path("/adapters/adapter-abab"), rank=16, model_name=MODEL)  # type: ignore[arg-type]
+    folder = Path("/adapters/adapter-abab")
+    return ServedAdapter(SHA, path, folder, rank=16, model_name=MODEL, calibrated_kl=CALIBRATED)  # type: ignore[arg-type]
 
 
 class _AdmittingShadow:
@@ -141,5 +145,7 @@ def test_status_and_metrics_say_which_path_is_in_force(path: str | None) -> None
     assert status["path"] == (path or "none")
     assert status["sha256"] == (None if path is None else SHA)
     assert status["base_model_id"] == (f"{MODEL}-base" if path == "lora" else None)
+    expected = None if path is None else {"without_adapter": 0.48, "with_adapter": 0.18}
+    assert status["calibrated_kl"] == expected
     sha = "" if path is None else SHA[:16]
     assert server.metric("nts_adapter_info", path=path or "none", sha256=sha) == 1

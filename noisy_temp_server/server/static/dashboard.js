@@ -98,7 +98,23 @@ function renderPolicy(status) {
     rows.push(["estimator", estimator.healthy === false ? `error: ${estimator.last_error}` : "healthy"]);
   }
   rows.push(["adapter", adapterText(status.adapter), "the compensation adapter under the policy"]);
+  const calibrated = status.adapter && status.adapter.calibrated_kl;
+  if (calibrated) {
+    rows.push([
+      "adapter at calibration",
+      calibratedKlText(calibrated),
+      "mean KL(clean ‖ served) at T = 1 on the calibration's test prompts, without → with the " +
+        "adapter, nats; the live figure is under KL to the clean model",
+    ]);
+  }
   facts("policy-facts", rows);
+}
+
+// What the adapter removed at calibration: KL at T = 1 without → with it, and the share.
+function calibratedKlText(calibrated) {
+  const without = calibrated.without_adapter;
+  const removed = without > 0 ? ` (${fmt(100 * (1 - calibrated.with_adapter / without), 2)} % removed)` : "";
+  return `KL ${fmt(without)} → ${fmt(calibrated.with_adapter)}${removed}`;
 }
 
 // The compensation adapter's path in force: folded into the weights, vLLM's LoRA, or none.

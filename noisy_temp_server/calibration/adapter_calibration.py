@@ -6,7 +6,7 @@ the calibration prompts, split by prompt as the rest of calibration splits them
 (`pairs.layer_inputs.fit_compensation_adapter`) on the fit prompts' sequences once per ridge of
 `RIDGES` for its method (one fit for ``svd``), keeps the ridge with the lowest KL(clean ||
 served + adapter) at T = 1 on the selection half, refits it with that ridge on the fit and
-selection prompts together (for the methods that read the inputs: not ``svd``), and measures
+selection prompts together (for the methods that read inputs: not ``svd``), and measures
 the kept adapter against the served model without it, both at T = 1, on the gate half (which
 decides `recommended`: a significant gain, `is_significant`) and on the test prompts (the
 figure to quote); neither half was fitted on. The adapter is applied by forward hooks
@@ -59,13 +59,19 @@ RIDGES: dict[AdapterMethod, tuple[float | None, ...]] = {
 """The relative ridges tried for each fit method (times the mean input eigenvalue;
 `fit_compensation_adapter`): ``eora`` ridges its input covariances, ``propagated`` pulls each
 layer's target towards its own error; ``svd`` has none."""
+
+_READ_NO_INPUTS: frozenset[AdapterMethod] = frozenset({"svd"})
+"""The fit methods that use no input statistics, so that more sequences cannot change them."""
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class AdapterCalibration:
-    """The kept adapter, its summary for the profile, and the selection KL of every ridge
-    tried ({ridge: mean KL at T = 1}; {None: ...} for ``svd``)."""
+    """The kept adapter (fitted with the chosen ridge on the fit and selection prompts; the
+    single fit for ``svd``), its summary for the profile, and the selection KL of each ridge's
+    candidate, fitted on the fit prompts alone ({ridge: mean KL at T = 1}; {None: ...} for
+    ``svd``)."""
 
     adapter: LoraAdapter
     summary: AdapterSummary
@@ -197,7 +203,10 @@ def calibrate_adapter(
     if not finite:
         raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
     ridge = min(finite, key=lambda r: finite[r][1])
-    adapter = candidates[ridge][0] if method == "svd" else fitted([*fit, *selection], ridge)
+    if method in _READ_NO_INPUTS:
+        adapter = candidates[ridge][0]
+    else:
+        adapter = fitted([*fit, *selection], ridge)
     validation = adapter_quality_row(
         adapter_kl_records(pair, gate, adapter, device),
         adapter_kl_records(pair, gate, None, device),

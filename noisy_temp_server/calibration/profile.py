@@ -225,6 +225,12 @@ class QualityRow(_Frozen):
     gain_over_fixed: float | None = None
     gain_over_fixed_stderr: float | None = None
 
+    @property
+    def baseline_kl(self) -> float:
+        """Mean KL of what `gain` is measured against (T = 1; for an adapter row, the served
+        model without the adapter) on the same positions: `mean_kl` + `gain`."""
+        return self.mean_kl + self.gain
+
 
 class QualityTable(_Frozen):
     """Quality of T = 1, every rule, calibrated and the oracle on one split of the prompts.

@@ -219,8 +219,12 @@ def plan_served_adapter(
         check_adapter_fits(adapter, linear_shapes(pair.served))
         path = _choose_path(settings, pair.served, adapter)
         sha256 = adapter_sha256(adapter)
-        test = None if profile is None or profile.adapter is None else profile.adapter.test
-        calibrated = None if test is None else CalibratedKl(test.mean_kl + test.gain, test.mean_kl)
+        summary = None if profile is None else profile.adapter
+        calibrated = (
+            None
+            if summary is None
+            else CalibratedKl(summary.test.baseline_kl, summary.test.mean_kl)
+        )
         served = ServedAdapter(sha256, path, folder, adapter.rank, model_name, calibrated)
         if path == "lora":
             return AdapterPlan(served, pair.served, lora_engine_rank(adapter.rank))

@@ -29,6 +29,9 @@ def _sequences(count: int) -> list[ScoringSequence]:
     ]
 
 
+SETTINGS = {"prompts": 12, "adapter_rank": 4}
+
+
 def _calibrate_recording_fits(
     pair: LoadedPair, method: Any, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[adapter_calibration.AdapterCalibration, list[tuple[set[int], float, Any]]]:
@@ -43,34 +46,53 @@ def _calibrate_recording_fits(
         return adapter
 
     monkeypatch.setattr(adapter_calibration, "fit_compensation_adapter", recording_fit)
-    settings = CalibrationSettings(prompts=12, adapter_rank=4, adapter_method=method)
+    settings = CalibrationSettings(**SETTINGS, adapter_method=method)
     calibration = adapter_calibration.calibrate_adapter(
         pair, _sequences(12), settings, rank=4, method=method
     )
     return calibration, fits
 
 
+def _split_ids() -> tuple[set[int], ...]:
+    """The (fit, selection, gate, test) prompt ids of `_sequences(12)`."""
+    splits = adapter_calibration._split(_sequences(12), CalibrationSettings(**SETTINGS))
+    return tuple({s.sequence_id for s in split} for split in splits)
+
+
 def test_the_chosen_ridge_is_refitted_on_the_fit_and_selection_prompts(
     pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calibration, fits = _calibrate_recording_fits(pair, "propagated", monkeypatch)
+    fit_ids, selection_ids, gate_ids, test_ids = _split_ids()
     *tried, (refit_ids, refit_ridge, refitted) = fits
-    ridges = adapter_calibration.RIDGES["propagated"]
-    assert [ridge for _, ridge, _ in tried] == list(ridges)
-    fit_ids = tried[0][0]
+    assert [ridge for _, ridge, _ in tried] == list(adapter_calibration.RIDGES["propagated"])
     assert all(ids == fit_ids for ids, _, _ in tried)
     selection_kl = calibration.selection_kl
-    chosen = min(selection_kl, key=lambda r: selection_kl[r])
-    assert calibration.summary.ridge == chosen == refit_ridge
-    assert refit_ids > fit_ids  # the selection half joins the fit prompts
-    gate_and_test = set(range(12)) - refit_ids
-    assert gate_and_test  # the gate half and the test prompts stay unseen
-    assert calibration.summary.test is not None
+    assert calibration.summary.ridge == min(selection_kl, key=lambda r: selection_kl[r])
+    assert refit_ridge == calibration.summary.ridge
+    assert refit_ids == fit_ids | selection_ids
+    assert refit_ids.isdisjoint(gate_ids | test_ids)  # what judges and measures it stays unseen
     assert calibration.adapter is refitted
 
 
 def test_the_plain_svd_fit_reads_no_inputs_and_is_not_refitted(
     pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, fits = _calibrate_recording_fits(pair, "svd", monkeypatch)
-    assert len(fits) == 1
+    calibration, fits = _calibrate_recording_fits(pair, "svd", monkeypatch)
+    ((_, _, only),) = fits
+    assert calibration.adapter is only
+
+
+def test_the_test_row_measures_against_the_served_model_without_the_adapter(
+    pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calibration, _ = _calibrate_recording_fits(pair, "eora", monkeypatch)
+    test = [s for s in _sequences(12) if s.sequence_id in _split_ids()[3]]
+    without = adapter_calibration.adapter_kl_records(pair, test, None, "cpu").kl_at_one
+    with_adapter = adapter_calibration.adapter_kl_records(
+        pair, test, calibration.adapter, "cpu"
+    ).kl_at_one
+    row = calibration.summary.test
+    assert row.baseline_kl == pytest.approx(float(without.double().mean()), rel=1e-5)
+    assert row.mean_kl == pytest.approx(float(with_adapter.double().mean()), rel=1e-5)
+    assert row.mean_kl < row.baseline_kl

@@ -67,7 +67,7 @@ def test_float_weights_get_the_adapter_folded_in_once(pair: ServedPair, tmp_path
     assert plan.max_lora_rank is None
     assert plan.adapter.sha256 == profile.adapter.sha256  # type: ignore[union-attr]
     test = profile.adapter.test  # type: ignore[union-attr]
-    assert plan.adapter.calibrated_kl == CalibratedKl(test.mean_kl + test.gain, test.mean_kl)
+    assert plan.adapter.calibrated_kl == CalibratedKl(test.baseline_kl, test.mean_kl)
     assert folded_adapter_of(plan.engine_model) == plan.adapter.sha256
     adapter = random_adapter(pair.served, base_model=pair.served.name)
     served, folded = (load_file(p / "model.safetensors") for p in (pair.served, plan.engine_model))

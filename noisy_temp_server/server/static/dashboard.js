@@ -110,11 +110,14 @@ function renderPolicy(status) {
   facts("policy-facts", rows);
 }
 
-// What the adapter removed at calibration: KL at T = 1 without → with it, and the share.
+// What the adapter did at calibration: KL at T = 1 without → with it, and the share removed
+// (or added, where it made things worse), in whole per cent.
 function calibratedKlText(calibrated) {
   const without = calibrated.without_adapter;
-  const removed = without > 0 ? ` (${fmt(100 * (1 - calibrated.with_adapter / without), 2)} % removed)` : "";
-  return `KL ${fmt(without)} → ${fmt(calibrated.with_adapter)}${removed}`;
+  const text = `KL ${fmt(without)} → ${fmt(calibrated.with_adapter)}`;
+  if (!(without > 0)) return text;
+  const share = Math.round(100 * (1 - calibrated.with_adapter / without));
+  return `${text} (${Math.abs(share)} % ${share >= 0 ? "removed" : "added"})`;
 }
 
 // The compensation adapter's path in force: folded into the weights, vLLM's LoRA, or none.

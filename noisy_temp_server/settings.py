@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     )
     int4_stack: bool = Field(
         default=False,
-        description="Serve the embedded model as int4 (RTN, group 128) with a rank-16 "
+        description="Serve the embedded model as int4 (RTN, group 128) with a rank-64 "
         "compensation adapter and T* and the bias calibrated on top, scored live against the "
         "clean model: calibrated at first use (minutes on a CPU) and cached under "
         "cache_dir/stacks/. Takes no served or clean model, profile or adapter of its own.",

@@ -1,10 +1,10 @@
 """`serve --int4-stack true`: the whole correction stack in one flag.
 
-It serves the embedded model quantized to int4 (round-to-nearest, group 128; `STACK_SPEC`)
-with a rank-16 compensation adapter (`STACK_ADAPTER_RANK`) and T* and the per-token bias
+It serves the embedded model quantized to int4 (round-to-nearest, group 128; `_STACK_SPEC_JSON`)
+with a rank-64 compensation adapter (`STACK_ADAPTER_RANK`) and T* and the per-token bias
 calibrated on top of it, scored live against the clean embedded model. The profile and its
 adapter are calibrated at first use (`noisy-temp-server calibrate --served <int4 checkpoint>
---adapter-rank 16`: minutes on a CPU, logged) into ``cache_dir/stacks/<served name>-r16/`` and
+--adapter-rank 64`: minutes on a CPU, logged) into ``cache_dir/stacks/<served name>-r64/`` and
 reused afterwards; the folder appears whole or not at all, so an interrupted calibration starts
 over at the next start. The adapter is then served as any profile's (folded into the int4
 checkpoint's float weights).
@@ -28,7 +28,7 @@ __all__ = ["STACK_ADAPTER_RANK", "STACK_PROFILE", "stack_settings"]
 
 _LOGGER = logging.getLogger("noisy_temp_server.serve")
 
-STACK_ADAPTER_RANK = 16
+STACK_ADAPTER_RANK = 64
 STACK_PROFILE = "profile.json"
 _STACK_SPEC_JSON = '{"kind": "quantization", "format": "int4", "group_size": 128}'
 _CONFLICTING = ("served_model", "clean_model", "profile", "adapter")

@@ -26,10 +26,10 @@ def test_the_stack_profile_is_calibrated_once_and_cached(
     served = tmp_path / "served" / "model-int4"
     first = serve_stack.ensure_stack_profile(served, tmp_path / "clean", tmp_path)
     second = serve_stack.ensure_stack_profile(served, tmp_path / "clean", tmp_path)
-    assert first == second == tmp_path / "stacks" / "model-int4-r16" / "profile.json"
+    assert first == second == tmp_path / "stacks" / "model-int4-r64" / "profile.json"
     assert len(calls) == 1
     assert calls[0].parent != first.parent  # written aside, then renamed into place
-    assert sorted(p.name for p in (tmp_path / "stacks").iterdir()) == ["model-int4-r16"]
+    assert sorted(p.name for p in (tmp_path / "stacks").iterdir()) == ["model-int4-r64"]
 
 
 def test_a_failed_calibration_leaves_no_folder(
@@ -52,7 +52,7 @@ def test_the_stack_takes_no_pair_or_profile_of_its_own(tmp_path: Path) -> None:
         serve_stack.stack_settings(settings)
 
 
-def test_the_stack_calibrates_its_pair_with_a_rank_16_adapter(
+def test_the_stack_calibrates_its_pair_with_a_rank_64_adapter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from noisy_temp_server.commands import calibrate  # noqa: PLC0415
@@ -69,7 +69,7 @@ def test_the_stack_calibrates_its_pair_with_a_rank_16_adapter(
     serve_stack._calibrate(tmp_path / "int4", tmp_path / "clean", tmp_path, out)
     (args,) = given
     assert (args.served, args.clean, args.out) == (tmp_path / "int4", tmp_path / "clean", out)
-    assert args.adapter_rank == serve_stack.STACK_ADAPTER_RANK == 16
+    assert args.adapter_rank == serve_stack.STACK_ADAPTER_RANK == 64
     monkeypatch.setattr(calibrate, "run", lambda args: 1)
     with pytest.raises(ProfileError, match="calibrating the int4 stack failed"):
         serve_stack._calibrate(tmp_path / "int4", tmp_path / "clean", tmp_path, tmp_path / "x")

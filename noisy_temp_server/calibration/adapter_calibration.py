@@ -61,7 +61,8 @@ RIDGES: dict[AdapterMethod, tuple[float | None, ...]] = {
 layer's target towards its own error; ``svd`` has none."""
 
 _READ_NO_INPUTS: frozenset[AdapterMethod] = frozenset({"svd"})
-"""The fit methods that use no input statistics, so that more sequences cannot change them."""
+"""The fit methods that use no input statistics, so that more sequences cannot change them; each
+has one ridge in `RIDGES`, so its one candidate is the adapter kept."""
 
 logger = logging.getLogger(__name__)
 
@@ -192,20 +193,19 @@ def calibrate_adapter(
         )
         return adapter
 
-    candidates: dict[float | None, tuple[LoraAdapter, float]] = {}
+    selection_kl: dict[float | None, float] = {}
     for ridge in RIDGES[method]:
         adapter = fitted(fit, ridge)
         records = adapter_kl_records(pair, selection, adapter, device)
         kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
         logger.info("adapter ridge %s: selection KL %.5f", ridge, kl)
-        candidates[ridge] = adapter, kl
-    finite = {r: candidate for r, candidate in candidates.items() if math.isfinite(candidate[1])}
+        selection_kl[ridge] = kl
+    finite = {r: kl for r, kl in selection_kl.items() if math.isfinite(kl)}
     if not finite:
         raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
-    ridge = min(finite, key=lambda r: finite[r][1])
-    if method in _READ_NO_INPUTS:
-        adapter = candidates[ridge][0]
-    else:
+    ridge = min(finite, key=finite.__getitem__)
+    if method not in _READ_NO_INPUTS:
+        del adapter  # only one adapter in memory at a time: the candidates keep just their KL
         adapter = fitted([*fit, *selection], ridge)
     validation = adapter_quality_row(
         adapter_kl_records(pair, gate, adapter, device),
@@ -230,5 +230,5 @@ def calibrate_adapter(
     return AdapterCalibration(
         adapter=adapter,
         summary=summary,
-        selection_kl={r: kl for r, (_, kl) in candidates.items()},
+        selection_kl=selection_kl,
     )

@@ -374,6 +374,12 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapter-method", choices=("propagated", "eora", "svd"), default="propagated"
     )
     parser.add_argument(
+        "--adapter-distil-epochs",
+        type=int,
+        default=0,
+        help="with --adapter-rank: distil the adapter for up to this many epochs (0: off)",
+    )
+    parser.add_argument(
         "--cross-domain",
         type=Path,
         default=None,
@@ -431,6 +437,7 @@ def main() -> int:
         max_new_tokens=args.max_new_tokens,
         adapter_rank=args.adapter_rank,
         adapter_method=args.adapter_method,
+        adapter_distil_epochs=args.adapter_distil_epochs,
     )
     pairs = served_pairs(args.families, args.w8a8)
     sections, documents = [], []

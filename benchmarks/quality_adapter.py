@@ -143,8 +143,10 @@ def _adapter_line(family: AdapterFamily) -> str:
     test = summary.test
     share = test.gain / (test.mean_kl + test.gain) if test.mean_kl + test.gain > 0 else 0.0
     ridge = "" if summary.ridge is None else f", ridge {summary.ridge:g}"
+    distilled = "" if summary.distillation is None else f", {summary.distillation.describe()}"
     return (
-        f"adapter: rank {summary.rank} {summary.method}{ridge}, {summary.layers} layers, "
+        f"adapter: rank {summary.rank} {summary.method}{ridge}{distilled}, "
+        f"{summary.layers} layers, "
         f"{'recommended' if summary.recommended else 'NOT recommended'} (gate half: gain over "
         f"T = 1 {1e3 * summary.validation.gain:+.3f} ± {1e3 * summary.validation.gain_stderr:.3f}"
         f" e-3); alone on test at T = 1: {100 * share:+.1f}% of KL(T=1)"

@@ -11,6 +11,12 @@ the kept adapter against the served model without it, both at T = 1, on the gate
 decides `recommended`: a significant gain, `is_significant`) and on the test prompts (the
 figure to quote); neither half was fitted on. The adapter is applied by forward hooks
 (`applied_adapter`): the served model's weights are never written.
+
+With `CalibrationSettings.adapter_distil_epochs`, the kept adapter is then distilled
+(`pairs.adapter_distillation`) on the fit prompts' completions: the one sampled without it and
+`adapter_distil_completions - 1` more sampled with it (seeds after the settings' seed), the
+epoch kept chosen on the selection half (whose completions its fit saw, as inputs only), before
+the gate and the test measure it.
 """
 
 from __future__ import annotations
@@ -20,12 +26,18 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from noisy_temp_server.calibration.profile import AdapterSummary, CalibrationSettings, QualityRow
+from noisy_temp_server.calibration.profile import (
+    AdapterDistillation,
+    AdapterSummary,
+    CalibrationSettings,
+    QualityRow,
+)
+from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
 from noisy_temp_server.calibration.quality import quality_row
 from noisy_temp_server.calibration.significance import (
     is_significant,
@@ -33,6 +45,7 @@ from noisy_temp_server.calibration.significance import (
     split_selection_gate,
 )
 from noisy_temp_server.correction.adapter import LoraAdapter, adapter_sha256
+from noisy_temp_server.pairs.adapter_distillation import distil_adapter
 from noisy_temp_server.pairs.layer_inputs import (
     AdapterMethod,
     applied_deltas,
@@ -40,6 +53,7 @@ from noisy_temp_server.pairs.layer_inputs import (
 )
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 
 __all__ = [
@@ -59,6 +73,9 @@ RIDGES: dict[AdapterMethod, tuple[float | None, ...]] = {
 """The relative ridges tried for each fit method (times the mean input eigenvalue;
 `fit_compensation_adapter`): ``eora`` ridges its input covariances, ``propagated`` pulls each
 layer's target towards its own error; ``svd`` has none."""
+
+DISTILLATION_LEARNING_RATE = 1e-5
+"""Adam's step size for the adapter's distillation (docs/adapter.md: 1e-4 diverges)."""
 
 _READ_NO_INPUTS: frozenset[AdapterMethod] = frozenset({"svd"})
 """The fit methods that use no input statistics, so that more sequences cannot change them; each
@@ -157,8 +174,73 @@ def _split(
     )
 
 
+def _more_completions(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    sequences: Sequence[ScoringSequence],
+    adapter: LoraAdapter,
+    settings: CalibrationSettings,
+) -> list[ScoringSequence]:
+    """`settings.adapter_distil_completions - 1` more completions of the prompts of
+    `sequences`, sampled as served with `adapter` (seeds `settings.seed` + 1, + 2, ...), each
+    with its prompt's id."""
+    ids = [s.sequence_id for s in sequences]
+    prompt_ids = [encode_prompt(pair.tokenizer, prompts[i]) for i in ids]
+    more: list[ScoringSequence] = []
+    with applied_adapter(pair.served_model, adapter):
+        for offset in range(1, settings.adapter_distil_completions):
+            sampled = generate_completions(
+                pair.served_model,
+                pair.tokenizer,
+                prompt_ids,
+                max_new_tokens=settings.max_new_tokens,
+                seed=settings.seed + offset,
+                runtime_noise=pair.runtime_noise,
+            )
+            more += [replace(s, sequence_id=ids[s.sequence_id]) for s in sampled]
+    return more
+
+
+def _distilled(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    adapter: LoraAdapter,
+    *,
+    fit: Sequence[ScoringSequence],
+    selection: Sequence[ScoringSequence],
+    settings: CalibrationSettings,
+) -> tuple[LoraAdapter, AdapterDistillation]:
+    """`adapter` distilled (module docstring) on `fit` and more completions of its prompts,
+    the epoch kept chosen on `selection`, with what the profile records of it."""
+    train = [*fit, *_more_completions(pair, prompts, fit, adapter, settings)]
+    started = time.monotonic()
+    distillation = distil_adapter(
+        pair.clean_model,
+        pair.served_model,
+        adapter,
+        train,
+        selection,
+        epochs=settings.adapter_distil_epochs,
+        learning_rate=DISTILLATION_LEARNING_RATE,
+        seed=settings.seed,
+    )
+    logger.info(
+        "adapter distilled in %.0f s on %d sequences: epoch %d kept, selection KL %s",
+        time.monotonic() - started,
+        len(train),
+        distillation.best_epoch,
+        " -> ".join(f"{kl:.5f}" for kl in distillation.held_out_kl),
+    )
+    return distillation.adapter, AdapterDistillation(
+        epochs=settings.adapter_distil_epochs,
+        kept_epoch=distillation.best_epoch,
+        selection_kl=distillation.held_out_kl,
+    )
+
+
 def calibrate_adapter(
     pair: LoadedPair,
+    prompts: Sequence[Prompt],
     sequences: Sequence[ScoringSequence],
     settings: CalibrationSettings,
     *,
@@ -166,9 +248,9 @@ def calibrate_adapter(
     method: AdapterMethod = "propagated",
     device: str | torch.device = "cpu",
 ) -> AdapterCalibration:
-    """Fit, choose and measure the pair's adapter on `sequences` (sampled by the served model
-    without one; ids are prompt indices), as the module docstring describes. ValueError when
-    the pair's served weights equal the clean ones, or a split is empty."""
+    """Fit, choose (and distil) and measure the pair's adapter on `sequences` (sampled by the
+    served model without one; ids index `prompts`), as the module docstring describes.
+    ValueError when the pair's served weights equal the clean ones, or a split is empty."""
     fit, selection, gate, test = _split(sequences, settings)
 
     def fitted(on: Sequence[ScoringSequence], ridge: float | None) -> LoraAdapter:
@@ -207,6 +289,11 @@ def calibrate_adapter(
     if method not in _READ_NO_INPUTS:
         del adapter  # only one adapter in memory at a time: the candidates keep just their KL
         adapter = fitted([*fit, *selection], ridge)
+    distillation = None
+    if settings.adapter_distil_epochs:
+        adapter, distillation = _distilled(
+            pair, prompts, adapter, fit=fit, selection=selection, settings=settings
+        )
     validation = adapter_quality_row(
         adapter_kl_records(pair, gate, adapter, device),
         adapter_kl_records(pair, gate, None, device),
@@ -222,6 +309,7 @@ def calibrate_adapter(
         layers=len(adapter.layers),
         method=method,
         ridge=ridge,
+        distillation=distillation,
         recommended=is_significant(validation.gain, validation.gain_stderr)
         and math.isfinite(validation.gain),
         validation=validation,

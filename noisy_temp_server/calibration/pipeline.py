@@ -318,6 +318,7 @@ def _calibrate_adapter(
     started = time.monotonic()
     adapter = calibrate_adapter(
         pair,
+        prompts,
         sequences,
         settings,
         rank=settings.adapter_rank,

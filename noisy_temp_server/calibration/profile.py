@@ -37,6 +37,7 @@ from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
+    "AdapterDistillation",
     "AdapterSummary",
     "BiasSummary",
     "CalibrationSettings",
@@ -99,6 +100,13 @@ class CalibrationSettings(_Frozen):
     """How the adapter is fitted (`pairs.layer_inputs`): ``propagated`` (each layer fitted to
     give the clean model's outputs on its inputs), ``eora`` (each layer's own error, weighted
     by its inputs) or ``svd`` (plain SVD of each layer's error)."""
+    adapter_distil_epochs: int = Field(default=0, ge=0)
+    """Epochs of end-to-end distillation of the fitted adapter on the clean model's
+    next-token distributions (`pairs.adapter_distillation`), the epoch kept chosen on the
+    selection half; 0: none."""
+    adapter_distil_completions: int = Field(default=4, ge=1)
+    """Completions of each fit prompt the distillation trains on: the one calibration samples
+    without the adapter, and the others sampled with it (seeds after `seed`)."""
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
@@ -119,6 +127,8 @@ class CalibrationSettings(_Frozen):
                 f"validation_fraction ({self.validation_fraction}) + test_fraction "
                 f"({self.test_fraction}) must be < 1: the rest of the prompts fit the rules"
             )
+        if self.adapter_distil_epochs and not self.adapter_rank:
+            raise ValueError("adapter distillation needs an adapter: give adapter_rank > 0")
         buckets = len(self.step_edges)
         TemperaturePolicy(
             bounds=self.bounds,
@@ -344,6 +354,25 @@ class BiasSummary(_Frozen):
         return dict(zip(request_temperatures, self.band_temperatures, strict=True))
 
 
+class AdapterDistillation(_Frozen):
+    """How the adapter was distilled after its fit: `epochs` run, `kept_epoch` the one whose
+    adapter is kept (0: none beat the fit), `selection_kl` the mean KL at T = 1 on the
+    selection half before the first epoch and after each."""
+
+    epochs: int = Field(ge=1)
+    kept_epoch: int = Field(ge=0)
+    selection_kl: tuple[float, ...]
+
+    def describe(self) -> str:
+        """One phrase for reports: "distilled 4 epochs, epoch 3 kept (selection KL at T=1
+        98.2 -> 90.5 e-3)"."""
+        kept = self.selection_kl[self.kept_epoch]
+        return (
+            f"distilled {self.epochs} epochs, epoch {self.kept_epoch} kept (selection KL at T=1 "
+            f"{1e3 * self.selection_kl[0]:.1f} -> {1e3 * kept:.1f} e-3)"
+        )
+
+
 class AdapterSummary(_Frozen):
     """The compensation adapter fitted by calibration (`correction.adapter`), served under
     everything else the profile names: the rules and the bias were fitted on rows served with
@@ -354,7 +383,8 @@ class AdapterSummary(_Frozen):
     `target_modules` the short names of the corrected modules, `layers` how many linear layers
     it corrects, `method` how it was fitted (`CalibrationSettings.adapter_method`), `ridge` the
     relative ridge chosen for it (``eora``: added to each input covariance; ``propagated``:
-    pulling each layer's target towards its own error; None for ``svd``). `recommended`: its
+    pulling each layer's target towards its own error; None for ``svd``), `distillation` how
+    it was then distilled (None: not). `recommended`: its
     gain over the served model without it (both at T = 1) on the validation prompts is
     significant; a profile whose adapter is not recommended serves none. Quality rows as in
     `QualityTable`: KL of the served model with the adapter at T = 1 against the served model
@@ -367,6 +397,7 @@ class AdapterSummary(_Frozen):
     layers: int = Field(ge=1)
     method: AdapterMethod
     ridge: float | None = Field(default=None, ge=0)
+    distillation: AdapterDistillation | None = None
     recommended: bool
     validation: QualityRow
     test: QualityRow

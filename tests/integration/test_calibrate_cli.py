@@ -185,3 +185,57 @@ def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_one
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --adapter-rank needs a pair whose served weights differ")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_distils_the_adapter_when_asked_and_records_it(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
+        "--validation-fraction",
+        "0.5",
+        "--adapter-rank",
+        "8",
+        "--adapter-distil-epochs",
+        "2",
+        "--adapter-distil-completions",
+        "2",
+    ]
+    assert _run(calibrate_command, argv) == 0
+    assert "distilled 2 epochs, epoch " in capsys.readouterr().out
+    profile = Profile.model_validate_json((tmp_path / "p.json").read_text())
+    assert profile.adapter is not None
+    distillation = profile.adapter.distillation
+    assert distillation is not None
+    assert (distillation.epochs, len(distillation.selection_kl)) == (2, 3)
+    assert (
+        profile.settings.adapter_distil_epochs,
+        profile.settings.adapter_distil_completions,
+    ) == (
+        2,
+        2,
+    )
+    find_adapter([tmp_path], profile.adapter.sha256)  # the distilled adapter is the one saved
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--adapter-distil-epochs", "2"], "adapter distillation needs an adapter"),
+        (["--adapter-rank", "8", "--adapter-distil-epochs", "-1"], "adapter_distil_epochs"),
+    ],
+)
+def test_calibrate_refuses_bad_distillation_settings_in_one_line(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    says: str,
+) -> None:
+    argv = [*_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20), *flags]
+    assert _run(calibrate_command, argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: invalid calibration settings: ")
+    assert says in err[0]
+    assert not (tmp_path / "p.json").exists()

@@ -11,6 +11,7 @@ import torch
 
 from noisy_temp_server.calibration import adapter_calibration
 from noisy_temp_server.calibration.profile import CalibrationSettings
+from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.pairs.loading import LoadedPair, load_pair
 from noisy_temp_server.pairs.perturbation import QuantizationSpec
 from noisy_temp_server.pairs.scorer import ScoringSequence
@@ -30,6 +31,7 @@ def _sequences(count: int) -> list[ScoringSequence]:
 
 
 SETTINGS = {"prompts": 12, "adapter_rank": 4}
+PROMPTS = [Prompt(str(i), f"What is {i} plus {i + 1}?") for i in range(12)]
 
 
 def _calibrate_recording_fits(
@@ -48,7 +50,7 @@ def _calibrate_recording_fits(
     monkeypatch.setattr(adapter_calibration, "fit_compensation_adapter", recording_fit)
     settings = CalibrationSettings(**SETTINGS, adapter_method=method)
     calibration = adapter_calibration.calibrate_adapter(
-        pair, _sequences(12), settings, rank=4, method=method
+        pair, PROMPTS, _sequences(12), settings, rank=4, method=method
     )
     return calibration, fits
 
@@ -96,3 +98,44 @@ def test_the_test_row_measures_against_the_served_model_without_the_adapter(
     assert row.baseline_kl == pytest.approx(float(without.double().mean()), rel=1e-5)
     assert row.mean_kl == pytest.approx(float(with_adapter.double().mean()), rel=1e-5)
     assert row.mean_kl < row.baseline_kl
+
+
+def test_distillation_trains_on_more_completions_of_the_fit_prompts_and_stops_on_selection(
+    pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+    real_distil = adapter_calibration.distil_adapter
+
+    def recording_distil(
+        clean: Any, served: Any, adapter: Any, train: Any, held_out: Any, **kw: Any
+    ) -> Any:
+        seen.update(train=list(train), held_out=list(held_out), start=adapter, **kw)
+        return real_distil(clean, served, adapter, train, held_out, **kw)
+
+    monkeypatch.setattr(adapter_calibration, "distil_adapter", recording_distil)
+    settings = CalibrationSettings(
+        **SETTINGS, adapter_distil_epochs=2, adapter_distil_completions=3, max_new_tokens=6
+    )
+    calibration = adapter_calibration.calibrate_adapter(
+        pair, PROMPTS, _sequences(12), settings, rank=4, method="eora"
+    )
+    fit_ids, selection_ids, _, _ = _split_ids()
+    train_ids = [s.sequence_id for s in seen["train"]]
+    assert sorted(train_ids) == sorted(list(fit_ids) * 3)  # three completions of each fit prompt
+    assert {s.sequence_id for s in seen["held_out"]} == selection_ids
+    assert seen["epochs"] == 2
+    distillation = calibration.summary.distillation
+    assert distillation is not None
+    assert (distillation.epochs, len(distillation.selection_kl)) == (2, 3)
+    kept = distillation.kept_epoch
+    assert distillation.selection_kl[kept] == min(distillation.selection_kl)
+    if kept:
+        assert calibration.adapter is not seen["start"]
+    assert calibration.summary.sha256 == adapter_calibration.adapter_sha256(calibration.adapter)
+
+
+def test_without_distillation_the_summary_says_none(
+    pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calibration, _ = _calibrate_recording_fits(pair, "svd", monkeypatch)
+    assert calibration.summary.distillation is None

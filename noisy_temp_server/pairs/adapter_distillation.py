@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -79,8 +79,9 @@ def _frozen(model: nn.Module) -> Iterator[None]:
 
 
 def _detached(deltas: dict[str, LowRankDelta], like: LoraAdapter) -> LoraAdapter:
+    """A copy of `deltas` on the CPU, as an adapter of `like`'s rank and base model."""
     layers = {
-        name: LowRankDelta(down=d.down.detach().clone(), up=d.up.detach().clone())
+        name: LowRankDelta(down=d.down.detach().cpu().clone(), up=d.up.detach().cpu().clone())
         for name, d in deltas.items()
     }
     return LoraAdapter(layers=layers, rank=like.rank, base_model=like.base_model)
@@ -97,12 +98,11 @@ def distil_adapter(
     learning_rate: float,
     sequences_per_step: int = 4,
     seed: int = 0,
-    progress: Callable[[int, float], None] | None = None,
 ) -> Distillation:
     """`adapter` trained for up to `epochs` passes over `train` (shuffled with `seed`, one
     Adam step per `sequences_per_step` sequences at `learning_rate`), as the module docstring
-    describes; `progress(epoch, held_out_kl)` after each epoch. Leaves both models' weights
-    and their ``requires_grad`` as they were. ValueError for no train or held-out sequences,
+    describes, logging each epoch's held-out KL. Leaves both models' weights and their
+    ``requires_grad`` as they were. ValueError for no train or held-out sequences,
     epochs < 1, a learning rate <= 0 or sequences_per_step < 1."""
     if not train or not held_out:
         raise ValueError("distillation needs training and held-out sequences")
@@ -111,10 +111,11 @@ def distil_adapter(
             f"distillation needs epochs >= 1, a learning rate > 0 and sequences_per_step >= 1; "
             f"got {epochs}, {learning_rate}, {sequences_per_step}"
         )
+    device = next(served_model.parameters()).device
     deltas = {
         name: LowRankDelta(
-            down=d.down.detach().clone().float().requires_grad_(),
-            up=d.up.detach().clone().float().requires_grad_(),
+            down=d.down.detach().to(device, torch.float32, copy=True).requires_grad_(),
+            up=d.up.detach().to(device, torch.float32, copy=True).requires_grad_(),
         )
         for name, d in adapter.layers.items()
     }
@@ -147,6 +148,4 @@ def distil_adapter(
             )
             if history[-1] < best[0]:
                 best = (history[-1], _detached(deltas, adapter), epoch)
-            if progress is not None:
-                progress(epoch, history[-1])
     return Distillation(adapter=best[1], best_epoch=best[2], held_out_kl=tuple(history))

@@ -116,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="then distil the adapter end to end on the clean model's next-token distributions "
-        "for up to this many epochs, the best on the selection half kept (docs/adapter.md: about "
-        "a point more of KL removed at rank 64, several minutes an epoch on CPU); 0: none",
+        "for up to this many epochs, the best on the selection half kept (its gain and cost: "
+        "docs/adapter.md); 0: none",
     )
     parser.add_argument(
         "--adapter-distil-completions",

@@ -27,7 +27,7 @@ from typing import Any, cast, get_args
 import torch
 
 from noisy_temp_server.calibration.adapter_calibration import adapter_kl_records
-from noisy_temp_server.calibration.pipeline import sample_completions
+from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.commands.perturb import default_clean_path
 from noisy_temp_server.pairs.layer_inputs import AdapterMethod, fit_compensation_adapter

@@ -52,8 +52,9 @@ from noisy_temp_server.calibration.bias_fit import (
     penalties_text,
 )
 from noisy_temp_server.calibration.bias_quality import ScoredSet, bias_quality, score_with_rows
+from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.fitting import FITTED_RULES
-from noisy_temp_server.calibration.pipeline import calibrate_records, sample_completions
+from noisy_temp_server.calibration.pipeline import calibrate_records
 from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.calibration.quality import quality_table

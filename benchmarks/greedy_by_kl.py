@@ -22,7 +22,7 @@ import torch
 from quality import FAMILIES, RESULTS
 
 from noisy_temp_server.calibration.adapter_calibration import adapter_kl_records
-from noisy_temp_server.calibration.pipeline import sample_completions
+from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.pairs.default_model import ensure_default_model
 from noisy_temp_server.pairs.greedy import greedy_agreement

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
+from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.pipeline import (
     CalibrationData,
     calibrate_with_data,
-    sample_completions,
 )
 from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
 from noisy_temp_server.calibration.prompts import Prompt

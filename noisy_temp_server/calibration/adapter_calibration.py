@@ -31,13 +31,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.profile import (
     AdapterDistillation,
     AdapterSummary,
     CalibrationSettings,
     QualityRow,
 )
-from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
+from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.quality import quality_row
 from noisy_temp_server.calibration.significance import (
     is_significant,
@@ -53,7 +54,6 @@ from noisy_temp_server.pairs.layer_inputs import (
 )
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 
 __all__ = [
@@ -185,17 +185,14 @@ def _more_completions(
     `sequences`, sampled as served with `adapter` (seeds `settings.seed` + 1, + 2, ...), each
     with its prompt's id."""
     ids = [s.sequence_id for s in sequences]
-    prompt_ids = [encode_prompt(pair.tokenizer, prompts[i]) for i in ids]
     more: list[ScoringSequence] = []
     with applied_adapter(pair.served_model, adapter):
         for offset in range(1, settings.adapter_distil_completions):
-            sampled = generate_completions(
-                pair.served_model,
-                pair.tokenizer,
-                prompt_ids,
+            sampled = sample_completions(
+                pair,
+                [prompts[i] for i in ids],
                 max_new_tokens=settings.max_new_tokens,
                 seed=settings.seed + offset,
-                runtime_noise=pair.runtime_noise,
             )
             more += [replace(s, sequence_id=ids[s.sequence_id]) for s in sampled]
     return more

@@ -54,9 +54,10 @@ from noisy_temp_server.calibration.adapter_calibration import (
 )
 from noisy_temp_server.calibration.bias_fit import BiasCalibration, calibrate_bias
 from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_rows
+from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.calibration.profile import CalibrationSettings, ModelIdentity, Profile
-from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
+from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.quality import quality_table, recommend_rule
 from noisy_temp_server.calibration.significance import (
     split_fit_validation_test,
@@ -66,7 +67,6 @@ from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.sampling import generate_completions
 from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
 
 __all__ = [
@@ -76,7 +76,6 @@ __all__ = [
     "calibrate_records",
     "calibrate_scored",
     "calibrate_with_data",
-    "sample_completions",
     "score_pair",
     "score_sequences",
 ]
@@ -112,27 +111,6 @@ def _log_progress(label: str) -> Callable[[int, int], None]:
         logger.info("%s: %d/%d (%.0f s)", label, done, total, time.monotonic() - started)
 
     return report
-
-
-def sample_completions(
-    pair: LoadedPair,
-    prompts: Sequence[Prompt],
-    *,
-    max_new_tokens: int,
-    seed: int,
-    progress: Callable[[int, int], None] | None = None,
-) -> list[ScoringSequence]:
-    """One completion per prompt, sampled from the pair's served model at T = 1 as it serves
-    (with its runtime logit noise, if any): the text every offline score is computed on."""
-    return generate_completions(
-        pair.served_model,
-        pair.tokenizer,
-        [encode_prompt(pair.tokenizer, prompt) for prompt in prompts],
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        runtime_noise=pair.runtime_noise,
-        progress=progress,
-    )
 
 
 def score_pair(

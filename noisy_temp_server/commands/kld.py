@@ -176,7 +176,7 @@ def format_table(results: dict[str, ScoreboardResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from noisy_temp_server.calibration.adapter_calibration import applied_adapter  # noqa: PLC0415
-    from noisy_temp_server.calibration.pipeline import sample_completions  # noqa: PLC0415
+    from noisy_temp_server.calibration.completions import sample_completions  # noqa: PLC0415
     from noisy_temp_server.calibration.profile import Profile  # noqa: PLC0415
     from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
     from noisy_temp_server.calibration.stack import profile_adapter  # noqa: PLC0415

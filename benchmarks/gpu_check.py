@@ -15,9 +15,14 @@ few steps on the device and on the CPU from the same served logits:
   logits at the device's measured copy bandwidth;
 - goals (`GOALS`), evaluated at batch 256 and vocabulary 128 256 when measured.
 
-One JSON file holds it all (``--out``; docs/gpu.md explains each field). From the repository
-root, on the GPU machine (PyTorch, numpy and prometheus-client; no vLLM; nothing installed: the
-script finds the package beside it):
+Then the compensation adapter's device work at an 8B Llama's shapes (`gpu_check_adapter`): the
+decode cost of one block's linear layers with an unmerged LoRA adapter against none (the folded
+adapter's cost), and the ``propagated`` fit of one block's projections (seconds, peak memory,
+the CPU's delta). The step check stops at `STEP_SHARE` of ``--budget-s``, the fit at all of it.
+
+One JSON file holds it all, rewritten after each part (``--out``; docs/gpu.md explains each
+field). From the repository root, on the GPU machine (PyTorch, numpy, prometheus-client and
+safetensors; no vLLM; nothing installed: the script finds the package beside it):
 
     python benchmarks/gpu_check.py --device cuda --out gpu_check.json
 
@@ -44,6 +49,12 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # the checkout's package, installed or not
     sys.path.insert(0, _ROOT)
 
+from gpu_check_adapter import (  # noqa: E402
+    LLAMA_8B,
+    QUICK_SHAPE,
+    check_fit,
+    check_lora_decode,
+)
 from gpu_check_step import (  # noqa: E402 (after the package's folder is on the path)
     CORRECTIONS,
     POLICIES,
@@ -65,6 +76,26 @@ GOALS = {
 with a bias."""
 FULL = {"batches": (1, 64, 256), "vocabs": (49_152, 128_256, 151_936), "repeats": 20}
 QUICK = {"batches": (1, 8), "vocabs": (1_000, 3_001), "repeats": 3}
+ADAPTER_FULL = {
+    "shape": LLAMA_8B,
+    "lora_ranks": (16, 64),
+    "decode_batches": (1, 32, 256),
+    "blocks": 8,
+    "fit_rank": 64,
+    "fit_tokens": 4096,
+}
+ADAPTER_QUICK = {
+    "shape": QUICK_SHAPE,
+    "lora_ranks": (4, 8),
+    "decode_batches": (1, 8),
+    "blocks": 2,
+    "fit_rank": 8,
+    "fit_tokens": 256,
+}
+STEP_SHARE = 0.6
+"""The share of ``--budget-s`` after which the step check skips what is left (the fit gets the
+rest)."""
+_STARTED = time.perf_counter()  # the budget counts from the script's start
 _LONG_INTERVAL_S = 3600.0  # the correctness harness's reporter delivers only at close
 
 
@@ -311,11 +342,9 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Correctness at every size, then the cost (the goal size first), within ``budget_s``: a
-    case past it is listed as skipped, and the results say so."""
-    started = time.perf_counter()
-    device = torch.device(args.device)
+def check_step(args: argparse.Namespace, device: torch.device, deadline: float) -> dict[str, Any]:
+    """Correctness at every size, then the cost (the goal size first), until ``deadline`` (a
+    `time.perf_counter` reading): a case past it is listed as skipped, and the results say so."""
     generator = torch.Generator().manual_seed(args.seed)
     fixtures = {v: Correction.random(v, generator) for v in args.vocabs}
     cases = [(rule, correction) for rule in POLICIES for correction in CORRECTIONS]
@@ -326,7 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for batch, vocab in _sizes(args):
             served = served_logits(batch, vocab, generator)
             for rule, correction in cases:
-                if time.perf_counter() - started > args.budget_s:
+                if time.perf_counter() > deadline:
                     correctness["skipped"] += phase == "correctness"
                     continue
                 if phase == "correctness":
@@ -343,21 +372,68 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         bandwidth_gb_s=bandwidth,
                     )
                     cost.append(row)
-            elapsed = time.perf_counter() - started
-            print(f"{phase} B={batch} V={vocab}: {elapsed:.0f} s", file=sys.stderr, flush=True)
+            _progress(f"{phase} B={batch} V={vocab}")
     correctness["passed"] = not correctness["skipped"] and all(
         case["passed"] for case in correctness["cases"]
     )
-    goals = evaluate_goals(cost, correctness, device)
     return {
-        "meta": _meta(args, device) | {"seconds": round(time.perf_counter() - started, 1)},
         "copy_bandwidth_gb_s": round(bandwidth, 1),
         "correctness": correctness,
         "cost": cost,
         "cost_complete": len(cost) == len(cases) * len(_sizes(args)),
-        "goals": goals,
-        "passed": correctness["passed"] and all(goal["passed"] is not False for goal in goals),
+        "goals": evaluate_goals(cost, correctness, device),
     }
+
+
+def _progress(what: str) -> None:
+    print(f"{what}: {time.perf_counter() - _STARTED:.0f} s", file=sys.stderr, flush=True)
+
+
+def _passed(results: dict[str, Any]) -> bool:
+    """Correctness passed, no measured goal failed, and the adapter's device work matched."""
+    adapter = results["adapter"]
+    return (
+        results["correctness"]["passed"]
+        and all(goal["passed"] is not False for goal in results["goals"])
+        and adapter["lora_decode"]["folding"]["matches"]
+        and not adapter["fit"]["skipped"]
+        and adapter["fit"]["cpu_comparison"]["matches_cpu"]
+    )
+
+
+def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The adapter's decode cost, the step check until `STEP_SHARE` of ``budget_s``, then the
+    adapter's fit until ``budget_s``; ``save`` gets the results so far after each part."""
+    device = torch.device(args.device)
+    sizes = ADAPTER_QUICK if args.quick else ADAPTER_FULL
+    results: dict[str, Any] = {"meta": _meta(args, device)}
+    results["adapter"] = {
+        "lora_decode": check_lora_decode(
+            sizes["shape"],
+            ranks=sizes["lora_ranks"],
+            batches=sizes["decode_batches"],
+            blocks=sizes["blocks"],
+            repeats=args.repeats,
+            device=device,
+        )
+    }
+    _progress("adapter decode cost")
+    save(results)
+    results |= check_step(args, device, _STARTED + STEP_SHARE * args.budget_s)
+    save(results)
+    results["adapter"]["fit"] = check_fit(
+        sizes["shape"],
+        sizes["fit_rank"],
+        sizes["fit_tokens"],
+        device,
+        seed=args.seed,
+        deadline=_STARTED + args.budget_s,
+    )
+    _progress("adapter fit")
+    results["meta"]["seconds"] = round(time.perf_counter() - _STARTED, 1)
+    results["passed"] = _passed(results)
+    save(results)
+    return results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -389,8 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = run(args)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+    def save(results: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+    results = run(args, save)
     summary = {goal["name"]: goal["passed"] for goal in results["goals"]}
     print(json.dumps({"correctness": results["correctness"]["passed"], **summary}))
     return 0 if results["passed"] else 1

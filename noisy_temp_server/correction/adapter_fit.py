@@ -24,7 +24,18 @@ from torch import Tensor
 
 from noisy_temp_server.correction.adapter import LowRankDelta
 
-__all__ = ["eora_delta", "propagated_error", "svd_delta", "weighted_error"]
+__all__ = [
+    "TRUNCATION_RIDGE",
+    "eora_delta",
+    "propagated_delta",
+    "propagated_error",
+    "svd_delta",
+    "weighted_error",
+]
+
+TRUNCATION_RIDGE = 1e-3
+"""The ridge of the input second moment in which `propagated_delta` truncates each layer's target
+(times its mean eigenvalue): small, so the truncation weighs the directions the inputs use."""
 
 
 def _check(error: Tensor, rank: int) -> None:
@@ -100,12 +111,29 @@ def propagated_error(
             f"the layer's {columns} input features"
         )
     regularised, shift = _ridged(second_moment, ridge)
+    device = regularised.device
     target = (
         clean_weight.double()
-        @ (cross_moment.double() + shift * torch.eye(columns, dtype=torch.float64)).T
+        @ (cross_moment.double() + shift * torch.eye(columns, dtype=torch.float64, device=device)).T
     )
     lower = torch.linalg.cholesky(regularised)
     return torch.cholesky_solve(target.T, lower).T - served_weight.double()
+
+
+def propagated_delta(
+    clean_weight: Tensor,
+    served_weight: Tensor,
+    second_moment: Tensor,
+    cross_moment: Tensor,
+    *,
+    rank: int,
+    ridge: float,
+) -> LowRankDelta:
+    """The rank-`rank` delta of the ``propagated`` fit: `propagated_error` with `ridge`,
+    truncated by `eora_delta` with `TRUNCATION_RIDGE`. Every tensor on one device; the work is
+    done there. ValueError as for those two."""
+    error = propagated_error(clean_weight, served_weight, second_moment, cross_moment, ridge)
+    return eora_delta(error, second_moment, rank, TRUNCATION_RIDGE)
 
 
 def weighted_error(error: Tensor, delta: LowRankDelta | None, second_moment: Tensor) -> float:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from noisy_temp_server.correction.adapter import LoraAdapter, LowRankDelta
-from noisy_temp_server.correction.adapter_fit import eora_delta, propagated_error, svd_delta
+from noisy_temp_server.correction.adapter_fit import eora_delta, propagated_delta, svd_delta
 from noisy_temp_server.pairs.scorer import ScoringSequence
 
 __all__ = [
@@ -47,9 +47,6 @@ __all__ = [
 ]
 
 AdapterMethod = Literal["eora", "propagated", "svd"]
-TRUNCATION_RIDGE = 1e-3
-"""The ridge of the input second moment in which ``propagated`` truncates each layer's target
-(times its mean eigenvalue): small, so the truncation weighs the directions the inputs use."""
 logger = logging.getLogger(__name__)
 
 
@@ -293,8 +290,7 @@ def _propagated_block_deltas(
 ) -> dict[str, LowRankDelta]:
     """The deltas of one block's perturbed layers `names`, fitted stage by stage (`_stages`)
     so that each stage sees the served inputs its earlier stages' deltas give it, each to
-    reproduce the clean layer's outputs on the clean block's inputs (`propagated_error` with
-    `ridge`, truncated by `eora_delta` with `TRUNCATION_RIDGE`)."""
+    reproduce the clean layer's outputs on the clean block's inputs (`propagated_delta`)."""
     clean_model, served_model = models
     clean_modules, served_modules = (
         dict(clean_model.named_modules()),
@@ -313,10 +309,9 @@ def _propagated_block_deltas(
             clean_weight, served_weight = clean_modules[name].weight, served_modules[name].weight
             assert isinstance(clean_weight, Tensor)
             assert isinstance(served_weight, Tensor)
-            error = propagated_error(
-                clean_weight.detach(), served_weight.detach(), moment, cross, ridge
+            fitted[name] = propagated_delta(
+                clean_weight.detach(), served_weight.detach(), moment, cross, rank=rank, ridge=ridge
             )
-            fitted[name] = eora_delta(error, moment, rank, TRUNCATION_RIDGE)
     return fitted
 
 

@@ -88,6 +88,41 @@ def test_quick_cpu_run_covers_every_case_and_passes(
     assert results["passed"] is True
 
 
+def test_quick_cpu_run_measures_the_adapter_and_its_fit_matches(results: dict[str, Any]) -> None:
+    decode = results["adapter"]["lora_decode"]
+    assert {(row["batch"], row["rank"]) for row in decode["rows"]} == {
+        (b, r) for b in (1, 8) for r in (4, 8)
+    }
+    assert all(row["base_us_per_block"] > 0 and row["lora_over_base"] > 0 for row in decode["rows"])
+    assert decode["folding"]["matches"]
+    fit = results["adapter"]["fit"]
+    assert [row["projection"] for row in fit["projections"]] == [
+        "k_proj",
+        "v_proj",
+        "q_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    assert fit["skipped"] == []
+    assert fit["cpu_comparison"]["matches_cpu"]
+
+
+def test_adapter_comparisons_catch_a_wrong_delta(gpu_check: ModuleType) -> None:
+    adapter = importlib.import_module("gpu_check_adapter")
+    layer = adapter._FusedLayer.random((6, 2, 2), 5, 3, torch.float32, torch.device("cpu"))
+    x = torch.randn(4, 5)
+    unmerged = torch.empty(4, 10)
+    layer.forward(x, unmerged)
+    assert torch.allclose(unmerged, x @ layer.folded().T, atol=1e-5)
+    layer.ups[1][0, 0] += 1.0  # the middle slice's up factor no longer matches the fold below
+    folded = x @ layer.folded().T
+    layer.ups[1][0, 0] -= 1.0
+    layer.forward(x, unmerged)
+    assert not torch.allclose(unmerged, folded, atol=1e-5)
+
+
 def test_logits_comparison_catches_errors(gpu_check: ModuleType) -> None:
     want = torch.tensor([[1.0, -torch.inf, 3.0], [torch.nan, 0.5, 2.0]])
     assert gpu_check._logits_error(want.clone(), want) == (True, 0.0)

@@ -64,16 +64,25 @@ def _policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyT
     return tables
 
 
+def _on_device(data: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``data`` as a tensor on ``device``, copied without a host sync (from pinned memory on
+    CUDA), so that a policy's first step inside the engine's sampler does not stall it."""
+    host = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _build_policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyTensors:
     def values(data: Sequence[float]) -> Tensor:
-        return torch.tensor(data, dtype=torch.float32, device=device)
+        return _on_device(data, torch.float32, device)
 
     table = policy.calibrated
     return _PolicyTensors(
-        step_edges=torch.tensor(policy.step_edges, dtype=torch.int64, device=device),
+        step_edges=_on_device(policy.step_edges, torch.int64, device),
         alpha_by_step=values(policy.alpha_by_step),
         sigma2_by_step=values(policy.sigma2_by_step),
-        calibrated_step_edges=torch.tensor(table.step_edges, dtype=torch.int64, device=device),
+        calibrated_step_edges=_on_device(table.step_edges, torch.int64, device),
         calibrated_entropy_edges=values(table.entropy_edges),
         calibrated_request_temperature_edges=values(table.request_temperature_edges),
         calibrated_temperatures=values(

@@ -92,6 +92,7 @@ ADAPTER_QUICK = {
     "fit_rank": 8,
     "fit_tokens": 256,
 }
+_FUSED_STEP = {"auto": None, "on": True, "off": False}
 STEP_SHARE = 0.6
 """The share of ``--budget-s`` after which the step check skips what is left (the fit gets the
 rest)."""
@@ -157,8 +158,11 @@ def check_case(
     served: torch.Tensor,
     fixture: Correction,
     device: torch.device,
+    *,
+    fused_step: bool | None,
 ) -> dict[str, Any]:
-    """Run `STEPS` on ``device`` and on the CPU from ``served`` [B, V] and compare."""
+    """Run `STEPS` on ``device`` (``fused_step``: its `SlotTuning`'s) and on the CPU (the torch
+    path) from ``served`` [B, V] and compare."""
     batch, vocab = served.shape
     policy = fixture.policy(POLICIES[rule], correction)
     harnesses = [
@@ -169,8 +173,9 @@ def check_case(
             where,
             corrections=fixture.source(),
             report_interval_s=_LONG_INTERVAL_S,
+            fused_step=fused,
         )
-        for where in (torch.device("cpu"), device)
+        for where, fused in ((torch.device("cpu"), False), (device, fused_step))
     ]
     reference, tested = harnesses
     want, got = served.clone(), served.to(device, copy=True)
@@ -252,13 +257,20 @@ def measure_cost(
     *,
     repeats: int,
     bandwidth_gb_s: float,
+    fused_step: bool | None,
 ) -> dict[str, Any]:
     """The step's device and host time at ``served``'s size against the bare arithmetic, with
     the reporter thread running as in the engine."""
     batch, vocab = served.shape
     policy = fixture.policy(POLICIES[rule], correction)
     harness = StepHarness(
-        policy, batch, vocab, device, corrections=fixture.source(), report_interval_s=0.02
+        policy,
+        batch,
+        vocab,
+        device,
+        corrections=fixture.source(),
+        report_interval_s=0.02,
+        fused_step=fused_step,
     )
     source = served.to(device)
     logits = source.clone()
@@ -333,6 +345,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "fused_step": args.fused_step,
         "command": " ".join(sys.argv),
         "batches": list(args.batches),
         "vocabs": list(args.vocabs),
@@ -359,7 +372,14 @@ def check_step(args: argparse.Namespace, device: torch.device, deadline: float) 
                     correctness["skipped"] += phase == "correctness"
                     continue
                 if phase == "correctness":
-                    case = check_case(rule, correction, served, fixtures[vocab], device)
+                    case = check_case(
+                        rule,
+                        correction,
+                        served,
+                        fixtures[vocab],
+                        device,
+                        fused_step=args.fused_step,
+                    )
                     correctness["cases"].append(case)
                 else:
                     row = measure_cost(
@@ -370,6 +390,7 @@ def check_step(args: argparse.Namespace, device: torch.device, deadline: float) 
                         device,
                         repeats=args.repeats,
                         bandwidth_gb_s=bandwidth,
+                        fused_step=args.fused_step,
                     )
                     cost.append(row)
             _progress(f"{phase} B={batch} V={vocab}")
@@ -447,9 +468,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's)")
     parser.add_argument(
+        "--fused-step",
+        choices=tuple(_FUSED_STEP),
+        default="auto",
+        help="the step of the table rules as one Triton kernel: auto (on CUDA), on (also on a "
+        "CPU, with TRITON_INTERPRET=1), off",
+    )
+    parser.add_argument(
         "--budget-s", type=float, default=420.0, help="skip what is left after this many seconds"
     )
     args = parser.parse_args(argv)
+    args.fused_step = _FUSED_STEP[args.fused_step]
     defaults = QUICK if args.quick else FULL
     args.batches = args.batches or defaults["batches"]
     args.vocabs = args.vocabs or defaults["vocabs"]

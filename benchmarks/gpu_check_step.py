@@ -139,7 +139,8 @@ def _extra_args(policy: TemperaturePolicy, slot: int) -> dict[str, Any]:
 class StepHarness:
     """One processor's step objects on ``device`` for ``batch`` requests of ``policy`` over
     ``vocab`` tokens (see the module docstring). ``report_interval_s``: the reporter thread's
-    period (a long one: nothing is delivered before `close`, as the correctness check wants)."""
+    period (a long one: nothing is delivered before `close`, as the correctness check wants).
+    ``fused_step``: `SlotTuning`'s (None: the fused kernel on CUDA, where Triton imports)."""
 
     def __init__(
         self,
@@ -150,6 +151,7 @@ class StepHarness:
         *,
         corrections: CorrectionSource,
         report_interval_s: float,
+        fused_step: bool | None = None,
     ) -> None:
         self.device = device
         self.sender = RecordingSender()
@@ -165,6 +167,7 @@ class StepHarness:
             pin_memory=pin,
             vocab_size=vocab,
             corrections=corrections,
+            fused_step=fused_step,
         )
         self.capture = RowCapture(
             batch, reporter, CaptureBounds(), logits_scaled=False, pin_memory=pin

@@ -96,6 +96,7 @@ class SlotBias:
         # k: row k + 1) and the rows' vectors (every row but 0 has a user then).
         self._flushed_row = self._host_row.copy()
         self.weight = torch.zeros(slots, 0, device=device)
+        self.slot_rows = torch.zeros(slots, dtype=torch.int64, device=device)
         self._vectors: list[torch.Tensor] = []
         self._refused: set[LogitCorrection] = set()
 
@@ -150,6 +151,7 @@ class SlotBias:
             self._drop_free_rows()
         rows = np.arange(1, len(self._users), dtype=np.int64)
         self.weight = self._to_device(torch.from_numpy(self._host_row[:, None] == rows).float())
+        self.slot_rows = self._to_device(torch.from_numpy(self._host_row.copy()))
         self._vectors = list(self.table[1:])
         self._flushed_row = self._host_row.copy()
 

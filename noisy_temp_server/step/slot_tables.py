@@ -22,7 +22,10 @@ copies them to the device in one go (V2: ``apply_staged_writes``; V1: the end of
 from __future__ import annotations
 
 import bisect
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +49,7 @@ _PAD_EDGE = STEP_STRIDE - 1  # fills a slot's unused buckets: no step reaches it
 _INITIAL_COLUMNS = 8
 _UNTUNED_TABLE = StepTemperatures(step_edges=(0,), scale=(1.0,), beta=0.0, t_min=1.0, t_max=1.0)
 _NO_POLICY = -1
+_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,7 +100,9 @@ class SlotTables:
     `commit_last` can count it later (the V1 runner learns only a step late which row was a
     request's first token). ``vocab_size``: the logits' width, for the per-token bias
     (`logit_bias.SlotBias`; None: every bias is refused); ``corrections``: where its vectors
-    come from (the bias directories unless told).
+    come from (the bias directories unless told). ``fused_step``: run a step of the step-only
+    table rules as one Triton kernel (`fused_table_step`): None on CUDA when Triton imports,
+    True always (ImportError without Triton), False never.
     """
 
     def __init__(
@@ -110,6 +116,7 @@ class SlotTables:
         keep_last: bool = False,
         vocab_size: int | None = None,
         corrections: CorrectionSource = FILE_CORRECTIONS,
+        fused_step: bool | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"slot capacity must be positive, got {capacity}")
@@ -152,6 +159,7 @@ class SlotTables:
         self._keep_before_flush = False
         self._build_tables(_INITIAL_COLUMNS)
         self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory, source=corrections)
+        self.fused_step = _load_fused_step(fused_step, self.device)
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,
@@ -384,3 +392,18 @@ class SlotTables:
 def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
     """``[2, N]`` float64 (1, T*) columns: what one row adds to a cell's (count, sum)."""
     return torch.stack((torch.ones_like(temperature), temperature)).double()
+
+
+def _load_fused_step(wanted: bool | None, device: torch.device) -> Callable[..., Any] | None:
+    """`fused_table_step.fused_table_step` where the step uses it: ``wanted`` True (Triton must
+    import), None (on CUDA when Triton imports) or False (never)."""
+    if wanted is False or (wanted is None and device.type != "cuda"):
+        return None
+    try:
+        from noisy_temp_server.step.fused_table_step import fused_table_step  # noqa: PLC0415
+    except ImportError:
+        if wanted:
+            raise
+        _LOGGER.warning("Triton does not import: the T* step runs as separate torch operations")
+        return None
+    return fused_table_step

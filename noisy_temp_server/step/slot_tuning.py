@@ -81,6 +81,9 @@ class SlotTuning(SlotTables):
         untuned rows and for bad rows of rules that read the served row; a bad row of a
         step-only rule keeps its T*. No host sync.
         """
+        if self._fuses(logits, remember=remember):
+            self._fused_tune(logits, slots, keys, counted, all_rows_tuned=all_rows_tuned)
+            return
         self.bias.add(logits, slots, batch_slots)
         cells = torch.bucketize(keys, self.edge_keys, right=True)
         cell = self.cell_table.index_select(0, cells)
@@ -119,6 +122,47 @@ class SlotTuning(SlotTables):
                 remember=remember,
                 all_rows_tuned=all_rows_tuned,
             )
+
+    def _fuses(self, logits: torch.Tensor, *, remember: bool) -> bool:
+        """Whether this step runs as the fused kernel: it is loaded, every T* is its cell's
+        constant (no ``schedule``, no rule that reads the served row), nothing is remembered,
+        and the logits are float32 rows of unit stride."""
+        return (
+            self.fused_step is not None
+            and not (self._n_scheduled or self._row_policies or remember)
+            and logits.dtype == torch.float32
+            and logits.stride(1) == 1
+        )
+
+    def _fused_tune(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        counted: torch.Tensor | None,
+        *,
+        all_rows_tuned: bool,
+    ) -> None:
+        """`tune` for the step-only table rules in one kernel (`fused_table_step`), then the
+        reports."""
+        assert self.fused_step is not None
+        temperature = torch.empty(logits.shape[0], device=logits.device)
+        reporting = self.reporter is not None
+        self.fused_step(
+            logits,
+            slots,
+            keys,
+            edge_keys=self.edge_keys,
+            cell_table=self.cell_table,
+            bias_rows=self.bias.slot_rows if self.bias.biased_slots else None,
+            bias_table=self.bias.table,
+            temperature=temperature,
+            accounts=(self.accumulators, self.bad_rows) if reporting else None,
+            counted=counted,
+            tuned=None if all_rows_tuned else self.tuned,
+        )
+        if reporting:
+            self._stage_reports(slots, keys, None, temperature)
 
     def _read_rows(
         self,
@@ -209,10 +253,21 @@ class SlotTuning(SlotTables):
         if not all_rows_tuned:
             not_finite.logical_and_(self.tuned.index_select(0, slots))
         self.bad_rows.add_(torch.count_nonzero(not_finite))
+        self._stage_reports(slots, keys, steps, column.squeeze(1))
+
+    def _stage_reports(
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        steps: torch.Tensor | None,
+        temperature: torch.Tensor,
+    ) -> None:
+        """The step's trace (while some slot is traced; ``temperature``: [R] T* of each row,
+        ``steps``: each row's step if computed from ``keys``), then the state's snapshot."""
+        assert self.reporter is not None
         if self.n_traced:
             if steps is None:
                 steps = keys & _STEP_MASK
-            temperature = column.squeeze(1)
             dtype = temperature.dtype
             rows = (
                 slots.to(dtype),

@@ -248,6 +248,18 @@ def copy_bandwidth_gb_s(device: torch.device) -> float:
     return 2 * source.numel() * 4 / (seconds * 1e-6) / 1e9
 
 
+def _step_times(
+    harness: StepHarness, source: torch.Tensor, device: torch.device, repeats: int
+) -> tuple[float, float]:
+    """(device µs, host µs) of ``harness``'s step on fresh copies of ``source``."""
+    logits = source.clone()
+    keys, steps = harness.keys(STEPS[1])
+    with torch.inference_mode():
+        return _timed(
+            lambda: harness.step(logits, keys, steps), lambda: logits.copy_(source), device, repeats
+        )
+
+
 def measure_cost(
     rule: str,
     correction: str,
@@ -260,35 +272,40 @@ def measure_cost(
     fused_step: bool | None,
 ) -> dict[str, Any]:
     """The step's device and host time at ``served``'s size against the bare arithmetic, with
-    the reporter thread running as in the engine."""
+    the reporter thread running as in the engine: with the harness's traced and captured
+    slots, and ``quiet`` with none (most of live traffic)."""
     batch, vocab = served.shape
     policy = fixture.policy(POLICIES[rule], correction)
-    harness = StepHarness(
-        policy,
-        batch,
-        vocab,
-        device,
-        corrections=fixture.source(),
-        report_interval_s=0.02,
-        fused_step=fused_step,
-    )
     source = served.to(device)
+    times = {}
+    for observed in (True, False):
+        harness = StepHarness(
+            policy,
+            batch,
+            vocab,
+            device,
+            corrections=fixture.source(),
+            report_interval_s=0.02,
+            fused_step=fused_step,
+            observed=observed,
+        )
+        times[observed] = _step_times(harness, source, device, repeats)
+        harness.close()
     logits = source.clone()
-    keys, steps = harness.keys(STEPS[1])
 
     def reset() -> None:
         logits.copy_(source)
 
     with torch.inference_mode():
-        step = _timed(lambda: harness.step(logits, keys, steps), reset, device, repeats)
         column = torch.full((batch, 1), 1.3, device=device)
         divide = _timed(lambda: logits.div_(column), reset, device, repeats)
         bias = fixture.bias.to(device)
         add = _timed(lambda: logits.add_(bias), reset, device, repeats)
-    harness.close()
+    step, quiet = times[True], times[False]
     limit_us = 2 * batch * vocab * 4 / (bandwidth_gb_s * 1e9) * 1e6
     result = {"rule": rule, "correction": correction, "batch": batch, "vocab": vocab}
     result |= {"step_device_us": step[0], "step_host_us": step[1]}
+    result |= {"quiet_step_device_us": quiet[0], "quiet_step_host_us": quiet[1]}
     result |= {"divide_device_us": divide[0], "divide_host_us": divide[1]}
     result |= {"add_device_us": add[0], "limit_us": limit_us}
     result |= {"step_over_divide": step[0] / divide[0]}

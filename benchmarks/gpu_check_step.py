@@ -127,12 +127,12 @@ class RecordingSender:
         return True
 
 
-def _extra_args(policy: TemperaturePolicy, slot: int) -> dict[str, Any]:
+def _extra_args(policy: TemperaturePolicy, slot: int, observed: bool) -> dict[str, Any]:
     return {
         "nts_policy": policy.to_json(),
         "nts_trace_id": f"request-{slot}",
-        "nts_trace": slot % 4 == 0,
-        "nts_capture": slot % 3 == 0,
+        "nts_trace": observed and slot % 4 == 0,
+        "nts_capture": observed and slot % 3 == 0,
     }
 
 
@@ -140,7 +140,8 @@ class StepHarness:
     """One processor's step objects on ``device`` for ``batch`` requests of ``policy`` over
     ``vocab`` tokens (see the module docstring). ``report_interval_s``: the reporter thread's
     period (a long one: nothing is delivered before `close`, as the correctness check wants).
-    ``fused_step``: `SlotTuning`'s (None: the fused kernel on CUDA, where Triton imports)."""
+    ``fused_step``: `SlotTuning`'s (None: the fused kernel on CUDA, where Triton imports).
+    ``observed`` False: no slot is traced or captured (what most of live traffic is)."""
 
     def __init__(
         self,
@@ -152,6 +153,7 @@ class StepHarness:
         corrections: CorrectionSource,
         report_interval_s: float,
         fused_step: bool | None = None,
+        observed: bool = True,
     ) -> None:
         self.device = device
         self.sender = RecordingSender()
@@ -174,7 +176,7 @@ class StepHarness:
         )
         self.reporter = reporter
         for slot in range(batch):
-            extra_args = _extra_args(policy, slot)
+            extra_args = _extra_args(policy, slot, observed)
             keys = parse_request_args(extra_args)
             resolved = resolve_request(keys, REQUEST_TEMPERATURE)
             self.tuning.stage(slot, resolved, REQUEST_TEMPERATURE, resolve_correction(keys))

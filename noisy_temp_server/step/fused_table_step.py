@@ -21,8 +21,7 @@ import triton.language as tl
 __all__ = ["fused_table_step"]
 
 _BLOCK = 4096
-_WARPS = 8
-_FIELD_BITS = 20  # a row's chunk count and live-chunk count, each below 2**20 chunks
+_WARPS = 16
 
 
 @triton.jit
@@ -43,18 +42,14 @@ def _table_step_kernel(
     accumulators_ptr,
     n_cells,
     bad_rows_ptr,
-    row_flags_ptr,
     temperature_ptr,
     HAS_BIAS: tl.constexpr,
     HAS_COUNTED: tl.constexpr,
     CHECK_TUNED: tl.constexpr,
     ACCOUNT: tl.constexpr,
     BLOCK: tl.constexpr,
-    FIELD_BITS: tl.constexpr,
 ):
-    # One program per (row, chunk of BLOCK columns).
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     key = tl.load(keys_ptr + row)
     # bucketize(key, edge_keys, right=True): how many edge keys are <= key.
@@ -64,47 +59,46 @@ def _table_step_kernel(
         middle = (low + high) // 2
         inside = middle < high
         edge = tl.load(edge_keys_ptr + middle, mask=inside, other=0)
-        low = tl.where(inside & (edge <= key), middle + 1, low)
+        right = inside & (edge <= key)
+        low = tl.where(right, middle + 1, low)
         high = tl.where(inside & (edge > key), middle, high)
     cell = low
     temperature = tl.load(cell_table_ptr + cell * 4)
+    tl.store(temperature_ptr + row, temperature)
 
-    columns = chunk * BLOCK + tl.arange(0, BLOCK)
-    valid = columns < vocab
-    row_start = logits_ptr + row.to(tl.int64) * row_stride
-    values = tl.load(row_start + columns, mask=valid, other=0.0)
+    offsets = tl.arange(0, BLOCK)
+    base = logits_ptr + row.to(tl.int64) * row_stride
+    any_nan_or_inf = tl.zeros([BLOCK], dtype=tl.int1)
+    any_live = tl.zeros([BLOCK], dtype=tl.int1)
     if HAS_BIAS:
         bias_row = tl.load(bias_rows_ptr + slot)
-        biased = columns * 0 + bias_row > 0  # row 0 of the table: no bias
-        values += tl.load(bias_table_ptr + bias_row * vocab + columns, mask=valid & biased)
-    tl.store(row_start + columns, tl.math.div_rn(values, temperature), mask=valid)
-
-    if chunk == 0:
-        tl.store(temperature_ptr + row, temperature)
-    if ACCOUNT:
-        # Bad row: its max before the division is NaN or infinite, so some chunk holds NaN or
-        # +inf, or no chunk holds a value above -inf. Each chunk adds (NaN or +inf, live, 1) in
-        # one packed atomic; the last chunk of the row to arrive reads the sums, counts the row
-        # if bad, and clears the row's flags for the next step.
+        biased = offsets * 0 + bias_row > 0  # row 0 of the table: no bias
+        bias_base = bias_table_ptr + bias_row * vocab
+    for start in range(0, vocab, BLOCK):
+        columns = start + offsets
+        valid = columns < vocab
+        values = tl.load(base + columns, mask=valid, other=0.0)
+        if HAS_BIAS:
+            values += tl.load(bias_base + columns, mask=valid & biased, other=0.0)
         is_nan = values != values  # noqa: PLR0124 (the NaN test)
-        nan_or_inf = tl.max((valid & (is_nan | (values == float("inf")))).to(tl.int64), 0)
-        live = tl.max((valid & (values != float("-inf"))).to(tl.int64), 0)
-        delta = (nan_or_inf << (2 * FIELD_BITS)) | (live << FIELD_BITS) | 1
-        total = tl.atomic_add(row_flags_ptr + row, delta, sem="acq_rel") + delta
-        field = (1 << FIELD_BITS) - 1
-        if (total & field) == tl.num_programs(1):
-            bad = ((total >> (2 * FIELD_BITS)) > 0) | (((total >> FIELD_BITS) & field) == 0)
-            if CHECK_TUNED:
-                bad = bad & (tl.load(tuned_ptr + slot) != 0)
-            tl.atomic_add(bad_rows_ptr, bad.to(tl.float64))
-            tl.store(row_flags_ptr + row, total * 0)
-        if chunk == 0:
-            counted_cell = cell
-            if HAS_COUNTED:
-                counted_cell = tl.where(tl.load(counted_ptr + row) != 0, cell, 0)
-            counted_temperature = tl.load(cell_table_ptr + counted_cell * 4).to(tl.float64)
-            tl.atomic_add(accumulators_ptr + counted_cell, counted_temperature * 0.0 + 1.0)
-            tl.atomic_add(accumulators_ptr + n_cells + counted_cell, counted_temperature)
+        any_nan_or_inf |= valid & (is_nan | (values == float("inf")))
+        any_live |= valid & (values != float("-inf"))
+        tl.store(base + columns, tl.math.div_rn(values, temperature), mask=valid)
+
+    if ACCOUNT:
+        # The row's max before the division is NaN or infinite: NaN or +inf in it, or all -inf.
+        nan_or_inf = tl.max(any_nan_or_inf.to(tl.int32), 0) > 0
+        bad = nan_or_inf | (tl.max(any_live.to(tl.int32), 0) == 0)
+        if CHECK_TUNED:
+            bad = bad & (tl.load(tuned_ptr + slot) != 0)
+        counted_cell = cell
+        if HAS_COUNTED:
+            counted_cell = tl.where(tl.load(counted_ptr + row) != 0, cell, 0)
+        counted_temperature = tl.load(cell_table_ptr + counted_cell * 4).to(tl.float64)
+        one = counted_temperature * 0.0 + 1.0
+        tl.atomic_add(bad_rows_ptr, tl.where(bad, one, 0.0 * one))
+        tl.atomic_add(accumulators_ptr + counted_cell, one)
+        tl.atomic_add(accumulators_ptr + n_cells + counted_cell, counted_temperature)
 
 
 def fused_table_step(
@@ -117,7 +111,7 @@ def fused_table_step(
     bias_rows: torch.Tensor | None,
     bias_table: torch.Tensor,
     temperature: torch.Tensor,
-    accounts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    accounts: tuple[torch.Tensor, torch.Tensor] | None,
     counted: torch.Tensor | None,
     tuned: torch.Tensor | None,
 ) -> None:
@@ -127,23 +121,20 @@ def fused_table_step(
     Each row: its slot's bias (``bias_table[bias_rows[slot]]``, row 0 none; ``bias_rows`` None:
     no slot holds one), divided by its cell's T* (``cell_table[c, 0]`` of
     ``c = bucketize(key, edge_keys, right=True)``); ``temperature`` [R] receives each row's T*.
-    ``accounts``: (accumulators [2, cells] float64, bad rows [1] float64, row flags: int64 zeros
-    of at least R entries, left zero), or None for no accounting. With them, a counted row
-    (``counted`` [R], None: all) adds (1, T*) to its cell's count and sum (a row not counted
-    adds cell 0's to cell 0), and a bad row (NaN or +inf after the bias, or all -inf) of a tuned
-    slot (``tuned`` [slots] bool, None: every row's slot is tuned) adds 1 to the bad rows: what
-    the torch path of `SlotTuning.tune` does, up to the order of the floating-point sums, with
-    the IEEE division. ValueError for logits that are not float32 rows of unit column stride,
-    or row flags shorter than R."""
+    ``accounts``: (accumulators [2, cells], bad rows [1]) float64, or None for no accounting.
+    With them, a counted row (``counted`` [R], None: all) adds (1, T*) to its cell's count and
+    sum (a row not counted adds cell 0's to cell 0), and a bad row (NaN or +inf after the bias,
+    or all -inf) of a tuned slot (``tuned`` [slots] bool, None: every row's slot is tuned)
+    adds 1 to the bad rows: what the torch path of `SlotTuning.tune` does, up to the order of
+    the floating-point sums and with the IEEE division. Refuses (ValueError) logits that are
+    not float32 with unit column stride."""
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError("the fused step needs float32 logits with contiguous rows")
     rows, vocab = logits.shape
     if rows == 0:
         return
-    accumulators, bad_rows, row_flags = accounts if accounts is not None else (temperature,) * 3
-    if accounts is not None and row_flags.numel() < rows:
-        raise ValueError(f"{row_flags.numel()} row flags for {rows} rows")
-    _table_step_kernel[(rows, triton.cdiv(vocab, _BLOCK))](
+    accumulators, bad_rows = accounts if accounts is not None else (temperature, temperature)
+    _table_step_kernel[(rows,)](
         logits,
         logits.stride(0),
         vocab,
@@ -160,13 +151,11 @@ def fused_table_step(
         accumulators,
         accumulators.shape[-1],
         bad_rows,
-        row_flags,
         temperature,
         HAS_BIAS=bias_rows is not None,
         HAS_COUNTED=counted is not None,
         CHECK_TUNED=tuned is not None,
         ACCOUNT=accounts is not None,
         BLOCK=_BLOCK,
-        FIELD_BITS=_FIELD_BITS,
         num_warps=_WARPS,
     )

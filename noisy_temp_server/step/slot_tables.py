@@ -160,7 +160,6 @@ class SlotTables:
         self._build_tables(_INITIAL_COLUMNS)
         self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory, source=corrections)
         self.fused_step = _load_fused_step(fused_step, self.device)
-        self._row_flags = torch.zeros(0, dtype=torch.int64, device=self.device)  # its scratch
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,

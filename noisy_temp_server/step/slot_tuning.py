@@ -146,11 +146,8 @@ class SlotTuning(SlotTables):
         """`tune` for the step-only table rules in one kernel (`fused_table_step`), then the
         reports."""
         assert self.fused_step is not None
-        rows = logits.shape[0]
-        temperature = torch.empty(rows, device=logits.device)
+        temperature = torch.empty(logits.shape[0], device=logits.device)
         reporting = self.reporter is not None
-        if reporting and self._row_flags.numel() < rows:
-            self._row_flags = torch.zeros(2 * rows, dtype=torch.int64, device=self.device)
         self.fused_step(
             logits,
             slots,
@@ -160,7 +157,7 @@ class SlotTuning(SlotTables):
             bias_rows=self.bias.slot_rows if self.bias.biased_slots else None,
             bias_table=self.bias.table,
             temperature=temperature,
-            accounts=(self.accumulators, self.bad_rows, self._row_flags) if reporting else None,
+            accounts=(self.accumulators, self.bad_rows) if reporting else None,
             counted=counted,
             tuned=None if all_rows_tuned else self.tuned,
         )

@@ -1,6 +1,6 @@
 """The fused step of the table rules (`step.fused_table_step`, a Triton kernel) against the torch
 path of `SlotTuning.tune`, in Triton's interpreter on the CPU: the same logits, T* summaries and
-bad rows, over rows whose telling value sits in one chunk of the kernel's columns only (a last
+bad rows, over rows whose telling value sits in one block of the kernel's columns only (a last
 live token, one NaN, one +inf), slots with two biases and none, an untuned slot and a row not
 counted. On CUDA, `benchmarks/gpu_check.py` runs the same comparison.
 
@@ -32,7 +32,7 @@ from noisy_temp_server.step.slot_tuning import STEP_STRIDE, SlotTuning
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 
-VOCAB = 9_001  # three chunks of the kernel's 4 096 columns
+VOCAB = 9_001  # three blocks of the kernel's 4 096 columns
 SLOTS = 6
 _EDGES = (0, 4, 16)
 _BIASES = [0.5 * torch.randn(VOCAB, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
@@ -148,24 +148,18 @@ def test_without_a_reporter_it_only_tunes() -> None:
 def test_refuses_what_it_cannot_run() -> None:
     from noisy_temp_server.step.fused_table_step import fused_table_step  # noqa: PLC0415
 
-    tuning, reporter = _tuning(fused=True, reporting=True)
-    assert reporter is not None
-    flags = torch.zeros(1, dtype=torch.int64)
-    accounts = (tuning.accumulators, tuning.bad_rows, flags)
-    arguments = {
-        "edge_keys": tuning.edge_keys,
-        "cell_table": tuning.cell_table,
-        "bias_rows": None,
-        "bias_table": tuning.bias.table,
-        "temperature": torch.empty(2),
-        "counted": None,
-        "tuned": None,
-    }
-    slots, keys = torch.tensor([0, 1]), torch.tensor([0, STEP_STRIDE])
+    tuning, _ = _tuning(fused=True, reporting=False)
     with pytest.raises(ValueError, match="float32"):
         fused_table_step(
-            torch.zeros(2, VOCAB, dtype=torch.float16), slots, keys, accounts=None, **arguments
+            torch.zeros(2, VOCAB, dtype=torch.float16),
+            torch.tensor([0, 1]),
+            torch.tensor([0, STEP_STRIDE]),
+            edge_keys=tuning.edge_keys,
+            cell_table=tuning.cell_table,
+            bias_rows=None,
+            bias_table=tuning.bias.table,
+            temperature=torch.empty(2),
+            accounts=None,
+            counted=None,
+            tuned=None,
         )
-    with pytest.raises(ValueError, match="row flags"):
-        fused_table_step(torch.zeros(2, VOCAB), slots, keys, accounts=accounts, **arguments)
-    reporter.close()

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -64,6 +63,7 @@ from gpu_check_step import (  # noqa: E402 (after the package's folder is on the
     StepHarness,
     served_logits,
 )
+from gpu_check_timing import timed  # noqa: E402
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 """|device - cpu| <= atol + rtol |cpu| for every logit and every T* quantity delivered."""
@@ -206,45 +206,12 @@ def check_case(
     return result
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(
-    run: Callable[[], Any], reset: Callable[[], Any], device: torch.device, repeats: int
-) -> tuple[float, float]:
-    """(device µs, host µs) of ``run``: medians over ``repeats`` calls, each after an untimed
-    ``reset`` and an idle device, after two warm-up calls. Device time: CUDA events around the
-    call (on a CPU, its wall time); host time: the wall time until the call returns."""
-    for _ in range(2):
-        reset()
-        run()
-    device_times, host_times = [], []
-    for _ in range(repeats):
-        reset()
-        _synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        started = time.perf_counter()
-        run()
-        host_times.append((time.perf_counter() - started) * 1e6)
-        if device.type == "cuda":
-            end.record()
-            end.synchronize()
-            device_times.append(start.elapsed_time(end) * 1e3)
-        else:
-            device_times.append(host_times[-1])
-    return statistics.median(device_times), statistics.median(host_times)
-
-
 def copy_bandwidth_gb_s(device: torch.device) -> float:
     """The device's copy bandwidth (GB/s, read + write counted) of a 256 MiB ``copy_`` (on a
     CPU, 32 MiB)."""
     source = torch.ones((64 if device.type == "cuda" else 8) << 20, device=device)
     target = torch.empty_like(source)
-    seconds, _ = _timed(lambda: target.copy_(source), lambda: None, device, 10)
+    seconds, _ = timed(lambda: target.copy_(source), lambda: None, device, 10)
     return 2 * source.numel() * 4 / (seconds * 1e-6) / 1e9
 
 
@@ -255,7 +222,7 @@ def _step_times(
     logits = source.clone()
     keys, steps = harness.keys(STEPS[1])
     with torch.inference_mode():
-        return _timed(
+        return timed(
             lambda: harness.step(logits, keys, steps), lambda: logits.copy_(source), device, repeats
         )
 
@@ -298,9 +265,9 @@ def measure_cost(
 
     with torch.inference_mode():
         column = torch.full((batch, 1), 1.3, device=device)
-        divide = _timed(lambda: logits.div_(column), reset, device, repeats)
+        divide = timed(lambda: logits.div_(column), reset, device, repeats)
         bias = fixture.bias.to(device)
-        add = _timed(lambda: logits.add_(bias), reset, device, repeats)
+        add = timed(lambda: logits.add_(bias), reset, device, repeats)
     step, quiet = times[True], times[False]
     limit_us = 2 * batch * vocab * 4 / (bandwidth_gb_s * 1e9) * 1e6
     result = {"rule": rule, "correction": correction, "batch": batch, "vocab": vocab}

@@ -18,12 +18,12 @@ Two measurements, on random weights of one decoder block's shapes (`BlockShape`)
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from gpu_check_timing import synchronize, timed
 
 from noisy_temp_server.correction.adapter_fit import propagated_delta
 
@@ -74,13 +74,12 @@ class BlockShape:
         return sum(out * inp for out, inp in self.projections().values())
 
 
+def _idle() -> None:
+    """Nothing to reset between timed calls."""
+
+
 LLAMA_8B = BlockShape(hidden=4096, mlp=14336, kv=1024)
 QUICK_SHAPE = BlockShape(hidden=64, mlp=224, kv=16)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _fit_inputs(
@@ -135,12 +134,12 @@ def check_fit(
         generator = torch.Generator(device=device).manual_seed(seed + index)
         tensors = _fit_inputs(out, inp, tokens, generator, device)
         if cuda:
-            _synchronize(device)
+            synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device) if cuda else 0
         started = time.perf_counter()
         delta = _fit(tensors, rank)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - started
         peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
         row = {"projection": name, "out": out, "in": inp, "seconds": round(seconds, 3)}
@@ -256,28 +255,6 @@ def _decode_runner(
     return graph.replay
 
 
-def _median_us(run: Callable[[], None], device: torch.device, repeats: int) -> float:
-    """The median device time of ``run`` over ``repeats`` calls after three warm-up calls (CUDA
-    events; on a CPU, wall time)."""
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            started = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - started) * 1e6)
-    return statistics.median(times)
-
-
 def folding_error(shape: BlockShape, rank: int, batch: int, device: torch.device) -> float:
     """The largest relative difference, over ``shape``'s fused layers in float32, between the
     layer with an unmerged rank-``rank`` adapter and the same layer with it folded in."""
@@ -314,8 +291,10 @@ def check_lora_decode(
             for block in adapted
         ]
         for batch in batches:
-            base_us = _median_us(_decode_runner(base, batch, dtype, device), device, repeats)
-            lora_us = _median_us(_decode_runner(adapted, batch, dtype, device), device, repeats)
+            base_us, _ = timed(_decode_runner(base, batch, dtype, device), _idle, device, repeats)
+            lora_us, _ = timed(
+                _decode_runner(adapted, batch, dtype, device), _idle, device, repeats
+            )
             rows.append(
                 {
                     "batch": batch,

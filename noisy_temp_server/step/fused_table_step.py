@@ -3,8 +3,8 @@ does in about fifteen device operations for those rules (the bias, the cell's T*
 the bad-row count and the accounting), in one launch that reads and writes each row once.
 
 On CUDA the launches, not the bytes, are the cost of that torch path: each operation costs the
-host a few microseconds, the device waits for each launch, and a step of a few hundred
-microseconds of host time slows every decode step by as much (docs/gpu.md). The torch path stays
+host some microseconds and the device waits for each launch, so the step's host time is added to
+every decode step (docs/gpu.md has the figures). The torch path stays
 the reference and the path everywhere else: on the CPU, for ``schedule`` and the rules that read
 the served row, and for the V1 runner's ``remember``. `tests/unit/test_fused_table_step.py` runs
 this kernel against it in Triton's interpreter, and `benchmarks/gpu_check.py` on a GPU.
@@ -20,8 +20,8 @@ import triton.language as tl
 
 __all__ = ["fused_table_step"]
 
-_BLOCK = 4096
-_WARPS = 16
+_BLOCK = 4096  # columns per iteration of a row's program, and its warps: the fastest measured
+_WARPS = 16  # at batch 1, 64 and 256 (docs/gpu.md)
 
 
 @triton.jit

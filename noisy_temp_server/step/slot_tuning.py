@@ -9,8 +9,10 @@ sqrt, linear, schedule, a step-only calibrated table) is therefore:
 
     bucketize + gather (+ the schedule's factor and clamp) + one division + accounting
 
-with no check of the logits: T* is finite and > 0 by construction, and dividing a row by it
-never makes a finite logit non-finite nor changes which logits are NaN or ±inf, so a *bad row*
+(on CUDA, for all of them but ``schedule``, one Triton kernel that does the same:
+`fused_table_step`), with no check of the logits: T* is finite and > 0 by construction, and
+dividing a row by it never makes a finite logit non-finite nor changes which logits are NaN or
+±inf, so a *bad row*
 (NaN or +inf logits, or all masked) reaches vLLM's sampler exactly as it would without the
 processor. Rules that read the served row (``fisher``, an entropy-dependent ``calibrated``
 table) run `policy_temperature` once per live policy over the batch; a bad row has NaN

@@ -12,11 +12,10 @@ sqrt, linear, schedule, a step-only calibrated table) is therefore:
 (on CUDA, for all of them but ``schedule``, one Triton kernel that does the same:
 `fused_table_step`), with no check of the logits: T* is finite and > 0 by construction, and
 dividing a row by it never makes a finite logit non-finite nor changes which logits are NaN or
-±inf, so a *bad row*
-(NaN or +inf logits, or all masked) reaches vLLM's sampler exactly as it would without the
-processor. Rules that read the served row (``fisher``, an entropy-dependent ``calibrated``
-table) run `policy_temperature` once per live policy over the batch; a bad row has NaN
-statistics there and gets T* = 1.
+±inf, so a *bad row* (NaN or +inf logits, or all masked) reaches vLLM's sampler exactly as it
+would without the processor. Rules that read the served row (``fisher``, an entropy-dependent
+``calibrated`` table) run `policy_temperature` once per live policy over the batch; a bad row
+has NaN statistics there and gets T* = 1.
 
 Accounting adds the count and sum of T* per cell (one ``index_add_``; rows the engine discards
 go to cell 0). A cell whose T* is constant (every step-only rule but ``schedule``) gets its

@@ -304,6 +304,12 @@ class Settings(BaseSettings):
         "and no FlashInfer sampler on CUDA). false: the served model's raw logprobs, vLLM's "
         "default and faster.",
     )
+    fused_step: bool = Field(
+        default=True,
+        description="On CUDA, the engine's T* step of the step-only table rules (off, fixed, "
+        "sqrt, linear, a step-only calibrated table) runs as one Triton kernel where Triton "
+        "imports; false: as separate torch operations, as on the CPU (docs/gpu.md).",
+    )
     trace_timeout_s: PositiveFloat = Field(
         default=2.0,
         description="How long a response waits for the engine's last T* trace steps.",

@@ -29,6 +29,7 @@ from noisy_temp_server.engine_contract.keys import (
     CAPTURE_QUEUE_ROWS_ENV,
     CAPTURE_ROWS_PER_STEP_ENV,
     ENGINE_ENV_NAMES,
+    FUSED_STEP_ENV,
     POLICY_FILE_ENV,
     RUNTIME_NOISE_SEED_ENV,
     RUNTIME_NOISE_SIGMA_ENV,
@@ -52,7 +53,9 @@ class EngineConfig:
     (``NTS_RUNTIME_NOISE_SIGMA``, ``NTS_RUNTIME_NOISE_SEED``): the runtime logit noise processor's
     default σ (logit units, 0: off) and seed. ``capture_rows_per_step``, ``capture_positions``,
     ``capture_queue_rows`` (``NTS_CAPTURE_*``, the settings of the same names): the bounds of the
-    capture of served logits.
+    capture of served logits. ``fused_step`` (``NTS_FUSED_STEP``, the setting of the same name):
+    on CUDA, the T* step of the step-only table rules runs as one Triton kernel where Triton
+    imports (false: as separate torch operations everywhere).
 
     Refuses (ValueError naming the variable) a σ that is not finite and >= 0, a capture bound
     below 1, and a bias folder whose path holds ``os.pathsep`` (it could not be listed).
@@ -66,6 +69,7 @@ class EngineConfig:
     capture_rows_per_step: int = 8
     capture_positions: int = 128
     capture_queue_rows: int = 64
+    fused_step: bool = True
 
     def __post_init__(self) -> None:
         sigma = self.runtime_noise_sigma
@@ -134,6 +138,8 @@ def _parsed(values: tuple[str, ...]) -> EngineConfig:
 def _as_text(value: object) -> str:
     if isinstance(value, tuple):
         return os.pathsep.join(str(folder) for folder in value)
+    if isinstance(value, bool):
+        return str(value).lower()
     return repr(value) if isinstance(value, float) else str(value)
 
 
@@ -151,6 +157,16 @@ def _as_float(variable: str, text: str) -> float:
         raise ValueError(f"{variable}={text!r}: expected a number.") from None
 
 
+def _as_bool(variable: str, text: str) -> bool:
+    value = _BOOLEANS.get(text.lower())
+    if value is None:
+        raise ValueError(f"{variable}={text!r}: expected true or false.")
+    return value
+
+
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
+
+
 def _as_folders(_variable: str, text: str) -> tuple[Path, ...]:
     return tuple(Path(entry.strip()) for entry in text.split(os.pathsep) if entry.strip())
 
@@ -164,6 +180,7 @@ _VARIABLE_OF_FIELD = {
     "capture_rows_per_step": CAPTURE_ROWS_PER_STEP_ENV,
     "capture_positions": CAPTURE_POSITIONS_ENV,
     "capture_queue_rows": CAPTURE_QUEUE_ROWS_ENV,
+    "fused_step": FUSED_STEP_ENV,
 }
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "trace_endpoint": lambda _variable, text: text,
@@ -174,4 +191,5 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
     "capture_rows_per_step": _as_int,
     "capture_positions": _as_int,
     "capture_queue_rows": _as_int,
+    "fused_step": _as_bool,
 }

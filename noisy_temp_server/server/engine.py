@@ -150,6 +150,7 @@ def prepare_environment(settings: Settings) -> EngineEnvironment:
             capture_rows_per_step=settings.capture_rows_per_step,
             capture_positions=settings.capture_positions,
             capture_queue_rows=settings.capture_queue_rows,
+            fused_step=settings.fused_step,
         )
     )
     return EngineEnvironment(runtime_dir, prometheus_dir, trace_endpoint)

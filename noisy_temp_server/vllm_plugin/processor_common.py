@@ -116,7 +116,8 @@ def build_slot_tuning(
         )
     device = torch.device(device)
     reporter = None
-    bounds = CaptureBounds.from_engine_config(engine_config())
+    config = engine_config()
+    bounds = CaptureBounds.from_engine_config(config)
     if not duplicate and reports_on_this_rank(vllm_config):
         reporter = Reporter(
             TraceSender.from_env(),
@@ -132,6 +133,7 @@ def build_slot_tuning(
         pin_memory=device.type == "cuda",
         keep_last=keep_last,
         vocab_size=vocab_size,
+        fused_step=None if config.fused_step else False,
     )
     capture = LogitCapture(
         capacity, reporter, bounds, logits_scaled=logits_scaled, pin_memory=device.type == "cuda"

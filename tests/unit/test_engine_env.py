@@ -33,6 +33,7 @@ _EVERY_FIELD_SET = EngineConfig(
     capture_rows_per_step=2,
     capture_positions=33,
     capture_queue_rows=5,
+    fused_step=False,
 )
 
 
@@ -80,6 +81,7 @@ def test_empty_values_and_empty_folders_mean_the_defaults() -> None:
         (keys.CAPTURE_ROWS_PER_STEP_ENV, "0"),
         (keys.CAPTURE_POSITIONS_ENV, "many"),
         (keys.CAPTURE_QUEUE_ROWS_ENV, "-4"),
+        (keys.FUSED_STEP_ENV, "maybe"),
     ],
 )
 def test_an_invalid_value_is_refused_naming_its_variable(variable: str, value: str) -> None:
@@ -92,8 +94,8 @@ def test_a_bias_folder_that_cannot_be_listed_is_refused() -> None:
         EngineConfig(bias_dirs=(Path(f"/a{os.pathsep}b"),))
 
 
-def test_the_capture_variables_are_the_settings_of_the_same_names() -> None:
-    for name in ("capture_rows_per_step", "capture_positions", "capture_queue_rows"):
+def test_the_capture_and_step_variables_are_the_settings_of_the_same_names() -> None:
+    for name in ("capture_rows_per_step", "capture_positions", "capture_queue_rows", "fused_step"):
         assert f"NTS_{name.upper()}" in keys.ENGINE_ENV_NAMES
         assert getattr(EngineConfig(), name) == Settings.model_fields[name].default
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import platform
 import sys
@@ -185,11 +186,12 @@ def check_case(
     for step in STEPS:
         want.copy_(served)
         got.copy_(served_on_device)
-        reference.step(want, *reference.keys(step))
+        all_rows_tuned = step != STEPS[1]  # the middle step checks each row's slot
+        reference.step(want, *reference.keys(step), all_rows_tuned=all_rows_tuned)
         keys, steps = tested.keys(step)
         try:
             with _no_sync(device), torch.inference_mode():  # as vLLM runs its sampler
-                tested.step(got, keys, steps)
+                tested.step(got, keys, steps, all_rows_tuned=all_rows_tuned)
         except RuntimeError as error:
             result["sync_error"] = str(error).splitlines()[0]
             break
@@ -319,8 +321,16 @@ def _sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
     return sorted(sizes, key=lambda size: size != GOAL_SIZE)
 
 
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
+    triton = _triton_version()
     return {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
@@ -330,6 +340,9 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "fused_step": args.fused_step,
+        "triton": triton,
+        "fused_kernel_used": args.fused_step is True
+        or (args.fused_step is None and cuda and triton is not None),
         "command": " ".join(sys.argv),
         "batches": list(args.batches),
         "vocabs": list(args.vocabs),

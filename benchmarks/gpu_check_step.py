@@ -193,12 +193,26 @@ class StepHarness:
         keys = self.slots.long() * STEP_STRIDE + step
         return keys, np.full(len(self.slots_np), step, dtype=np.int64)
 
-    def step(self, logits: torch.Tensor, keys: torch.Tensor, steps: np.ndarray) -> None:
-        """One step on ``logits`` [B, V] (in place), as ``NoisyTemperatureV2.apply``."""
+    def step(
+        self,
+        logits: torch.Tensor,
+        keys: torch.Tensor,
+        steps: np.ndarray,
+        *,
+        all_rows_tuned: bool = True,
+    ) -> None:
+        """One step on ``logits`` [B, V] (in place), as ``NoisyTemperatureV2.apply``
+        (``all_rows_tuned`` False: as after an untuned request held a slot, which makes the step
+        check each row's slot; every slot here is tuned, so the result is the same)."""
         if self.capture.active:
             self.capture.capture(logits, self.slots_np, steps)
         self.tuning.tune(
-            logits, self.slots, keys, self.counted, all_rows_tuned=True, batch_slots=self.slots_np
+            logits,
+            self.slots,
+            keys,
+            self.counted,
+            all_rows_tuned=all_rows_tuned,
+            batch_slots=self.slots_np,
         )
 
     def close(self) -> None:

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS
+
 __all__ = [
     "DEFAULT_PERTURBATION",
     "EngineSettings",
@@ -398,12 +400,9 @@ def engine_settings(settings: Settings, *, on_cpu: bool) -> EngineSettings:
     )
 
 
-_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
 def _parse_bool(text: str) -> bool:
     try:
-        return _BOOL_WORDS[text.strip().lower()]
+        return BOOLEAN_WORDS[text.strip().lower()]
     except KeyError:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 

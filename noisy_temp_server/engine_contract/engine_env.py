@@ -36,7 +36,7 @@ from noisy_temp_server.engine_contract.keys import (
     TRACE_ENDPOINT_ENV,
 )
 
-__all__ = ["EngineConfig", "engine_config"]
+__all__ = ["BOOLEAN_WORDS", "EngineConfig", "engine_config"]
 
 _PARSED_CONFIGS = 8
 
@@ -157,14 +157,15 @@ def _as_float(variable: str, text: str) -> float:
         raise ValueError(f"{variable}={text!r}: expected a number.") from None
 
 
+BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+"""The words a boolean setting or variable may be written as (any case), and what each means."""
+
+
 def _as_bool(variable: str, text: str) -> bool:
-    value = _BOOLEANS.get(text.lower())
+    value = BOOLEAN_WORDS.get(text.lower())
     if value is None:
         raise ValueError(f"{variable}={text!r}: expected true or false.")
     return value
-
-
-_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def _as_folders(_variable: str, text: str) -> tuple[Path, ...]:

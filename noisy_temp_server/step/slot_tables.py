@@ -25,7 +25,6 @@ import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -394,7 +393,7 @@ def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
     return torch.stack((torch.ones_like(temperature), temperature)).double()
 
 
-def _load_fused_step(wanted: bool | None, device: torch.device) -> Callable[..., Any] | None:
+def _load_fused_step(wanted: bool | None, device: torch.device) -> Callable[..., bool] | None:
     """`fused_table_step.fused_table_step` where the step uses it: ``wanted`` True (Triton must
     import), None (on CUDA when Triton imports) or False (never)."""
     if wanted is False or (wanted is None and device.type != "cuda"):

@@ -82,8 +82,9 @@ class SlotTuning(SlotTables):
         untuned rows and for bad rows of rules that read the served row; a bad row of a
         step-only rule keeps its T*. No host sync.
         """
-        if self._fuses(logits, remember=remember):
-            self._fused_tune(logits, slots, keys, counted, all_rows_tuned=all_rows_tuned)
+        if self._fuses(remember=remember) and self._fused_tune(
+            logits, slots, keys, counted, all_rows_tuned=all_rows_tuned
+        ):
             return
         self.bias.add(logits, slots, batch_slots)
         cells = torch.bucketize(keys, self.edge_keys, right=True)
@@ -124,15 +125,13 @@ class SlotTuning(SlotTables):
                 all_rows_tuned=all_rows_tuned,
             )
 
-    def _fuses(self, logits: torch.Tensor, *, remember: bool) -> bool:
-        """Whether this step runs as the fused kernel: it is loaded, every T* is its cell's
-        constant (no ``schedule``, no rule that reads the served row), nothing is remembered,
-        and the logits are float32 rows of unit stride."""
-        return (
-            self.fused_step is not None
-            and not (self._n_scheduled or self._row_policies or remember)
-            and logits.dtype == torch.float32
-            and logits.stride(1) == 1
+    def _fuses(self, *, remember: bool) -> bool:
+        """Whether this step may run as the fused kernel: it is loaded, every slot's T* is its
+        cell's constant (no slot holds ``schedule`` or a rule that reads the served row: one
+        such slot, even one Model Runner V2 keeps after its request finished, sends the whole
+        step down the torch path), and nothing is remembered."""
+        return self.fused_step is not None and not (
+            self._n_scheduled or self._row_policies or remember
         )
 
     def _fused_tune(
@@ -143,13 +142,13 @@ class SlotTuning(SlotTables):
         counted: torch.Tensor | None,
         *,
         all_rows_tuned: bool,
-    ) -> None:
+    ) -> bool:
         """`tune` for the step-only table rules in one kernel (`fused_table_step`), then the
-        reports."""
+        reports; False, having done nothing, where the kernel does not take the tensors."""
         assert self.fused_step is not None
-        temperature = torch.empty(logits.shape[0], device=logits.device)
+        temperature = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         reporting = self.reporter is not None
-        self.fused_step(
+        ran = self.fused_step(
             logits,
             slots,
             keys,
@@ -162,8 +161,9 @@ class SlotTuning(SlotTables):
             counted=counted,
             tuned=None if all_rows_tuned else self.tuned,
         )
-        if reporting:
+        if ran and reporting:
             self._stage_reports(slots, keys, None, temperature)
+        return bool(ran)
 
     def _read_rows(
         self,

@@ -1,8 +1,9 @@
 """The fused step of the table rules (`step.fused_table_step`, a Triton kernel) against the torch
 path of `SlotTuning.tune`, in Triton's interpreter on the CPU: the same logits, T* summaries and
 bad rows, over rows whose telling value sits in one block of the kernel's columns only (a last
-live token, one NaN, one +inf), slots with two biases and none, an untuned slot and a row not
-counted. On CUDA, `benchmarks/gpu_check.py` runs the same comparison.
+live token, one NaN, one +inf), slots with two biases and none, an untuned slot, a traced slot,
+a row not counted, and the tensors each vLLM runner hands over; and it falls back to the torch
+path for tensors it does not take. On CUDA, `benchmarks/gpu_check.py` runs the same comparison.
 
 Triton's interpreter must be chosen before Triton is first imported, so the comparisons run in a
 fresh interpreter with ``TRITON_INTERPRET=1`` (`test_in_the_interpreter`); in the suite's own
@@ -14,7 +15,9 @@ import dataclasses
 import os
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -70,10 +73,30 @@ def test_in_the_interpreter() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "4 passed" in done.stdout, done.stdout[-2000:]
+    assert "8 passed" in done.stdout, done.stdout[-2000:]
 
 
-def _tuning(*, fused: bool, reporting: bool) -> tuple[SlotTuning, Reporter | None]:
+@dataclasses.dataclass
+class _Launches:
+    """Counts the fused kernel's runs (calls that returned True) of one `SlotTuning`."""
+
+    tuning: SlotTuning
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        kernel = self.tuning.fused_step
+
+        def counted(*args: Any, **kwargs: Any) -> bool:
+            assert kernel is not None
+            ran = bool(kernel(*args, **kwargs))
+            self.count += ran
+            return ran
+
+        if kernel is not None:
+            self.tuning.fused_step = counted
+
+
+def _tuning(*, fused: bool, reporting: bool) -> tuple[SlotTuning, Reporter | None, _Launches]:
     reporter = None
     if reporting:
         metrics = step_temperature_metrics(CollectorRegistry())
@@ -95,71 +118,120 @@ def _tuning(*, fused: bool, reporting: bool) -> tuple[SlotTuning, Reporter | Non
             continue
         if bias is not None:
             policy = dataclasses.replace(policy, bias=hashes[bias])
-        keys = parse_request_args({"nts_policy": policy.to_json()})
+        extra_args = {"nts_policy": policy.to_json(), "nts_trace_id": f"request-{slot}"}
+        keys = parse_request_args(extra_args | {"nts_trace": slot == 1})
         tuning.stage(slot, resolve_request(keys, 1.0), 1.0, resolve_correction(keys))
     tuning.flush_staged()
-    return tuning, reporter
+    return tuning, reporter, _Launches(tuning)
 
 
-def _logits() -> torch.Tensor:
-    logits = torch.randn(len(ROW_SLOTS), VOCAB, generator=torch.Generator().manual_seed(0))
+def _logits(step: int) -> torch.Tensor:
+    """The step's served rows, as a view of wider rows (unit column stride, as vLLM's)."""
+    generator = torch.Generator().manual_seed(step)
+    logits = torch.randn(len(ROW_SLOTS), VOCAB + 7, generator=generator)[:, :VOCAB]
     logits[1] = -torch.inf
-    logits[1, VOCAB - 1] = 0.5  # live in the last chunk only: not bad
+    logits[1, VOCAB - 1] = 0.5  # live in the last block only: not bad
     logits[2] = -torch.inf  # all masked: bad
-    logits[3, 8_999] = torch.nan  # NaN in the last chunk: bad
+    logits[3, 8_999] = torch.nan  # NaN in the last block: bad
     logits[4] = torch.nan  # bad, but its slot is untuned
-    logits[5, 5_000] = torch.inf  # +inf in the middle chunk: bad
+    logits[5, 5_000] = torch.inf  # +inf in the middle block: bad
     return logits
 
 
-def _step(
-    tuning: SlotTuning, reporter: Reporter | None, *, all_rows_tuned: bool
-) -> tuple[torch.Tensor, object, float]:
-    logits = _logits()
-    slots = torch.tensor(ROW_SLOTS)
-    keys = slots * STEP_STRIDE + torch.tensor(ROW_STEPS)
-    tuning.tune(logits, slots, keys, torch.tensor(COUNTED), all_rows_tuned=all_rows_tuned)
+@dataclasses.dataclass(frozen=True)
+class _Runner:
+    """How a vLLM runner hands a step to `SlotTuning.tune`."""
+
+    slot_dtype: torch.dtype
+    counted: str  # "bool", "int64" (0/1) or "none" (every row counted)
+    batch_slots: bool  # V2 names the batch's slots on the host
+
+    def counted_rows(self) -> torch.Tensor | None:
+        flags = torch.tensor(COUNTED)
+        return {"bool": flags, "int64": flags.long(), "none": None}[self.counted]
+
+
+RUNNERS = {
+    "v2": _Runner(torch.int32, "bool", batch_slots=True),
+    "v1": _Runner(torch.int64, "int64", batch_slots=False),
+    "v1-all-counted": _Runner(torch.int64, "none", batch_slots=False),
+}
+
+
+def _steps(
+    built: tuple[SlotTuning, Reporter | None, _Launches], runner: _Runner, *, all_rows_tuned: bool
+) -> tuple[list[torch.Tensor], object, float]:
+    """Two steps (the second two generation steps on), then what was accounted."""
+    tuning, reporter, _ = built
+    tuned_rows = []
+    for step in (0, 2):
+        logits = _logits(step)
+        slots = torch.tensor(ROW_SLOTS, dtype=runner.slot_dtype)
+        keys = slots.long() * STEP_STRIDE + torch.tensor(ROW_STEPS) + step
+        tuning.tune(
+            logits,
+            slots,
+            keys,
+            runner.counted_rows(),
+            all_rows_tuned=all_rows_tuned,
+            batch_slots=np.asarray(ROW_SLOTS) if runner.batch_slots else None,
+        )
+        tuned_rows.append(logits)
     if reporter is None:
-        return logits, None, 0.0
+        return tuned_rows, None, 0.0
     reporter.close()
-    return logits, tuning.summaries(), float(tuning.bad_rows)
+    return tuned_rows, tuning.summaries(), float(tuning.bad_rows)
 
 
 @interpreted_only
+@pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("all_rows_tuned", [False, True])
-def test_the_kernel_does_what_the_torch_path_does(all_rows_tuned: bool) -> None:
-    want = _step(*_tuning(fused=False, reporting=True), all_rows_tuned=all_rows_tuned)
-    got = _step(*_tuning(fused=True, reporting=True), all_rows_tuned=all_rows_tuned)
-    torch.testing.assert_close(got[0], want[0], equal_nan=True, rtol=0, atol=0)
+def test_the_kernel_does_what_the_torch_path_does(runner: str, all_rows_tuned: bool) -> None:
+    reference, fused = _tuning(fused=False, reporting=True), _tuning(fused=True, reporting=True)
+    want = _steps(reference, RUNNERS[runner], all_rows_tuned=all_rows_tuned)
+    got = _steps(fused, RUNNERS[runner], all_rows_tuned=all_rows_tuned)
+    assert (reference[2].count, fused[2].count) == (0, 2)  # the kernel ran both steps
+    for tuned, expected in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(tuned, expected, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]))
-    assert want[2] == (4.0 if all_rows_tuned else 3.0)  # the fixture's bad rows, as the reference
+    bad_per_step = 4.0 if all_rows_tuned else 3.0  # the fixture's bad rows (row 4's is untuned)
+    assert want[2] == 2 * bad_per_step
     assert got[2] == want[2]
 
 
 @interpreted_only
 def test_without_a_reporter_it_only_tunes() -> None:
-    want = _step(*_tuning(fused=False, reporting=False), all_rows_tuned=False)[0]
-    got = _step(*_tuning(fused=True, reporting=False), all_rows_tuned=False)[0]
-    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
-    assert not torch.equal(got[0].nan_to_num(), _logits()[0].nan_to_num())  # it did divide
+    fused = _tuning(fused=True, reporting=False)
+    want = _steps(_tuning(fused=False, reporting=False), RUNNERS["v2"], all_rows_tuned=False)
+    got = _steps(fused, RUNNERS["v2"], all_rows_tuned=False)
+    assert fused[2].count == 2
+    for tuned, expected in zip(got[0], want[0], strict=True):
+        torch.testing.assert_close(tuned, expected, equal_nan=True, rtol=0, atol=0)
+    assert not torch.equal(got[0][0].nan_to_num(), _logits(0)[0].nan_to_num())  # it did divide
 
 
 @interpreted_only
-def test_refuses_what_it_cannot_run() -> None:
+def test_tensors_it_does_not_take_go_down_the_torch_path() -> None:
     from noisy_temp_server.step.fused_table_step import fused_table_step  # noqa: PLC0415
 
-    tuning, _ = _tuning(fused=True, reporting=False)
-    with pytest.raises(ValueError, match="float32"):
-        fused_table_step(
-            torch.zeros(2, VOCAB, dtype=torch.float16),
-            torch.tensor([0, 1]),
-            torch.tensor([0, STEP_STRIDE]),
-            edge_keys=tuning.edge_keys,
-            cell_table=tuning.cell_table,
-            bias_rows=None,
-            bias_table=tuning.bias.table,
-            temperature=torch.empty(2),
-            accounts=None,
-            counted=None,
-            tuned=None,
-        )
+    tuning, _, _ = _tuning(fused=True, reporting=False)
+    slots, keys = torch.tensor([0, 1]), torch.tensor([0, STEP_STRIDE])
+    arguments: dict[str, Any] = {
+        "edge_keys": tuning.edge_keys,
+        "cell_table": tuning.cell_table,
+        "bias_rows": tuning.bias.slot_rows,
+        "bias_table": tuning.bias.table,
+        "temperature": torch.empty(2),
+        "accounts": None,
+        "counted": None,
+        "tuned": None,
+    }
+    half = torch.zeros(2, VOCAB, dtype=torch.float16)
+    assert not fused_table_step(half, slots, keys, **arguments)
+    narrower = torch.zeros(2, VOCAB - 1)  # not the bias table's width
+    assert not fused_table_step(narrower, slots, keys, **arguments)
+    assert torch.equal(narrower, torch.zeros(2, VOCAB - 1))
+    strided = torch.tensor([0, 9, 1, 9])[::2]
+    assert not fused_table_step(torch.zeros(2, VOCAB), strided, keys, **arguments)
+    assert not fused_table_step(torch.zeros(3, VOCAB), slots, keys, **arguments)  # 2 slots, 3 rows
+    assert fused_table_step(torch.zeros(2, VOCAB), slots, keys, **arguments)

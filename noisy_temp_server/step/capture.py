@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from noisy_temp_server.devices import upload
 from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, parse_request_args
 from noisy_temp_server.step.batch_rows import RowColumns
 
@@ -233,7 +234,4 @@ class RowCapture:
         )
 
     def _upload(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self._pin:
-            tensor = tensor.pin_memory()
-        return tensor.to(device, non_blocking=True)
+        return upload(torch.from_numpy(array), device, pin=self._pin)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from noisy_temp_server.correction.files import check_bias_vocabulary
+from noisy_temp_server.devices import upload
 from noisy_temp_server.engine_contract.bias_files import load_bias
 from noisy_temp_server.engine_contract.request_args import LogitCorrection
 
@@ -153,13 +154,12 @@ class SlotBias:
         if not all(self._users[1:]):
             self._drop_free_rows()
         rows = np.arange(1, len(self._users), dtype=np.int64)
-        self.weight = self._to_device(torch.from_numpy(self._host_row[:, None] == rows).float())
-        self.slot_rows = self._to_device(torch.from_numpy(self._host_row.copy()))
+        self.weight = upload(
+            torch.from_numpy(self._host_row[:, None] == rows).float(), self.device, pin=self._pin
+        )
+        self.slot_rows = upload(torch.from_numpy(self._host_row.copy()), self.device, pin=self._pin)
         self._vectors = list(self.table[1:])
         self._flushed_row = self._host_row.copy()
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return (host.pin_memory() if self._pin else host).to(self.device, non_blocking=True)
 
     def _drop_free_rows(self) -> None:
         kept = [0] + [row for row in range(1, len(self._users)) if self._users[row]]

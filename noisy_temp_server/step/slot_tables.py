@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from noisy_temp_server.devices import upload
 from noisy_temp_server.engine_contract.request_args import LogitCorrection, RequestTuning
 from noisy_temp_server.step.engine_metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.step.logit_bias import FILE_CORRECTIONS, CorrectionSource, SlotBias
@@ -375,10 +376,7 @@ class SlotTables:
 
     def upload(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device (asynchronously, from pinned memory on CUDA)."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self._pin:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        return upload(torch.from_numpy(np.ascontiguousarray(array)), self.device, pin=self._pin)
 
     def summaries(self) -> np.ndarray:
         """``[slots, 4]`` (sum, count, min, max) of each slot's counted T* so far (a device

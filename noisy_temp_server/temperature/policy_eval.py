@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from noisy_temp_server.devices import upload
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import (
     Rule,
@@ -65,12 +66,9 @@ def _policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyT
 
 
 def _on_device(data: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``data`` as a tensor on ``device``, copied without a host sync (from pinned memory on
-    CUDA), so that a policy's first step inside the engine's sampler does not stall it."""
-    host = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    """``data`` as a tensor on ``device``, copied without a host sync, so that a policy's first
+    step inside the engine's sampler does not stall it."""
+    return upload(torch.tensor(data, dtype=dtype), device, pin=device.type == "cuda")
 
 
 def _build_policy_tensors(policy: TemperaturePolicy, device: torch.device) -> _PolicyTensors:

@@ -34,6 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from noisy_temp_server.devices import upload
 from noisy_temp_server.engine_contract.bias_files import bias_directories
 from noisy_temp_server.step.slot_tuning import STEP_STRIDE
 from noisy_temp_server.vllm_plugin.processor_common import (
@@ -172,10 +173,7 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
         self._step_writes.clear()
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array.copy())
-        if self._pin:
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        return upload(torch.from_numpy(array.copy()), self.device, pin=self._pin)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] float32, biased and divided in place on the tuned rows and returned.

@@ -4,10 +4,11 @@ the bad-row count and the accounting), in one launch that reads and writes each 
 
 On CUDA the launches, not the bytes, are the cost of that torch path: each operation costs the
 host some microseconds and the device waits for each launch, so the step's host time is added to
-every decode step (docs/gpu.md has the figures). The torch path stays
-the reference and the path everywhere else: on the CPU, for ``schedule`` and the rules that read
-the served row, and for the V1 runner's ``remember``. `tests/unit/test_fused_table_step.py` runs
-this kernel against it in Triton's interpreter, and `benchmarks/gpu_check.py` on a GPU.
+every decode step (docs/gpu.md has the figures). The torch path stays the reference and the
+path everywhere else: on the CPU, for ``schedule`` and the rules that read the served row, for
+the V1 runner's ``remember``, and for tensors this kernel does not take.
+`tests/unit/test_fused_table_step.py` runs it against the torch path in Triton's interpreter,
+and `benchmarks/gpu_check.py` on a GPU.
 
 Importing this module imports Triton; `SlotTuning` imports it only when it uses the kernel.
 """

@@ -50,8 +50,8 @@ if _ROOT not in sys.path:  # the checkout's package, installed or not
     sys.path.insert(0, _ROOT)
 
 from gpu_check_adapter import (  # noqa: E402
-    LLAMA_8B,
-    QUICK_SHAPE,
+    FULL_SIZES,
+    QUICK_SIZES,
     check_fit,
     check_lora_decode,
 )
@@ -77,23 +77,9 @@ GOALS = {
 with a bias."""
 FULL = {"batches": (1, 64, 256), "vocabs": (49_152, 128_256, 151_936), "repeats": 20}
 QUICK = {"batches": (1, 8), "vocabs": (1_000, 3_001), "repeats": 3}
-ADAPTER_FULL = {
-    "shape": LLAMA_8B,
-    "lora_ranks": (16, 64),
-    "decode_batches": (1, 32, 256),
-    "blocks": 8,
-    "fit_rank": 64,
-    "fit_tokens": 4096,
-}
-ADAPTER_QUICK = {
-    "shape": QUICK_SHAPE,
-    "lora_ranks": (4, 8),
-    "decode_batches": (1, 8),
-    "blocks": 2,
-    "fit_rank": 8,
-    "fit_tokens": 256,
-}
 _FUSED_STEP = {"auto": None, "on": True, "off": False}
+PIPELINED_STEPS = 10
+"""Steps run back to back for ``quiet_step_pipelined_us``."""
 STEP_SHARE = 0.6
 """The share of ``--budget-s`` after which the step check skips what is left (the fit gets the
 rest)."""
@@ -229,6 +215,24 @@ def _step_times(
         )
 
 
+def _pipelined_step_us(
+    harness: StepHarness, source: torch.Tensor, device: torch.device, repeats: int
+) -> float:
+    """Device µs per step of `PIPELINED_STEPS` steps run back to back, so that the host
+    launches a step while the device still runs the one before (as in serving): the kernels'
+    own time where they outlast their launches. The median of ``repeats`` such runs."""
+    logits = source.clone()
+    keys, steps = harness.keys(STEPS[1])
+
+    def run() -> None:
+        for _ in range(PIPELINED_STEPS):
+            harness.step(logits, keys, steps)
+
+    with torch.inference_mode():
+        device_us, _ = timed(run, lambda: logits.copy_(source), device, repeats)
+    return device_us / PIPELINED_STEPS
+
+
 def measure_cost(
     rule: str,
     correction: str,
@@ -246,7 +250,8 @@ def measure_cost(
     batch, vocab = served.shape
     policy = fixture.policy(POLICIES[rule], correction)
     source = served.to(device)
-    times = {}
+    times: dict[bool, tuple[float, float]] = {}
+    pipelined = 0.0
     for observed in (True, False):
         harness = StepHarness(
             policy,
@@ -259,6 +264,8 @@ def measure_cost(
             observed=observed,
         )
         times[observed] = _step_times(harness, source, device, repeats)
+        if not observed:  # the quiet step, back to back
+            pipelined = _pipelined_step_us(harness, source, device, repeats)
         harness.close()
     logits = source.clone()
 
@@ -275,6 +282,7 @@ def measure_cost(
     result = {"rule": rule, "correction": correction, "batch": batch, "vocab": vocab}
     result |= {"step_device_us": step[0], "step_host_us": step[1]}
     result |= {"quiet_step_device_us": quiet[0], "quiet_step_host_us": quiet[1]}
+    result |= {"quiet_step_pipelined_us": pipelined}
     result |= {"divide_device_us": divide[0], "divide_host_us": divide[1]}
     result |= {"add_device_us": add[0], "limit_us": limit_us}
     result |= {"step_over_divide": step[0] / divide[0]}
@@ -423,14 +431,14 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
     """The adapter's decode cost, the step check until `STEP_SHARE` of ``budget_s``, then the
     adapter's fit until ``budget_s``; ``save`` gets the results so far after each part."""
     device = torch.device(args.device)
-    sizes = ADAPTER_QUICK if args.quick else ADAPTER_FULL
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
     results: dict[str, Any] = {"meta": _meta(args, device)}
     results["adapter"] = {
         "lora_decode": check_lora_decode(
-            sizes["shape"],
-            ranks=sizes["lora_ranks"],
-            batches=sizes["decode_batches"],
-            blocks=sizes["blocks"],
+            sizes.shape,
+            ranks=sizes.lora_ranks,
+            batches=sizes.decode_batches,
+            blocks=sizes.blocks,
             repeats=args.repeats,
             device=device,
         )
@@ -440,9 +448,9 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dic
     results |= check_step(args, device, _STARTED + STEP_SHARE * args.budget_s)
     save(results)
     results["adapter"]["fit"] = check_fit(
-        sizes["shape"],
-        sizes["fit_rank"],
-        sizes["fit_tokens"],
+        sizes.shape,
+        sizes.fit_rank,
+        sizes.fit_tokens,
         device,
         seed=args.seed,
         deadline=_STARTED + args.budget_s,

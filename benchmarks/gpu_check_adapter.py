@@ -78,8 +78,24 @@ def _idle() -> None:
     """Nothing to reset between timed calls."""
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterSizes:
+    """What the adapter part of the check measures: the block's shape, the LoRA ranks and
+    decode batches of `check_lora_decode` over ``blocks`` blocks, the fit's rank and tokens."""
+
+    shape: BlockShape
+    lora_ranks: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    blocks: int
+    fit_rank: int
+    fit_tokens: int
+
+
 LLAMA_8B = BlockShape(hidden=4096, mlp=14336, kv=1024)
-QUICK_SHAPE = BlockShape(hidden=64, mlp=224, kv=16)
+FULL_SIZES = AdapterSizes(LLAMA_8B, (16, 64), (1, 32, 256), blocks=8, fit_rank=64, fit_tokens=4096)
+QUICK_SIZES = AdapterSizes(
+    BlockShape(hidden=64, mlp=224, kv=16), (4, 8), (1, 8), blocks=2, fit_rank=8, fit_tokens=256
+)
 
 
 def _fit_inputs(

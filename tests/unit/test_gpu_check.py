@@ -79,6 +79,7 @@ def test_quick_cpu_run_covers_every_case_and_passes(
     for row in results["cost"]:
         assert row["step_device_us"] > 0
         assert row["quiet_step_device_us"] > 0
+        assert row["quiet_step_pipelined_us"] > 0
         assert row["divide_device_us"] > 0
         assert row["limit_us"] > 0
     assert results["copy_bandwidth_gb_s"] > 0

@@ -160,6 +160,8 @@ class SlotTables:
         self._build_tables(_INITIAL_COLUMNS)
         self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory, source=corrections)
         self.fused_step = _load_fused_step(fused_step, self.device)
+        # The fused step's T* of each row, for the trace (grown to the widest step seen).
+        self.row_temperature = torch.empty(n, dtype=torch.float32, device=self.device)
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,

@@ -146,7 +146,10 @@ class SlotTuning(SlotTables):
         """`tune` for the step-only table rules in one kernel (`fused_table_step`), then the
         reports; False, having done nothing, where the kernel does not take the tensors."""
         assert self.fused_step is not None
-        temperature = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        rows = logits.shape[0]
+        if rows > self.row_temperature.numel():  # speculative decoding: rows beyond the slots
+            self.row_temperature = torch.empty(rows, dtype=torch.float32, device=self.device)
+        temperature = self.row_temperature[:rows]
         reporting = self.reporter is not None
         ran = self.fused_step(
             logits,
@@ -163,7 +166,7 @@ class SlotTuning(SlotTables):
         )
         if ran and reporting:
             self._stage_reports(slots, keys, None, temperature)
-        return bool(ran)
+        return ran
 
     def _read_rows(
         self,

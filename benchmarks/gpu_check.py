@@ -204,33 +204,26 @@ def copy_bandwidth_gb_s(device: torch.device) -> float:
 
 
 def _step_times(
-    harness: StepHarness, source: torch.Tensor, device: torch.device, repeats: int
+    harness: StepHarness,
+    source: torch.Tensor,
+    device: torch.device,
+    repeats: int,
+    *,
+    back_to_back: int = 1,
 ) -> tuple[float, float]:
-    """(device µs, host µs) of ``harness``'s step on fresh copies of ``source``."""
-    logits = source.clone()
-    keys, steps = harness.keys(STEPS[1])
-    with torch.inference_mode():
-        return timed(
-            lambda: harness.step(logits, keys, steps), lambda: logits.copy_(source), device, repeats
-        )
-
-
-def _pipelined_step_us(
-    harness: StepHarness, source: torch.Tensor, device: torch.device, repeats: int
-) -> float:
-    """Device µs per step of `PIPELINED_STEPS` steps run back to back, so that the host
-    launches a step while the device still runs the one before (as in serving): the kernels'
-    own time where they outlast their launches. The median of ``repeats`` such runs."""
+    """(device µs, host µs) per step of ``harness``'s step on fresh copies of ``source``:
+    ``back_to_back`` steps timed together, so that from two on the host launches a step while
+    the device still runs the one before (as in serving)."""
     logits = source.clone()
     keys, steps = harness.keys(STEPS[1])
 
     def run() -> None:
-        for _ in range(PIPELINED_STEPS):
+        for _ in range(back_to_back):
             harness.step(logits, keys, steps)
 
     with torch.inference_mode():
-        device_us, _ = timed(run, lambda: logits.copy_(source), device, repeats)
-    return device_us / PIPELINED_STEPS
+        device_us, host_us = timed(run, lambda: logits.copy_(source), device, repeats)
+    return device_us / back_to_back, host_us / back_to_back
 
 
 def measure_cost(
@@ -250,9 +243,8 @@ def measure_cost(
     batch, vocab = served.shape
     policy = fixture.policy(POLICIES[rule], correction)
     source = served.to(device)
-    times: dict[bool, tuple[float, float]] = {}
-    pipelined = 0.0
-    for observed in (True, False):
+
+    def step_times(*, observed: bool, back_to_back: int = 1) -> tuple[float, float]:
         harness = StepHarness(
             policy,
             batch,
@@ -263,10 +255,13 @@ def measure_cost(
             fused_step=fused_step,
             observed=observed,
         )
-        times[observed] = _step_times(harness, source, device, repeats)
-        if not observed:  # the quiet step, back to back
-            pipelined = _pipelined_step_us(harness, source, device, repeats)
-        harness.close()
+        try:
+            return _step_times(harness, source, device, repeats, back_to_back=back_to_back)
+        finally:
+            harness.close()
+
+    step, quiet = step_times(observed=True), step_times(observed=False)
+    pipelined, _ = step_times(observed=False, back_to_back=PIPELINED_STEPS)
     logits = source.clone()
 
     def reset() -> None:
@@ -277,7 +272,6 @@ def measure_cost(
         divide = timed(lambda: logits.div_(column), reset, device, repeats)
         bias = fixture.bias.to(device)
         add = timed(lambda: logits.add_(bias), reset, device, repeats)
-    step, quiet = times[True], times[False]
     limit_us = 2 * batch * vocab * 4 / (bandwidth_gb_s * 1e9) * 1e6
     result = {"rule": rule, "correction": correction, "batch": batch, "vocab": vocab}
     result |= {"step_device_us": step[0], "step_host_us": step[1]}

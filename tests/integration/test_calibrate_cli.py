@@ -121,13 +121,7 @@ def test_calibrate_refuses_too_few_positions(
 def test_calibrate_measures_the_request_temperatures_it_is_given(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = [
-        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
-        "--validation-fraction",
-        "0.5",
-        "--bias-rows",
-        "1000",
-    ]
+    base = _small_calibration(tiny_model_dir, tmp_path / "p.json", "--bias-rows", "1000")
     assert _run(calibrate_command, [*base, "--request-temperatures", "0.5,0.8"]) == 1
     assert "include 1.0" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
@@ -146,18 +140,18 @@ def _noisy_pair(clean: Path, out: Path, *, prompts: int, tokens: int) -> list[st
     return [*pair, "--num-prompts", str(prompts), "--max-new-tokens", str(tokens)]
 
 
+def _small_calibration(clean: Path, out: Path, *flags: str) -> list[str]:
+    """`_noisy_pair` at 24 prompts of 20 tokens, half of them for validation, then `flags`."""
+    pair = _noisy_pair(clean, out, prompts=24, tokens=20)
+    return [*pair, "--validation-fraction", "0.5", *flags]
+
+
 def test_calibrate_fits_an_adapter_first_and_saves_it_beside_the_profile(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
-        "--validation-fraction",
-        "0.5",
-        "--bias-rows",
-        "500",
-        "--adapter-rank",
-        "8",
-    ]
+    argv = _small_calibration(
+        tiny_model_dir, tmp_path / "p.json", "--bias-rows", "500", "--adapter-rank", "8"
+    )
     assert _run(calibrate_command, argv) == 0
     out = capsys.readouterr().out
     assert "Adapter: rank 8 propagated, 14 layers" in out
@@ -190,17 +184,12 @@ def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_one
 def test_calibrate_distils_the_adapter_when_asked_and_records_it(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        *_noisy_pair(tiny_model_dir, tmp_path / "p.json", prompts=24, tokens=20),
-        "--validation-fraction",
-        "0.5",
-        "--adapter-rank",
-        "8",
-        "--adapter-distil-epochs",
-        "2",
-        "--adapter-distil-completions",
-        "2",
-    ]
+    argv = _small_calibration(
+        tiny_model_dir,
+        tmp_path / "p.json",
+        *("--adapter-rank", "8", "--adapter-distil-epochs", "2"),
+        *("--adapter-distil-completions", "2"),
+    )
     assert _run(calibrate_command, argv) == 0
     assert "distilled 2 epochs, epoch " in capsys.readouterr().out
     profile = Profile.model_validate_json((tmp_path / "p.json").read_text())

@@ -64,6 +64,7 @@ from noisy_temp_server.calibration.significance import (
     split_selection_gate,
 )
 from noisy_temp_server.correction.paired_rows import PairedRows
+from noisy_temp_server.pairs.layer_inputs import adapter_targets
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.pairs.records import PositionRecords
@@ -279,13 +280,15 @@ def _calibrate_adapter(
     device: str | torch.device,
 ) -> AdapterCalibration:
     """The adapter of `settings.adapter_rank`, fitted on completions sampled without it.
-    ValueError, before any sampling, for a pair whose served weights are the clean ones."""
+    ValueError, before any sampling, for a pair whose served weights are the clean ones or a
+    rank no perturbed layer can take (`adapter_targets`)."""
     if pair.served_model is pair.clean_model:
         raise ValueError(
             "--adapter-rank needs a pair whose served weights differ from the clean ones; this "
             "pair serves the clean weights (runtime logit noise): there is no weight error for "
             "an adapter to correct"
         )
+    adapter_targets(pair.clean_model, pair.served_model, settings.adapter_rank)
     sequences = sample_completions(
         pair,
         prompts,

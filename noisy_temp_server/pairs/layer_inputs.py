@@ -40,6 +40,7 @@ from noisy_temp_server.pairs.scorer import ScoringSequence
 
 __all__ = [
     "AdapterMethod",
+    "adapter_targets",
     "applied_deltas",
     "decoder_blocks",
     "fit_compensation_adapter",
@@ -103,6 +104,27 @@ def perturbed_linears(clean: nn.Module, served: nn.Module) -> list[str]:
             raise ValueError(f"the clean model has no linear layer {name} of the served shape")
         if not torch.equal(reference.weight, module.weight):
             names.append(name)
+    return names
+
+
+def adapter_targets(clean: nn.Module, served: nn.Module, rank: int) -> list[str]:
+    """The layers a rank-`rank` adapter of the pair corrects (`perturbed_linears`). ValueError
+    when there are none (runtime noise serves the clean weights: nothing for an adapter to
+    correct), or when `rank` is below 1 or above a layer's smallest side, naming the layer."""
+    names = perturbed_linears(clean, served)
+    if not names:
+        raise ValueError(
+            "the served weights equal the clean ones (e.g. runtime logit noise): there is no "
+            "weight error for an adapter to correct"
+        )
+    modules = dict(served.named_modules())
+    narrowest = min(names, key=lambda name: min(modules[name].weight.shape))
+    shape = tuple(modules[narrowest].weight.shape)
+    if not 1 <= rank <= min(shape):
+        raise ValueError(
+            f"adapter rank {rank} must be between 1 and {min(shape)}, the smallest side of the "
+            f"perturbed layer {narrowest} ({shape[0]} × {shape[1]})"
+        )
     return names
 
 
@@ -331,15 +353,9 @@ def fit_compensation_adapter(
     `sequences` as the module docstring describes (``svd``: plain SVD, inputs unused;
     ``propagated``: each layer fitted to give the clean layer's outputs on the clean model's
     inputs, `_propagated_block_deltas`). `progress(done, total)` after each block. Leaves both
-    models' weights as they were. ValueError when no layer differs (runtime noise serves the
-    clean weights: nothing for an adapter to correct), for no sequences, or a rank above a
-    layer's smallest side."""
-    names = perturbed_linears(clean_model, served_model)
-    if not names:
-        raise ValueError(
-            "the served weights equal the clean ones (e.g. runtime logit noise): there is no "
-            "weight error for an adapter to correct"
-        )
+    models' weights as they were. ValueError for no sequences, and as `adapter_targets` (no
+    layer differs, or a rank outside a layer's sides)."""
+    names = adapter_targets(clean_model, served_model, rank)
     if not sequences:
         raise ValueError("an adapter is fitted on token sequences; got none")
     prefix, blocks = decoder_blocks(served_model)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from noisy_temp_server.calibration import pipeline
 from noisy_temp_server.calibration.adapter_calibration import RIDGES
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import calibrate as calibrate_command
@@ -178,6 +179,24 @@ def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_one
     assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--adapter-rank"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --adapter-rank needs a pair whose served weights differ")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_refuses_a_rank_above_a_layers_side_before_sampling(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_sampling(*_: object, **__: object) -> None:
+        raise AssertionError("sampled before the rank was checked")
+
+    monkeypatch.setattr(pipeline, "sample_completions", no_sampling)
+    argv = _small_calibration(tiny_model_dir, tmp_path / "p.json", "--adapter-rank", "33")
+    assert _run(calibrate_command, argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: adapter rank 33 must be between 1 and 32, the smallest ")
+    assert "perturbed layer model.layers.0." in err[-1]
     assert not (tmp_path / "p.json").exists()
 
 

@@ -15,6 +15,7 @@ from noisy_temp_server.pairs.compressed import write_compressed_checkpoint
 from noisy_temp_server.pairs.layer_inputs import (
     _first_block_inputs,
     _stages,
+    adapter_targets,
     fit_compensation_adapter,
     perturbed_linears,
 )
@@ -128,6 +129,18 @@ def test_a_pair_without_weight_error_is_refused(models) -> None:  # type: ignore
     clean, _ = models
     with pytest.raises(ValueError, match="no weight error"):
         fit_compensation_adapter(clean, clean, _sequences(2, seed=4), rank=4)
+
+
+@pytest.mark.parametrize("rank", [0, 33])
+def test_a_rank_outside_a_layers_sides_is_refused_naming_the_layer(models, rank: int) -> None:  # type: ignore[no-untyped-def]
+    clean, served = models
+    message = (
+        rf"adapter rank {rank} must be between 1 and 32, .* model\.layers\.0\.\S+ \(\d+ × \d+\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        adapter_targets(clean, served, rank)
+    with pytest.raises(ValueError, match=message):
+        fit_compensation_adapter(clean, served, _sequences(1, seed=6), rank=rank, method="svd")
 
 
 def test_a_compressed_checkpoint_is_fitted_on_its_dequantized_weights(

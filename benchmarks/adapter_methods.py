@@ -1,14 +1,16 @@
 """The compensation adapter's fit methods side by side, on the same pair, rank and prompts.
 
-The served model samples one completion (T = 1) per fit prompt (the first ``--fit-prompts``
-shipped calibration prompts) and per test prompt (``--test-prompts``, by default the 24
-formal prompts of another domain). Each method of ``--methods`` (``method:ridge``, e.g.
-``eora:0.001`` or ``propagated:10``) fits a rank-``--rank`` adapter on the fit sequences
-(`pairs.layer_inputs.fit_compensation_adapter`), and the served model with it is scored
-against the clean one at T = 1 on the test sequences. Reported per method: the fit's wall
+The served model samples completions (T = 1) of the fit prompts (the first ``--fit-prompts``
+shipped calibration prompts; as many per prompt as the largest of ``--completions``) and one per
+test prompt (``--test-prompts``, by default the 24 formal prompts of another domain). Each
+method of ``--methods`` (``method:ridge``, e.g. ``eora:0.001`` or ``propagated:10``) fits a
+rank-``--rank`` adapter on the first K completions of each fit prompt, for each K of
+``--completions`` (`pairs.layer_inputs.fit_compensation_adapter`), and the served model with it
+is scored against the clean one at T = 1 on the test sequences. Reported per method: the fit's wall
 time, mean KL(clean || served + adapter), the share of KL(T = 1) removed with its
 prompt-clustered standard error, and the paired difference in that share to every method
-listed before it (positive: this one removes more), clustered the same way.
+listed before it (positive: this one removes more), clustered the same way. A row is
+``method:ridge``, or ``method:ridge ×K`` where K is not 1.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/adapter_methods.py \\
         --spec '{"kind": "quantization", "format": "int4", "group_size": 128}' --rank 16 \\
@@ -18,6 +20,7 @@ listed before it (positive: this one removes more), clustered the same way.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -46,6 +49,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--methods", default="eora:0.001,propagated:10")
     parser.add_argument("--fit-prompts", type=int, default=40)
+    parser.add_argument(
+        "--completions", default="1", help="completions per fit prompt to fit on, e.g. 1,4"
+    )
     parser.add_argument("--test-prompts", type=Path, default=FORMAL_PROMPTS)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
@@ -64,6 +70,20 @@ def _methods(text: str) -> list[tuple[AdapterMethod, float]]:
     return methods
 
 
+def _completion_counts(text: str) -> list[int]:
+    """[K, ...] from ``K,...``; ValueError unless each is a whole number of at least 1."""
+    counts = [int(entry) if entry.strip().isdigit() else 0 for entry in text.split(",")]
+    if not all(counts):
+        raise ValueError(f"--completions {text!r}: expected whole numbers >= 1, e.g. 1,4")
+    return counts
+
+
+def _fit_seed(completion: int) -> int:
+    """The sampling seed of each fit prompt's completion number `completion` (0, 1, ...):
+    0, then 2, 3, ... (seed 1 samples the test prompts)."""
+    return 0 if completion == 0 else completion + 1
+
+
 def _kl(pair: LoadedPair, sequences: list[ScoringSequence], adapter: Any) -> tuple[Any, Any]:
     records = adapter_kl_records(pair, sequences, adapter, "cpu")
     return records.kl_at_one.double(), records.sequence_id
@@ -72,9 +92,14 @@ def _kl(pair: LoadedPair, sequences: list[ScoringSequence], adapter: Any) -> tup
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     clean = args.clean or default_clean_path(None)
     pair = load_pair(clean, spec=parse_spec(args.spec))
-    fit = sample_completions(
-        pair, load_prompts()[: args.fit_prompts], max_new_tokens=args.max_new_tokens, seed=0
-    )
+    counts = _completion_counts(args.completions)
+    fit_prompts = load_prompts()[: args.fit_prompts]
+    samples = [
+        sample_completions(
+            pair, fit_prompts, max_new_tokens=args.max_new_tokens, seed=_fit_seed(completion)
+        )
+        for completion in range(max(counts))
+    ]
     test = sample_completions(
         pair, load_prompts(args.test_prompts), max_new_tokens=args.max_new_tokens, seed=1
     )
@@ -82,8 +107,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     kl_one = float(base.mean())
     rows: list[dict[str, Any]] = []
     kept: dict[str, Any] = {}
-    for method, ridge in _methods(args.methods):
-        label = f"{method}:{ridge:g}"
+    for (method, ridge), count in itertools.product(_methods(args.methods), counts):
+        label = f"{method}:{ridge:g}" + ("" if count == 1 else f" ×{count}")
+        fit = [sequence for sample in samples[:count] for sequence in sample]
         started = time.monotonic()
         adapter = fit_compensation_adapter(
             pair.clean_model, pair.served_model, fit, rank=args.rank, method=method, ridge=ridge
@@ -113,7 +139,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "spec": json.loads(args.spec),
         "rank": args.rank,
         "fit_prompts": args.fit_prompts,
-        "fit_tokens": sum(len(s.token_ids) for s in fit),
+        "completions_per_fit_prompt": counts,
+        "fit_tokens_per_completion": sum(len(s.token_ids) for s in samples[0]),
         "test_prompts": str(args.test_prompts),
         "test_positions": len(base),
         "max_new_tokens": args.max_new_tokens,
@@ -137,7 +164,9 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Adapter fit methods, rank {result['rank']}, {json.dumps(result['spec'])}",
         "",
-        f"Fit: {result['fit_prompts']} shipped prompts ({result['fit_tokens']} tokens); test: "
+        f"Fit: {result['fit_prompts']} shipped prompts "
+        f"({result['fit_tokens_per_completion']} tokens per completion each, ×K rows "
+        f"K completions each); test: "
         f"{result['test_prompts']} ({result['test_positions']} positions), completions of up "
         f"to {result['max_new_tokens']} tokens sampled by the served model; KL(T = 1) "
         f"{1e3 * result['kl_at_one']:.1f} × 10⁻³ nats.",
@@ -153,6 +182,7 @@ def main() -> int:
     args = _arguments()
     try:
         _methods(args.methods)
+        _completion_counts(args.completions)
         parse_spec(args.spec)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -374,6 +374,13 @@ def _adapter_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapter-method", choices=("propagated", "eora", "svd"), default="propagated"
     )
     parser.add_argument(
+        "--adapter-fit-completions",
+        type=int,
+        default=1,
+        help="with --adapter-rank: refit the adapter on this many completions of each fit and "
+        "selection prompt",
+    )
+    parser.add_argument(
         "--adapter-distil-epochs",
         type=int,
         default=0,
@@ -437,6 +444,7 @@ def main() -> int:
         max_new_tokens=args.max_new_tokens,
         adapter_rank=args.adapter_rank,
         adapter_method=args.adapter_method,
+        adapter_fit_completions=args.adapter_fit_completions,
         adapter_distil_epochs=args.adapter_distil_epochs,
     )
     pairs = served_pairs(args.families, args.w8a8)

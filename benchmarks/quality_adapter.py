@@ -143,9 +143,11 @@ def _adapter_line(family: AdapterFamily) -> str:
     test = summary.test
     share = test.gain / (test.mean_kl + test.gain) if test.mean_kl + test.gain > 0 else 0.0
     ridge = "" if summary.ridge is None else f", ridge {summary.ridge:g}"
+    completions = family.data.result.profile.settings.adapter_fit_completions
+    refit = "" if completions == 1 else f", refitted on {completions} completions per prompt"
     distilled = "" if summary.distillation is None else f", {summary.distillation.describe()}"
     return (
-        f"adapter: rank {summary.rank} {summary.method}{ridge}{distilled}, "
+        f"adapter: rank {summary.rank} {summary.method}{ridge}{refit}{distilled}, "
         f"{summary.layers} layers, "
         f"{'recommended' if summary.recommended else 'NOT recommended'} (gate half: gain over "
         f"T = 1 {1e3 * summary.validation.gain:+.3f} ± {1e3 * summary.validation.gain_stderr:.3f}"

@@ -9,13 +9,16 @@ served + adapter) at T = 1 on the selection half, refits it with that ridge on t
 selection prompts together (for the methods that read inputs: not ``svd``), and measures
 the kept adapter against the served model without it, both at T = 1, on the gate half (which
 decides `recommended`: a significant gain, `is_significant`) and on the test prompts (the
-figure to quote); neither half was fitted on. The adapter is applied by forward hooks
-(`applied_adapter`): the served model's weights are never written.
+figure to quote); neither half was fitted on. With `CalibrationSettings.adapter_fit_completions`
+K > 1, the refit also reads K - 1 more completions of each fit and selection prompt, sampled
+without the adapter (seeds `seed` + 1 ... `seed` + K - 1); the ridges are still chosen on one.
+The adapter is applied by forward hooks (`applied_adapter`): the served model's weights are
+never written.
 
 With `CalibrationSettings.adapter_distil_epochs`, the kept adapter is then distilled
 (`pairs.adapter_distillation`) on the fit prompts' completions: the one sampled without it and
-`adapter_distil_completions - 1` more sampled with it (seeds after the settings' seed), the
-epoch kept chosen on the selection half (whose completions its fit saw, as inputs only), before
+`adapter_distil_completions - 1` more sampled with it (seeds after the refit's), the epoch
+kept chosen on the selection half (whose completions its fit saw, as inputs only), before
 the gate and the test measure it.
 """
 
@@ -178,21 +181,21 @@ def _more_completions(
     pair: LoadedPair,
     prompts: Sequence[Prompt],
     sequences: Sequence[ScoringSequence],
-    adapter: LoraAdapter,
-    settings: CalibrationSettings,
+    *,
+    count: int,
+    adapter: LoraAdapter | None,
+    first_seed: int,
+    max_new_tokens: int,
 ) -> list[ScoringSequence]:
-    """`settings.adapter_distil_completions - 1` more completions of the prompts of
-    `sequences`, sampled as served with `adapter` (seeds `settings.seed` + 1, + 2, ...), each
-    with its prompt's id."""
+    """`count` more completions of the prompts of `sequences`, sampled as served with
+    `adapter` (None: without one), seeds `first_seed`, `first_seed` + 1, ..., each with its
+    prompt's id."""
     ids = [s.sequence_id for s in sequences]
     more: list[ScoringSequence] = []
     with applied_adapter(pair.served_model, adapter):
-        for offset in range(1, settings.adapter_distil_completions):
+        for seed in range(first_seed, first_seed + count):
             sampled = sample_completions(
-                pair,
-                [prompts[i] for i in ids],
-                max_new_tokens=settings.max_new_tokens,
-                seed=settings.seed + offset,
+                pair, [prompts[i] for i in ids], max_new_tokens=max_new_tokens, seed=seed
             )
             more += [replace(s, sequence_id=ids[s.sequence_id]) for s in sampled]
     return more
@@ -209,7 +212,16 @@ def _distilled(
 ) -> tuple[LoraAdapter, AdapterDistillation]:
     """`adapter` distilled (module docstring) on `fit` and more completions of its prompts,
     the epoch kept chosen on `selection`, with what the profile records of it."""
-    train = [*fit, *_more_completions(pair, prompts, fit, adapter, settings)]
+    more = _more_completions(
+        pair,
+        prompts,
+        fit,
+        count=settings.adapter_distil_completions - 1,
+        adapter=adapter,
+        first_seed=settings.seed + settings.adapter_fit_completions,
+        max_new_tokens=settings.max_new_tokens,
+    )
+    train = [*fit, *more]
     started = time.monotonic()
     distillation = distil_adapter(
         pair.clean_model,
@@ -285,7 +297,17 @@ def calibrate_adapter(
     ridge = min(finite, key=finite.__getitem__)
     if method not in _READ_NO_INPUTS:
         del adapter  # only one adapter in memory at a time: the candidates keep just their KL
-        adapter = fitted([*fit, *selection], ridge)
+        refit = [*fit, *selection]
+        more = _more_completions(
+            pair,
+            prompts,
+            refit,
+            count=settings.adapter_fit_completions - 1,
+            adapter=None,
+            first_seed=settings.seed + 1,
+            max_new_tokens=settings.max_new_tokens,
+        )
+        adapter = fitted([*refit, *more], ridge)
     distillation = None
     if settings.adapter_distil_epochs:
         adapter, distillation = _distilled(

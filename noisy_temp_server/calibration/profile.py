@@ -100,13 +100,16 @@ class CalibrationSettings(_Frozen):
     """How the adapter is fitted (`pairs.layer_inputs`): ``propagated`` (each layer fitted to
     give the clean model's outputs on its inputs), ``eora`` (each layer's own error, weighted
     by its inputs) or ``svd`` (plain SVD of each layer's error)."""
+    adapter_fit_completions: int = Field(default=1, ge=1)
+    """Completions of each fit and selection prompt the kept adapter is refitted on: the one
+    calibration samples, and the others sampled without the adapter (seeds after `seed`)."""
     adapter_distil_epochs: int = Field(default=0, ge=0)
     """Epochs of end-to-end distillation of the fitted adapter on the clean model's
     next-token distributions (`pairs.adapter_distillation`), the epoch kept chosen on the
     selection half; 0: none."""
     adapter_distil_completions: int = Field(default=4, ge=1)
     """Completions of each fit prompt the distillation trains on: the one calibration samples
-    without the adapter, and the others sampled with it (seeds after `seed`)."""
+    without the adapter, and the others sampled with it (seeds after the refit's)."""
 
     @model_validator(mode="after")
     def _check_bounds_and_step_edges(self) -> Self:
@@ -129,6 +132,13 @@ class CalibrationSettings(_Frozen):
             )
         if self.adapter_distil_epochs and not self.adapter_rank:
             raise ValueError("adapter distillation needs an adapter: give adapter_rank > 0")
+        if self.adapter_fit_completions > 1 and (
+            not self.adapter_rank or self.adapter_method == "svd"
+        ):
+            raise ValueError(
+                "adapter_fit_completions > 1 needs an adapter fitted on its inputs: give "
+                "adapter_rank > 0 and the propagated or eora method"
+            )
         buckets = len(self.step_edges)
         TemperaturePolicy(
             bounds=self.bounds,

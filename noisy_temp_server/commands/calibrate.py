@@ -112,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(plain SVD of each error)",
     )
     parser.add_argument(
+        "--adapter-fit-completions",
+        type=int,
+        default=1,
+        metavar="K",
+        help="refit the adapter, once its ridge is chosen, on K completions of each fit and "
+        "selection prompt (more data: its gain and cost: docs/adapter.md; default 1)",
+    )
+    parser.add_argument(
         "--adapter-distil-epochs",
         type=int,
         default=0,
@@ -161,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 **({} if args.bias_rows is None else {"bias_rows": args.bias_rows}),
                 adapter_rank=args.adapter_rank,
                 adapter_method=args.adapter_method,
+                adapter_fit_completions=args.adapter_fit_completions,
                 adapter_distil_epochs=args.adapter_distil_epochs,
                 adapter_distil_completions=args.adapter_distil_completions,
                 **(

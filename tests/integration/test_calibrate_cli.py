@@ -207,7 +207,7 @@ def test_calibrate_distils_the_adapter_when_asked_and_records_it(
         tiny_model_dir,
         tmp_path / "p.json",
         *("--adapter-rank", "8", "--adapter-distil-epochs", "2"),
-        *("--adapter-distil-completions", "2"),
+        *("--adapter-distil-completions", "2", "--adapter-fit-completions", "2"),
     )
     assert _run(calibrate_command, argv) == 0
     assert "distilled 2 epochs, epoch " in capsys.readouterr().out
@@ -216,13 +216,12 @@ def test_calibrate_distils_the_adapter_when_asked_and_records_it(
     distillation = profile.adapter.distillation
     assert distillation is not None
     assert (distillation.epochs, len(distillation.selection_kl)) == (2, 3)
+    settings = profile.settings
     assert (
-        profile.settings.adapter_distil_epochs,
-        profile.settings.adapter_distil_completions,
-    ) == (
-        2,
-        2,
-    )
+        settings.adapter_distil_epochs,
+        settings.adapter_distil_completions,
+        settings.adapter_fit_completions,
+    ) == (2, 2, 2)
     find_adapter([tmp_path], profile.adapter.sha256)  # the distilled adapter is the one saved
 
 
@@ -231,9 +230,15 @@ def test_calibrate_distils_the_adapter_when_asked_and_records_it(
     [
         (["--adapter-distil-epochs", "2"], "adapter distillation needs an adapter"),
         (["--adapter-rank", "8", "--adapter-distil-epochs", "-1"], "adapter_distil_epochs"),
+        (["--adapter-fit-completions", "2"], "adapter_fit_completions > 1 needs an adapter"),
+        (
+            ["--adapter-rank", "8", "--adapter-method", "svd", "--adapter-fit-completions", "2"],
+            "adapter_fit_completions > 1 needs an adapter fitted on its inputs",
+        ),
+        (["--adapter-rank", "8", "--adapter-fit-completions", "0"], "adapter_fit_completions"),
     ],
 )
-def test_calibrate_refuses_bad_distillation_settings_in_one_line(
+def test_calibrate_refuses_bad_adapter_settings_in_one_line(
     tiny_model_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

@@ -134,6 +134,51 @@ def test_distillation_trains_on_more_completions_of_the_fit_prompts_and_stops_on
     assert calibration.summary.sha256 == adapter_calibration.adapter_sha256(calibration.adapter)
 
 
+def test_the_refit_reads_more_completions_and_distillation_samples_after_them(
+    pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three completions per prompt for the refit (two more, sampled without the adapter, seeds
+    1 and 2), one for each ridge tried; the distillation's extra completion, sampled with the
+    adapter, takes the next seed."""
+    sampled: list[tuple[int, int, bool]] = []
+    real_sample = adapter_calibration.sample_completions
+
+    def recording_sample(pair_: LoadedPair, prompts: Any, **kwargs: Any) -> Any:
+        adapted = any(module._forward_hooks for module in pair_.served_model.modules())
+        sampled.append((kwargs["seed"], len(prompts), adapted))
+        return real_sample(pair_, prompts, **kwargs)
+
+    monkeypatch.setattr(adapter_calibration, "sample_completions", recording_sample)
+    fits: list[list[int]] = []
+    real_fit = adapter_calibration.fit_compensation_adapter
+
+    def recording_fit(clean: Any, served: Any, sequences: Any, **kwargs: Any) -> Any:
+        fits.append(sorted(s.sequence_id for s in sequences))
+        return real_fit(clean, served, sequences, **kwargs)
+
+    monkeypatch.setattr(adapter_calibration, "fit_compensation_adapter", recording_fit)
+    settings = CalibrationSettings(
+        **SETTINGS,
+        adapter_fit_completions=3,
+        adapter_distil_epochs=1,
+        adapter_distil_completions=2,
+        max_new_tokens=6,
+    )
+    adapter_calibration.calibrate_adapter(
+        pair, PROMPTS, _sequences(12), settings, rank=4, method="eora"
+    )
+    fit_ids, selection_ids, _, _ = _split_ids()
+    *tried, refit = fits
+    assert all(ids == sorted(fit_ids) for ids in tried)
+    assert refit == sorted(list(fit_ids | selection_ids) * 3)
+    refit_prompts = len(fit_ids | selection_ids)
+    assert sampled == [
+        (1, refit_prompts, False),
+        (2, refit_prompts, False),
+        (3, len(fit_ids), True),
+    ]
+
+
 def test_without_distillation_the_summary_says_none(
     pair: LoadedPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -39,7 +39,16 @@ from noisy_temp_server.pairs.perturbation import parse_spec
 from noisy_temp_server.pairs.scorer import ScoringSequence
 from noisy_temp_server.pairs.standard_error import cluster_stderr
 
-FORMAL_PROMPTS = Path(__file__).parent / "data" / "prompts_formal.jsonl"
+REPOSITORY = Path(__file__).resolve().parents[1]
+FORMAL_PROMPTS = REPOSITORY / "benchmarks" / "data" / "prompts_formal.jsonl"
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the repository where it lies inside it (results name no machine)."""
+    resolved = path.resolve()
+    return (
+        str(resolved.relative_to(REPOSITORY)) if resolved.is_relative_to(REPOSITORY) else str(path)
+    )
 
 
 def _arguments() -> argparse.Namespace:
@@ -141,7 +150,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "fit_prompts": args.fit_prompts,
         "completions_per_fit_prompt": counts,
         "fit_tokens_per_completion": sum(len(s.token_ids) for s in samples[0]),
-        "test_prompts": str(args.test_prompts),
+        "test_prompts": _shown(args.test_prompts),
         "test_positions": len(base),
         "max_new_tokens": args.max_new_tokens,
         "kl_at_one": kl_one,
@@ -164,9 +173,8 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Adapter fit methods, rank {result['rank']}, {json.dumps(result['spec'])}",
         "",
-        f"Fit: {result['fit_prompts']} shipped prompts "
-        f"({result['fit_tokens_per_completion']} tokens per completion each, ×K rows "
-        f"K completions each); test: "
+        f"Fit: {result['fit_prompts']} shipped prompts, one completion each "
+        f"({result['fit_tokens_per_completion']} tokens; K each in the rows marked ×K); test: "
         f"{result['test_prompts']} ({result['test_positions']} positions), completions of up "
         f"to {result['max_new_tokens']} tokens sampled by the served model; KL(T = 1) "
         f"{1e3 * result['kl_at_one']:.1f} × 10⁻³ nats.",

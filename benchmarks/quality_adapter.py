@@ -63,7 +63,10 @@ def calibrate_family(
     except ValueError as refusal:
         if pair.served_model is not pair.clean_model:
             raise
-        plain = settings.model_copy(update={"adapter_rank": 0})
+        plain = CalibrationSettings.model_validate(
+            settings.model_dump()
+            | {"adapter_rank": 0, "adapter_fit_completions": 1, "adapter_distil_epochs": 0}
+        )
         data = calibrate_with_data(pair, prompts, plain, device=device)
         return AdapterFamily(data, str(refusal))
 

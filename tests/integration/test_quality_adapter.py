@@ -22,9 +22,14 @@ def benchmark() -> ModuleType:
     return load_script(BENCHMARK, "quality_adapter")
 
 
-def _settings(rank: int) -> CalibrationSettings:
+def _settings(rank: int, **adapter: int) -> CalibrationSettings:
     return CalibrationSettings(
-        prompts=24, max_new_tokens=20, validation_fraction=0.5, bias_rows=500, adapter_rank=rank
+        prompts=24,
+        max_new_tokens=20,
+        validation_fraction=0.5,
+        bias_rows=500,
+        adapter_rank=rank,
+        **adapter,
     )
 
 
@@ -46,10 +51,18 @@ def test_runtime_noise_is_refused_an_adapter_and_calibrated_without_one(
     benchmark: ModuleType, tiny_model_dir: Path
 ) -> None:
     pair = load_pair(tiny_model_dir, spec=RuntimeLogitNoiseSpec(sigma=0.5))
-    family = benchmark.calibrate_family(pair, load_prompts()[:24], _settings(4))
+    settings = _settings(4, adapter_fit_completions=2, adapter_distil_epochs=1)
+    family = benchmark.calibrate_family(pair, load_prompts()[:24], settings)
     assert family.refusal is not None
     assert family.refusal.startswith("--adapter-rank needs a pair whose served weights differ")
-    assert family.data.result.profile.adapter is None
+    profile = family.data.result.profile
+    assert profile.adapter is None
+    plain = CalibrationSettings.model_validate(profile.settings.model_dump())  # loads again
+    assert (plain.adapter_rank, plain.adapter_fit_completions, plain.adapter_distil_epochs) == (
+        0,
+        1,
+        0,
+    )
     text, document = benchmark.stack_section(pair, family, greedy_tokens=4)
     assert text.startswith("adapter: not applicable, calibration refuses it")
     assert document["test_prompts"]["layers"][0]["label"] == "served, T=1"

@@ -80,10 +80,11 @@ def _methods(text: str) -> list[tuple[AdapterMethod, float]]:
 
 
 def _completion_counts(text: str) -> list[int]:
-    """[K, ...] from ``K,...``; ValueError unless each is a whole number of at least 1."""
-    counts = [int(entry) if entry.strip().isdigit() else 0 for entry in text.split(",")]
-    if not all(counts):
-        raise ValueError(f"--completions {text!r}: expected whole numbers >= 1, e.g. 1,4")
+    """[K, ...] from ``K,...``; ValueError unless each is a distinct whole number >= 1."""
+    entries = [entry.strip() for entry in text.split(",")]
+    counts = [int(entry) if entry.isascii() and entry.isdecimal() else 0 for entry in entries]
+    if not all(counts) or len(set(counts)) != len(counts):
+        raise ValueError(f"--completions {text!r}: expected distinct whole numbers >= 1, e.g. 1,4")
     return counts
 
 

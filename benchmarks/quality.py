@@ -51,11 +51,13 @@ import argparse
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from quality_adapter import calibrate_family, stack_section
 
 from noisy_temp_server.calibration.bias_fit import (
@@ -70,7 +72,12 @@ from noisy_temp_server.calibration.pipeline import (
     calibrate_scored,
     score_pair,
 )
-from noisy_temp_server.calibration.profile import CalibrationSettings, QualityRow, QualityTable
+from noisy_temp_server.calibration.profile import (
+    CalibrationSettings,
+    QualityRow,
+    QualityTable,
+    settings_problems,
+)
 from noisy_temp_server.calibration.prompts import Prompt, load_prompts
 from noisy_temp_server.calibration.quality import quality_row
 from noisy_temp_server.calibration.significance import is_not_worse
@@ -437,16 +444,20 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     started = time.monotonic()
-    clean_path = ensure_default_model(Settings().cache_dir)
     prompts = load_prompts()[: args.num_prompts]
-    settings = CalibrationSettings(
-        prompts=len(prompts),
-        max_new_tokens=args.max_new_tokens,
-        adapter_rank=args.adapter_rank,
-        adapter_method=args.adapter_method,
-        adapter_fit_completions=args.adapter_fit_completions,
-        adapter_distil_epochs=args.adapter_distil_epochs,
-    )
+    try:
+        settings = CalibrationSettings(
+            prompts=len(prompts),
+            max_new_tokens=args.max_new_tokens,
+            adapter_rank=args.adapter_rank,
+            adapter_method=args.adapter_method,
+            adapter_fit_completions=args.adapter_fit_completions,
+            adapter_distil_epochs=args.adapter_distil_epochs,
+        )
+    except ValidationError as error:
+        print(f"error: invalid calibration settings: {settings_problems(error)}", file=sys.stderr)
+        return 1
+    clean_path = ensure_default_model(Settings().cache_dir)
     pairs = served_pairs(args.families, args.w8a8)
     sections, documents = [], []
     for name, how in pairs:

@@ -57,16 +57,19 @@ def calibrate_family(
     device: str = "cpu",
 ) -> AdapterFamily:
     """Calibration of `pair` with `settings.adapter_rank`; where calibration refuses the
-    adapter (a pair serving the clean weights), calibration without one and the refusal."""
+    adapter (a pair serving the clean weights), calibration without one (every adapter option
+    at its default) and the refusal."""
     try:
         return AdapterFamily(calibrate_with_data(pair, prompts, settings, device=device), None)
     except ValueError as refusal:
         if pair.served_model is not pair.clean_model:
             raise
-        plain = CalibrationSettings.model_validate(
-            settings.model_dump()
-            | {"adapter_rank": 0, "adapter_fit_completions": 1, "adapter_distil_epochs": 0}
-        )
+        no_adapter = {
+            name: field.default
+            for name, field in CalibrationSettings.model_fields.items()
+            if name.startswith("adapter_")
+        }
+        plain = CalibrationSettings.model_validate(settings.model_dump() | no_adapter)
         data = calibrate_with_data(pair, prompts, plain, device=device)
         return AdapterFamily(data, str(refusal))
 

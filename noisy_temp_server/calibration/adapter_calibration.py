@@ -54,6 +54,7 @@ from noisy_temp_server.pairs.layer_inputs import (
     AdapterMethod,
     applied_deltas,
     fit_compensation_adapter,
+    reads_inputs,
 )
 from noisy_temp_server.pairs.loading import LoadedPair
 from noisy_temp_server.pairs.records import PositionRecords
@@ -80,9 +81,6 @@ layer's target towards its own error; ``svd`` has none."""
 DISTILLATION_LEARNING_RATE = 1e-5
 """Adam's step size for the adapter's distillation (docs/adapter.md: 1e-4 diverges)."""
 
-_READ_NO_INPUTS: frozenset[AdapterMethod] = frozenset({"svd"})
-"""The fit methods that use no input statistics, so that more sequences cannot change them; each
-has one ridge in `RIDGES`, so its one candidate is the adapter kept."""
 
 logger = logging.getLogger(__name__)
 
@@ -253,14 +251,15 @@ def calibrate_adapter(
     sequences: Sequence[ScoringSequence],
     settings: CalibrationSettings,
     *,
-    rank: int,
-    method: AdapterMethod = "propagated",
     device: str | torch.device = "cpu",
 ) -> AdapterCalibration:
-    """Fit, choose (and distil) and measure the pair's adapter on `sequences` (sampled by the
-    served model without one; ids index `prompts`), as the module docstring describes.
-    ValueError when the pair's served weights equal the clean ones, or a split is empty."""
+    """Fit, choose (and distil) and measure the pair's adapter of `settings.adapter_rank` and
+    `settings.adapter_method` on `sequences` (sampled by the served model without one; ids
+    index `prompts`), as the module docstring describes. ValueError when the pair's served
+    weights equal the clean ones, for a rank a layer cannot take (`adapter_targets`), or when
+    a split is empty."""
     fit, selection, gate, test = _split(sequences, settings)
+    rank, method = settings.adapter_rank, settings.adapter_method
 
     def fitted(on: Sequence[ScoringSequence], ridge: float | None) -> LoraAdapter:
         started = time.monotonic()
@@ -295,7 +294,7 @@ def calibrate_adapter(
     if not finite:
         raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
     ridge = min(finite, key=finite.__getitem__)
-    if method not in _READ_NO_INPUTS:
+    if reads_inputs(method):  # else one ridge, one candidate: the adapter kept
         del adapter  # only one adapter in memory at a time: the candidates keep just their KL
         refit = [*fit, *selection]
         more = _more_completions(

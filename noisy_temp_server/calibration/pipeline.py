@@ -297,15 +297,7 @@ def _calibrate_adapter(
         progress=_log_progress("generating for the adapter"),
     )
     started = time.monotonic()
-    adapter = calibrate_adapter(
-        pair,
-        prompts,
-        sequences,
-        settings,
-        rank=settings.adapter_rank,
-        method=settings.adapter_method,
-        device=device,
-    )
+    adapter = calibrate_adapter(pair, prompts, sequences, settings, device=device)
     logger.info("adapter calibrated in %.0f s", time.monotonic() - started)
     return adapter
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from noisy_temp_server.files import write_atomically
 from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.layer_inputs import AdapterMethod
+from noisy_temp_server.pairs.layer_inputs import AdapterMethod, reads_inputs
 from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
@@ -48,6 +48,7 @@ __all__ = [
     "QualityTable",
     "RuleParameters",
     "StepBucketNoise",
+    "settings_problems",
 ]
 
 PROFILE_SCHEMA_VERSION = 2
@@ -112,9 +113,10 @@ class CalibrationSettings(_Frozen):
     without the adapter, and the others sampled with it (seeds after the refit's)."""
 
     @model_validator(mode="after")
-    def _check_bounds_and_step_edges(self) -> Self:
-        """Bounds and step edges as `TemperaturePolicy` accepts them and some prompts left to
-        fit on (ValueError otherwise)."""
+    def _check_consistency(self) -> Self:
+        """Request temperatures, bounds and step edges as `TemperaturePolicy` accepts them,
+        some prompts left to fit on, and the adapter's options only with an adapter they apply
+        to (ValueError otherwise)."""
         temperatures = self.request_temperatures
         if (
             1.0 not in temperatures
@@ -133,7 +135,7 @@ class CalibrationSettings(_Frozen):
         if self.adapter_distil_epochs and not self.adapter_rank:
             raise ValueError("adapter distillation needs an adapter: give adapter_rank > 0")
         if self.adapter_fit_completions > 1 and (
-            not self.adapter_rank or self.adapter_method == "svd"
+            not self.adapter_rank or not reads_inputs(self.adapter_method)
         ):
             raise ValueError(
                 "adapter_fit_completions > 1 needs an adapter fitted on its inputs: give "
@@ -151,6 +153,14 @@ class CalibrationSettings(_Frozen):
     @property
     def bounds(self) -> TemperatureBounds:
         return TemperatureBounds(self.t_min, self.t_max)
+
+
+def settings_problems(error: ValidationError) -> str:
+    """One line naming every problem `error` found in calibration settings:
+    ``field: message; ...`` (``settings: ...`` for the checks of several fields)."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors()
+    )
 
 
 class StepBucketNoise(_Frozen):

@@ -144,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError  # noqa: PLC0415
 
     from noisy_temp_server.calibration.pipeline import calibrate  # noqa: PLC0415
-    from noisy_temp_server.calibration.profile import CalibrationSettings  # noqa: PLC0415
+    from noisy_temp_server.calibration.profile import (  # noqa: PLC0415
+        CalibrationSettings,
+        settings_problems,
+    )
     from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
     from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
     from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
@@ -218,10 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
             print(write_report(clean_path, args.report, device=args.device))
     except ValidationError as error:  # the settings' own checks, one line for all of them
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors()
-        )
-        print(f"error: invalid calibration settings: {problems}", file=sys.stderr)
+        print(f"error: invalid calibration settings: {settings_problems(error)}", file=sys.stderr)
         return 1
     except (CorruptCheckpointError, ValueError, OSError) as error:  # input errors: ValueErrors
         print(f"error: {error}", file=sys.stderr)

@@ -45,9 +45,18 @@ __all__ = [
     "decoder_blocks",
     "fit_compensation_adapter",
     "perturbed_linears",
+    "reads_inputs",
 ]
 
 AdapterMethod = Literal["eora", "propagated", "svd"]
+
+
+def reads_inputs(method: AdapterMethod) -> bool:
+    """Whether a fit `method` reads the layers' inputs (``eora``, ``propagated``), so that more
+    sequences can change it; ``svd`` reads the weights alone."""
+    return method != "svd"
+
+
 logger = logging.getLogger(__name__)
 
 
@@ -362,7 +371,7 @@ def fit_compensation_adapter(
     _, clean_blocks = decoder_blocks(clean_model)
     clean_modules = dict(clean_model.named_modules())
     served_modules = dict(served_model.named_modules())
-    uses_inputs = method != "svd"
+    uses_inputs = reads_inputs(method)
     inputs = _first_block_inputs(served_model, blocks, sequences) if uses_inputs else []
     clean_inputs = (
         _first_block_inputs(clean_model, clean_blocks, sequences) if method == "propagated" else []

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "adapter_methods.py"
 SPEC = '{"kind": "weight_noise", "scale": 0.1}'
 
@@ -55,9 +57,10 @@ def test_a_bad_method_is_refused_in_one_line(tmp_path: Path) -> None:
     ]
 
 
-def test_a_bad_completion_count_is_refused_in_one_line(tmp_path: Path) -> None:
-    done = _run("--spec", SPEC, "--completions", "1,0", "--out", str(tmp_path))
+@pytest.mark.parametrize("counts", ["1,0", "1,1", "1,²", "four"])
+def test_a_bad_completion_count_is_refused_in_one_line(tmp_path: Path, counts: str) -> None:
+    done = _run("--spec", SPEC, "--completions", counts, "--out", str(tmp_path))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        "error: --completions '1,0': expected whole numbers >= 1, e.g. 1,4"
+        f"error: --completions {counts!r}: expected distinct whole numbers >= 1, e.g. 1,4"
     ]

@@ -49,9 +49,7 @@ def _calibrate_recording_fits(
 
     monkeypatch.setattr(adapter_calibration, "fit_compensation_adapter", recording_fit)
     settings = CalibrationSettings(**SETTINGS, adapter_method=method)
-    calibration = adapter_calibration.calibrate_adapter(
-        pair, PROMPTS, _sequences(12), settings, rank=4, method=method
-    )
+    calibration = adapter_calibration.calibrate_adapter(pair, PROMPTS, _sequences(12), settings)
     return calibration, fits
 
 
@@ -114,11 +112,13 @@ def test_distillation_trains_on_more_completions_of_the_fit_prompts_and_stops_on
 
     monkeypatch.setattr(adapter_calibration, "distil_adapter", recording_distil)
     settings = CalibrationSettings(
-        **SETTINGS, adapter_distil_epochs=2, adapter_distil_completions=3, max_new_tokens=6
+        **SETTINGS,
+        adapter_method="eora",
+        adapter_distil_epochs=2,
+        adapter_distil_completions=3,
+        max_new_tokens=6,
     )
-    calibration = adapter_calibration.calibrate_adapter(
-        pair, PROMPTS, _sequences(12), settings, rank=4, method="eora"
-    )
+    calibration = adapter_calibration.calibrate_adapter(pair, PROMPTS, _sequences(12), settings)
     fit_ids, selection_ids, _, _ = _split_ids()
     train_ids = [s.sequence_id for s in seen["train"]]
     assert sorted(train_ids) == sorted(list(fit_ids) * 3)  # three completions of each fit prompt
@@ -159,14 +159,13 @@ def test_the_refit_reads_more_completions_and_distillation_samples_after_them(
     monkeypatch.setattr(adapter_calibration, "fit_compensation_adapter", recording_fit)
     settings = CalibrationSettings(
         **SETTINGS,
+        adapter_method="eora",
         adapter_fit_completions=3,
         adapter_distil_epochs=1,
         adapter_distil_completions=2,
         max_new_tokens=6,
     )
-    adapter_calibration.calibrate_adapter(
-        pair, PROMPTS, _sequences(12), settings, rank=4, method="eora"
-    )
+    adapter_calibration.calibrate_adapter(pair, PROMPTS, _sequences(12), settings)
     fit_ids, selection_ids, _, _ = _split_ids()
     *tried, refit = fits
     assert all(ids == sorted(fit_ids) for ids in tried)

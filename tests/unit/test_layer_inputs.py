@@ -135,12 +135,18 @@ def test_a_pair_without_weight_error_is_refused(models) -> None:  # type: ignore
 def test_a_rank_outside_a_layers_sides_is_refused_naming_the_layer(models, rank: int) -> None:  # type: ignore[no-untyped-def]
     clean, served = models
     message = (
-        rf"adapter rank {rank} must be between 1 and 32, .* model\.layers\.0\.\S+ \(\d+ × \d+\)"
+        rf"adapter rank {rank} must be between 1 and 32, the smallest side of the perturbed layer "
+        r"model\.layers\.0\.self_attn\.[kv]_proj \(32 × 64\)"
     )
     with pytest.raises(ValueError, match=message):
         adapter_targets(clean, served, rank)
     with pytest.raises(ValueError, match=message):
         fit_compensation_adapter(clean, served, _sequences(1, seed=6), rank=rank, method="svd")
+
+
+def test_a_rank_equal_to_the_narrowest_side_is_taken(models) -> None:  # type: ignore[no-untyped-def]
+    clean, served = models
+    assert adapter_targets(clean, served, 32) == perturbed_linears(clean, served)
 
 
 def test_a_compressed_checkpoint_is_fitted_on_its_dequantized_weights(

@@ -199,6 +199,26 @@ def _more_completions(
     return more
 
 
+def _refit_sequences(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    sequences: Sequence[ScoringSequence],
+    settings: CalibrationSettings,
+) -> list[ScoringSequence]:
+    """`sequences` and `settings.adapter_fit_completions - 1` more completions of their
+    prompts, sampled without the adapter (seeds `settings.seed` + 1, ...): the refit's data."""
+    more = _more_completions(
+        pair,
+        prompts,
+        sequences,
+        count=settings.adapter_fit_completions - 1,
+        adapter=None,
+        first_seed=settings.seed + 1,
+        max_new_tokens=settings.max_new_tokens,
+    )
+    return [*sequences, *more]
+
+
 def _distilled(
     pair: LoadedPair,
     prompts: Sequence[Prompt],
@@ -296,29 +316,18 @@ def calibrate_adapter(
     ridge = min(finite, key=finite.__getitem__)
     if reads_inputs(method):  # else one ridge, one candidate: the adapter kept
         del adapter  # only one adapter in memory at a time: the candidates keep just their KL
-        refit = [*fit, *selection]
-        more = _more_completions(
-            pair,
-            prompts,
-            refit,
-            count=settings.adapter_fit_completions - 1,
-            adapter=None,
-            first_seed=settings.seed + 1,
-            max_new_tokens=settings.max_new_tokens,
-        )
-        adapter = fitted([*refit, *more], ridge)
+        adapter = fitted(_refit_sequences(pair, prompts, [*fit, *selection], settings), ridge)
     distillation = None
     if settings.adapter_distil_epochs:
         adapter, distillation = _distilled(
             pair, prompts, adapter, fit=fit, selection=selection, settings=settings
         )
-    validation = adapter_quality_row(
-        adapter_kl_records(pair, gate, adapter, device),
-        adapter_kl_records(pair, gate, None, device),
-    )
-    test_row = adapter_quality_row(
-        adapter_kl_records(pair, test, adapter, device),
-        adapter_kl_records(pair, test, None, device),
+    validation, test_row = (
+        adapter_quality_row(
+            adapter_kl_records(pair, split, adapter, device),
+            adapter_kl_records(pair, split, None, device),
+        )
+        for split in (gate, test)
     )
     summary = AdapterSummary(
         sha256=adapter_sha256(adapter),

@@ -5,7 +5,7 @@ shipped calibration prompts; as many per prompt as the largest of ``--completion
 test prompt (``--test-prompts``, by default the 24 formal prompts of another domain). Each
 method of ``--methods`` (``method:ridge``, e.g. ``eora:0.001`` or ``propagated:10``) fits a
 rank-``--rank`` adapter on the first K completions of each fit prompt, for each K of
-``--completions`` (`pairs.layer_inputs.fit_compensation_adapter`), and the served model with it
+``--completions`` (`adapter.layer_fit.fit_compensation_adapter`), and the served model with it
 is scored against the clean one at T = 1 on the test sequences. Reported per method: the fit's wall
 time, mean KL(clean || served + adapter), the share of KL(T = 1) removed with its
 prompt-clustered standard error, and the paired difference in that share to every method
@@ -29,15 +29,15 @@ from typing import Any, cast, get_args
 
 import torch
 
+from noisy_temp_server.adapter.layer_fit import AdapterMethod, fit_compensation_adapter
 from noisy_temp_server.calibration.adapter_calibration import adapter_kl_records
 from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
+from noisy_temp_server.checkpoints.perturbation import parse_spec
 from noisy_temp_server.commands.perturb import default_clean_path
-from noisy_temp_server.pairs.layer_inputs import AdapterMethod, fit_compensation_adapter
-from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.perturbation import parse_spec
-from noisy_temp_server.pairs.scorer import ScoringSequence
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.sequence import ScoringSequence
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 FORMAL_PROMPTS = REPOSITORY / "benchmarks" / "data" / "prompts_formal.jsonl"

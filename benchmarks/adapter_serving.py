@@ -47,12 +47,12 @@ _MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 def random_adapter_folder(checkpoint: Path, rank: int, parent: Path) -> Path:
     """A random rank-`rank` adapter on every projection of `checkpoint`, saved in `parent`."""
-    from noisy_temp_server.correction.adapter import (  # noqa: PLC0415
+    from noisy_temp_server.adapter.folded_checkpoint import linear_shapes  # noqa: PLC0415
+    from noisy_temp_server.adapter.lora import (  # noqa: PLC0415
         LoraAdapter,
         LowRankDelta,
         save_peft_adapter,
     )
-    from noisy_temp_server.pairs.adapter_checkpoint import linear_shapes  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(0)
     layers = {
@@ -69,10 +69,10 @@ def random_adapter_folder(checkpoint: Path, rank: int, parent: Path) -> Path:
 def served_checkpoints(args: argparse.Namespace) -> dict[str, Path]:
     """`float`: the served checkpoint (`--model`, or the default model as int4 g128); with
     `--compressed`, `w4a16`: the clean model quantized to w4a16, group 64 (576 = 9 x 64)."""
-    from noisy_temp_server.pairs.compressed import write_compressed_checkpoint  # noqa: PLC0415
-    from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbation import QuantizationSpec  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.compressed import write_compressed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbation import QuantizationSpec  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
 
     clean = ensure_default_model(args.cache_dir)
     served = args.model or ensure_perturbed_checkpoint(

@@ -33,14 +33,14 @@ from bias_quality import scored_completions
 from quality import FAMILIES
 
 from noisy_temp_server.calibration.bias_quality import bias_quality
-from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import load_prompts
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import split_fit_validation_test
+from noisy_temp_server.checkpoints.default_model import ensure_default_model
+from noisy_temp_server.checkpoints.loading import load_pair
 from noisy_temp_server.correction.bias import BiasFit, fit_bias_at_penalty
 from noisy_temp_server.correction.paired_rows import PairedRows
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.scorer import PairScorer
+from noisy_temp_server.scoring.scorer import PairScorer
 from noisy_temp_server.settings import Settings
 
 HERE = Path(__file__).resolve().parent

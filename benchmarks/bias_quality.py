@@ -55,19 +55,20 @@ from noisy_temp_server.calibration.bias_quality import ScoredSet, bias_quality, 
 from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.fitting import FITTED_RULES
 from noisy_temp_server.calibration.pipeline import calibrate_records
-from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.calibration.quality import quality_table
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     split_by_sequence,
     split_fit_validation_test,
 )
+from noisy_temp_server.checkpoints.default_model import ensure_default_model
+from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.online.bias import OnlineBias
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.settings import Settings
 
 HERE = Path(__file__).resolve().parent

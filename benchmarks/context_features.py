@@ -37,8 +37,8 @@ from torch import Tensor
 
 from noisy_temp_server.calibration.fitting import finite_positions
 from noisy_temp_server.calibration.significance import is_significant
-from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.records import KLCurveInterpolant, PositionRecords
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 RESULTS = Path(__file__).resolve().parent / "results"

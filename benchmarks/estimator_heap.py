@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,8 +19,11 @@ from transformers import AutoModelForCausalLM
 
 from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.heap import fix_mmap_threshold
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.pairs.tiny_model import build_tiny_llama
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_model import build_tiny_llama
 
 
 def rss_mib() -> float:

@@ -4,7 +4,7 @@ part of `gpu_check.py`.
 Two measurements, on random weights of one decoder block's shapes (`BlockShape`):
 
 - `check_fit`: the ``propagated`` fit of every projection of one block
-  (`correction.adapter_fit.propagated_delta`, what calibration runs per layer) on the device:
+  (`adapter.deltas.propagated_delta`, what calibration runs per layer) on the device:
   seconds and peak device memory per projection, and for the smallest one the delta the CPU
   fits from the same tensors, which the device's must equal;
 - `check_lora_decode`: the device time of one block's linear layers on a decode batch, as vLLM
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from gpu_check_timing import synchronize, timed
 
-from noisy_temp_server.correction.adapter_fit import propagated_delta
+from noisy_temp_server.adapter.deltas import propagated_delta
 
 PROPAGATED_RIDGE = 10.0
 """The ridge of the timed fits: the middle of the ones calibration tries for ``propagated``

@@ -7,7 +7,7 @@ family, without any correction: how low the KL must be for greedy answers to agr
 
 For each family (the names of `benchmarks/quality.py`): the served model samples one completion
 per prompt; the mean KL at T = 1 over their positions; then greedy answers of both models from
-each prompt and the tokens before the first difference (`pairs.greedy`). Prints a markdown
+each prompt and the tokens before the first difference (`scoring.greedy`). Prints a markdown
 table and writes it, with JSON, to DIR/greedy_by_kl.{md,json}.
 """
 
@@ -24,10 +24,10 @@ from quality import FAMILIES, RESULTS
 from noisy_temp_server.calibration.adapter_calibration import adapter_kl_records
 from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.prompts import load_prompts
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.greedy import greedy_agreement
-from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.sampling import eos_ids
+from noisy_temp_server.checkpoints.default_model import ensure_default_model
+from noisy_temp_server.checkpoints.loading import load_pair
+from noisy_temp_server.scoring.greedy import greedy_agreement
+from noisy_temp_server.scoring.sampling import eos_ids
 from noisy_temp_server.settings import Settings
 
 FORMAL = Path(__file__).resolve().parent / "data" / "prompts_formal.jsonl"

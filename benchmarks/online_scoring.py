@@ -46,13 +46,14 @@ from transformers import AutoTokenizer
 
 from noisy_temp_server.calibration.fitting import noise_by_step
 from noisy_temp_server.calibration.prompts import encode_prompt, load_prompts
-from noisy_temp_server.commands.serve import resolve_pair
+from noisy_temp_server.checkpoints.loading import load_pair
 from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.startup import pair_scorer, startup_profile
-from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.sampling import generate_completions
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence, ServedRows
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.sampling import generate_completions
+from noisy_temp_server.scoring.scorer import PairScorer, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
+from noisy_temp_server.server.launch import resolve_pair
 from noisy_temp_server.settings import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

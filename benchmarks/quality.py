@@ -72,26 +72,22 @@ from noisy_temp_server.calibration.pipeline import (
     calibrate_scored,
     score_pair,
 )
-from noisy_temp_server.calibration.profile import (
-    CalibrationSettings,
-    QualityRow,
-    QualityTable,
-    settings_problems,
-)
+from noisy_temp_server.calibration.profile import QualityRow, QualityTable
 from noisy_temp_server.calibration.prompts import Prompt, load_prompts
 from noisy_temp_server.calibration.quality import quality_row
+from noisy_temp_server.calibration.settings import CalibrationSettings, settings_problems
 from noisy_temp_server.calibration.significance import is_not_worse
-from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.default_model import ensure_default_model
+from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
+from noisy_temp_server.checkpoints.perturbation import (
     PerturbationSpec,
     QuantizationSpec,
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
 )
-from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
+from noisy_temp_server.scoring.records import PositionRecords, interpolate_kl
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.rules import Rule
 

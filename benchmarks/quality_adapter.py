@@ -20,22 +20,25 @@ from typing import Any
 
 import torch
 
+from noisy_temp_server.adapter.lora import LoraAdapter, save_peft_adapter
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
 from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.pipeline import (
     CalibrationData,
     calibrate_with_data,
 )
-from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
+from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.calibration.prompts import Prompt
+from noisy_temp_server.calibration.served_adapter import profile_adapter
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     is_not_worse,
 )
-from noisy_temp_server.calibration.stack import StackReport, profile_adapter, score_stack
-from noisy_temp_server.correction.adapter import LoraAdapter, save_peft_adapter
+from noisy_temp_server.calibration.stack import StackReport, score_stack
+from noisy_temp_server.checkpoints.loading import LoadedPair
 from noisy_temp_server.correction.files import save_bias_file
-from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = ["AdapterFamily", "calibrate_family", "stack_section"]
 

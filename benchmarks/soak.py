@@ -332,9 +332,11 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
 
 
 def _tiny_pair(work: Path) -> list[str]:
-    from noisy_temp_server.pairs.perturbation import WeightNoiseSpec  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
-    from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_model import build_tiny_llama  # noqa: PLC0415  (a test model)
+
+    from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
 
     clean = build_tiny_llama(work / "tiny-llama", seed=0)
     served = ensure_perturbed_checkpoint(clean, WeightNoiseSpec(scale=0.3), work)

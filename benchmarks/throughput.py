@@ -425,7 +425,7 @@ def main() -> int:
         _engine_worker(json.loads(args.engine_worker))
         return 0
 
-    from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.default_model import ensure_default_model  # noqa: PLC0415
     from noisy_temp_server.settings import Settings  # noqa: PLC0415
 
     model = ensure_default_model(Settings().cache_dir)

@@ -16,7 +16,7 @@ over ``--max-concurrency`` streams) against each in turn, the order rotating, so
 same machine load. The first round is a warm-up. Reported: each server's median output
 tokens/s over ``--repeats`` rounds (min-max), and ours / stock as the median of the per-round
 ratios. Saved as JSON + markdown under ``benchmarks/results/``. Default checkpoint: the tiny
-random Llama (``pairs.tiny_model``); ``--model PATH`` serves another.
+random Llama (``tiny_model``); ``--model PATH`` serves another.
 
     PYTHONPATH=. .venv/bin/python benchmarks/vllm_bench_serve.py
 """
@@ -144,7 +144,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nts-tiny-") as tiny:
         model = args.model
         if model is None:
-            from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from tiny_model import build_tiny_llama  # noqa: PLC0415  (a test model)
 
             model = build_tiny_llama(Path(tiny) / "tiny-llama", seed=0)
         throughput = measure(args, model)

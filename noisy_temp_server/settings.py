@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from noisy_temp_server.adapter import AdapterServing
 from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS
 
 __all__ = [
@@ -121,12 +122,12 @@ class Settings(BaseSettings):
         "--adapter-rank` wrote; unset: the profile's adapter, if it names and recommends one. "
         "With a profile, it must be the adapter the profile was calibrated with.",
     )
-    adapter_serving: Literal["auto", "fold", "lora", "off"] = Field(
+    adapter_serving: AdapterServing = Field(
         default="auto",
         description="How the compensation adapter is served: auto folds it into "
         "float weights (no per-step cost; no request can turn it off) and serves it through "
-        "vLLM's LoRA on quantized kernels (a request can turn it off); fold and lora force "
-        "one (fold refuses quantized weights); off serves the model without it.",
+        "vLLM's LoRA on quantized kernels (a request can turn it off); folded and lora force "
+        "one (folded refuses quantized weights); none serves the model without it.",
     )
 
     # --- temperature defaults (per-request nts_* keys override them) ---
@@ -320,7 +321,7 @@ class Settings(BaseSettings):
     @field_validator("perturbation")
     @classmethod
     def _perturbation_is_a_spec(cls, value: str) -> str:
-        from noisy_temp_server.pairs.perturbation import parse_spec  # noqa: PLC0415 (torch, lazily)
+        from noisy_temp_server.checkpoints.perturbation import parse_spec  # noqa: PLC0415 (torch, lazily)
 
         parse_spec(value)
         return value

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from profile_helpers import sample_adapter, sample_profile
 
-from noisy_temp_server.correction.adapter import LoraAdapter, LowRankDelta, save_peft_adapter
-from noisy_temp_server.pairs.adapter_checkpoint import linear_shapes
-from noisy_temp_server.pairs.identity import ModelIdentity
+from noisy_temp_server.adapter.folded_checkpoint import linear_shapes
+from noisy_temp_server.adapter.lora import LoraAdapter, LowRankDelta, save_peft_adapter
+from noisy_temp_server.checkpoints.identity import ModelIdentity
 
 __all__ = ["ADAPTER_MODULES", "adapter_profile", "random_adapter"]
 

@@ -6,7 +6,7 @@ fixtures below import the project's model code lazily), and gives vLLM a 1 GiB C
 unless `VLLM_CPU_KVCACHE_SPACE` is already set.
 
 Models:
-- `tiny_model_dir`: the tiny random Llama (`pairs.tiny_model`), built once per session in a
+- `tiny_model_dir`: the tiny random Llama (`tiny_model`), built once per session in a
   temporary folder (a second or two).
 - `default_model_dir`: the converted SmolLM2-135M-Instruct in the user's cache
   (`NTS_CACHE_DIR`, else ~/.cache/noisy-temp-server), converted once (~40 s) and reused by later
@@ -31,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama checkpoint (seed 0), read-only for tests."""
-    from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
+    from tiny_model import build_tiny_llama  # noqa: PLC0415
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
 
@@ -39,7 +39,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted default model checkpoint in the user's cache, read-only for tests."""
-    from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.default_model import ensure_default_model  # noqa: PLC0415
     from noisy_temp_server.settings import Settings  # noqa: PLC0415
 
     return ensure_default_model(Settings().cache_dir)

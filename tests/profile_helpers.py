@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from noisy_temp_server.adapter.lora import LoraAdapter, adapter_sha256
 from noisy_temp_server.calibration.profile import (
     AdapterSummary,
     BiasSummary,
-    CalibrationSettings,
     ModelIdentity,
     Profile,
     QualityRow,
@@ -15,8 +15,8 @@ from noisy_temp_server.calibration.profile import (
     RuleParameters,
     StepBucketNoise,
 )
-from noisy_temp_server.correction.adapter import LoraAdapter, adapter_sha256
-from noisy_temp_server.pairs.perturbation import QuantizationSpec
+from noisy_temp_server.calibration.settings import CalibrationSettings
+from noisy_temp_server.checkpoints.perturbation import QuantizationSpec
 from noisy_temp_server.temperature.rules import Rule
 
 __all__ = ["CLEAN", "SERVED", "sample_adapter", "sample_bias", "sample_profile"]

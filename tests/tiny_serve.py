@@ -45,8 +45,8 @@ class TinyServer:
 def start_tiny_server(tiny_model_dir: Path, workdir: Path, *extra: str) -> TinyServer:
     """Serve the tiny Llama perturbed by weight noise (the clean one as the shadow reference),
     with the API key `API_KEY`; return once /health answers 200."""
-    from noisy_temp_server.pairs.perturbation import WeightNoiseSpec  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
 
     served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.3), workdir)
     port = free_port()

@@ -3,7 +3,7 @@
 `calibrate_adapter` takes completions sampled by the served model (without an adapter) for all
 the calibration prompts, split by prompt as the rest of calibration splits them
 (`split_fit_validation_test`, `split_selection_gate`, same seed). It fits the adapter
-(`pairs.layer_inputs.fit_compensation_adapter`) on the fit prompts' sequences once per ridge of
+(`adapter.layer_fit.fit_compensation_adapter`) on the fit prompts' sequences once per ridge of
 `RIDGES` for its method (one fit for ``svd``), keeps the ridge with the lowest KL(clean ||
 served + adapter) at T = 1 on the selection half, refits it with that ridge on the fit and
 selection prompts together (for the methods that read inputs: not ``svd``), and measures
@@ -16,7 +16,7 @@ The adapter is applied by forward hooks (`applied_adapter`): the served model's 
 never written.
 
 With `CalibrationSettings.adapter_distil_epochs`, the kept adapter is then distilled
-(`pairs.adapter_distillation`) on the fit prompts' completions: the one sampled without it and
+(`adapter.distillation`) on the fit prompts' completions: the one sampled without it and
 `adapter_distil_completions - 1` more sampled with it (seeds after the refit's), the epoch
 kept chosen on the selection half (whose completions its fit saw, as inputs only), before
 the gate and the test measure it.
@@ -34,31 +34,28 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from noisy_temp_server.calibration.completions import sample_completions
-from noisy_temp_server.calibration.profile import (
-    AdapterDistillation,
-    AdapterSummary,
-    CalibrationSettings,
-    QualityRow,
-)
-from noisy_temp_server.calibration.prompts import Prompt
-from noisy_temp_server.calibration.quality import quality_row
-from noisy_temp_server.calibration.significance import (
-    is_significant,
-    split_fit_validation_test,
-    split_selection_gate,
-)
-from noisy_temp_server.correction.adapter import LoraAdapter, adapter_sha256
-from noisy_temp_server.pairs.adapter_distillation import distil_adapter
-from noisy_temp_server.pairs.layer_inputs import (
+from noisy_temp_server.adapter.distillation import distil_adapter
+from noisy_temp_server.adapter.layer_fit import (
     AdapterMethod,
     applied_deltas,
     fit_compensation_adapter,
     reads_inputs,
 )
-from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.adapter.lora import LoraAdapter, adapter_sha256
+from noisy_temp_server.calibration.completions import sample_completions
+from noisy_temp_server.calibration.profile import AdapterDistillation, AdapterSummary, QualityRow
+from noisy_temp_server.calibration.prompts import Prompt
+from noisy_temp_server.calibration.quality import quality_row
+from noisy_temp_server.calibration.settings import CalibrationSettings
+from noisy_temp_server.calibration.significance import (
+    is_significant,
+    split_fit_validation_test,
+    split_selection_gate,
+)
+from noisy_temp_server.checkpoints.loading import LoadedPair
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = [
     "RIDGES",
@@ -265,6 +262,29 @@ def _distilled(
     )
 
 
+def _choose_ridge(
+    fitted: Callable[[float | None], LoraAdapter],
+    pair: LoadedPair,
+    selection: Sequence[ScoringSequence],
+    method: AdapterMethod,
+    device: str | torch.device,
+) -> tuple[float | None, dict[float | None, float], LoraAdapter]:
+    """The ridge of `method` whose adapter (`fitted(ridge)`) gives the lowest KL at T = 1 on
+    `selection`, the selection KL of each, and the last adapter fitted (one at a time is held).
+    ValueError when every ridge's KL is non-finite."""
+    selection_kl: dict[float | None, float] = {}
+    for ridge in RIDGES[method]:
+        adapter = fitted(ridge)
+        records = adapter_kl_records(pair, selection, adapter, device)
+        kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
+        logger.info("adapter ridge %s: selection KL %.5f", ridge, kl)
+        selection_kl[ridge] = kl
+    finite = {r: kl for r, kl in selection_kl.items() if math.isfinite(kl)}
+    if not finite:
+        raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
+    return min(finite, key=finite.__getitem__), selection_kl, adapter
+
+
 def calibrate_adapter(
     pair: LoadedPair,
     prompts: Sequence[Prompt],
@@ -303,17 +323,9 @@ def calibrate_adapter(
         )
         return adapter
 
-    selection_kl: dict[float | None, float] = {}
-    for ridge in RIDGES[method]:
-        adapter = fitted(fit, ridge)
-        records = adapter_kl_records(pair, selection, adapter, device)
-        kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())
-        logger.info("adapter ridge %s: selection KL %.5f", ridge, kl)
-        selection_kl[ridge] = kl
-    finite = {r: kl for r, kl in selection_kl.items() if math.isfinite(kl)}
-    if not finite:
-        raise ValueError("every ridge's adapter gave a non-finite KL on the selection prompts")
-    ridge = min(finite, key=finite.__getitem__)
+    ridge, selection_kl, adapter = _choose_ridge(
+        lambda ridge: fitted(fit, ridge), pair, selection, method, device
+    )
     if reads_inputs(method):  # else one ridge, one candidate: the adapter kept
         del adapter  # only one adapter in memory at a time: the candidates keep just their KL
         adapter = fitted(_refit_sequences(pair, prompts, [*fit, *selection], settings), ridge)
@@ -342,8 +354,4 @@ def calibrate_adapter(
         validation=validation,
         test=test_row,
     )
-    return AdapterCalibration(
-        adapter=adapter,
-        summary=summary,
-        selection_kl=selection_kl,
-    )
+    return AdapterCalibration(adapter=adapter, summary=summary, selection_kl=selection_kl)

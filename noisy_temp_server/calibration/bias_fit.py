@@ -15,7 +15,8 @@ from torch import Tensor
 
 from noisy_temp_server.calibration.bias_quality import BiasQuality, bias_quality
 from noisy_temp_server.calibration.fitting import rule_temperatures as rule_temperatures_of
-from noisy_temp_server.calibration.profile import BiasSummary, CalibrationSettings
+from noisy_temp_server.calibration.profile import BiasSummary
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     is_not_worse,
     is_significant,
@@ -29,7 +30,7 @@ from noisy_temp_server.correction.request_bands import (
     at_request_temperature,
     best_temperature,
 )
-from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.scoring.records import PositionRecords
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 

@@ -32,9 +32,10 @@ from noisy_temp_server.correction.request_bands import (
     BandedBias,
     at_request_temperature,
 )
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.stats import KLTerms
 

@@ -19,8 +19,8 @@ from noisy_temp_server.calibration.significance import (
     is_material_gain,
     is_not_worse,
 )
-from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.records import PositionRecords, interpolate_kl
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     request_temperature_band_edges,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
-from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.sampling import generate_completions
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.checkpoints.loading import LoadedPair
+from noisy_temp_server.scoring.sampling import generate_completions
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = ["sample_completions"]
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
 )
-from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords
+from noisy_temp_server.scoring.records import KLCurveInterpolant, PositionRecords
 from noisy_temp_server.temperature.oracle import minimise_convex
 from noisy_temp_server.temperature.policy_eval import bucket_index
 from noisy_temp_server.temperature.rules import TemperatureBounds

@@ -22,16 +22,13 @@ from noisy_temp_server.calibration.curves import (
     best_inverse_scale,
     step_bucket,
 )
-from noisy_temp_server.calibration.profile import (
-    CalibrationSettings,
-    RuleParameters,
-    StepBucketNoise,
-)
+from noisy_temp_server.calibration.profile import RuleParameters, StepBucketNoise
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
     split_by_sequence,
 )
-from noisy_temp_server.pairs.records import KLCurveInterpolant, PositionRecords, interpolate_kl
+from noisy_temp_server.scoring.records import KLCurveInterpolant, PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.policy import (
     CalibratedTable,
     TemperaturePolicy,

@@ -3,8 +3,8 @@
 The pipeline (`calibrate`):
 
 1. the served model samples a completion for every prompt at T = 1, as it would serve it
-   (with its runtime logit noise, if the pair has one; `pairs.sampling`);
-2. the pair scorer turns prompt + completion into per-position records (`pairs.scorer`), each
+   (with its runtime logit noise, if the pair has one; `scoring.sampling`);
+2. the pair scorer turns prompt + completion into per-position records (`scoring.scorer`), each
    position measured at every request temperature of the settings (KL to softmax(z/T_r));
 3. prompts (not positions) are split three ways: fit, validation and test
    (`split_fit_validation_test`), and the validation prompts in two halves, selection and
@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from noisy_temp_server.adapter.layer_fit import adapter_targets
 from noisy_temp_server.calibration.adapter_calibration import (
     AdapterCalibration,
     applied_adapter,
@@ -56,19 +57,20 @@ from noisy_temp_server.calibration.bias_fit import BiasCalibration, calibrate_bi
 from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_rows
 from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
-from noisy_temp_server.calibration.profile import CalibrationSettings, ModelIdentity, Profile
+from noisy_temp_server.calibration.profile import ModelIdentity, Profile
 from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.quality import quality_table, recommend_rule
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     split_fit_validation_test,
     split_selection_gate,
 )
+from noisy_temp_server.checkpoints.loading import LoadedPair
+from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 from noisy_temp_server.correction.paired_rows import PairedRows
-from noisy_temp_server.pairs.layer_inputs import adapter_targets
-from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.perturbation import PerturbationSpec
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = [
     "CalibrationData",

@@ -21,17 +21,17 @@ file and what is wrong.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from noisy_temp_server.adapter.layer_fit import AdapterMethod
+from noisy_temp_server.calibration.settings import CalibrationSettings
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 from noisy_temp_server.files import write_atomically
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.layer_inputs import AdapterMethod, reads_inputs
-from noisy_temp_server.pairs.perturbation import PerturbationSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
@@ -40,7 +40,6 @@ __all__ = [
     "AdapterDistillation",
     "AdapterSummary",
     "BiasSummary",
-    "CalibrationSettings",
     "ModelIdentity",
     "Profile",
     "ProfileError",
@@ -48,7 +47,6 @@ __all__ = [
     "QualityTable",
     "RuleParameters",
     "StepBucketNoise",
-    "settings_problems",
 ]
 
 PROFILE_SCHEMA_VERSION = 2
@@ -63,104 +61,6 @@ class ProfileError(ValueError):
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class CalibrationSettings(_Frozen):
-    """How the calibration data were made and the rules fitted (recorded for reproduction).
-
-    Prompts are split three ways (`split_fit_validation_test`): `test_fraction` of them
-    for the reported quality, `validation_fraction` for the choices, the rest to fit the rules
-    on. The validation prompts are halved (`split_selection_gate`): the selection half chooses
-    (the calibrated table's departures from T = 1 and from its constants, the bias's
-    penalties), the gate half judges what was chosen (the recommended rule, the bias).
-    Every position is measured at each of `request_temperatures` (KL to softmax(z/T_r), the
-    clean model at the client's temperature): the calibrated table gets one band per request
-    temperature, the other rules are fitted at T_r = 1, which must be among them.
-    """
-
-    prompts: int = Field(default=64, ge=2)
-    max_new_tokens: int = Field(default=64, ge=1)
-    seed: int = 0
-    validation_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
-    test_fraction: float = Field(default=0.3, gt=0.0, lt=1.0)
-    request_temperatures: tuple[float, ...] = (0.5, 0.7, 1.0, 1.2)
-    step_edges: tuple[int, ...] = (0, 4, 16, 64)
-    entropy_buckets: int = Field(default=4, ge=1)
-    min_cell_positions: int = Field(default=40, ge=1)
-    min_quality_positions: int = Field(default=100, ge=1)
-    t_min: float = 0.25
-    t_max: float = 4.0
-    bias_rows: int = Field(default=2048, ge=0)
-    """Positions whose full clean and served rows are kept to fit the per-token bias (8 bytes
-    per vocabulary entry each: 2048 rows of a 49k vocabulary take 800 MB); 0: no bias."""
-    adapter_rank: int = Field(default=0, ge=0)
-    """Rank of the compensation adapter fitted first (`calibration.adapter_calibration`),
-    under which everything else is fitted; 0: none. Needs a pair whose served weights differ
-    from the clean ones."""
-    adapter_method: AdapterMethod = "propagated"
-    """How the adapter is fitted (`pairs.layer_inputs`): ``propagated`` (each layer fitted to
-    give the clean model's outputs on its inputs), ``eora`` (each layer's own error, weighted
-    by its inputs) or ``svd`` (plain SVD of each layer's error)."""
-    adapter_fit_completions: int = Field(default=1, ge=1)
-    """Completions of each fit and selection prompt the kept adapter is refitted on: the one
-    calibration samples, and the others sampled without the adapter (seeds after `seed`)."""
-    adapter_distil_epochs: int = Field(default=0, ge=0)
-    """Epochs of end-to-end distillation of the fitted adapter on the clean model's
-    next-token distributions (`pairs.adapter_distillation`), the epoch kept chosen on the
-    selection half; 0: none."""
-    adapter_distil_completions: int = Field(default=4, ge=1)
-    """Completions of each fit prompt the distillation trains on: the one calibration samples
-    without the adapter, and the others sampled with it (seeds after the refit's)."""
-
-    @model_validator(mode="after")
-    def _check_consistency(self) -> Self:
-        """Request temperatures, bounds and step edges as `TemperaturePolicy` accepts them,
-        some prompts left to fit on, and the adapter's options only with an adapter they apply
-        to (ValueError otherwise)."""
-        temperatures = self.request_temperatures
-        if (
-            1.0 not in temperatures
-            or any(not 0 < t < math.inf for t in temperatures)
-            or list(temperatures) != sorted(set(temperatures))
-        ):
-            raise ValueError(
-                f"request_temperatures {temperatures} must be ascending, distinct, finite, > 0 "
-                "and include 1.0 (the reference the other rules are fitted at)"
-            )
-        if self.validation_fraction + self.test_fraction >= 1.0:
-            raise ValueError(
-                f"validation_fraction ({self.validation_fraction}) + test_fraction "
-                f"({self.test_fraction}) must be < 1: the rest of the prompts fit the rules"
-            )
-        if self.adapter_distil_epochs and not self.adapter_rank:
-            raise ValueError("adapter distillation needs an adapter: give adapter_rank > 0")
-        if self.adapter_fit_completions > 1 and (
-            not self.adapter_rank or not reads_inputs(self.adapter_method)
-        ):
-            raise ValueError(
-                "adapter_fit_completions > 1 needs an adapter fitted on its inputs: give "
-                "adapter_rank > 0 and the propagated or eora method"
-            )
-        buckets = len(self.step_edges)
-        TemperaturePolicy(
-            bounds=self.bounds,
-            step_edges=self.step_edges,
-            alpha_by_step=(0.0,) * buckets,
-            sigma2_by_step=(0.0,) * buckets,
-        )
-        return self
-
-    @property
-    def bounds(self) -> TemperatureBounds:
-        return TemperatureBounds(self.t_min, self.t_max)
-
-
-def settings_problems(error: ValidationError) -> str:
-    """One line naming every problem `error` found in calibration settings:
-    ``field: message; ...`` (``settings: ...`` for the checks of several fields)."""
-    return "; ".join(
-        f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors()
-    )
 
 
 class StepBucketNoise(_Frozen):
@@ -394,7 +294,7 @@ class AdapterDistillation(_Frozen):
 
 
 class AdapterSummary(_Frozen):
-    """The compensation adapter fitted by calibration (`correction.adapter`), served under
+    """The compensation adapter fitted by calibration (`adapter.lora`), served under
     everything else the profile names: the rules and the bias were fitted on rows served with
     it.
 

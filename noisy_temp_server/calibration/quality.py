@@ -29,8 +29,8 @@ from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
     is_material_gain,
 )
-from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.records import PositionRecords, interpolate_kl
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

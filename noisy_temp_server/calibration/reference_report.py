@@ -28,14 +28,18 @@ import torch
 
 from noisy_temp_server.calibration.curves import best_curve_temperature
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules, rule_temperatures
-from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import encode_prompt, load_prompts
+from noisy_temp_server.calibration.settings import CalibrationSettings
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.perturbation import (
+    TensorTarget,
+    WeightNoiseSpec,
+    apply_perturbation,
+)
 from noisy_temp_server.files import write_atomically
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.perturbation import TensorTarget, WeightNoiseSpec, apply_perturbation
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.sampling import generate_completions
-from noisy_temp_server.pairs.scorer import PairScorer
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.sampling import generate_completions
+from noisy_temp_server.scoring.scorer import PairScorer
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["NoiseSummary", "write_report"]

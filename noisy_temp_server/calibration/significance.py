@@ -2,7 +2,7 @@
 
 Positions of one completion are correlated, so treating them as independent would overstate the
 evidence: standard errors of means over positions are cluster-robust by sequence (prompt,
-`pairs.standard_error.cluster_stderr`), and sets are split by sequence, never by position. A
+`scoring.standard_error.cluster_stderr`), and sets are split by sequence, never by position. A
 mean gain is significant when it exceeds `SIGNIFICANCE_STDERRS` (2) standard errors; a mean loss
 is within noise when it is smaller than that many standard errors.
 

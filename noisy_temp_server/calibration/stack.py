@@ -4,9 +4,9 @@ the adapter + the bias + its T.
 
 `score_stack` teacher-forces the sequences (sampled as served: with the adapter) through the
 clean model and the served model without and with the adapter, and accumulates llama.cpp's
-statistics for each layer (`pairs.scoreboard`); every layer's share of KL(T = 1) removed is
+statistics for each layer (`scoring.scoreboard`); every layer's share of KL(T = 1) removed is
 paired position by position with the served model at T = 1 (`paired_kld_gain`). Greedy
-agreement with the clean model (`pairs.greedy`) is measured per layer on the prompts; the
+agreement with the clean model (`scoring.greedy`) is measured per layer on the prompts; the
 temperature never moves the argmax, so the adapter + T layer shares the adapter's.
 """
 
@@ -20,27 +20,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from noisy_temp_server.adapter.lora import LoraAdapter
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
 from noisy_temp_server.calibration.profile import Profile
-from noisy_temp_server.correction.adapter import LoraAdapter, find_adapter
+from noisy_temp_server.calibration.served_adapter import profile_adapter
+from noisy_temp_server.checkpoints.loading import LoadedPair
 from noisy_temp_server.correction.files import load_bias_file
-from noisy_temp_server.pairs.greedy import (
+from noisy_temp_server.scoring.greedy import (
     GreedyAgreement,
     greedy_agreement,
     greedy_continuation,
 )
-from noisy_temp_server.pairs.loading import LoadedPair
-from noisy_temp_server.pairs.sampling import eos_ids
-from noisy_temp_server.pairs.scoreboard import (
+from noisy_temp_server.scoring.sampling import eos_ids
+from noisy_temp_server.scoring.scoreboard import (
     PairScoreboard,
     ScoreboardResult,
     corrected_rows,
     paired_kld_gain,
 )
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
-__all__ = ["StackLayer", "StackReport", "profile_adapter", "score_scoreboard", "score_stack"]
+__all__ = ["StackLayer", "StackReport", "score_scoreboard", "score_stack"]
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,6 @@ class StackReport:
                 f"| {100 * r.same_top_rate:.1f}% | {greedy[0]} | {greedy[1]} |"
             )
         return "\n".join(lines) + "\n"
-
-
-def profile_adapter(profile: Profile, folder: Path) -> LoraAdapter | None:
-    """The profile's adapter from beside it (`folder`) when it is recommended, else None.
-    `AdapterError` (a ValueError) when it cannot be found or read."""
-    if profile.adapter is None or not profile.adapter.recommended:
-        return None
-    return find_adapter([folder], profile.adapter.sha256)[1]
 
 
 def score_scoreboard(

@@ -6,7 +6,7 @@
 
 The served model samples one completion per prompt at T = 1, as `calibrate` does (default: the
 shipped prompts); both models then score prompt + completion teacher-forced, a chunk of
-positions at a time, and `noisy_temp_server.pairs.scoreboard` accumulates llama.cpp's
+positions at a time, and `noisy_temp_server.scoring.scoreboard` accumulates llama.cpp's
 statistics (mean KLD ± SE, KLD percentiles, same-top-token rate, Δp of the clean top token,
 PPL ratio) for the served model at T = 1 and as served: the profile's recommended policy (or
 `--rule`) with `--profile`, a fixed T with `--t`, else T* = 1. When the profile recommends its
@@ -48,9 +48,9 @@ if TYPE_CHECKING:
 
     from noisy_temp_server.calibration.profile import Profile
     from noisy_temp_server.calibration.stack import StackReport
-    from noisy_temp_server.pairs.loading import LoadedPair
-    from noisy_temp_server.pairs.scoreboard import ScoreboardResult
-    from noisy_temp_server.pairs.scorer import ScoringSequence
+    from noisy_temp_server.checkpoints.loading import LoadedPair
+    from noisy_temp_server.scoring.scoreboard import ScoreboardResult
+    from noisy_temp_server.scoring.sequence import ScoringSequence
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = ["HELP", "add_arguments", "format_table", "run"]
@@ -179,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
     from noisy_temp_server.calibration.completions import sample_completions  # noqa: PLC0415
     from noisy_temp_server.calibration.profile import Profile  # noqa: PLC0415
     from noisy_temp_server.calibration.prompts import load_prompts  # noqa: PLC0415
-    from noisy_temp_server.calibration.stack import profile_adapter  # noqa: PLC0415
-    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
-    from noisy_temp_server.pairs.loading import load_pair  # noqa: PLC0415
+    from noisy_temp_server.calibration.served_adapter import profile_adapter  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.loading import load_pair  # noqa: PLC0415
     from noisy_temp_server.settings import DEFAULT_PERTURBATION  # noqa: PLC0415
 
     try:

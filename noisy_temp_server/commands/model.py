@@ -1,7 +1,6 @@
-"""`noisy-temp-server model`: prepare the default model, build the tiny test model, verify a folder.
+"""`noisy-temp-server model`: prepare the default model, verify a folder.
 
     noisy-temp-server model prepare [--cache-dir DIR] [--full-verify]
-    noisy-temp-server model tiny DEST [--seed N] [--replace]
     noisy-temp-server model verify PATH [--fast]
 
 Each prints the checkpoint folder's path on stdout (progress goes to stderr) and returns 0, or
@@ -18,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["HELP", "add_arguments", "run"]
 
-HELP = "Prepare the default model, build the tiny test model, or verify a checkpoint folder."
+HELP = "Prepare the default model or verify a checkpoint folder."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,11 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompute the sha256 of every file of an existing conversion",
     )
 
-    tiny = actions.add_parser("tiny", help="build the tiny random Llama test model at DEST")
-    tiny.add_argument("dest", type=Path, metavar="DEST")
-    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
-    tiny.add_argument("--replace", action="store_true", help="overwrite DEST if it exists")
-
     verify = actions.add_parser("verify", help="check a checkpoint folder against its manifest")
     verify.add_argument("path", type=Path, metavar="PATH")
     verify.add_argument(
@@ -55,26 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Imported here, not at the top: they pull in torch and transformers (see the docstring).
-    from noisy_temp_server.pairs.checkpoint import (  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.checkpoint import (  # noqa: PLC0415
         CorruptCheckpointError,
         verify_checkpoint,
     )
-    from noisy_temp_server.pairs.default_model import (  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.default_model import (  # noqa: PLC0415
         DefaultModelMissingError,
         ensure_default_model,
     )
-    from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
     from noisy_temp_server.settings import Settings  # noqa: PLC0415
 
     try:
         if args.model_action == "prepare":
             settings = Settings() if args.cache_dir is None else Settings(cache_dir=args.cache_dir)
             path = ensure_default_model(settings.cache_dir, full_verify=args.full_verify)
-        elif args.model_action == "tiny":
-            if args.dest.exists() and not args.replace:
-                print(f"error: {args.dest} exists; pass --replace to overwrite it", file=sys.stderr)
-                return 1
-            path = build_tiny_llama(args.dest, seed=args.seed, replace=args.replace)
         else:
             manifest = verify_checkpoint(args.path, full=not args.fast)
             path = args.path

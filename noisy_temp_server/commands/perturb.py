@@ -2,7 +2,7 @@
 
     noisy-temp-server perturb --spec SPEC --out DIR [--clean PATH] [--cache-dir DIR] [--replace]
 
-SPEC is a JSON file or inline JSON (see `noisy_temp_server.pairs.perturbation`), e.g.
+SPEC is a JSON file or inline JSON (see `noisy_temp_server.checkpoints.perturbation`), e.g.
 `'{"kind": "weight_noise", "scale": 0.02}'` or `'{"kind": "quantization", "format": "int4"}'`.
 The clean checkpoint defaults to the embedded SmolLM2-135M-Instruct. The output folder is a
 checkpoint (safetensors, config, tokenizer) that transformers and vLLM both load; its manifest
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from noisy_temp_server.pairs.perturbation import PerturbationSpec
+    from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 
 __all__ = ["HELP", "add_arguments", "read_spec_argument", "run"]
 
@@ -58,14 +58,14 @@ def read_spec_argument(value: str) -> PerturbationSpec:
 
     Raises `PerturbationSpecError` (with what to fix) for unreadable or invalid specs.
     """
-    from noisy_temp_server.pairs.perturbation import load_spec, parse_spec  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbation import load_spec, parse_spec  # noqa: PLC0415
 
     return parse_spec(value) if value.lstrip().startswith("{") else load_spec(Path(value))
 
 
 def default_clean_path(cache_dir: Path | None) -> Path:
     """The embedded default model's checkpoint folder (converted on first use)."""
-    from noisy_temp_server.pairs.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.default_model import ensure_default_model  # noqa: PLC0415
     from noisy_temp_server.settings import Settings  # noqa: PLC0415
 
     settings = Settings() if cache_dir is None else Settings(cache_dir=cache_dir)
@@ -74,9 +74,9 @@ def default_clean_path(cache_dir: Path | None) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbation import PerturbationSpecError  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbed_checkpoint import (  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbation import PerturbationSpecError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbed_checkpoint import (  # noqa: PLC0415
         write_perturbed_checkpoint,
     )
 

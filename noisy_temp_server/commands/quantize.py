@@ -5,7 +5,7 @@
 
 Unlike `perturb`'s quantization spec (a simulation: weights rounded and stored back as float),
 the output stores quantized weights and a compressed-tensors `quantization_config`, which vLLM
-serves with its own quantized kernels (see `noisy_temp_server.pairs.compressed`; on CPU:
+serves with its own quantized kernels (see `noisy_temp_server.checkpoints.compressed`; on CPU:
 w8a8 and w4a16; fp8 needs a GPU). `calibrate --served DIR` and `kld --served DIR` score it
 against its clean model. Prints the output folder and returns 0, or 1 with what is wrong.
 """
@@ -22,7 +22,7 @@ from noisy_temp_server.commands.perturb import default_clean_path
 __all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "Write a real quantized checkpoint (compressed-tensors w8a8/w4a16/fp8) for vLLM's kernels."
-_FORMATS = ("w8a8", "w4a16", "fp8")  # the keys of pairs.compressed.COMPRESSED_SCHEMES
+_FORMATS = ("w8a8", "w4a16", "fp8")  # the keys of checkpoints.compressed.COMPRESSED_SCHEMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError  # noqa: PLC0415
-    from noisy_temp_server.pairs.compressed import write_compressed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.compressed import write_compressed_checkpoint  # noqa: PLC0415
 
     if args.group_size < 1:
         print(f"error: --group-size must be >= 1, got {args.group_size}", file=sys.stderr)

@@ -34,7 +34,7 @@ from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import BandedBias, at_request_temperature
 from noisy_temp_server.correction.streaming_bias import StreamingBias
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["OnlineBias"]

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 
 from noisy_temp_server.calibration.fitting import finite_positions, fit_rules, rule_temperatures
-from noisy_temp_server.calibration.profile import CalibrationSettings, Profile, StepBucketNoise
+from noisy_temp_server.calibration.profile import Profile, StepBucketNoise
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     is_not_worse,
     split_by_sequence,
@@ -73,8 +74,8 @@ from noisy_temp_server.correction.files import (
 )
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows
 from noisy_temp_server.online.bias import OnlineBias
-from noisy_temp_server.pairs.records import PositionRecords, interpolate_kl
-from noisy_temp_server.pairs.standard_error import cluster_stderr
+from noisy_temp_server.scoring.records import PositionRecords, interpolate_kl
+from noisy_temp_server.scoring.standard_error import cluster_stderr
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -9,14 +9,14 @@ bounded queue without ever blocking (a full queue drops the item and counts it).
 thread takes items off the queue, takes the item's captured rows (`rows`, the trace channel's
 `TraceCollector.take_rows`; an item whose rows never came is dropped, reason
 ``not_captured``), runs only the clean model teacher-forced over the same tokens and scores the
-pair (`pairs.scorer.PairScorer.score_live`: only what the live metrics and the online estimator
+pair (`scoring.scorer.PairScorer.score_live`: only what the live metrics and the online estimator
 need: no per-position oracle, and no KL curves when the estimator refits no rule that reads
 them, `OnlineEstimator.reads_kl_curves`), feeds the per-position records (measured at request
 temperature 1, what the estimator's fits read) to the online estimator and the per-position
 scores against the clean model at the choice's own temperature T_r, softmax(z / T_r), untuned
 (T* = 1: softmax(z~ / T_r)) and as served (softmax((z~ + b) / (T_r T*)) with the choice's
 bias b if it had one, at the T* the engine applied), to the live scoreboard
-(`pairs.scoreboard.LiveScoreboard`, published on the status endpoint and as
+(`scoring.scoreboard.LiveScoreboard`, published on the status endpoint and as
 `nts_scoreboard_*` gauges) and, when the estimator publishes a new policy version, updates the
 policy gauges. New requests pick the new version up from the estimator; requests in flight keep
 the version they were admitted with.
@@ -63,8 +63,9 @@ from noisy_temp_server.engine_contract.request_args import LogitCorrection
 from noisy_temp_server.engine_contract.trace_channel import TraceSource
 from noisy_temp_server.online.cpu_budget import CpuBudget
 from noisy_temp_server.online.metrics import OnlineMetrics
-from noisy_temp_server.pairs.scoreboard import LiveScoreboard
-from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
+from noisy_temp_server.scoring.scoreboard import LiveScoreboard
+from noisy_temp_server.scoring.scorer import LiveScores, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 if TYPE_CHECKING:
     from noisy_temp_server.online.estimator import OnlineEstimator

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
+from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError
+from noisy_temp_server.checkpoints.perturbation import parse_spec
 from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.engine_contract.bias_files import bias_directories, load_bias
 from noisy_temp_server.engine_contract.trace_channel import TraceSource
@@ -23,10 +25,8 @@ from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.heap import fix_mmap_threshold
 from noisy_temp_server.online.metrics import OnlineMetrics
 from noisy_temp_server.online.shadow import ShadowScorer
-from noisy_temp_server.pairs.checkpoint import CorruptCheckpointError
-from noisy_temp_server.pairs.perturbation import parse_spec
-from noisy_temp_server.pairs.scorer import PairScorer
-from noisy_temp_server.pairs.served_pair import ServedPair, clean_pair_scorer
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.served_pair import ServedPair, clean_pair_scorer
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 
@@ -161,7 +161,7 @@ def check_served_bias(policy: TemperaturePolicy, pair: ServedPair) -> None:
 
 def pair_scorer(settings: Settings, pair: ServedPair) -> PairScorer:
     """The shadow scorer's `PairScorer` for `pair`, of its clean side only, from the
-    `clean_*` settings and `shadow_device` (`pairs.served_pair.clean_pair_scorer`)."""
+    `clean_*` settings and `shadow_device` (`scoring.served_pair.clean_pair_scorer`)."""
     key = settings.clean_api_key
     return clean_pair_scorer(
         pair,

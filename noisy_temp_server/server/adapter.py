@@ -4,7 +4,7 @@ request gets.
 The served model id stands for the served model with the profile's adapter; every request gets
 the adapter unless it turns it off. How it is served (`ServedAdapter.path`):
 
-- ``folded``: folded into the served weights (float weights; `pairs.adapter_checkpoint`): no
+- ``folded``: folded into the served weights (float weights; `adapter.folded_checkpoint`): no
   per-step cost, and no request can turn it off, so ``nts_adapter: false`` and the base model
   id are refused with a 400 that says why;
 - ``lora``: served by vLLM's LoRA support (quantized kernels), one `LoRARequest` attached to
@@ -20,11 +20,9 @@ the online estimator fits T* and the bias on the model as served with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from noisy_temp_server.correction.adapter import adapter_folder_name
+from noisy_temp_server.adapter.serving import ServedAdapter
 from noisy_temp_server.engine_contract.keys import KEY_ADAPTER
 from noisy_temp_server.server.errors import OpenAIError
 
@@ -33,10 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NO_ADAPTER",
-    "AdapterPath",
-    "CalibratedKl",
     "RequestAdapter",
-    "ServedAdapter",
     "adapter_status",
     "known_model_ids",
     "listed_model_ids",
@@ -44,59 +39,8 @@ __all__ = [
 ]
 
 
-AdapterPath = Literal["folded", "lora", "none"]
-_BASE_SUFFIX = "-base"
-_LORA_INT_ID = 1  # one adapter per server
-_MIN_SHA_PREFIX = 16
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
-
-
-@dataclass(frozen=True)
-class CalibratedKl:
-    """Mean KL(clean || served) at T = 1 per position, nats, on the calibration's test prompts:
-    the served model without the adapter and with it (the profile's `AdapterSummary.test`)."""
-
-    without_adapter: float
-    with_adapter: float
-
-
-@dataclass(frozen=True)
-class ServedAdapter:
-    """The adapter a server serves: its content hash, how (`path`: ``folded`` or ``lora``), its
-    PEFT folder and rank, the served model id it is part of (`model_name`), and what it was
-    measured to remove at calibration (`calibrated_kl`; None without a profile)."""
-
-    sha256: str
-    path: Literal["folded", "lora"]
-    folder: Path
-    rank: int
-    model_name: str
-    calibrated_kl: CalibratedKl | None = None
-
-    @property
-    def base_model_id(self) -> str:
-        """The model id of the model without the adapter (served on the LoRA path only; on the
-        folded path a request naming it gets a 400 that says why)."""
-        return f"{self.model_name}{_BASE_SUFFIX}"
-
-    @cached_property
-    def lora_request(self) -> LoRARequest:
-        """The `LoRARequest` every request served with the adapter carries (LoRA path)."""
-        from vllm.lora.request import LoRARequest  # noqa: PLC0415
-
-        return LoRARequest(
-            lora_name=adapter_folder_name(self.sha256),
-            lora_int_id=_LORA_INT_ID,
-            lora_path=str(self.folder),
-        )
-
-    def names(self, text: str) -> bool:
-        """Whether `text` names this adapter (sha256, a prefix of 16+ hex digits, folder)."""
-        text = text.strip().lower()
-        if text == adapter_folder_name(self.sha256):
-            return True
-        return len(text) >= _MIN_SHA_PREFIX and self.sha256.startswith(text)
 
 
 @dataclass(frozen=True)

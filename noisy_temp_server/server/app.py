@@ -37,10 +37,10 @@ from noisy_temp_server.settings import Settings
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from noisy_temp_server.adapter.serving import ServedAdapter
     from noisy_temp_server.engine_contract.trace_channel import TraceSource
     from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
-    from noisy_temp_server.server.adapter import ServedAdapter
     from noisy_temp_server.server.engine import GenerationEngine
 
 __all__ = ["create_app"]

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
+    from noisy_temp_server.checkpoints.perturbation import RuntimeLogitNoiseSpec
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
 __all__ = [

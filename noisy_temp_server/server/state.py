@@ -14,10 +14,10 @@ from fastapi import Depends, FastAPI, Request
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from noisy_temp_server.adapter.serving import ServedAdapter
     from noisy_temp_server.engine_contract.trace_channel import TraceSource
     from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.shadow import ShadowScorer
-    from noisy_temp_server.server.adapter import ServedAdapter
     from noisy_temp_server.server.engine import GenerationEngine
     from noisy_temp_server.server.metrics import ApiMetrics
     from noisy_temp_server.settings import Settings

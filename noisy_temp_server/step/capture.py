@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -63,9 +63,14 @@ from noisy_temp_server.step.batch_rows import RowColumns
 
 if TYPE_CHECKING:
     from noisy_temp_server.engine_contract.engine_env import EngineConfig
-    from noisy_temp_server.step.reports import Reporter
 
-__all__ = ["CaptureBounds", "CapturedStep", "RowCapture", "trace_id_to_capture"]
+__all__ = [
+    "CaptureBounds",
+    "CaptureSink",
+    "CapturedStep",
+    "RowCapture",
+    "trace_id_to_capture",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -114,6 +119,12 @@ def trace_id_to_capture(extra_args: Mapping[str, Any] | None, temperature: float
     return keys.trace_id
 
 
+class CaptureSink(Protocol):
+    """Where `RowCapture` stages each step's captured rows (`reports.Reporter`)."""
+
+    def stage_capture(self, step: CapturedStep) -> None: ...
+
+
 class RowCapture:
     """Which requests are captured, keyed by V1 batch row or V2 slot (``capacity`` keys), and
     the per-step capture (see the module docstring). ``logits_scaled``: the rows arrive divided
@@ -123,7 +134,7 @@ class RowCapture:
     def __init__(
         self,
         capacity: int,
-        reporter: Reporter | None,
+        reporter: CaptureSink | None,
         bounds: CaptureBounds,
         *,
         logits_scaled: bool,

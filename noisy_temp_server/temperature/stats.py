@@ -302,7 +302,7 @@ class PairTerms:
     """The softmax work of a validated ``[B, V]`` clean/served pair, done once and shared by every
     per-position statistic of it: the pair statistics (:meth:`statistics`), the KL curve
     (:func:`noisy_temp_server.temperature.oracle.kl_curve_of_terms`) and the scoreboard's scores
-    (:func:`noisy_temp_server.pairs.position_scores.scores_at_temperatures`). Build it with
+    (:func:`noisy_temp_server.scoring.position_scores.scores_at_temperatures`). Build it with
     :meth:`from_logits`: one softmax pass over each row (an exp per element, two weighted sums).
 
     Attributes:

@@ -1,7 +1,7 @@
 """`RuntimeLogitNoiseProcessor`: fresh gaussian noise on the served logits at every step.
 
 Simulates analog or stochastic hardware: every row's logits get iid N(0, σ²) noise, drawn anew
-each step (`pairs.perturbation.add_runtime_logit_noise`, the one implementation the pair
+each step (`checkpoints.perturbation.add_runtime_logit_noise`, the one implementation the pair
 scorer uses too). It changes the argmax, so it is *not* argmax-invariant: vLLM runs it
 before penalties, the request temperature and `NoisyTemperatureLogitsProcessor`, greedy rows
 included — exactly as noisy hardware would.
@@ -38,9 +38,9 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
+from noisy_temp_server.checkpoints.perturbation import add_runtime_logit_noise
 from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.request_args import parse_runtime_noise_sigma
-from noisy_temp_server.pairs.perturbation import add_runtime_logit_noise
 from noisy_temp_server.vllm_plugin.batch_rows import BatchRows
 from noisy_temp_server.vllm_plugin.processor_common import tuning_processor
 from noisy_temp_server.vllm_plugin.processor_v1 import NoisyTemperatureV1

@@ -32,7 +32,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A `noisy-temp-server serve` on loopback: a tiny random Llama served (seed 1) against
     another as the clean model (seed 0), every finished request shadow-scored, and the
     estimator publishing after a few positions."""
-    from noisy_temp_server.pairs.tiny_model import build_tiny_llama  # noqa: PLC0415
+    from tiny_model import build_tiny_llama  # noqa: PLC0415
 
     work = tmp_path_factory.mktemp("live-server")
     clean = build_tiny_llama(work / "clean", seed=0)

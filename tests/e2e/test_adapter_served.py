@@ -16,11 +16,11 @@ from adapter_helpers import adapter_profile, random_adapter
 from server_helpers import stop
 from tiny_serve import MODEL, TinyServer, start_tiny_server
 
-from noisy_temp_server.correction.adapter import adapter_sha256, fold_adapter
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
-from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
+from noisy_temp_server.adapter.lora import adapter_sha256, fold_adapter
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec
+from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -104,7 +104,7 @@ def test_a_folded_adapter_serves_the_folded_checkpoints_greedy_tokens(
 def test_a_compressed_checkpoint_serves_the_adapter_through_lora(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from noisy_temp_server.pairs.compressed import write_compressed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.compressed import write_compressed_checkpoint  # noqa: PLC0415
 
     quantized = tmp_path / "w4a16"  # vLLM's CPU W8A8 kernel drops the weights LoRA needs
     write_compressed_checkpoint(tiny_model_dir, "w4a16", quantized, group_size=32)

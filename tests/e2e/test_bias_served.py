@@ -17,9 +17,9 @@ from profile_helpers import sample_bias, sample_profile
 from server_helpers import stop
 from tiny_serve import MODEL, SCORE_EVERY_REQUEST, TinyServer, start_tiny_server
 
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec
 from noisy_temp_server.correction.files import bias_sha256, save_bias_file
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
 
 pytestmark = pytest.mark.vllm
 

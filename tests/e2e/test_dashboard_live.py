@@ -34,8 +34,8 @@ KL_POINTS = "Number(document.getElementById('chart-kl').dataset.points)"
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from noisy_temp_server.pairs.perturbation import WeightNoiseSpec  # noqa: PLC0415
-    from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint  # noqa: PLC0415
 
     work = tmp_path_factory.mktemp("dashboard-server")
     served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.3), work)

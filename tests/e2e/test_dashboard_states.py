@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from server_helpers import free_port
 
+from noisy_temp_server.adapter.serving import CalibratedKl, ServedAdapter
 from noisy_temp_server.online.policy_source import StaticPolicySource
-from noisy_temp_server.server.adapter import CalibratedKl, ServedAdapter
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.settings import Settings

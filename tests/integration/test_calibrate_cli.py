@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from noisy_temp_server.adapter.lora import adapter_folder_name, find_adapter
 from noisy_temp_server.calibration import pipeline
 from noisy_temp_server.calibration.adapter_calibration import RIDGES
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.correction.adapter import adapter_folder_name, find_adapter
 from noisy_temp_server.correction.files import bias_file_name
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 

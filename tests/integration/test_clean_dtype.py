@@ -13,9 +13,10 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from noisy_temp_server.calibration.prompts import load_prompts
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence, ServedRows
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.perturbation import RuntimeLogitNoiseSpec
+from noisy_temp_server.scoring.scorer import PairScorer, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.settings import Settings
 
 pytestmark = pytest.mark.default_model

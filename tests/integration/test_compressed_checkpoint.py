@@ -25,9 +25,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm, read_manifest
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import quantize as quantize_command
-from noisy_temp_server.pairs.checkpoint import load_causal_lm, read_manifest
 
 MEAN_LOGPROB_TOLERANCE = 0.75
 

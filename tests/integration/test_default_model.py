@@ -11,8 +11,8 @@ import torch
 from gguf import GGUFReader
 from transformers import AutoModelForCausalLM
 
-from noisy_temp_server.pairs.checkpoint import load_causal_lm, verify_checkpoint
-from noisy_temp_server.pairs.default_model import (
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm, verify_checkpoint
+from noisy_temp_server.checkpoints.default_model import (
     CONVERTER_VERSION,
     default_gguf_path,
     ensure_default_model,

@@ -11,24 +11,24 @@ import torch
 from profile_helpers import sample_bias, sample_profile
 from transformers import AutoConfig
 
+from noisy_temp_server.adapter.layer_fit import fit_compensation_adapter
+from noisy_temp_server.adapter.lora import (
+    adapter_folder_name,
+    adapter_sha256,
+    save_peft_adapter,
+)
 from noisy_temp_server.calibration.profile import (
     AdapterSummary,
     BiasSummary,
     ModelIdentity,
     Profile,
 )
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
 from noisy_temp_server.cli import build_parser
 from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.commands import perturb as perturb_command
-from noisy_temp_server.correction.adapter import (
-    adapter_folder_name,
-    adapter_sha256,
-    save_peft_adapter,
-)
 from noisy_temp_server.correction.files import bias_sha256, save_bias_file
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.temperature.rules import Rule
 
 SPEC = '{"kind": "quantization", "format": "int4", "group_size": 16}'

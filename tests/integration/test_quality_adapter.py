@@ -13,10 +13,10 @@ from types import ModuleType
 import pytest
 from script_loading import load_script
 
-from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import load_prompts
-from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec, WeightNoiseSpec
+from noisy_temp_server.calibration.settings import CalibrationSettings
+from noisy_temp_server.checkpoints.loading import load_pair
+from noisy_temp_server.checkpoints.perturbation import RuntimeLogitNoiseSpec, WeightNoiseSpec
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_adapter.py"
 QUALITY = BENCHMARK.with_name("quality.py")

@@ -21,14 +21,15 @@ import httpx
 import pytest
 import torch
 from server_helpers import free_port, running_server, stop, wait_until
+from tiny_model import TINY_VOCAB_SIZE
 
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
-from noisy_temp_server.pairs.perturbation import WeightNoiseSpec, apply_perturbation
-from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence, ServedRows
-from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec, apply_perturbation
+from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint
+from noisy_temp_server.scoring.clean_backend import InProcessModel, RemoteClean
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import PairScorer, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 pytestmark = pytest.mark.vllm
 

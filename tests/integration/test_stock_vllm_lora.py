@@ -18,8 +18,8 @@ import torch
 from adapter_helpers import random_adapter
 from server_helpers import free_port, running_server
 
-from noisy_temp_server.correction.adapter import fold_adapter, save_peft_adapter
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.adapter.lora import fold_adapter, save_peft_adapter
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
 
 pytestmark = pytest.mark.vllm
 
@@ -90,7 +90,7 @@ def _served_tokens(url: str, model: str) -> list[int]:
 def test_the_adapter_model_generates_the_folded_checkpoints_tokens(
     stock_server: str, tiny_model_dir: Path, adapter_folder: Path
 ) -> None:
-    from noisy_temp_server.correction.adapter import load_peft_adapter  # noqa: PLC0415
+    from noisy_temp_server.adapter.lora import load_peft_adapter  # noqa: PLC0415
 
     model, _ = load_causal_lm(tiny_model_dir)
     base = _greedy_tokens(model)

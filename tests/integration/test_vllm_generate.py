@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from vllm_helpers import start_llm, stop_llm
 
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
 
 pytestmark = pytest.mark.vllm
 

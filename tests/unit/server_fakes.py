@@ -26,13 +26,14 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+from noisy_temp_server.adapter.serving import ServedAdapter
 from noisy_temp_server.correction.paired_rows import PairedRows
 from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceReport
 from noisy_temp_server.online.policy_source import StaticPolicySource
-from noisy_temp_server.pairs.position_scores import scores_at_temperatures
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
-from noisy_temp_server.server.adapter import ServedAdapter
+from noisy_temp_server.scoring.position_scores import scores_at_temperatures
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import LiveScores, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.settings import Settings

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from noisy_temp_server.calibration import adapter_calibration
-from noisy_temp_server.calibration.profile import CalibrationSettings
 from noisy_temp_server.calibration.prompts import Prompt
-from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.perturbation import QuantizationSpec
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.calibration.settings import CalibrationSettings
+from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
+from noisy_temp_server.checkpoints.perturbation import QuantizationSpec
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 
 @pytest.fixture(scope="module")

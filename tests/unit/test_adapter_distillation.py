@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from noisy_temp_server.correction.adapter import LoraAdapter, adapter_sha256
-from noisy_temp_server.pairs.adapter_distillation import Distillation, distil_adapter
-from noisy_temp_server.pairs.layer_inputs import fit_compensation_adapter
-from noisy_temp_server.pairs.loading import LoadedPair, load_pair
-from noisy_temp_server.pairs.perturbation import QuantizationSpec
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.adapter.distillation import Distillation, distil_adapter
+from noisy_temp_server.adapter.layer_fit import fit_compensation_adapter
+from noisy_temp_server.adapter.lora import LoraAdapter, adapter_sha256
+from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
+from noisy_temp_server.checkpoints.perturbation import QuantizationSpec
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 
 @pytest.fixture(scope="module")

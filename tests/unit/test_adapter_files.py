@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from noisy_temp_server.correction.adapter import (
+from noisy_temp_server.adapter.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from noisy_temp_server.correction.adapter_fit import (
+from noisy_temp_server.adapter.deltas import (
     eora_delta,
     propagated_error,
     svd_delta,

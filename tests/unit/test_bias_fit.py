@@ -22,12 +22,19 @@ from noisy_temp_server.calibration.bias_quality import (
 )
 from noisy_temp_server.calibration.fitting import rule_temperatures
 from noisy_temp_server.calibration.pipeline import calibrate_records
-from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
+from noisy_temp_server.calibration.profile import Profile
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     InsufficientDataError,
     is_not_worse,
     is_significant,
     split_fit_validation_test,
+)
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.perturbation import (
+    QuantizationSpec,
+    apply_perturbation,
+    output_head,
 )
 from noisy_temp_server.correction.bias import fit_logit_bias
 from noisy_temp_server.correction.files import (
@@ -38,10 +45,9 @@ from noisy_temp_server.correction.files import (
 )
 from noisy_temp_server.correction.paired_rows import LogitBias, PairedRows, evaluate_bias
 from noisy_temp_server.correction.request_bands import at_request_temperature
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation, output_head
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import PairScorer, ScoringSequence
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import PairScorer
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.temperature.rules import Rule
 
 

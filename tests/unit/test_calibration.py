@@ -31,14 +31,10 @@ from noisy_temp_server.calibration.pipeline import (
     calibrate,
     calibrate_records,
 )
-from noisy_temp_server.calibration.profile import (
-    CalibrationSettings,
-    Profile,
-    QualityRow,
-    QualityTable,
-)
+from noisy_temp_server.calibration.profile import Profile, QualityRow, QualityTable
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.calibration.quality import quality_table, recommend_rule
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import (
     MIN_RELATIVE_GAIN,
     InsufficientDataError,
@@ -47,9 +43,9 @@ from noisy_temp_server.calibration.significance import (
     split_fit_validation_test,
     split_selection_gate,
 )
-from noisy_temp_server.pairs.loading import load_pair
-from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
-from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
+from noisy_temp_server.checkpoints.loading import load_pair
+from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec
+from noisy_temp_server.scoring.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
 from noisy_temp_server.temperature.oracle import oracle_temperature
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noisy_temp_server.pairs.checkpoint import (
+from noisy_temp_server.checkpoints.checkpoint import (
     MANIFEST_FILENAME,
     WEIGHTS_FILENAME,
     CheckpointManifest,

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from noisy_temp_server.pairs import default_model
-from noisy_temp_server.pairs.checkpoint import CheckpointManifest, FileRecord
-from noisy_temp_server.pairs.default_model import (
+from noisy_temp_server.checkpoints import default_model
+from noisy_temp_server.checkpoints.checkpoint import CheckpointManifest, FileRecord
+from noisy_temp_server.checkpoints.default_model import (
     GGUF_FILENAME,
     DefaultModelMissingError,
     default_gguf_path,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.greedy import greedy_agreement, greedy_continuation
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.scoring.greedy import greedy_agreement, greedy_continuation
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from noisy_temp_server.correction.adapter import fold_adapter
-from noisy_temp_server.correction.adapter_fit import svd_delta
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.compressed import write_compressed_checkpoint
-from noisy_temp_server.pairs.layer_inputs import (
+from noisy_temp_server.adapter.deltas import svd_delta
+from noisy_temp_server.adapter.layer_fit import (
     _first_block_inputs,
     _stages,
     adapter_targets,
     fit_compensation_adapter,
     perturbed_linears,
 )
-from noisy_temp_server.pairs.perturbation import QuantizationSpec, apply_perturbation
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.adapter.lora import fold_adapter
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.compressed import write_compressed_checkpoint
+from noisy_temp_server.checkpoints.perturbation import QuantizationSpec, apply_perturbation
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 
 @pytest.fixture(scope="module")

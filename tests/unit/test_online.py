@@ -11,11 +11,12 @@ from profile_helpers import sample_bias, sample_profile
 from spy_helpers import record_calls
 
 from noisy_temp_server.calibration import fitting
-from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
+from noisy_temp_server.calibration.profile import Profile
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.calibration.significance import split_by_sequence
 from noisy_temp_server.online.estimator import OnlineEstimator
 from noisy_temp_server.online.startup import DEFAULT_PAIR_PROFILE
-from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.scoring.records import PositionRecords
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule

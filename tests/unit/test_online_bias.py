@@ -16,7 +16,8 @@ import pytest
 import torch
 from profile_helpers import sample_bias, sample_profile
 
-from noisy_temp_server.calibration.profile import CalibrationSettings, Profile
+from noisy_temp_server.calibration.profile import Profile
+from noisy_temp_server.calibration.settings import CalibrationSettings
 from noisy_temp_server.correction.bias import fit_bias_at_penalty
 from noisy_temp_server.correction.files import (
     bias_file_name,
@@ -35,7 +36,7 @@ from noisy_temp_server.correction.streaming_bias import StreamingBias
 from noisy_temp_server.online import estimator as online
 from noisy_temp_server.online.bias import OnlineBias
 from noisy_temp_server.online.estimator import OnlineEstimator
-from noisy_temp_server.pairs.records import PositionRecords
+from noisy_temp_server.scoring.records import PositionRecords
 from noisy_temp_server.temperature.rules import Rule
 
 VOCAB = 200

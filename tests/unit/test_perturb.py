@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.perturbation import (
     ExternalPairSpec,
     PerturbationSpecError,
     QuantizationSpec,

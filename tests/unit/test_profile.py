@@ -14,7 +14,7 @@ from noisy_temp_server.calibration.profile import (
     Profile,
     ProfileError,
 )
-from noisy_temp_server.pairs.perturbation import QuantizationSpec, RuntimeLogitNoiseSpec
+from noisy_temp_server.checkpoints.perturbation import QuantizationSpec, RuntimeLogitNoiseSpec
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

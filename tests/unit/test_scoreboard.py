@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.correction.files import bias_sha256
-from noisy_temp_server.pairs.position_scores import (
+from noisy_temp_server.scoring.position_scores import (
     PositionScores,
     position_scores,
     scores_at_temperatures,
 )
-from noisy_temp_server.pairs.scoreboard import (
+from noisy_temp_server.scoring.scoreboard import (
     SCOREBOARD_PERCENTILES,
     LiveScoreboard,
     PairScoreboard,

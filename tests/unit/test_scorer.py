@@ -11,16 +11,17 @@ import torch
 from kl_reference import kl_to_clean
 from transformers import PreTrainedModel
 
-from noisy_temp_server.correction.paired_rows import PairedRows
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.clean_backend import InProcessModel, RemoteClean
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.perturbation import (
     RuntimeLogitNoiseSpec,
     WeightNoiseSpec,
     apply_perturbation,
 )
-from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
-from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequence, ServedRows
+from noisy_temp_server.correction.paired_rows import PairedRows
+from noisy_temp_server.scoring.clean_backend import InProcessModel, RemoteClean
+from noisy_temp_server.scoring.records import KL_CURVE_TEMPERATURES, PositionRecords, interpolate_kl
+from noisy_temp_server.scoring.scorer import LiveScores, PairScorer, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.temperature.oracle import kl_curve
 
 

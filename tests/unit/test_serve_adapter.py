@@ -14,23 +14,23 @@ import torch
 from adapter_helpers import adapter_profile, random_adapter
 from safetensors.torch import load_file
 
-from noisy_temp_server.calibration.profile import Profile, ProfileError
-from noisy_temp_server.commands import serve
-from noisy_temp_server.commands.serve_adapter import lora_engine_rank, plan_served_adapter
-from noisy_temp_server.correction.adapter import (
+from noisy_temp_server.adapter.folded_checkpoint import ensure_folded_checkpoint, folded_adapter_of
+from noisy_temp_server.adapter.lora import (
     ADAPTER_WEIGHTS,
     AdapterError,
     adapter_folder_name,
     adapter_sha256,
     save_peft_adapter,
 )
-from noisy_temp_server.pairs.adapter_checkpoint import ensure_folded_checkpoint, folded_adapter_of
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturbation import WeightNoiseSpec
-from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
-from noisy_temp_server.pairs.served_pair import ServedPair
+from noisy_temp_server.adapter.serving import CalibratedKl, lora_engine_rank
+from noisy_temp_server.calibration.profile import Profile, ProfileError
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.perturbation import WeightNoiseSpec
+from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint
+from noisy_temp_server.commands import serve
+from noisy_temp_server.scoring.served_pair import ServedPair
 from noisy_temp_server.server import engine as engine_module
-from noisy_temp_server.server.adapter import CalibratedKl
+from noisy_temp_server.server.launch import plan_served_adapter
 from noisy_temp_server.settings import Settings
 
 SPEC = WeightNoiseSpec(scale=0.1)
@@ -92,7 +92,7 @@ def test_lora_path_on_request_and_its_engine_rank(pair: ServedPair, tmp_path: Pa
     assert plan.engine_model == pair.served
     assert plan.max_lora_rank == 8
     assert plan.adapter.lora_request.lora_path == str(plan.adapter.folder)
-    assert _plan(pair, path, tmp_path, adapter_serving="off") is None
+    assert _plan(pair, path, tmp_path, adapter_serving="none") is None
     assert [lora_engine_rank(r) for r in (1, 2, 16, 17, 300, 512)] == [1, 8, 16, 32, 320, 512]
     with pytest.raises(AdapterError, match="above vLLM's largest"):
         lora_engine_rank(513)
@@ -199,7 +199,7 @@ def test_serve_refuses_a_bad_adapter_with_one_line_and_exit_status_1(
 
 
 def _quantized_pair(tiny_model_dir: Path, tmp_path: Path, scheme: str) -> tuple[ServedPair, Path]:
-    from noisy_temp_server.pairs.compressed import write_compressed_checkpoint  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.compressed import write_compressed_checkpoint  # noqa: PLC0415
 
     quantized = tmp_path / scheme
     write_compressed_checkpoint(tiny_model_dir, scheme, quantized, group_size=32)
@@ -220,7 +220,7 @@ def test_quantized_kernels_get_the_lora_path_and_refuse_folding(
     assert plan.engine_model == pair.served
     assert plan.max_lora_rank == 8
     with pytest.raises(ProfileError, match="cannot be folded into them"):
-        _plan(pair, path, tmp_path, adapter_serving="fold")
+        _plan(pair, path, tmp_path, adapter_serving="folded")
 
 
 def test_w8a8_on_the_cpu_is_refused_for_lora(
@@ -236,7 +236,7 @@ def test_w8a8_on_the_cpu_is_refused_for_lora(
     plan = _plan(pair, path, tmp_path)
     assert plan is not None
     assert plan.adapter.path == "lora"
-    assert _plan(pair, path, tmp_path, adapter_serving="off") is None
+    assert _plan(pair, path, tmp_path, adapter_serving="none") is None
 
 
 def test_an_adapter_folder_is_served_without_a_profile(pair: ServedPair, tmp_path: Path) -> None:

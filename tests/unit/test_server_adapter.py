@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from server_fakes import MODEL, POLICY, Harness, assert_error, build, sse_events
 
-from noisy_temp_server.server.adapter import CalibratedKl, ServedAdapter
+from noisy_temp_server.adapter.serving import CalibratedKl, ServedAdapter
 from noisy_temp_server.settings import Settings
 
 SHA = "ab" * 32

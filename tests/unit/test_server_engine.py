@@ -15,6 +15,7 @@ import pytest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
 
+from noisy_temp_server.checkpoints.perturbation import RuntimeLogitNoiseSpec
 from noisy_temp_server.engine_contract.bias_files import bias_directories
 from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.keys import (
@@ -23,7 +24,6 @@ from noisy_temp_server.engine_contract.keys import (
     RUNTIME_NOISE_SIGMA_ENV,
     TRACE_ENDPOINT_ENV,
 )
-from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec
 from noisy_temp_server.server import engine
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy

@@ -16,8 +16,18 @@ from profile_helpers import CLEAN, SERVED, sample_profile
 from transformers import AutoConfig
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
+from noisy_temp_server.checkpoints.checkpoint import MANIFEST_FILENAME
+from noisy_temp_server.checkpoints.perturbation import (
+    QuantizationSpec,
+    RuntimeLogitNoiseSpec,
+    WeightNoiseSpec,
+    parse_spec,
+)
+from noisy_temp_server.checkpoints.perturbed_checkpoint import (
+    ensure_perturbed_checkpoint,
+    write_perturbed_checkpoint,
+)
 from noisy_temp_server.commands import serve
-from noisy_temp_server.commands.serve import resolve_pair
 from noisy_temp_server.correction.files import bias_sha256, load_bias_file, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, RUNTIME_NOISE_SEED_ENV
 from noisy_temp_server.online import startup
@@ -29,20 +39,10 @@ from noisy_temp_server.online.startup import (
     serves_default_pair,
     startup_profile,
 )
-from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME
-from noisy_temp_server.pairs.clean_backend import InProcessModel
-from noisy_temp_server.pairs.perturbation import (
-    QuantizationSpec,
-    RuntimeLogitNoiseSpec,
-    WeightNoiseSpec,
-    parse_spec,
-)
-from noisy_temp_server.pairs.perturbed_checkpoint import (
-    ensure_perturbed_checkpoint,
-    write_perturbed_checkpoint,
-)
-from noisy_temp_server.pairs.served_pair import ServedPair
+from noisy_temp_server.scoring.clean_backend import InProcessModel
+from noisy_temp_server.scoring.served_pair import ServedPair
 from noisy_temp_server.server import engine as engine_module
+from noisy_temp_server.server.launch import resolve_pair
 from noisy_temp_server.settings import DEFAULT_PERTURBATION, Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
@@ -73,7 +73,7 @@ def test_runtime_noise_perturbation_serves_the_clean_weights_without_a_copy(
 def test_served_model_recording_runtime_noise_is_served_with_it_and_scores_against_itself(
     runtime_noise_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="noisy_temp_server.pairs.served_pair"):
+    with caplog.at_level(logging.INFO, logger="noisy_temp_server.scoring.served_pair"):
         pair = resolve_pair(Settings(served_model=runtime_noise_dir))
     assert pair == ServedPair(runtime_noise_dir, runtime_noise_dir, NOISE)
     assert pair.runtime_noise == NOISE

@@ -25,7 +25,8 @@ from noisy_temp_server.engine_contract.request_args import LogitCorrection
 from noisy_temp_server.online.cpu_budget import CpuBudget
 from noisy_temp_server.online.metrics import OnlineMetrics
 from noisy_temp_server.online.shadow import ShadowScorer, request_sequence_id
-from noisy_temp_server.pairs.scorer import LiveScores, ScoringSequence, ServedRows
+from noisy_temp_server.scoring.scorer import LiveScores, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 
 class Setup:

@@ -32,15 +32,16 @@ from server_fakes import (
 )
 from server_helpers import free_port
 from starlette.types import Message
+from tiny_model import TINY_VOCAB_SIZE
 
 from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV
 from noisy_temp_server.online.policy_source import StaticPolicySource
 from noisy_temp_server.online.shadow import ShadowScorer
-from noisy_temp_server.pairs.clean_backend import RemoteClean
-from noisy_temp_server.pairs.records import PositionRecords
-from noisy_temp_server.pairs.scorer import LiveScores, PairScorer, ScoringSequence, ServedRows
-from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE
+from noisy_temp_server.scoring.clean_backend import RemoteClean
+from noisy_temp_server.scoring.records import PositionRecords
+from noisy_temp_server.scoring.scorer import LiveScores, PairScorer, ServedRows
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.server.app import create_app
 from noisy_temp_server.server.metrics import ApiMetrics
 from noisy_temp_server.settings import Settings

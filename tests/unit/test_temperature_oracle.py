@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kl_reference import kl_to_clean
 
-from noisy_temp_server.pairs.records import KL_CURVE_TEMPERATURES
+from noisy_temp_server.scoring.records import KL_CURVE_TEMPERATURES
 from noisy_temp_server.temperature.oracle import (
     kl_curve,
     minimise_convex,

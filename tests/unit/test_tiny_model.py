@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import TINY_VOCAB_SIZE, build_tiny_llama
 
-from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME, load_causal_lm, read_manifest
-from noisy_temp_server.pairs.tiny_model import TINY_VOCAB_SIZE, build_tiny_llama
+from noisy_temp_server.checkpoints.checkpoint import (
+    MANIFEST_FILENAME,
+    load_causal_lm,
+    read_manifest,
+)
 
 VLLM_CPU_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 

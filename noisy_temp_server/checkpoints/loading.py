@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from noisy_temp_server.pairs.checkpoint import load_causal_lm
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.perturbation import (
     PerturbationSpec,
     QuantizationSpec,
     RuntimeLogitNoiseSpec,

@@ -30,7 +30,7 @@ import torch
 from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from noisy_temp_server.pairs.checkpoint import (
+from noisy_temp_server.checkpoints.checkpoint import (
     CheckpointManifest,
     CorruptCheckpointError,
     save_checkpoint,

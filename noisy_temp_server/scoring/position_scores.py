@@ -5,7 +5,7 @@ it, at a per-position temperature T (q = softmax(served / T), p = softmax(clean)
 whether the two agree on the top token, the change Δp = q(top) - p(top) of the clean model's top
 token, and ln p(x) - ln q(x) of the next token x (`PositionScores`). `scores_as_served` scores
 what the engine serves when the policy names a per-token bias, `corrected_rows`. The
-streaming statistics over these scores are `pairs.scoreboard`'s.
+streaming statistics over these scores are `scoring.scoreboard`'s.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.adapter import LowRankDelta
+from noisy_temp_server.adapter.lora import LowRankDelta
 
 __all__ = [
     "TRUNCATION_RIDGE",

@@ -15,7 +15,7 @@ q = softmax(served / T) at a per-position temperature T against p = softmax(clea
 
 Standard errors of means are cluster-robust by sequence (prompt): the positions of one
 completion are correlated, so treating them as independent would understate the uncertainty.
-`pairs.standard_error` computes them from per-sequence sums (as the calibration quality table
+`scoring.standard_error` computes them from per-sequence sums (as the calibration quality table
 does from positions).
 
 Memory is bounded: means and standard errors need only per-sequence sums (a few floats per
@@ -41,8 +41,12 @@ import torch
 from torch import Tensor
 
 from noisy_temp_server.correction.files import bias_sha256, check_bias_vocabulary
-from noisy_temp_server.pairs.position_scores import PositionScores, corrected_rows, scores_as_served
-from noisy_temp_server.pairs.standard_error import cluster_stderr_of_sums
+from noisy_temp_server.scoring.position_scores import (
+    PositionScores,
+    corrected_rows,
+    scores_as_served,
+)
+from noisy_temp_server.scoring.standard_error import cluster_stderr_of_sums
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.stats import PairTerms

@@ -9,8 +9,11 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from noisy_temp_server.pairs.perturbation import RuntimeLogitNoiseSpec, add_runtime_logit_noise
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.checkpoints.perturbation import (
+    RuntimeLogitNoiseSpec,
+    add_runtime_logit_noise,
+)
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

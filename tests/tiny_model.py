@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from noisy_temp_server.pairs.checkpoint import save_checkpoint
+from noisy_temp_server.checkpoints.checkpoint import save_checkpoint
 
 __all__ = ["TINY_VOCAB_SIZE", "build_tiny_llama", "build_tiny_tokenizer"]
 
@@ -131,7 +131,7 @@ def build_tiny_llama(dest: Path, seed: int = 0, *, replace: bool = False) -> Pat
         tokenizer,
         kind="tiny-model",
         description="tiny random Llama with a locally trained byte-level BPE tokenizer (tests)",
-        source=f"noisy_temp_server.pairs.tiny_model.build_tiny_llama(seed={seed})",
+        source=f"tiny_model.build_tiny_llama(seed={seed})",
         metadata={"seed": seed, "init_std": _INIT_STD},
         replace=replace,
     )

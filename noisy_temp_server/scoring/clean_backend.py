@@ -36,7 +36,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from noisy_temp_server.pairs.scorer import ScoringSequence
+    from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = ["CleanBackend", "CleanBackendError", "InProcessModel", "RemoteClean"]
 

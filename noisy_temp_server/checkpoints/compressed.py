@@ -1,6 +1,6 @@
 """Real quantized checkpoints in the compressed-tensors format, which vLLM runs with its kernels.
 
-Unlike the round-to-nearest *simulations* of `noisy_temp_server.pairs.perturbation` (weights
+Unlike the round-to-nearest *simulations* of `noisy_temp_server.checkpoints.perturbation` (weights
 quantized and dequantized back to float, served as an ordinary float model), a checkpoint
 written here stores the quantized weights (int8, packed int4 or fp8) with their scales and a
 `quantization_config` in `config.json`; vLLM serves it with its own quantized kernels, and
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from noisy_temp_server.pairs.checkpoint import (
+from noisy_temp_server.checkpoints.checkpoint import (
     CheckpointManifest,
     load_causal_lm,
     read_manifest,

@@ -3,7 +3,7 @@
 `fit_compensation_adapter` walks the served model's decoder blocks in order. The hidden states
 entering the first block are captured once per sequence (the forward stops there); then each
 block's perturbed linear layers (weights that differ from the clean model's) are fitted at the
-adapter's rank (`correction.adapter_fit`) from their inputs, gathered by forward hooks, and
+adapter's rank (`adapter.deltas`) from their inputs, gathered by forward hooks, and
 the block is run again with its corrections applied by hooks to give the next block's inputs:
 later blocks are fitted on the inputs the compensated model gives them. Two activation-aware
 methods:
@@ -12,12 +12,12 @@ methods:
   X_s^T X_s / n, all of a block's layers from one pass;
 - ``propagated``: the clean model's hidden states are carried alongside, and each layer is
   fitted to give the clean layer's outputs on the clean model's inputs
-  (`correction.adapter_fit.propagated_error`), so it also corrects what reaches it from the
+  (`adapter.deltas.propagated_error`), so it also corrects what reaches it from the
   layers before; a block is fitted in stages (q, k, v; o; gate, up; down), each on the inputs
   its earlier stages' corrections give it.
 
 The served model's weights are never written (the caller folds the adapter it keeps,
-`correction.adapter.fold_adapter`). Peak memory is stated in docs/adapter.md.
+`adapter.lora.fold_adapter`). Peak memory is stated in docs/adapter.md.
 
 Real quantized checkpoints load through transformers, which decompresses their weights, so the
 served weights here are already dequantized floats and the error is their difference.
@@ -34,11 +34,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from noisy_temp_server.correction.adapter import LoraAdapter, LowRankDelta
-from noisy_temp_server.correction.adapter_fit import eora_delta, propagated_delta, svd_delta
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.adapter.deltas import eora_delta, propagated_delta, svd_delta
+from noisy_temp_server.adapter.lora import LoraAdapter, LowRankDelta
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = [
+    "DEFAULT_ADAPTER_RANK",
     "AdapterMethod",
     "adapter_targets",
     "applied_deltas",
@@ -48,6 +49,8 @@ __all__ = [
     "reads_inputs",
 ]
 
+DEFAULT_ADAPTER_RANK = 64
+"""The rank an adapter is fitted at unless told (the choice is measured in docs/adapter.md)."""
 AdapterMethod = Literal["eora", "propagated", "svd"]
 
 

@@ -1,4 +1,4 @@
-"""A served checkpoint and a compensation adapter (`correction.adapter`): what its weights are
+"""A served checkpoint and a compensation adapter (`adapter.lora`): what its weights are
 (floats that an adapter can be folded into, or quantized kernels that need vLLM's LoRA), the
 shapes of its linear layers, and the folded checkpoint, written once to the cache.
 
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from noisy_temp_server.correction.adapter import (
+from noisy_temp_server.adapter.lora import (
     AdapterError,
     LoraAdapter,
     adapter_folder_name,
     adapter_sha256,
     fold_adapter,
 )
-from noisy_temp_server.pairs.checkpoint import (
+from noisy_temp_server.checkpoints.checkpoint import (
     load_causal_lm,
     read_manifest,
     save_checkpoint,

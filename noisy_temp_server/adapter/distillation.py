@@ -1,6 +1,6 @@
 """Distilling a compensation adapter on the clean model's next-token distributions.
 
-`distil_adapter` starts from a fitted adapter (`pairs.layer_inputs.fit_compensation_adapter`:
+`distil_adapter` starts from a fitted adapter (`adapter.layer_fit.fit_compensation_adapter`:
 training-free, one layer at a time) and trains all its factors together, end to end, by Adam
 on the measure calibration reports: KL(clean || served + adapter) at T = 1, averaged over the
 completion positions of its training sequences. After each epoch it measures the same KL on
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from noisy_temp_server.correction.adapter import LoraAdapter, LowRankDelta
-from noisy_temp_server.pairs.layer_inputs import applied_deltas
-from noisy_temp_server.pairs.scorer import ScoringSequence
+from noisy_temp_server.adapter.layer_fit import applied_deltas
+from noisy_temp_server.adapter.lora import LoraAdapter, LowRankDelta
+from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = ["Distillation", "distil_adapter"]
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from noisy_temp_server.pairs.checkpoint import (
+from noisy_temp_server.checkpoints.checkpoint import (
     CheckpointManifest,
     load_causal_lm,
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
 )
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.perturbation import (
     ExternalPairSpec,
     PerturbationSpec,
     PerturbationSpecError,

@@ -12,7 +12,7 @@ clean side is computed, teacher-forced over the same tokens. Its scoreboard scor
 request against what its client asked for, the clean model at the request's temperature T_r;
 its records and paired rows measure the pair at T_r = 1, as the fits they feed expect.
 
-The result is columnar, `pairs.records.PositionRecords`: no logits are kept.
+The result is columnar, `scoring.records.PositionRecords`: no logits are kept.
 """
 
 from __future__ import annotations
@@ -26,23 +26,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from noisy_temp_server.correction.paired_rows import PairedRows
-from noisy_temp_server.pairs.clean_backend import CleanBackend, InProcessModel
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.perturbation import (
     RuntimeLogitNoiseSpec,
     add_runtime_logit_noise,
     output_head,
 )
-from noisy_temp_server.pairs.position_scores import (
+from noisy_temp_server.correction.paired_rows import PairedRows
+from noisy_temp_server.scoring.clean_backend import CleanBackend, InProcessModel
+from noisy_temp_server.scoring.position_scores import (
     PositionScores,
     corrected_rows,
     scores_as_served,
 )
-from noisy_temp_server.pairs.records import (
+from noisy_temp_server.scoring.records import (
     KL_CURVE_TEMPERATURES,
     PositionRecords,
     terms_at_request_temperature,
 )
+from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.temperature.stats import PairTerms
 
 if TYPE_CHECKING:
@@ -51,26 +52,8 @@ if TYPE_CHECKING:
 __all__ = [
     "LiveScores",
     "PairScorer",
-    "ScoringSequence",
     "ServedRows",
 ]
-
-
-@dataclass(frozen=True)
-class ScoringSequence:
-    """Token ids of prompt + completion; positions from `prompt_length` on are scored."""
-
-    token_ids: Sequence[int]
-    prompt_length: int
-    sequence_id: int
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.prompt_length < len(self.token_ids):
-            raise ValueError(
-                f"sequence {self.sequence_id}: need 1 <= prompt_length < length, got "
-                f"prompt_length {self.prompt_length} for {len(self.token_ids)} tokens "
-                "(a completion needs at least one token)"
-            )
 
 
 @dataclass(frozen=True)
@@ -157,7 +140,7 @@ class PairScorer:
     def logit_chunks(self, sequence: ScoringSequence) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """(step int64 [c], clean [c, V], served [c, V]) float32 rows of the completion
         positions of `sequence`, `chunk_positions` at a time, on `device`: the clean backend's
-        (logits or log-probabilities, see `pairs.clean_backend`) and the served model's logits
+        (logits or log-probabilities, see `scoring.clean_backend`) and the served model's logits
         with the pair's runtime noise (as sampled from, before any temperature). The row at
         step s predicts token `token_ids[prompt_length + s]`. Needs the served model."""
         if self.served is None:

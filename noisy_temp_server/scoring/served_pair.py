@@ -16,19 +16,19 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from noisy_temp_server.pairs.checkpoint import MANIFEST_FILENAME, load_causal_lm
-from noisy_temp_server.pairs.clean_backend import RemoteClean
-from noisy_temp_server.pairs.default_model import ensure_default_model
-from noisy_temp_server.pairs.identity import ModelIdentity
-from noisy_temp_server.pairs.perturbation import (
+from noisy_temp_server.checkpoints.checkpoint import MANIFEST_FILENAME, load_causal_lm
+from noisy_temp_server.checkpoints.default_model import ensure_default_model
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.perturbation import (
     ExternalPairSpec,
     PerturbationSpec,
     RuntimeLogitNoiseSpec,
     parse_spec,
 )
-from noisy_temp_server.pairs.perturbed_checkpoint import ensure_perturbed_checkpoint
-from noisy_temp_server.pairs.scorer import PairScorer
+from noisy_temp_server.checkpoints.perturbed_checkpoint import ensure_perturbed_checkpoint
 from noisy_temp_server.phases import logged_phase
+from noisy_temp_server.scoring.clean_backend import RemoteClean
+from noisy_temp_server.scoring.scorer import PairScorer
 
 __all__ = ["ServedPair", "clean_pair_scorer", "resolve_served_pair"]
 

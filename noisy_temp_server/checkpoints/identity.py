@@ -10,8 +10,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from noisy_temp_server.pairs.checkpoint import read_manifest
-from noisy_temp_server.pairs.perturbation import PerturbationSpec, RuntimeLogitNoiseSpec, parse_spec
+from noisy_temp_server.checkpoints.checkpoint import read_manifest
+from noisy_temp_server.checkpoints.perturbation import (
+    PerturbationSpec,
+    RuntimeLogitNoiseSpec,
+    parse_spec,
+)
 
 __all__ = ["ModelIdentity"]
 

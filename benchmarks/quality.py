@@ -26,7 +26,7 @@ Per family, the per-token logit bias + T (`calibration.bias_fit`, fitted by the 
 calibration on the T_r = 1 rows of the fit prompts, its penalty chosen on the validation
 prompts) on the test prompts: the share of KL(T = 1) it removes ± s.e., beside T = 1, every
 rule and the per-position oracle T at T_r = 1 (`bias_section`, which
-`benchmarks/bias_quality.py` also prints, with a cross-domain test set and more fit data);
+`experiments/bias_quality.py` also prints, with a cross-domain test set and more fit data);
 then at every request temperature, as it is served (with the T of its band there), beside
 the recommended rule and the oracle on the same test rows, and its paired gain over the rule.
 `--w8a8 DIR` adds a real compressed-tensors checkpoint from
@@ -425,7 +425,7 @@ def main() -> int:
         type=Path,
         default=None,
         help="also save each family's fit/validation/test records here, as "
-        "<family>.<split>.safetensors (what benchmarks/context_features.py reads)",
+        "<family>.<split>.safetensors (what experiments/context_features.py reads)",
     )
     parser.add_argument(
         "--threads",

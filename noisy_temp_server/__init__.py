@@ -5,6 +5,6 @@ Importing this package has no side effects: no model loading, no CUDA initialisa
 network. The heavy pieces (vLLM, transformers) are imported by the modules that need them.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"
 
 __all__ = ["__version__"]

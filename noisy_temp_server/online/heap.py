@@ -4,7 +4,7 @@ Each refit concatenates the estimator's window (about 9 MB at 50 000 positions) 
 it: large, short-lived tensors. glibc serves an allocation above its mmap threshold with its
 own mapping, returned to the system when freed, but the threshold is *dynamic*: once a large
 mapped block is freed, the threshold rises past it, later blocks of that size come from the
-heap, and the heap fragments. `benchmarks/estimator_heap.py` measures it (with and without
+heap, and the heap fragments. `experiments/estimator_heap.py` measures it (with and without
 ``--fixed``).
 """
 

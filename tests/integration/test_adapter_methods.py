@@ -1,4 +1,4 @@
-"""`benchmarks/adapter_methods.py` on the tiny model: two fit methods side by side, each on one
+"""`experiments/adapter_methods.py` on the tiny model: two fit methods side by side, each on one
 and on two completions per fit prompt, and a bad ``--methods`` or ``--completions`` refused in
 one line."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "adapter_methods.py"
+BENCHMARK = Path(__file__).resolve().parents[2] / "experiments" / "adapter_methods.py"
 SPEC = '{"kind": "weight_noise", "scale": 0.1}'
 
 

@@ -16,7 +16,12 @@ from noisy_temp_server.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKDOWN_FILES = sorted(
-    [REPO_ROOT / "README.md", REPO_ROOT / "CHANGELOG.md", *(REPO_ROOT / "docs").rglob("*.md")]
+    [
+        REPO_ROOT / "README.md",
+        REPO_ROOT / "CHANGELOG.md",
+        REPO_ROOT / "experiments" / "README.md",
+        *(REPO_ROOT / "docs").rglob("*.md"),
+    ]
 )
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)

@@ -10,9 +10,9 @@ other than T_r = 1. The rows here
 are synthetic (clean logits of scale 3, served = clean + unit noise) at the embedded model's
 vocabulary; the cost does not depend on their values. Per configuration: `--repeats` timed
 updates after one warm-up, min / median / max milliseconds. Saved as JSON under
-benchmarks/results/.
+experiments/results/.
 
-    .venv/bin/python benchmarks/streaming_bias_cost.py [--vocab 49152] [--rows 32]
+    .venv/bin/python experiments/streaming_bias_cost.py [--vocab 49152] [--rows 32]
         [--bands 0.5,0.7,1.2] [--head-dim 576] [--repeats 10] [--threads 1]
 """
 

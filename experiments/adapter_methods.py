@@ -12,9 +12,9 @@ prompt-clustered standard error, and the paired difference in that share to ever
 listed before it (positive: this one removes more), clustered the same way. A row is
 ``method:ridge``, or ``method:ridge ×K`` where K is not 1.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/adapter_methods.py \\
+    PYTHONPATH=. OMP_NUM_THREADS=1 nice .venv/bin/python experiments/adapter_methods.py \\
         --spec '{"kind": "quantization", "format": "int4", "group_size": 128}' --rank 16 \\
-        --methods eora:0.001,propagated:10 --out benchmarks/results/adapter_methods_int4_r16
+        --methods eora:0.001,propagated:10 --out experiments/results/adapter_methods
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ feeding an `OnlineEstimator` (a refit every 256 positions, window capped at 50 0
 glibc's dynamic mmap threshold (default) or the fixed one `serve` sets (``--fixed``).
 ``--score-only`` leaves the estimator out. Prints RSS (MiB) every 500 scored sequences.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/estimator_heap.py [--fixed] [--score-only]
+    PYTHONPATH=. .venv/bin/python experiments/estimator_heap.py [--fixed] [--score-only]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 what the served row shows for free, fitted by KL on paired records, against the band constant.
 
     .venv/bin/python benchmarks/quality.py --families logit-noise int4 --records DIR ...
-    .venv/bin/python benchmarks/context_features.py --records DIR [--families logit-noise int4]
+    .venv/bin/python experiments/context_features.py --records DIR [--families logit-noise int4]
 
 Reads the fit / validation / test records `benchmarks/quality.py --records DIR` saved (the
 calibration pipeline's three prompt splits, every position at T_r = 0.5, 0.7, 1.0, 1.2). Per
@@ -20,7 +20,7 @@ when its paired gain over the band constant on the validation prompts is signifi
 minus 2 clustered standard errors > 0); its test figures are reported either way: closure of
 the T* = 1 -> per-position-oracle gap and the paired test gain over the band constant
 (± clustered s.e.), pooled over the request temperatures. Writes
-benchmarks/results/context_features.md and .json.
+experiments/results/context_features.md and .json.
 """
 
 from __future__ import annotations

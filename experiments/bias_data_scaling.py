@@ -1,11 +1,11 @@
 """How much of the per-position oracle the in-domain bias reaches as it is fitted on more
 distinct prompts of its domain (int4 on the embedded default model by default).
 
-    .venv/bin/python benchmarks/bias_data_scaling.py [--family int4] [--max-new-tokens 48]
+    .venv/bin/python experiments/bias_data_scaling.py [--family int4] [--max-new-tokens 48]
         [--extra-steps 0 79 158] [--head-penalty 1e-3] [--penalty 3.2e-4] [--threads N]
 
 The served model writes one completion of each shipped prompt and of each prompt of
-`benchmarks/data/prompts_shipped_style.jsonl` (158 more prompts written in the shipped set's
+`experiments/data/prompts_shipped_style.jsonl` (158 more prompts written in the shipped set's
 style, many on its templates: the same domain, none of its texts); the pair scorer keeps
 every position's row. The shipped prompts are split as calibration splits them
 (as `bias_quality.py` splits them for its in-domain figures: fit, validation and test by
@@ -17,7 +17,7 @@ part first, then the per-token part with the head-span part refitted) but at fix
 and measured on the shipped test prompts beside T = 1 and the per-position oracle T on the
 same rows. A control fit has as many rows as the fit on the shipped prompts alone, evenly
 thinned from every prompt's: more prompts, not more rows. Writes
-benchmarks/results/bias_data_scaling.md and .json.
+experiments/results/bias_data_scaling.md and .json.
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 from bias_quality import scored_completions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # quality.py
+
 from quality import FAMILIES
 
 from noisy_temp_server.calibration.bias_quality import bias_quality

@@ -1,7 +1,7 @@
 """Greedy agreement with the clean model against KL(clean || served) at T = 1, per perturbation
 family, without any correction: how low the KL must be for greedy answers to agree for long.
 
-    .venv/bin/python benchmarks/greedy_by_kl.py [--families int8 fp8 noise-0.02 ...]
+    .venv/bin/python experiments/greedy_by_kl.py [--families int8 fp8 noise-0.02 ...]
         [--prompts benchmarks/data/prompts_formal.jsonl] [--max-new-tokens 64]
         [--greedy-tokens 64] [--threads N] [--out DIR]
 
@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
-from quality import FAMILIES, RESULTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # quality.py
+
+from quality import FAMILIES
 
 from noisy_temp_server.calibration.adapter_calibration import adapter_kl_records
 from noisy_temp_server.calibration.completions import sample_completions
@@ -30,7 +34,9 @@ from noisy_temp_server.scoring.greedy import greedy_agreement
 from noisy_temp_server.scoring.sampling import eos_ids
 from noisy_temp_server.settings import Settings
 
-FORMAL = Path(__file__).resolve().parent / "data" / "prompts_formal.jsonl"
+HERE = Path(__file__).resolve().parent
+FORMAL = HERE.parent / "benchmarks" / "data" / "prompts_formal.jsonl"
+RESULTS = HERE / "results"
 
 
 def main() -> int:

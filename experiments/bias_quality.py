@@ -1,7 +1,7 @@
 """Held-out quality of the per-token logit bias + T beside the temperature rules, per family,
 in-domain and cross-domain, on the embedded default model.
 
-    .venv/bin/python benchmarks/bias_quality.py [--num-prompts 80] [--samples 1]
+    .venv/bin/python experiments/bias_quality.py [--num-prompts 80] [--samples 1]
         [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
         [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K]
         [--request-temperatures 0.5 1.0] [--threads N]
@@ -32,7 +32,7 @@ its streaming fit measured on the in-domain test prompts after every round, at e
 temperature of `--request-temperatures` (default 1.0; the bias then has a band's T at each,
 refined online too; the rows taken to T_r exactly). `--w8a8 DIR` adds a real
 compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
-Writes benchmarks/results/bias_quality.md and bias_quality.json, a family at a time.
+Writes experiments/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # quality.py
+
 from quality import FAMILIES, bias_section, served_pairs
 
 from noisy_temp_server.calibration.bias_fit import (
@@ -72,7 +76,7 @@ from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.settings import Settings
 
 HERE = Path(__file__).resolve().parent
-CROSS_PROMPTS = HERE / "data" / "prompts_formal.jsonl"
+CROSS_PROMPTS = HERE.parent / "benchmarks" / "data" / "prompts_formal.jsonl"
 RESULTS = HERE / "results"
 
 

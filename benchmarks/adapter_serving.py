@@ -202,7 +202,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    from noisy_temp_server.settings import default_cache_dir  # noqa: PLC0415
+    from noisy_temp_server.files import default_cache_dir  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="served checkpoint (float)")

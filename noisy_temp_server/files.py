@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 from pathlib import Path
 
-__all__ = ["write_atomically"]
+__all__ = ["default_cache_dir", "sha256_file", "write_atomically"]
+
+_HASH_CHUNK_BYTES = 1 << 22
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/noisy-temp-server`, or `~/.cache/noisy-temp-server`: the product's own
+    folder, the only one it writes into besides the outputs it is told to write."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "noisy-temp-server"
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -35,3 +45,12 @@ def write_atomically(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             staging.unlink(missing_ok=True)
         raise
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of the file at `path`, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,13 +19,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from noisy_temp_server.adapter import AdapterServing
 from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS
+from noisy_temp_server.files import default_cache_dir
 
 __all__ = [
     "DEFAULT_PERTURBATION",
     "EngineSettings",
     "Settings",
     "add_settings_arguments",
-    "default_cache_dir",
     "engine_settings",
     "settings_as_json",
     "settings_from_args",
@@ -40,12 +39,6 @@ pair from the profile shipped in the package (`data/default-pair.profile.json`).
 
 RuleName = Literal["off", "fixed", "sqrt", "linear", "fisher", "schedule", "calibrated"]
 PositiveFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
-
-
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/noisy-temp-server`, or `~/.cache/noisy-temp-server`."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "noisy-temp-server"
 
 
 class Settings(BaseSettings):

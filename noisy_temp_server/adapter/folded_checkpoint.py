@@ -10,7 +10,6 @@ the adapter folded in (``folded_adapter``), so that nothing folds it twice.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,11 +22,14 @@ from noisy_temp_server.adapter.lora import (
     fold_adapter,
 )
 from noisy_temp_server.checkpoints.checkpoint import (
+    MANIFEST_FILENAME,
     load_causal_lm,
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
 )
+from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.model_folder import read_config
 
 __all__ = [
     "FOLDED_ADAPTER_KEY",
@@ -42,29 +44,18 @@ FOLDED_ADAPTER_KEY = "folded_adapter"
 """The manifest metadata key of a folded checkpoint: the sha256 of the adapter folded in."""
 
 
-def _config(path: Path) -> dict[str, object]:
-    config_path = path / "config.json"
-    try:
-        document = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise AdapterError(f"cannot read {config_path}: {error}") from error
-    if not isinstance(document, dict):
-        raise AdapterError(f"{config_path} is not a model configuration")
-    return document
-
-
 def holds_quantized_kernels(path: Path) -> bool:
     """Whether the checkpoint folder `path` stores quantized weights that vLLM runs with its own
     kernels (a ``quantization_config`` in its ``config.json``: compressed-tensors, AWQ, GPTQ),
-    into which no adapter can be folded. AdapterError if its configuration is unreadable."""
-    return _config(path).get("quantization_config") is not None
+    into which no adapter can be folded. ModelFolderError if its configuration is unreadable."""
+    return read_config(path).get("quantization_config") is not None
 
 
 def quantization_format(path: Path) -> str | None:
     """The storage format of the quantized checkpoint folder `path` (compressed-tensors'
     ``format``: ``int-quantized`` for w8a8, ``pack-quantized`` for w4a16, ...; else the
     ``quant_method``); None for float weights."""
-    config = _config(path).get("quantization_config")
+    config = read_config(path).get("quantization_config")
     if not isinstance(config, dict):
         return None
     return str(config.get("format") or config.get("quant_method") or "unknown")
@@ -90,12 +81,24 @@ def linear_shapes(path: Path) -> dict[str, tuple[int, int]]:
 
 def folded_adapter_of(path: Path) -> str | None:
     """The sha256 of the adapter folded into the checkpoint folder `path` (None: none)."""
-    recorded = read_manifest(path).metadata.get(FOLDED_ADAPTER_KEY)
+    recorded = _manifest_metadata(path).get(FOLDED_ADAPTER_KEY)
     return recorded if isinstance(recorded, str) else None
 
 
+def _manifest_metadata(path: Path) -> dict[str, object]:
+    """The metadata of a checkpoint of ours (empty for a plain folder, which has none)."""
+    return dict(read_manifest(path).metadata) if (path / MANIFEST_FILENAME).is_file() else {}
+
+
+def _weights_sha256(path: Path) -> str:
+    """The served weights' identity (a plain folder's content hash, cached)."""
+    sha256 = ModelIdentity.of_checkpoint(path).weights_sha256
+    assert sha256 is not None  # a folder's weights always have one
+    return sha256
+
+
 def _checkpoint_dtype(path: Path) -> torch.dtype:
-    config = _config(path)
+    config = read_config(path)
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name), None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
@@ -113,7 +116,7 @@ def ensure_folded_checkpoint(served: Path, adapter: LoraAdapter, cache_dir: Path
     """
     if holds_quantized_kernels(served):
         raise AdapterError(f"{served} holds quantized kernels: an adapter cannot be folded in")
-    manifest = read_manifest(served)
+    metadata = _manifest_metadata(served)
     already = folded_adapter_of(served)
     if already is not None:
         raise AdapterError(
@@ -124,7 +127,7 @@ def ensure_folded_checkpoint(served: Path, adapter: LoraAdapter, cache_dir: Path
     dest = (
         cache_dir
         / "folded"
-        / (f"{served.resolve().name}-{manifest.weights_sha256[:12]}-{adapter_folder_name(sha256)}")
+        / (f"{served.resolve().name}-{_weights_sha256(served)[:12]}-{adapter_folder_name(sha256)}")
     )
     if dest.exists():
         verify_checkpoint(dest, full=False)
@@ -139,7 +142,7 @@ def ensure_folded_checkpoint(served: Path, adapter: LoraAdapter, cache_dir: Path
             kind="folded",
             description=f"{served.resolve().name} with the adapter {sha256[:16]}... folded in",
             source=f"noisy-temp-server serve: {served} with its profile's adapter folded in",
-            metadata={**manifest.metadata, FOLDED_ADAPTER_KEY: sha256},
+            metadata={**metadata, FOLDED_ADAPTER_KEY: sha256},
         )
     except FileExistsError:  # another server wrote the same folder meanwhile
         verify_checkpoint(dest, full=False)

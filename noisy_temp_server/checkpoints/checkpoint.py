@@ -21,7 +21,6 @@ place, so a reader sees either no folder or a complete one; a crash leaves only 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -41,6 +40,8 @@ from transformers import (
 )
 
 from noisy_temp_server import __version__
+from noisy_temp_server.checkpoints.model_folder import check_model_folder
+from noisy_temp_server.files import sha256_file
 
 __all__ = [
     "MANIFEST_FILENAME",
@@ -51,7 +52,6 @@ __all__ = [
     "load_causal_lm",
     "read_manifest",
     "save_checkpoint",
-    "sha256_file",
     "verify_checkpoint",
 ]
 
@@ -60,7 +60,6 @@ WEIGHTS_FILENAME = "model.safetensors"
 MANIFEST_FORMAT = "noisy-temp-server-checkpoint"
 MANIFEST_FORMAT_VERSION = 1
 _REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", WEIGHTS_FILENAME)
-_HASH_CHUNK_BYTES = 1 << 22
 _STALE_TEMPORARY_SECONDS = 3600.0
 
 
@@ -74,8 +73,7 @@ class CorruptCheckpointError(RuntimeError):
         self.path = path
         self.problem = problem
         remedy = remedy or (
-            "rebuild it with the command that made it (the manifest's `source` says which), "
-            f"or delete the folder: rm -rf {path}"
+            "rebuild it with the command that made it (the manifest's `source` says which)"
         )
         super().__init__(f"checkpoint {path} is unusable: {problem}. To fix it, {remedy}.")
 
@@ -151,15 +149,6 @@ class CheckpointManifest:
             )
         except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"malformed manifest ({error!r})") from error
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of the file at `path`, read in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _publish_files(folder: Path) -> None:
@@ -313,15 +302,19 @@ def load_causal_lm(
     *,
     verify: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a checkpoint folder with transformers, from local files only.
+    """Load a model folder (a checkpoint of ours, or a plain one) with transformers, from local
+    files only.
 
     Returns `(model, tokenizer)` with the model in eval mode, on `device`, in `dtype`. With
-    `verify=True` the folder first gets the fast check of `verify_checkpoint` (sizes, no
-    hashing); CorruptCheckpointError if it fails.
+    `verify=True` a checkpoint of ours first gets the fast check of `verify_checkpoint` (sizes,
+    no hashing; CorruptCheckpointError if it fails) and a plain folder `check_model_folder`'s
+    (ModelFolderError).
     """
     path = Path(path)
-    if verify:
+    if verify and (path / MANIFEST_FILENAME).is_file():
         verify_checkpoint(path, full=False)
+    elif verify:
+        check_model_folder(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     torch.nn.Module.to(model, torch.device(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -30,9 +30,9 @@ import torch
 from noisy_temp_server.checkpoints.checkpoint import (
     CheckpointManifest,
     load_causal_lm,
-    read_manifest,
     save_checkpoint,
 )
+from noisy_temp_server.checkpoints.identity import ModelIdentity
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -131,10 +131,10 @@ def write_compressed_checkpoint(
     identity (metadata "clean"), so `calibrate`, `kld` and `serve` pair it with its clean model.
     The output is deterministic: the same inputs give byte-identical weights.
     """
-    clean_manifest = read_manifest(clean_dir)
+    clean_identity = ModelIdentity.of_checkpoint(clean_dir)
     model, tokenizer = load_causal_lm(clean_dir)
     layers = quantize_model(model, scheme, group_size=group_size)
-    clean_name = Path(clean_dir).resolve().name
+    clean_name = clean_identity.name
     details: dict[str, Any] = {"scheme": scheme, "layers": layers}
     if _scheme(scheme, group_size).weights.group_size is not None:
         details["group_size"] = group_size
@@ -147,7 +147,7 @@ def write_compressed_checkpoint(
         source=f"noisy-temp-server quantize: {clean_name}, round-to-nearest min-max scales",
         metadata={
             "compressed_tensors": details,
-            "clean": {"name": clean_name, "weights_sha256": clean_manifest.weights_sha256},
+            "clean": {"name": clean_name, "weights_sha256": clean_identity.weights_sha256},
         },
         replace=replace,
     )

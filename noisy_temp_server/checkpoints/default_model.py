@@ -34,9 +34,9 @@ from noisy_temp_server.checkpoints.checkpoint import (
     CheckpointManifest,
     CorruptCheckpointError,
     save_checkpoint,
-    sha256_file,
     verify_checkpoint,
 )
+from noisy_temp_server.files import sha256_file
 
 __all__ = [
     "DEFAULT_MODEL_NAME",

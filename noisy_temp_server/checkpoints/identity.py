@@ -1,4 +1,4 @@
-"""The identity of a model of a pair: which checkpoint, or which perturbation of which one.
+"""The identity of a model of a pair: which weights, or which perturbation of which ones.
 
 A profile records the identity of both models of the pair it was calibrated on, and the server
 checks it against the pair it serves (`ModelIdentity.matches`).
@@ -10,7 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from noisy_temp_server.checkpoints.checkpoint import read_manifest
+from noisy_temp_server.checkpoints.checkpoint import MANIFEST_FILENAME, read_manifest
+from noisy_temp_server.checkpoints.model_folder import content_sha256, display_name
 from noisy_temp_server.checkpoints.perturbation import (
     PerturbationSpec,
     RuntimeLogitNoiseSpec,
@@ -45,9 +46,14 @@ class ModelIdentity(BaseModel):
     perturbation: PerturbationSpec | None = None
 
     @classmethod
-    def of_checkpoint(cls, path: Path) -> ModelIdentity:
-        """Identity of a checkpoint folder, from its manifest (CorruptCheckpointError if none;
-        PerturbationSpecError if the manifest records an invalid perturbation)."""
+    def of_checkpoint(cls, path: Path, cache_dir: Path | None = None) -> ModelIdentity:
+        """Identity of a model folder: a checkpoint of ours from its manifest
+        (CorruptCheckpointError if it is damaged; PerturbationSpecError if it records an invalid
+        perturbation), a plain folder from its weights' content hash (`content_sha256`, cached
+        in `cache_dir`; ModelFolderError without weights)."""
+        path = Path(path)
+        if not (path / MANIFEST_FILENAME).is_file():
+            return cls(name=display_name(path), weights_sha256=content_sha256(path, cache_dir))
         manifest = read_manifest(path)
         recorded_clean = manifest.metadata.get("clean")
         recorded_spec = manifest.metadata.get("perturbation")

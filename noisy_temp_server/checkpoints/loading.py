@@ -1,4 +1,4 @@
-"""Loading a clean/served pair: the clean checkpoint, and the served model made or loaded."""
+"""Loading a clean/served pair: the clean model, and the served model made or loaded."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import torch
 
 from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
 from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.model_folder import (
+    check_model_folder,
+    check_pair_folders,
+    resolve_model_folder,
+)
 from noisy_temp_server.checkpoints.perturbation import (
     PerturbationSpec,
     QuantizationSpec,
@@ -55,21 +60,31 @@ def load_pair(
     served_path: Path | None = None,
     spec: PerturbationSpec | None = None,
     device: str | torch.device = "cpu",
+    same_architecture: bool = False,
 ) -> LoadedPair:
-    """Load the clean checkpoint and make or load the served model.
+    """Load the clean model and make or load the served model.
 
-    With `served_path` (a checkpoint, e.g. from `noisy-temp-server perturb`), its manifest's
-    recorded perturbation is used, and a recorded clean identity must match `clean_path`
-    (ValueError naming both otherwise). With `spec` instead, weight perturbations are applied to
-    an in-memory copy of the clean model and a runtime-noise spec serves the clean weights; the
-    served identity is then `ModelIdentity.perturbed(clean, spec)`, which a profile matches
-    against the checkpoint `perturb` writes for the same spec.
+    Both are model folders or Hugging Face model ids (`resolve_model_folder`), checked as a pair
+    before any model is loaded (`check_pair_folders`, with `same_architecture` when an adapter
+    is to be fitted: ModelFolderError naming the difference). With `served_path` (a plain folder,
+    or a checkpoint of `noisy-temp-server perturb` or `quantize`), a perturbation its manifest
+    records is used, and a recorded clean identity must match `clean_path` (ValueError naming
+    both otherwise). With `spec` instead, weight perturbations are applied to an in-memory copy
+    of the clean model and a runtime-noise spec serves the clean weights; the served identity
+    is then `ModelIdentity.perturbed(clean, spec)`, which a profile matches against the
+    checkpoint `perturb` writes for the same spec.
     """
-    clean_model, tokenizer = load_causal_lm(clean_path, device=device)
-    clean = ModelIdentity.of_checkpoint(clean_path)
+    clean_path = resolve_model_folder(clean_path)
     if served_path is not None:
-        served_model, _ = load_causal_lm(served_path, device=device)
+        served_path = resolve_model_folder(served_path)
+        check_pair_folders(clean_path, served_path, same_architecture=same_architecture)
+    else:
+        check_model_folder(clean_path)
+    clean = ModelIdentity.of_checkpoint(clean_path)
+    clean_model, tokenizer = load_causal_lm(clean_path, device=device)
+    if served_path is not None:
         served = ModelIdentity.of_checkpoint(served_path)
+        served_model, _ = load_causal_lm(served_path, device=device)
         recorded_clean = served.clean_weights_sha256
         if recorded_clean is not None and recorded_clean != clean.weights_sha256:
             raise ValueError(
@@ -88,4 +103,9 @@ def load_pair(
     if isinstance(spec, RuntimeLogitNoiseSpec):
         served = ModelIdentity.perturbed(clean, spec)
         return LoadedPair(clean_model, clean_model, tokenizer, clean, served, spec)
-    return load_pair(spec.clean_path, served_path=spec.served_path, device=device)
+    return load_pair(
+        spec.clean_path,
+        served_path=spec.served_path,
+        device=device,
+        same_architecture=same_architecture,
+    )

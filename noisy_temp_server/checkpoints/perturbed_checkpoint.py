@@ -14,10 +14,10 @@ from pathlib import Path
 from noisy_temp_server.checkpoints.checkpoint import (
     CheckpointManifest,
     load_causal_lm,
-    read_manifest,
     save_checkpoint,
     verify_checkpoint,
 )
+from noisy_temp_server.checkpoints.identity import ModelIdentity
 from noisy_temp_server.checkpoints.perturbation import (
     ExternalPairSpec,
     PerturbationSpec,
@@ -47,7 +47,7 @@ def write_perturbed_checkpoint(
         raise PerturbationSpecError(
             "an external pair is already perturbed; pass its two paths to `calibrate` instead"
         )
-    clean_manifest = read_manifest(clean_dir)
+    clean_identity = ModelIdentity.of_checkpoint(clean_dir)
     model, tokenizer = load_causal_lm(clean_dir)
     details: dict[str, object] = {}
     if not isinstance(spec, RuntimeLogitNoiseSpec):
@@ -57,7 +57,7 @@ def write_perturbed_checkpoint(
             "elements": summary.elements,
             "untied_output_head": summary.untied_output_head,
         }
-    clean_name = clean_dir.resolve().name
+    clean_name = clean_identity.name
     return save_checkpoint(
         dest,
         model,
@@ -67,7 +67,7 @@ def write_perturbed_checkpoint(
         source=source,
         metadata={
             "perturbation": spec_to_json(spec),
-            "clean": {"name": clean_name, "weights_sha256": clean_manifest.weights_sha256},
+            "clean": {"name": clean_name, "weights_sha256": clean_identity.weights_sha256},
             **details,
         },
         replace=replace,

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError
+from noisy_temp_server.checkpoints.model_folder import ModelFolderError
 from noisy_temp_server.checkpoints.perturbation import parse_spec
 from noisy_temp_server.correction.files import check_bias_vocabulary
 from noisy_temp_server.engine_contract.bias_files import bias_directories, load_bias
@@ -76,12 +77,12 @@ def startup_profile(settings: Settings, pair: ServedPair) -> StartupProfile:
     model, a warning and no profile); else none ("identity": T = 1 until the estimator
     learns)."""
     if settings.profile is not None:
-        profile = load_profile_for_pair(settings.profile, pair)
+        profile = load_profile_for_pair(settings.profile, pair, settings.cache_dir)
         return StartupProfile(profile, settings.profile, f"profile {settings.profile}")
     if not serves_default_pair(settings):
         return StartupProfile(None, None, "identity")
     try:
-        profile = load_profile_for_pair(DEFAULT_PAIR_PROFILE, pair)
+        profile = load_profile_for_pair(DEFAULT_PAIR_PROFILE, pair, settings.cache_dir)
     except ProfileError as error:
         _LOGGER.warning(
             "Starting at T = 1: the shipped default-pair profile does not fit (%s)", error
@@ -90,25 +91,26 @@ def startup_profile(settings: Settings, pair: ServedPair) -> StartupProfile:
     return StartupProfile(profile, DEFAULT_PAIR_PROFILE, "the shipped profile of the default pair")
 
 
-def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdentity]:
+def pair_identities(
+    pair: ServedPair, cache_dir: Path | None = None
+) -> tuple[ModelIdentity | None, ModelIdentity]:
     """The identities a profile must match to serve `pair`: (clean, served); clean is None
     when the pair has no clean model.
 
-    Each folder's identity comes from its manifest. Runtime logit noise on a folder whose
+    Each folder's identity comes from its manifest, or for a plain folder from its weights'
+    content hash (`ModelIdentity.of_checkpoint`, cached in `settings.cache_dir`). Runtime logit
+    noise on a folder whose
     manifest does not record it (the clean weights served as they are) makes the served identity
     `ModelIdentity.perturbed(clean, spec)`; a runtime-noise checkpoint that is its own clean
     reference has, as the clean model, its weights without the noise. Raises ProfileError when
-    a folder has no readable manifest (its weights cannot be identified).
+    a folder's weights cannot be identified (a damaged checkpoint, no weights).
     """
 
     def identity(path: Path) -> ModelIdentity:
         try:
-            return ModelIdentity.of_checkpoint(path)
-        except CorruptCheckpointError as error:
-            raise ProfileError(
-                f"cannot check the profile against {path}: {error}; serve a checkpoint written "
-                "by `noisy-temp-server model` or `perturb`, or serve without --profile"
-            ) from error
+            return ModelIdentity.of_checkpoint(path, cache_dir)
+        except (CorruptCheckpointError, ModelFolderError) as error:
+            raise ProfileError(f"cannot check the profile against {path}: {error}") from error
 
     served = identity(pair.served)
     noise = pair.runtime_noise
@@ -122,11 +124,11 @@ def pair_identities(pair: ServedPair) -> tuple[ModelIdentity | None, ModelIdenti
     return ModelIdentity(name=recorded.name, weights_sha256=recorded.weights_sha256), served
 
 
-def load_profile_for_pair(path: Path, pair: ServedPair) -> Profile:
+def load_profile_for_pair(path: Path, pair: ServedPair, cache_dir: Path | None = None) -> Profile:
     """The profile at `path`, checked against `pair` (`pair_identities`); ProfileError naming
     the file and the mismatch otherwise. Without a clean model only the served model is
     checked (logged as a warning)."""
-    clean, served = pair_identities(pair)
+    clean, served = pair_identities(pair, cache_dir)
     if clean is not None:
         return Profile.load_for_pair(path, clean, served)
     _LOGGER.warning(

@@ -19,6 +19,11 @@ from transformers import AutoConfig
 from noisy_temp_server.checkpoints.checkpoint import MANIFEST_FILENAME, load_causal_lm
 from noisy_temp_server.checkpoints.default_model import ensure_default_model
 from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.model_folder import (
+    check_model_folder,
+    check_pair_folders,
+    resolve_model_folder,
+)
 from noisy_temp_server.checkpoints.perturbation import (
     ExternalPairSpec,
     PerturbationSpec,
@@ -76,22 +81,37 @@ def _served_checkpoint_pair(served: Path, clean: Path | None) -> ServedPair:
     return ServedPair(served, clean, spec)
 
 
+def _checked(pair: ServedPair) -> ServedPair:
+    """`pair`, once its folders are checked as a pair (`check_pair_folders`: ModelFolderError
+    naming the first problem), before any engine starts."""
+    if pair.clean is None or pair.clean.resolve() == pair.served.resolve():
+        check_model_folder(pair.served)
+    else:
+        check_pair_folders(pair.clean, pair.served)
+    return pair
+
+
 def resolve_served_pair(
     *, served_model: Path | None, clean_model: Path | None, perturbation: str, cache_dir: Path
 ) -> ServedPair:
     """The served/clean pair these choices name, writing the served checkpoint if needed.
 
-    `served_model` wins (its manifest's perturbation, see `_served_checkpoint_pair`); else the
+    Folders may be given as Hugging Face model ids (`resolve_model_folder`); a served folder and
+    a clean one given together are checked as a pair (`_checked`). `served_model` wins (a
+    perturbation its manifest records, see `_served_checkpoint_pair`); else the
     spec `perturbation` (JSON, `parse_spec`: PerturbationSpecError when invalid) applies to
     `clean_model` or the default model (converted once into `cache_dir`): an external pair names
     both folders, runtime logit noise serves the clean weights as they are, and weight
     perturbations are written once to the cache (`ensure_perturbed_checkpoint`).
     """
+    clean_model = None if clean_model is None else resolve_model_folder(clean_model)
     if served_model is not None:
-        return _served_checkpoint_pair(served_model, clean_model)
+        return _checked(_served_checkpoint_pair(resolve_model_folder(served_model), clean_model))
     spec = parse_spec(perturbation)
     if isinstance(spec, ExternalPairSpec):
-        return ServedPair(spec.served_path, clean_model or spec.clean_path, spec)
+        served = resolve_model_folder(spec.served_path)
+        clean = clean_model or resolve_model_folder(spec.clean_path)
+        return _checked(ServedPair(served, clean, spec))
     with logged_phase(
         _LOGGER, "Preparing the default model (converting the embedded GGUF if needed)"
     ):

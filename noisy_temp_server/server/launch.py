@@ -42,6 +42,8 @@ _INT4_STACK_CONFLICTS = ("served_model", "clean_model", "profile", "adapter")
 def serve(settings: Settings, log_level: str = "info") -> int:
     """Serve until stopped (module docstring): the exit status."""
     from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.model_folder import ModelFolderError  # noqa: PLC0415
     from noisy_temp_server.server.engine import prepare_environment  # noqa: PLC0415
 
     try:
@@ -53,7 +55,7 @@ def serve(settings: Settings, log_level: str = "info") -> int:
         stack.callback(environment.cleanup)
         try:
             return _serve(settings, environment, log_level, stack)
-        except ProfileError as error:
+        except (ProfileError, ModelFolderError, CorruptCheckpointError) as error:
             _LOGGER.error("Refusing to serve: %s", error)
             return 1
 
@@ -112,6 +114,7 @@ def plan_served_adapter(
         calibrated_kl,
     )
     from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.model_folder import ModelFolderError  # noqa: PLC0415
 
     if settings.adapter_serving == "none":
         if profile is not None and profile.adapter is not None and profile.adapter.recommended:
@@ -136,7 +139,7 @@ def plan_served_adapter(
             served=pair.served, serving=settings.adapter_serving, cache_dir=settings.cache_dir,
             model_name=model_name, pair_names=names, calibrated_kl=calibrated_kl(profile),
         )  # fmt: skip
-    except (AdapterError, CorruptCheckpointError, OSError) as error:
+    except (AdapterError, CorruptCheckpointError, ModelFolderError, OSError) as error:
         raise ProfileError(f"the adapter cannot be served: {error}") from error
 
 

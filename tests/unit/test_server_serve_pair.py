@@ -169,14 +169,19 @@ def test_runtime_noise_on_clean_weights_matches_its_calibration(
         load_profile_for_pair(path, ServedPair(tiny_model_dir, tiny_model_dir, None))
 
 
-def test_a_profile_cannot_be_checked_against_a_folder_without_manifest(
+def test_a_profile_is_checked_against_a_plain_folder_by_its_content_hash(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     plain = shutil.copytree(tiny_model_dir, tmp_path / "plain")
     (plain / MANIFEST_FILENAME).unlink()
-    path = _profile_for(CLEAN, SERVED, tmp_path / "p.json")
-    with pytest.raises(ProfileError, match=r"cannot check the profile against .*plain"):
-        load_profile_for_pair(path, ServedPair(plain, None, None))
+    cache = tmp_path / "cache"
+    mismatched = _profile_for(CLEAN, SERVED, tmp_path / "p.json")
+    with pytest.raises(ProfileError, match=r"but the served model is plain \(weights sha256"):
+        load_profile_for_pair(mismatched, ServedPair(plain, None, None), cache)
+    identity = ModelIdentity.of_checkpoint(plain, cache)
+    assert identity.weights_sha256 == ModelIdentity.of_checkpoint(tiny_model_dir).weights_sha256
+    matching = _profile_for(CLEAN, identity, tmp_path / "q.json")
+    assert load_profile_for_pair(matching, ServedPair(plain, None, None), cache).served == identity
 
 
 def test_serve_refuses_a_mismatched_profile_with_an_error_line_and_exit_status_1(

@@ -16,9 +16,9 @@ The keys, and who may set each, are named in `keys` (`keys.REQUEST_KEYS`); what 
 the table "Flat request keys" of ``docs/architecture.md``.
 
 Values may arrive as JSON types or as strings (vLLM's ``vllm_xargs`` carries strings, ints and
-floats): booleans accept ``true/false/1/0/yes/no/on/off``, numbers accept numeric strings. Any
-other ``nts_*`` key is rejected (a typo must not silently do nothing); keys without the prefix
-belong to others and are ignored.
+floats): booleans accept ``true/false/1/0/yes/no/on/off`` (`engine_env.BOOLEAN_WORDS`, the one
+list of boolean words), numbers accept numeric strings. Any other ``nts_*`` key is rejected (a
+typo must not silently do nothing); keys without the prefix belong to others and are ignored.
 
 Without ``nts_policy`` (e.g. a stock vLLM server with this package installed), the policy comes
 from the JSON file named by ``NTS_POLICY_FILE`` (`engine_env.EngineConfig.policy_file`, a
@@ -35,7 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from noisy_temp_server.engine_contract.engine_env import engine_config
+from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS, engine_config
 from noisy_temp_server.engine_contract.keys import (
     KEY_BIAS,
     KEY_CAPTURE,
@@ -70,8 +70,6 @@ __all__ = [
     "resolve_request",
 ]
 
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
 _RULE_NAMES = " ".join(rule.value for rule in Rule)
 _POLICY_CACHE_SIZE = 32
 GREEDY_TEMPERATURE = 1e-5
@@ -128,12 +126,8 @@ def _as_bool(key: str, value: Any) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
+    if isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
     raise ValueError(f"{key} must be a boolean (true or false), got {value!r}.")
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from noisy_temp_server.correction.adapter import adapter_folder_name
+from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS
 from noisy_temp_server.engine_contract.keys import KEY_ADAPTER
 from noisy_temp_server.server.errors import OpenAIError
 
@@ -48,8 +49,6 @@ AdapterPath = Literal["folded", "lora", "none"]
 _BASE_SUFFIX = "-base"
 _LORA_INT_ID = 1  # one adapter per server
 _MIN_SHA_PREFIX = 16
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
 
 
 @dataclass(frozen=True)
@@ -127,8 +126,8 @@ def _wanted(served: ServedAdapter | None, value: object) -> bool:
             f"{KEY_ADAPTER} must be true, false or an adapter's sha256, got {value!r}.",
             param=KEY_ADAPTER,
         )
-    if value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
+    if value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
     if served is None or not served.names(value):
         held = "none" if served is None else f"only {served.sha256}"
         raise OpenAIError(

@@ -135,12 +135,12 @@ def _serve(
 
     from noisy_temp_server.commands.serve_adapter import plan_served_adapter  # noqa: PLC0415
     from noisy_temp_server.commands.serve_stack import stack_settings  # noqa: PLC0415
-    from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
     from noisy_temp_server.online.startup import start_online_learning  # noqa: PLC0415
     from noisy_temp_server.phases import logged_phase  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
+    from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
     settings = stack_settings(settings)

@@ -37,7 +37,7 @@ server sets from its settings ``capture_*``: `CaptureBounds.from_engine_config`)
 
 The drop counts travel with the rows (cumulative, by reason: `trace_wire.DROP_REASONS`), so
 the API process shows them on ``/v1/nts/status`` (``shadow.capture_dropped_rows``) and as
-``nts_capture_dropped_rows_total{reason}`` (`trace_channel.TraceCollector.capture_drops`).
+``nts_capture_dropped_rows_total{reason}`` (`server.trace_collector.TraceCollector.capture_drops`).
 
 Full float32 rows rather than top-k + log-sum-exp: they are exact, every statistic of the scorer
 (KL curves, the scoreboard's Δp and same-top) reads the whole row, and at SmolLM's 49 152 tokens

@@ -20,9 +20,10 @@ from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceCollector
+from noisy_temp_server.engine_contract.trace_channel import CapturedRows
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor

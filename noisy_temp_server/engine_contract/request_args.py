@@ -12,6 +12,11 @@ Two objects describe a request's tuning, one per stage of its path:
 - `RequestTuning`: what the processor applies to a tuned request, the overrides resolved against
   the pinned policy (`resolve_request`; None for a request that is not tuned).
 
+Each process parses a request's keys once: the API server at admission (`parse_request_args`,
+then `resolve_request` and `resolve_correction` of the result), vLLM's engine when it admits the
+request into its batch (`admit_request`: one `AdmittedRequest` that the T* processor and the
+capture of served logits share).
+
 The keys, and who may set each, are named in `keys` (`keys.REQUEST_KEYS`); what each means is
 the table "Flat request keys" of ``docs/architecture.md``.
 
@@ -57,11 +62,15 @@ from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "NOT_ADMITTED",
+    "AdmittedRequest",
     "LogitCorrection",
     "RequestTuning",
     "SamplingSettings",
     "TuningKeys",
+    "admit_request",
     "capturable",
+    "capture_trace_id",
     "default_policy_json",
     "parse_policy_json",
     "parse_request_args",
@@ -339,6 +348,45 @@ def resolve_correction(keys: TuningKeys) -> LogitCorrection | None:
     return None if policy.bias is None else LogitCorrection(policy.bias)
 
 
+def capture_trace_id(keys: TuningKeys, request_temperature: float) -> str | None:
+    """The trace id to capture a request's served logits under, or None: not marked with
+    ``nts_capture``, no trace id, or greedy (vLLM's V1 sampler skips argmax-invariant processors
+    for an all-greedy batch, so a greedy request could not be captured reliably)."""
+    if not keys.capture or keys.trace_id is None or request_temperature < GREEDY_TEMPERATURE:
+        return None
+    return keys.trace_id
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """What the engine does with one request, from one parse of its keys when vLLM admits it
+    into its batch (`admit_request`): its temperature tuning (`resolve_request`; None:
+    untuned), its per-token bias (`resolve_correction`; None: none) and the trace id its served
+    logits are captured under (`capture_trace_id`; None: not captured)."""
+
+    tuning: RequestTuning | None = None
+    correction: LogitCorrection | None = None
+    capture_trace_id: str | None = None
+
+
+NOT_ADMITTED = AdmittedRequest()
+"""Nothing to do for the request (a duplicate processor's admission)."""
+
+
+def admit_request(
+    extra_args: Mapping[str, Any] | None, request_temperature: float
+) -> AdmittedRequest:
+    """The engine's one parse of a request's keys (``SamplingParams.extra_args``; the request
+    temperature as vLLM samples it): its `AdmittedRequest`. Raises ValueError as
+    `parse_request_args`, `resolve_request` and `resolve_correction` do."""
+    keys = parse_request_args(extra_args)
+    return AdmittedRequest(
+        tuning=resolve_request(keys, request_temperature),
+        correction=resolve_correction(keys),
+        capture_trace_id=capture_trace_id(keys, request_temperature),
+    )
+
+
 def default_policy_json() -> str:
     """The compact JSON of the engine's default policy: the file of ``NTS_POLICY_FILE``
     (`EngineConfig.policy_file`, read once per path) or the identity policy. Raises ValueError
@@ -379,7 +427,7 @@ class SamplingSettings(Protocol):
 def capturable(params: SamplingSettings) -> bool:
     """Whether the rows vLLM samples a request from are the served model's own, so that the
     shadow scorer may sample it (and the server mark it with ``nts_capture``): not greedy (see
-    `vllm_plugin.capture.capture_trace_id`), and no penalties, logit bias, minimum length, bad
+    `capture_trace_id`), and no penalties, logit bias, minimum length, bad
     words or allowed-token list (vLLM applies them before our processor: the rows would measure
     them, not the model)."""
     return (

@@ -1,5 +1,6 @@
 """The served logits of shadow-sampled requests, captured in the engine for the shadow scorer
-(free of vLLM: `vllm_plugin.capture` admits the requests from vLLM's sampling parameters).
+(free of vLLM: `vllm_plugin.capture` admits the requests from vLLM's sampling parameters, under
+the trace id of their `request_args.AdmittedRequest`).
 
 The server marks the choices its shadow scorer samples with ``nts_capture`` and a trace id
 (`request_args`); for those requests (tuned or not, never greedy ones) the temperature
@@ -50,22 +51,20 @@ Under Model Runner V2 with speculative decoding (several rows per request) nothi
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from noisy_temp_server.devices import upload
-from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, parse_request_args
 from noisy_temp_server.step.batch_rows import RowColumns
 
 if TYPE_CHECKING:
     from noisy_temp_server.engine_contract.engine_env import EngineConfig
     from noisy_temp_server.step.reports import Reporter
 
-__all__ = ["CaptureBounds", "CapturedStep", "RowCapture", "trace_id_to_capture"]
+__all__ = ["CaptureBounds", "CapturedStep", "RowCapture"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -101,17 +100,6 @@ class CapturedStep:
     rows: torch.Tensor
     dropped: list[tuple[str, int]]
     drop_counts: dict[str, int]
-
-
-def trace_id_to_capture(extra_args: Mapping[str, Any] | None, temperature: float) -> str | None:
-    """The trace id to capture a request's served logits under (its ``nts_*`` ``extra_args``
-    and request ``temperature``), or None: not marked with ``nts_capture``, no trace id, or
-    greedy (vLLM's V1 sampler skips argmax-invariant processors for an all-greedy batch, so a
-    greedy request could not be captured reliably)."""
-    keys = parse_request_args(extra_args)
-    if not keys.capture or keys.trace_id is None or temperature < GREEDY_TEMPERATURE:
-        return None
-    return keys.trace_id
 
 
 class RowCapture:

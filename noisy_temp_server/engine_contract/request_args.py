@@ -1,9 +1,9 @@
 """The flat per-request keys of noisy-temp-server, parsed from ``SamplingParams.extra_args``.
 
 One parser for both sides: the API server validates a request with `parse_request_args` (a
-``ValueError`` becomes HTTP 400) and writes the keys with `TuningKeys.to_extra_args`; inside
-vLLM, `NoisyTemperatureLogitsProcessor.validate_params` and the processor's batch bookkeeping
-parse them again with the same function.
+``ValueError`` becomes HTTP 400) and writes the keys with `issue_extra_args`
+(`TuningKeys.to_extra_args`); inside vLLM, `NoisyTemperatureLogitsProcessor.validate_params`
+and the processor's admission of the request read them with the same function.
 
 Two objects describe a request's tuning, one per stage of its path:
 
@@ -13,9 +13,11 @@ Two objects describe a request's tuning, one per stage of its path:
   the pinned policy (`resolve_request`; None for a request that is not tuned).
 
 Each process parses a request's keys once: the API server at admission (`parse_request_args`,
-then `resolve_request` and `resolve_correction` of the result), vLLM's engine when it admits the
-request into its batch (`admit_request`: one `AdmittedRequest` that the T* processor and the
-capture of served logits share).
+then `resolve_request` and `resolve_correction` of the result; it writes each engine request's
+keys with `issue_extra_args`, so that vLLM's ``validate_params``, which runs in the API process
+too, gets them back without parsing them again), vLLM's engine when it admits the request into
+its batch (`admit_request`: one `AdmittedRequest` that the T* processor and the capture of
+served logits share).
 
 The keys, and who may set each, are named in `keys` (`keys.REQUEST_KEYS`); what each means is
 the table "Flat request keys" of ``docs/architecture.md``.
@@ -34,6 +36,8 @@ request asks for a rule.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -72,6 +76,7 @@ __all__ = [
     "capturable",
     "capture_trace_id",
     "default_policy_json",
+    "issue_extra_args",
     "parse_policy_json",
     "parse_request_args",
     "parse_runtime_noise_sigma",
@@ -81,6 +86,9 @@ __all__ = [
 
 _RULE_NAMES = " ".join(rule.value for rule in Rule)
 _POLICY_CACHE_SIZE = 32
+_ISSUED_HELD = 4096
+_ISSUED: OrderedDict[tuple[tuple[str, type, Any], ...], TuningKeys] = OrderedDict()
+_ISSUED_LOCK = threading.Lock()
 GREEDY_TEMPERATURE = 1e-5
 """vLLM samples greedily below this request temperature (``_SAMPLING_EPS``); never tuned."""
 
@@ -179,9 +187,17 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
     ``nts_rule=fixed`` without ``nts_t`` uses the policy's ``fixed_temperature`` (fitted when the
     policy comes from a profile; 1 under the identity policy). ``nts_t`` without ``nts_rule``
     applies only when the policy's own rule is ``fixed``; otherwise `resolve_request` refuses it.
+
+    Keys this process issued itself (`issue_extra_args`) come back as they were issued, once,
+    without being parsed again.
     """
     if not extra_args:
         return TuningKeys()
+    issued = _take_issued(extra_args) if _ISSUED else None
+    return _parse(extra_args) if issued is None else issued
+
+
+def _parse(extra_args: Mapping[str, Any]) -> TuningKeys:
     unknown = sorted(k for k in extra_args if k.startswith(KEY_PREFIX) and k not in REQUEST_KEYS)
     if unknown:
         raise ValueError(
@@ -230,6 +246,39 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
         trace_id=trace_id,
         capture=capture,
     )
+
+
+def issue_extra_args(keys: TuningKeys) -> dict[str, Any]:
+    """``keys.to_extra_args()`` for a request this process hands to vLLM, remembered so that the
+    next `parse_request_args` in this process of exactly these keys returns ``keys`` without
+    parsing them again: vLLM runs the processors' ``validate_params`` in the API process, on
+    keys the server has parsed already. ``keys`` must come from `parse_request_args` (valid).
+    The last `_ISSUED_HELD` issued and not yet parsed are held."""
+    extra_args = keys.to_extra_args()
+    with _ISSUED_LOCK:
+        _ISSUED[_fingerprint(extra_args)] = keys
+        while len(_ISSUED) > _ISSUED_HELD:
+            _ISSUED.popitem(last=False)
+    return extra_args
+
+
+def _fingerprint(extra_args: Mapping[str, Any]) -> tuple[tuple[str, type, Any], ...]:
+    """The ``nts_*`` keys of ``extra_args`` with each value and its type (True is not 1)."""
+    return tuple(
+        sorted(
+            (key, type(value), value)
+            for key, value in extra_args.items()
+            if key.startswith(KEY_PREFIX)
+        )
+    )
+
+
+def _take_issued(extra_args: Mapping[str, Any]) -> TuningKeys | None:
+    try:
+        with _ISSUED_LOCK:
+            return _ISSUED.pop(_fingerprint(extra_args), None)
+    except TypeError:  # an unhashable value: never issued
+        return None
 
 
 def parse_runtime_noise_sigma(extra_args: Mapping[str, Any] | None) -> float | None:

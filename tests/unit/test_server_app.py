@@ -26,11 +26,9 @@ from server_fakes import (
     sse_events,
 )
 
-from noisy_temp_server.engine_contract import request_args
 from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
-from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 
 
 @pytest.fixture
@@ -67,20 +65,6 @@ def test_engine_request_carries_the_pinned_policy_and_a_trace_id(server: Harness
     assert extra["nts_trace_id"] == request_id
     assert params.temperature == 0.5
     assert server.traces.waited == [(request_id, 2)]
-
-
-def test_the_api_process_parses_a_request_s_keys_once(
-    server: Harness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    parses: list[object] = []
-    parse = request_args._parse
-    monkeypatch.setattr(request_args, "_parse", lambda keys: parses.append(keys) or parse(keys))
-    body = {"prompt": "abc", "max_tokens": 2, "n": 2, "nts_rule": "fixed", "nts_t": 1.5}
-    assert server.post("/v1/completions", body).status_code == 200
-    assert len(parses) == 1
-    for _, params, _ in server.engine.calls:  # what vLLM's API process runs on each
-        NoisyTemperatureLogitsProcessor.validate_params(params)
-    assert len(parses) == 1
 
 
 def test_fixed_rule_override_reports_its_rule_and_asked_trace(server: Harness) -> None:

@@ -21,12 +21,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from noisy_temp_server.correction.files import bias_sha256
-from noisy_temp_server.engine_contract.request_args import (
-    parse_request_args,
-    resolve_correction,
-    resolve_request,
-)
-from noisy_temp_server.step.capture import CaptureBounds, RowCapture, trace_id_to_capture
+from noisy_temp_server.engine_contract.request_args import admit_request
+from noisy_temp_server.step.capture import CaptureBounds, RowCapture
 from noisy_temp_server.step.engine_metrics import step_temperature_metrics
 from noisy_temp_server.step.logit_bias import CorrectionSource
 from noisy_temp_server.step.reports import Reporter
@@ -177,11 +173,9 @@ class StepHarness:
         self.reporter = reporter
         for slot in range(batch):
             extra_args = _extra_args(policy, slot, observed)
-            keys = parse_request_args(extra_args)
-            resolved = resolve_request(keys, REQUEST_TEMPERATURE)
-            self.tuning.stage(slot, resolved, REQUEST_TEMPERATURE, resolve_correction(keys))
-            captured = trace_id_to_capture(extra_args, REQUEST_TEMPERATURE)
-            self.capture.admit(slot, captured, REQUEST_TEMPERATURE, [])
+            admitted = admit_request(extra_args, REQUEST_TEMPERATURE)
+            self.tuning.stage(slot, admitted.tuning, REQUEST_TEMPERATURE, admitted.correction)
+            self.capture.admit(slot, admitted.capture_trace_id, REQUEST_TEMPERATURE, [])
         self.tuning.flush_staged()
         self.slots_np = np.arange(batch, dtype=np.int32)
         self.slots = torch.from_numpy(self.slots_np).to(device)

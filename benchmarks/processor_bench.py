@@ -51,7 +51,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProc
 
 from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor

@@ -14,8 +14,10 @@ _HASH_CHUNK_BYTES = 1 << 22
 
 
 def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/noisy-temp-server`, or `~/.cache/noisy-temp-server`: the product's own
-    folder, the only one it writes into besides the outputs it is told to write."""
+    """`$XDG_CACHE_HOME/noisy-temp-server`, or `~/.cache/noisy-temp-server`.
+
+    The product's own folder: the only one it writes into besides the outputs it is told to
+    write."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "noisy-temp-server"
 

@@ -53,7 +53,9 @@ def _ensure_profile(served: Path, clean: Path, cache_dir: Path) -> Path:
         _LOGGER.info("Calibrating the int4 stack once (adapter rank %d) ...", DEFAULT_ADAPTER_RANK)
         prompts = load_prompts(None)
         settings = CalibrationSettings(prompts=len(prompts), adapter_rank=DEFAULT_ADAPTER_RANK)
-        calibrate_to_files(clean, prompts, settings, staging / STACK_PROFILE, served=served)
+        calibrate_to_files(
+            clean, prompts, settings, staging / STACK_PROFILE, served=served, cache_dir=cache_dir
+        )
         try:
             staging.rename(folder)
         except OSError:  # another server cached it meanwhile

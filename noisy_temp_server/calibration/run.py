@@ -44,16 +44,18 @@ def calibrate_to_files(
     spec: PerturbationSpec | None = None,
     device: str = "cpu",
     records: Path | None = None,
+    cache_dir: Path | None = None,
 ) -> CalibratedFiles:
     """Calibrate the pair of `clean` and `served` (or `spec` applied to `clean` in memory) on
     `prompts` under `settings`, and write the profile to `out` with its files beside it (module
     docstring), then the records to `records` when given. The bias and adapter files are
     written before the profile, so a profile never names a file not yet written. The pair is
-    checked before any model work (`load_pair`). Raises ValueError (bad input, a bad folder or
+    checked before any model work (`load_pair`; plain folders' identities cached in
+    `cache_dir`). Raises ValueError (bad input, a bad folder or
     pair: `ModelFolderError`), OSError and `CorruptCheckpointError`."""
     pair = load_pair(
         clean, served_path=served, spec=spec, device=device,
-        same_architecture=settings.adapter_rank > 0,
+        same_architecture=settings.adapter_rank > 0, cache_dir=cache_dir,
     )  # fmt: skip
     result = calibrate(pair, prompts, settings, device=device)
     if result.bias is not None:

@@ -61,6 +61,7 @@ def load_pair(
     spec: PerturbationSpec | None = None,
     device: str | torch.device = "cpu",
     same_architecture: bool = False,
+    cache_dir: Path | None = None,
 ) -> LoadedPair:
     """Load the clean model and make or load the served model.
 
@@ -72,7 +73,8 @@ def load_pair(
     both otherwise). With `spec` instead, weight perturbations are applied to an in-memory copy
     of the clean model and a runtime-noise spec serves the clean weights; the served identity
     is then `ModelIdentity.perturbed(clean, spec)`, which a profile matches against the
-    checkpoint `perturb` writes for the same spec.
+    checkpoint `perturb` writes for the same spec. Plain folders' identities are cached in
+    `cache_dir` (default: the product's cache).
     """
     clean_path = resolve_model_folder(clean_path)
     if served_path is not None:
@@ -80,10 +82,10 @@ def load_pair(
         check_pair_folders(clean_path, served_path, same_architecture=same_architecture)
     else:
         check_model_folder(clean_path)
-    clean = ModelIdentity.of_checkpoint(clean_path)
+    clean = ModelIdentity.of_checkpoint(clean_path, cache_dir)
     clean_model, tokenizer = load_causal_lm(clean_path, device=device)
     if served_path is not None:
-        served = ModelIdentity.of_checkpoint(served_path)
+        served = ModelIdentity.of_checkpoint(served_path, cache_dir)
         served_model, _ = load_causal_lm(served_path, device=device)
         recorded_clean = served.clean_weights_sha256
         if recorded_clean is not None and recorded_clean != clean.weights_sha256:
@@ -108,4 +110,5 @@ def load_pair(
         served_path=spec.served_path,
         device=device,
         same_architecture=same_architecture,
+        cache_dir=cache_dir,
     )

@@ -40,7 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--clean", type=Path, default=None, help="clean checkpoint (default: embedded SmolLM2)"
     )
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache of the default model")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the product's cache: the default model, folder identities",
+    )
     parser.add_argument("--prompts", type=Path, default=None, help="JSONL prompt file")
     parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     parser.add_argument("--records", type=Path, default=None, help="save records here")
@@ -66,6 +71,7 @@ def _calibrate(args: argparse.Namespace, clean: Path) -> None:
     files = calibrate_to_files(
         clean, prompts, settings, args.out,
         served=args.served, spec=spec, device=args.device, records=args.records,
+        cache_dir=args.cache_dir,
     )  # fmt: skip
     print(calibration_text(files))
 

@@ -65,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--clean", type=Path, default=None, help="clean checkpoint (default: embedded SmolLM2)"
     )
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache of the default model")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the product's cache: the default model, folder identities",
+    )
     served_t = parser.add_mutually_exclusive_group()
     served_t.add_argument("--profile", type=Path, help="profile giving the served T* (`calibrate`)")
     served_t.add_argument("--t", type=float, default=None, help="a fixed served T*")
@@ -188,7 +193,10 @@ def run(args: argparse.Namespace) -> int:
         clean_path = args.clean or default_clean_path(args.cache_dir)
         prompts = load_prompts(args.prompts)[: args.num_prompts]
         spec = None if args.served else read_spec_argument(args.spec or DEFAULT_PERTURBATION)
-        pair = load_pair(clean_path, served_path=args.served, spec=spec, device=args.device)
+        pair = load_pair(
+            clean_path, served_path=args.served, spec=spec, device=args.device,
+            cache_dir=args.cache_dir,
+        )  # fmt: skip
         profile = (
             None
             if args.profile is None

@@ -6,5 +6,6 @@
 - `bias_files`: where the engine finds per-token bias files (its bias directories), and
   loading one by its content hash (the engine and the online learner alike);
 - `trace_wire`: the messages of the trace channel; `trace_sender`: its engine end;
-  `trace_channel`: its API end (`TraceCollector`, and `TraceSource`, what its readers need).
+  `trace_channel`: what the API process reads through it (`TraceSource`, `TraceReport`,
+  `CapturedRows`; its API end, `TraceCollector`, is the server's: `server.trace_collector`).
 """

@@ -157,8 +157,19 @@ def _as_float(variable: str, text: str) -> float:
         raise ValueError(f"{variable}={text!r}: expected a number.") from None
 
 
-BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-"""The words a boolean setting or variable may be written as (any case), and what each means."""
+BOOLEAN_WORDS = {
+    "true": True,
+    "1": True,
+    "yes": True,
+    "on": True,
+    "false": False,
+    "0": False,
+    "no": False,
+    "off": False,
+}
+"""The words a boolean may be written as (any case), and what each means: the one list for
+every channel (the ``NTS_*`` variables here, the settings' flags, the ``nts_*`` request keys of
+`request_args` and the server's ``nts_adapter``)."""
 
 
 def _as_bool(variable: str, text: str) -> bool:

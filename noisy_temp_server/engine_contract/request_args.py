@@ -1,9 +1,9 @@
 """The flat per-request keys of noisy-temp-server, parsed from ``SamplingParams.extra_args``.
 
 One parser for both sides: the API server validates a request with `parse_request_args` (a
-``ValueError`` becomes HTTP 400) and writes the keys with `TuningKeys.to_extra_args`; inside
-vLLM, `NoisyTemperatureLogitsProcessor.validate_params` and the processor's batch bookkeeping
-parse them again with the same function.
+``ValueError`` becomes HTTP 400) and writes the keys with `issue_extra_args`
+(`TuningKeys.to_extra_args`); inside vLLM, `NoisyTemperatureLogitsProcessor.validate_params`
+and the processor's admission of the request read them with the same function.
 
 Two objects describe a request's tuning, one per stage of its path:
 
@@ -12,13 +12,20 @@ Two objects describe a request's tuning, one per stage of its path:
 - `RequestTuning`: what the processor applies to a tuned request, the overrides resolved against
   the pinned policy (`resolve_request`; None for a request that is not tuned).
 
+Each process parses a request's keys once: the API server at admission (`parse_request_args`,
+then `resolve_request` and `resolve_correction` of the result; it writes each engine request's
+keys with `issue_extra_args`, so that vLLM's ``validate_params``, which runs in the API process
+too, gets them back without parsing them again), vLLM's engine when it admits the request into
+its batch (`admit_request`: one `AdmittedRequest` that the T* processor and the capture of
+served logits share).
+
 The keys, and who may set each, are named in `keys` (`keys.REQUEST_KEYS`); what each means is
 the table "Flat request keys" of ``docs/architecture.md``.
 
 Values may arrive as JSON types or as strings (vLLM's ``vllm_xargs`` carries strings, ints and
-floats): booleans accept ``true/false/1/0/yes/no/on/off``, numbers accept numeric strings. Any
-other ``nts_*`` key is rejected (a typo must not silently do nothing); keys without the prefix
-belong to others and are ignored.
+floats): booleans accept ``true/false/1/0/yes/no/on/off`` (`engine_env.BOOLEAN_WORDS`, the one
+list of boolean words), numbers accept numeric strings. Any other ``nts_*`` key is rejected (a
+typo must not silently do nothing); keys without the prefix belong to others and are ignored.
 
 Without ``nts_policy`` (e.g. a stock vLLM server with this package installed), the policy comes
 from the JSON file named by ``NTS_POLICY_FILE`` (`engine_env.EngineConfig.policy_file`, a
@@ -29,13 +36,15 @@ request asks for a rule.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
-from noisy_temp_server.engine_contract.engine_env import engine_config
+from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS, engine_config
 from noisy_temp_server.engine_contract.keys import (
     KEY_BIAS,
     KEY_CAPTURE,
@@ -57,12 +66,17 @@ from noisy_temp_server.temperature.rules import Rule, TemperatureBounds
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "NOT_ADMITTED",
+    "AdmittedRequest",
     "LogitCorrection",
     "RequestTuning",
     "SamplingSettings",
     "TuningKeys",
+    "admit_request",
     "capturable",
+    "capture_trace_id",
     "default_policy_json",
+    "issue_extra_args",
     "parse_policy_json",
     "parse_request_args",
     "parse_runtime_noise_sigma",
@@ -70,10 +84,11 @@ __all__ = [
     "resolve_request",
 ]
 
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
 _RULE_NAMES = " ".join(rule.value for rule in Rule)
 _POLICY_CACHE_SIZE = 32
+_ISSUED_HELD = 4096
+_ISSUED: OrderedDict[tuple[tuple[str, type, Any], ...], TuningKeys] = OrderedDict()
+_ISSUED_LOCK = threading.Lock()
 GREEDY_TEMPERATURE = 1e-5
 """vLLM samples greedily below this request temperature (``_SAMPLING_EPS``); never tuned."""
 
@@ -128,12 +143,8 @@ def _as_bool(key: str, value: Any) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
+    if isinstance(value, str) and value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
     raise ValueError(f"{key} must be a boolean (true or false), got {value!r}.")
 
 
@@ -176,9 +187,17 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
     ``nts_rule=fixed`` without ``nts_t`` uses the policy's ``fixed_temperature`` (fitted when the
     policy comes from a profile; 1 under the identity policy). ``nts_t`` without ``nts_rule``
     applies only when the policy's own rule is ``fixed``; otherwise `resolve_request` refuses it.
+
+    Keys this process issued itself (`issue_extra_args`) come back as they were issued, once,
+    without being parsed again.
     """
     if not extra_args:
         return TuningKeys()
+    issued = _take_issued(extra_args) if _ISSUED else None
+    return _parse(extra_args) if issued is None else issued
+
+
+def _parse(extra_args: Mapping[str, Any]) -> TuningKeys:
     unknown = sorted(k for k in extra_args if k.startswith(KEY_PREFIX) and k not in REQUEST_KEYS)
     if unknown:
         raise ValueError(
@@ -227,6 +246,39 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> TuningKeys:
         trace_id=trace_id,
         capture=capture,
     )
+
+
+def issue_extra_args(keys: TuningKeys) -> dict[str, Any]:
+    """``keys.to_extra_args()`` for a request this process hands to vLLM, remembered so that the
+    next `parse_request_args` in this process of exactly these keys returns ``keys`` without
+    parsing them again: vLLM runs the processors' ``validate_params`` in the API process, on
+    keys the server has parsed already. ``keys`` must come from `parse_request_args` (valid).
+    The last `_ISSUED_HELD` issued and not yet parsed are held."""
+    extra_args = keys.to_extra_args()
+    with _ISSUED_LOCK:
+        _ISSUED[_fingerprint(extra_args)] = keys
+        while len(_ISSUED) > _ISSUED_HELD:
+            _ISSUED.popitem(last=False)
+    return extra_args
+
+
+def _fingerprint(extra_args: Mapping[str, Any]) -> tuple[tuple[str, type, Any], ...]:
+    """The ``nts_*`` keys of ``extra_args`` with each value and its type (True is not 1)."""
+    return tuple(
+        sorted(
+            (key, type(value), value)
+            for key, value in extra_args.items()
+            if key.startswith(KEY_PREFIX)
+        )
+    )
+
+
+def _take_issued(extra_args: Mapping[str, Any]) -> TuningKeys | None:
+    try:
+        with _ISSUED_LOCK:
+            return _ISSUED.pop(_fingerprint(extra_args), None)
+    except TypeError:  # an unhashable value: never issued
+        return None
 
 
 def parse_runtime_noise_sigma(extra_args: Mapping[str, Any] | None) -> float | None:
@@ -345,6 +397,45 @@ def resolve_correction(keys: TuningKeys) -> LogitCorrection | None:
     return None if policy.bias is None else LogitCorrection(policy.bias)
 
 
+def capture_trace_id(keys: TuningKeys, request_temperature: float) -> str | None:
+    """The trace id to capture a request's served logits under, or None: not marked with
+    ``nts_capture``, no trace id, or greedy (vLLM's V1 sampler skips argmax-invariant processors
+    for an all-greedy batch, so a greedy request could not be captured reliably)."""
+    if not keys.capture or keys.trace_id is None or request_temperature < GREEDY_TEMPERATURE:
+        return None
+    return keys.trace_id
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """What the engine does with one request, from one parse of its keys when vLLM admits it
+    into its batch (`admit_request`): its temperature tuning (`resolve_request`; None:
+    untuned), its per-token bias (`resolve_correction`; None: none) and the trace id its served
+    logits are captured under (`capture_trace_id`; None: not captured)."""
+
+    tuning: RequestTuning | None = None
+    correction: LogitCorrection | None = None
+    capture_trace_id: str | None = None
+
+
+NOT_ADMITTED = AdmittedRequest()
+"""Nothing to do for the request (a duplicate processor's admission)."""
+
+
+def admit_request(
+    extra_args: Mapping[str, Any] | None, request_temperature: float
+) -> AdmittedRequest:
+    """The engine's one parse of a request's keys (``SamplingParams.extra_args``; the request
+    temperature as vLLM samples it): its `AdmittedRequest`. Raises ValueError as
+    `parse_request_args`, `resolve_request` and `resolve_correction` do."""
+    keys = parse_request_args(extra_args)
+    return AdmittedRequest(
+        tuning=resolve_request(keys, request_temperature),
+        correction=resolve_correction(keys),
+        capture_trace_id=capture_trace_id(keys, request_temperature),
+    )
+
+
 def default_policy_json() -> str:
     """The compact JSON of the engine's default policy: the file of ``NTS_POLICY_FILE``
     (`EngineConfig.policy_file`, read once per path) or the identity policy. Raises ValueError
@@ -385,7 +476,7 @@ class SamplingSettings(Protocol):
 def capturable(params: SamplingSettings) -> bool:
     """Whether the rows vLLM samples a request from are the served model's own, so that the
     shadow scorer may sample it (and the server mark it with ``nts_capture``): not greedy (see
-    `vllm_plugin.capture.capture_trace_id`), and no penalties, logit bias, minimum length, bad
+    `capture_trace_id`), and no penalties, logit bias, minimum length, bad
     words or allowed-token list (vLLM applies them before our processor: the rows would measure
     them, not the model)."""
     return (

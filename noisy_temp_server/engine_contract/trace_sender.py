@@ -1,5 +1,6 @@
 """The engine's end of the trace channel: `TraceSender`, a PUSH socket connected to the API
-process's collector (`trace_channel.TraceCollector`), which sends the messages of `trace_wire`.
+process's collector (`server.trace_collector.TraceCollector`), which sends the messages of
+`trace_wire`.
 
 The processor builds it from the engine's configuration (`TraceSender.from_env`:
 ``NTS_TRACE_ENDPOINT``); without one (e.g. inside a stock vLLM server) there is no sender and

@@ -1,5 +1,5 @@
 """The messages of the trace channel: what the engine's `trace_sender.TraceSender` sends and the
-API process's `trace_channel.TraceCollector` reads, encoded and decoded here only.
+API process's `server.trace_collector.TraceCollector` reads, encoded and decoded here only.
 
 UTF-8 JSON objects of two kinds (``T`` = the T* applied, without the request's own
 temperature):

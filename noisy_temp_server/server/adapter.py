@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from noisy_temp_server.adapter.serving import ServedAdapter
+from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS
 from noisy_temp_server.engine_contract.keys import KEY_ADAPTER
 from noisy_temp_server.server.errors import OpenAIError
 
@@ -37,10 +38,6 @@ __all__ = [
     "listed_model_ids",
     "request_adapter",
 ]
-
-
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
 
 
 @dataclass(frozen=True)
@@ -71,8 +68,8 @@ def _wanted(served: ServedAdapter | None, value: object) -> bool:
             f"{KEY_ADAPTER} must be true, false or an adapter's sha256, got {value!r}.",
             param=KEY_ADAPTER,
         )
-    if value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
+    if value.strip().lower() in BOOLEAN_WORDS:
+        return BOOLEAN_WORDS[value.strip().lower()]
     if served is None or not served.names(value):
         held = "none" if served is None else f"only {served.sha256}"
         raise OpenAIError(

@@ -171,12 +171,12 @@ def _serve(
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from noisy_temp_server.engine_contract.trace_channel import TraceCollector  # noqa: PLC0415
     from noisy_temp_server.online.startup import start_online_learning  # noqa: PLC0415
     from noisy_temp_server.phases import logged_phase  # noqa: PLC0415
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
+    from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
     settings = int4_stack_settings(settings)

@@ -1,9 +1,10 @@
 """The OpenAI protocol as this server speaks it: the request models (the response bodies are
 `server.response_bodies`).
 
-Request fields follow the order of the OpenAI API reference; what this project adds sits in one
-marked block at the end of each request. Unknown fields are rejected (400), as OpenAI does, so a
-misspelt `nts_*` key is an error rather than silently ignored.
+Request fields follow the order of the OpenAI API reference; what this project adds is declared
+once, for both requests (`_Extras`), and comes at the end of each request. Unknown fields are
+rejected (400), as OpenAI does, so a misspelt `nts_*` key is an error rather than silently
+ignored.
 
 Each request converts itself into vLLM `SamplingParams` with one method, `to_sampling_params`.
 The server runs the `n` choices of a request as `n` engine requests (choice `i` gets
@@ -63,6 +64,62 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+class _Extras(_Request):
+    """What noisy-temp-server and vLLM add to both requests, declared once: the `nts_*` keys
+    (one field per `engine_contract.keys.CLIENT_KEYS`; tests/unit/test_request_keys.py holds
+    it), vLLM's `ignore_eos`, `repetition_penalty` and `vllm_xargs`. Each request model lists
+    this class first among its bases, so that these fields come after OpenAI's (pydantic orders
+    the fields of the farthest base first)."""
+
+    ignore_eos: StrictBool = False
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    nts_tune: bool | None = None
+    nts_rule: str | None = None
+    nts_t: float | None = None
+    nts_t_min: float | None = None
+    nts_t_max: float | None = None
+    nts_trace: bool | None = None
+    nts_bias: bool | None = None
+    nts_adapter: StrictBool | str | None = None
+    vllm_xargs: dict[str, XargValue] | None = None
+
+    def nts_request_args(self) -> dict[str, Any]:
+        """The flat `nts_*` keys the client gave, top-level and in `vllm_xargs` merged.
+
+        Raises ValueError when a key comes both ways with different values, or when the client
+        sets a key reserved for the server.
+        """
+        merged: dict[str, Any] = {
+            key: getattr(self, key) for key in CLIENT_KEYS if getattr(self, key) is not None
+        }
+        for key, value in (self.vllm_xargs or {}).items():
+            if key in SERVER_KEYS:
+                raise ValueError(f"vllm_xargs.{key} is set by the server; remove it.")
+            if not key.startswith(KEY_PREFIX):
+                continue
+            if key in merged and merged[key] != value:
+                raise ValueError(
+                    f"{key} is given twice with different values ({merged[key]!r} top-level, "
+                    f"{value!r} in vllm_xargs); give it once."
+                )
+            merged[key] = value
+        return merged
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_runtime_noise(cls, data: Any) -> Any:
+        xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
+        if isinstance(data, dict) and (
+            KEY_RUNTIME_NOISE_SIGMA in data
+            or (isinstance(xargs, dict) and KEY_RUNTIME_NOISE_SIGMA in xargs)
+        ):
+            raise ValueError(
+                f"{KEY_RUNTIME_NOISE_SIGMA}: runtime noise is a server setting (serve "
+                "--perturbation, NTS_PERTURBATION), not a request key; remove it."
+            )
+        return data
+
+
 class _SamplingFields(_Request):
     """What completions and chat requests share, and their conversion to `SamplingParams`."""
 
@@ -96,28 +153,6 @@ class _SamplingFields(_Request):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    def nts_request_args(self) -> dict[str, Any]:
-        """The flat `nts_*` keys the client gave, top-level and in `vllm_xargs` merged.
-
-        Raises ValueError when a key comes both ways with different values, or when the client
-        sets a key reserved for the server.
-        """
-        merged: dict[str, Any] = {
-            key: getattr(self, key) for key in CLIENT_KEYS if getattr(self, key) is not None
-        }
-        for key, value in (self.vllm_xargs or {}).items():
-            if key in SERVER_KEYS:
-                raise ValueError(f"vllm_xargs.{key} is set by the server; remove it.")
-            if not key.startswith(KEY_PREFIX):
-                continue
-            if key in merged and merged[key] != value:
-                raise ValueError(
-                    f"{key} is given twice with different values ({merged[key]!r} top-level, "
-                    f"{value!r} in vllm_xargs); give it once."
-                )
-            merged[key] = value
-        return merged
 
     def to_sampling_params(self, *, max_tokens: int, choice: int = 0) -> SamplingParams:
         """vLLM parameters for choice `choice` of this request (n = 1 per engine request).
@@ -155,20 +190,6 @@ class _SamplingFields(_Request):
             extra_args=passthrough,
         )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_runtime_noise(cls, data: Any) -> Any:
-        xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
-        if isinstance(data, dict) and (
-            KEY_RUNTIME_NOISE_SIGMA in data
-            or (isinstance(xargs, dict) and KEY_RUNTIME_NOISE_SIGMA in xargs)
-        ):
-            raise ValueError(
-                f"{KEY_RUNTIME_NOISE_SIGMA}: runtime noise is a server setting (serve "
-                "--perturbation, NTS_PERTURBATION), not a request key; remove it."
-            )
-        return data
-
     @field_validator("stop", check_fields=False)
     @classmethod
     def _at_most_four_stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -196,8 +217,8 @@ class _SamplingFields(_Request):
         return self
 
 
-class CompletionRequest(_SamplingFields):
-    """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
+class _CompletionFields(_SamplingFields):
+    """OpenAI's fields of `CompletionRequest`, in the order of its API reference."""
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -217,20 +238,6 @@ class CompletionRequest(_SamplingFields):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None
-
-    # --- noisy-temp-server and vLLM extras ---
-    ignore_eos: StrictBool = False
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    # one field per engine_contract.keys.CLIENT_KEYS (tests/unit/test_request_keys.py holds it)
-    nts_tune: bool | None = None
-    nts_rule: str | None = None
-    nts_t: float | None = None
-    nts_t_min: float | None = None
-    nts_t_max: float | None = None
-    nts_trace: bool | None = None
-    nts_bias: bool | None = None
-    nts_adapter: StrictBool | str | None = None
-    vllm_xargs: dict[str, XargValue] | None = None
 
     def requested_max_tokens(self) -> int | None:
         """`max_tokens`; 1 for an echo without generation (`max_tokens: 0`): the engine
@@ -258,7 +265,7 @@ class CompletionRequest(_SamplingFields):
         return self.prompt  # type: ignore[return-value]
 
     @model_validator(mode="after")
-    def _check_completion(self) -> CompletionRequest:
+    def _check_completion(self) -> _CompletionFields:
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ValueError("prompt must not be empty.")
@@ -275,6 +282,10 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise ValueError("suffix is not supported; leave it unset.")
         return self
+
+
+class CompletionRequest(_Extras, _CompletionFields):
+    """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
 
 
 class ChatMessage(BaseModel):
@@ -310,8 +321,8 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """`POST /v1/chat/completions` (https://platform.openai.com/docs/api-reference/chat)."""
+class _ChatFields(_SamplingFields):
+    """OpenAI's fields of `ChatCompletionRequest`, in the order of its API reference."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -331,20 +342,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     user: str | None = None
 
-    # --- noisy-temp-server and vLLM extras ---
-    ignore_eos: StrictBool = False
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    # one field per engine_contract.keys.CLIENT_KEYS (tests/unit/test_request_keys.py holds it)
-    nts_tune: bool | None = None
-    nts_rule: str | None = None
-    nts_t: float | None = None
-    nts_t_min: float | None = None
-    nts_t_max: float | None = None
-    nts_trace: bool | None = None
-    nts_bias: bool | None = None
-    nts_adapter: StrictBool | str | None = None
-    vllm_xargs: dict[str, XargValue] | None = None
-
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
@@ -358,9 +355,13 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     @model_validator(mode="after")
-    def _check_chat(self) -> ChatCompletionRequest:
+    def _check_chat(self) -> _ChatFields:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
         for message in self.messages:
             message.text()
         return self
+
+
+class ChatCompletionRequest(_Extras, _ChatFields):
+    """`POST /v1/chat/completions` (https://platform.openai.com/docs/api-reference/chat)."""

@@ -48,6 +48,7 @@ from noisy_temp_server.engine_contract.request_args import (
     RequestTuning,
     TuningKeys,
     capturable,
+    issue_extra_args,
     parse_request_args,
     resolve_correction,
     resolve_request,
@@ -220,7 +221,7 @@ async def prepare_request(
             and capturable(choice_params)
             and state.shadow.admit(choice.trace_id, max_tokens)
         )
-        add_extra_args(choice_params, _choice_keys(keys, tuning, choice).to_extra_args())
+        add_extra_args(choice_params, issue_extra_args(_choice_keys(keys, tuning, choice)))
     return PreparedRequest(
         request_id,
         prompt_ids,

@@ -1,5 +1,6 @@
 """The served logits of shadow-sampled requests, captured in the engine for the shadow scorer
-(free of vLLM: `vllm_plugin.capture` admits the requests from vLLM's sampling parameters).
+(free of vLLM: `vllm_plugin.capture` admits the requests from vLLM's sampling parameters, under
+the trace id of their `request_args.AdmittedRequest`).
 
 The server marks the choices its shadow scorer samples with ``nts_capture`` and a trace id
 (`request_args`); for those requests (tuned or not, never greedy ones) the temperature
@@ -37,7 +38,7 @@ server sets from its settings ``capture_*``: `CaptureBounds.from_engine_config`)
 
 The drop counts travel with the rows (cumulative, by reason: `trace_wire.DROP_REASONS`), so
 the API process shows them on ``/v1/nts/status`` (``shadow.capture_dropped_rows``) and as
-``nts_capture_dropped_rows_total{reason}`` (`trace_channel.TraceCollector.capture_drops`).
+``nts_capture_dropped_rows_total{reason}`` (`server.trace_collector.TraceCollector.capture_drops`).
 
 Full float32 rows rather than top-k + log-sum-exp: they are exact, every statistic of the scorer
 (KL curves, the scoreboard's Δp and same-top) reads the whole row, and at SmolLM's 49 152 tokens
@@ -50,27 +51,19 @@ Under Model Runner V2 with speculative decoding (several rows per request) nothi
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from noisy_temp_server.devices import upload
-from noisy_temp_server.engine_contract.request_args import GREEDY_TEMPERATURE, parse_request_args
 from noisy_temp_server.step.batch_rows import RowColumns
 
 if TYPE_CHECKING:
     from noisy_temp_server.engine_contract.engine_env import EngineConfig
 
-__all__ = [
-    "CaptureBounds",
-    "CaptureSink",
-    "CapturedStep",
-    "RowCapture",
-    "trace_id_to_capture",
-]
+__all__ = ["CaptureBounds", "CaptureSink", "CapturedStep", "RowCapture"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -106,17 +99,6 @@ class CapturedStep:
     rows: torch.Tensor
     dropped: list[tuple[str, int]]
     drop_counts: dict[str, int]
-
-
-def trace_id_to_capture(extra_args: Mapping[str, Any] | None, temperature: float) -> str | None:
-    """The trace id to capture a request's served logits under (its ``nts_*`` ``extra_args``
-    and request ``temperature``), or None: not marked with ``nts_capture``, no trace id, or
-    greedy (vLLM's V1 sampler skips argmax-invariant processors for an all-greedy batch, so a
-    greedy request could not be captured reliably)."""
-    keys = parse_request_args(extra_args)
-    if not keys.capture or keys.trace_id is None or temperature < GREEDY_TEMPERATURE:
-        return None
-    return keys.trace_id
 
 
 class CaptureSink(Protocol):

@@ -3,9 +3,10 @@ construction, the registry of built processors, and the reading of a request's k
 
 `build_slot_tuning` builds a processor's tables, reporter and capture and registers it per vLLM
 config (`tuning_processor` finds it: the runtime-noise processor hands its noise over to it; a
-second processor for the same config is a *duplicate* and does nothing). `request_tuning` is
-what a processor applies to an admitted request, `validate_request` the check behind the entry
-point's ``validate_params``.
+second processor for the same config is a *duplicate* and does nothing). `admitted_request` is
+what a processor does with an admitted request (one parse of its keys, shared by the T* tuning
+and the capture), `validate_request` the check behind the entry point's ``validate_params``
+(which vLLM runs in its API process, before the request reaches the engine).
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from vllm import SamplingParams
 
 from noisy_temp_server.engine_contract.engine_env import engine_config
 from noisy_temp_server.engine_contract.request_args import (
-    LogitCorrection,
-    RequestTuning,
+    AdmittedRequest,
+    admit_request,
     default_policy_json,
     parse_request_args,
     resolve_correction,
-    resolve_request,
 )
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.step.capture import CaptureBounds
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TunedProcessor",
+    "admitted_request",
     "build_slot_tuning",
-    "request_tuning",
     "tuning_processor",
     "validate_request",
 ]
@@ -57,14 +57,12 @@ def tuning_processor(vllm_config: VllmConfig) -> object | None:
     return _INSTANCES.get(id(vllm_config))
 
 
-def request_tuning(
-    params: SamplingParams,
-) -> tuple[RequestTuning | None, LogitCorrection | None]:
-    """What the processor applies to a request: its temperature tuning (None: untuned) and its
-    per-token bias (None: none). The one place the processors read the request
-    keys."""
-    keys = parse_request_args(params.extra_args)
-    return resolve_request(keys, params.temperature), resolve_correction(keys)
+def admitted_request(params: SamplingParams) -> AdmittedRequest:
+    """What the processor does with a request vLLM admits into its batch: its temperature
+    tuning, its per-token bias and its capture (`request_args.admit_request` at the temperature
+    vLLM samples it at). The one place the processors read the request keys: once per
+    request."""
+    return admit_request(params.extra_args, params.temperature)
 
 
 def validate_request(params: SamplingParams) -> None:

@@ -36,11 +36,12 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from noisy_temp_server.devices import upload
 from noisy_temp_server.engine_contract.bias_files import bias_directories
+from noisy_temp_server.engine_contract.request_args import NOT_ADMITTED, AdmittedRequest
 from noisy_temp_server.step.slot_tuning import STEP_STRIDE
 from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,
+    admitted_request,
     build_slot_tuning,
-    request_tuning,
 )
 
 if TYPE_CHECKING:
@@ -111,8 +112,9 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Apply the batch changes, start the steps of requests that produced their first token
         and copy what changed to the device."""
-        self.capture.update(batch_update)
-        changed = batch_update is not None and self._update_rows(batch_update)
+        admitted = self._admit_added(batch_update)
+        self.capture.update(batch_update, [request.capture_trace_id for request in admitted])
+        changed = batch_update is not None and self._update_rows(batch_update, admitted)
         started = [slot for slot, (outputs, entry) in self._waiting.items() if len(outputs) > entry]
         if started:
             self.tuning.commit_last(self._upload(np.asarray(started, dtype=np.int64)))
@@ -128,12 +130,23 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
             untuned = ~self.tuning.host_tuned[self._row_slot]
             self._tuned_prefix = int(untuned.argmax()) if untuned.any() else len(untuned)
 
-    def _update_rows(self, batch_update: BatchUpdate) -> bool:
+    def _admit_added(self, batch_update: BatchUpdate | None) -> list[AdmittedRequest]:
+        """The requests ``batch_update`` adds, in its order, each read once (`admitted_request`;
+        a duplicate does nothing with them)."""
+        if batch_update is None:
+            return []
+        if self.duplicate:
+            return [NOT_ADMITTED] * len(batch_update.added)
+        return [admitted_request(params) for _row, params, _prompt, _out in batch_update.added]
+
+    def _update_rows(self, batch_update: BatchUpdate, admitted: list[AdmittedRequest]) -> bool:
         for row in batch_update.removed:
             self._free_row(row)
-        for row, params, _prompt_ids, outputs in batch_update.added:
+        for (row, params, _prompt_ids, outputs), request in zip(
+            batch_update.added, admitted, strict=True
+        ):
             self._free_row(row)
-            resolved, correction = (None, None) if self.duplicate else request_tuning(params)
+            resolved, correction = request.tuning, request.correction
             if resolved is None and correction is None:
                 continue
             slot = self._free.pop()

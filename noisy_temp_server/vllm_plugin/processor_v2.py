@@ -33,11 +33,12 @@ from vllm.v1.worker.gpu.sample.logits_processor import (
     LogitsProcRequestState,
 )
 
+from noisy_temp_server.engine_contract.request_args import NOT_ADMITTED
 from noisy_temp_server.step.slot_tuning import STEP_STRIDE
 from noisy_temp_server.vllm_plugin.processor_common import (
     TunedProcessor,
+    admitted_request,
     build_slot_tuning,
-    request_tuning,
 )
 
 if TYPE_CHECKING:
@@ -93,14 +94,15 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """Give slot ``req_idx`` to a new request; True when it is tuned, biased or captured."""
-        resolved, correction = (None, None) if self.duplicate else request_tuning(sampling_params)
+        admitted = NOT_ADMITTED if self.duplicate else admitted_request(sampling_params)
+        resolved, correction = admitted.tuning, admitted.correction
         self.tuning.stage(req_idx, resolved, sampling_params.temperature, correction)
         tuned = resolved is not None or correction is not None
         self._slot_kinds[req_idx] = (_HOLDS_TUNED if tuned else 0) | (
             _HOLDS_UNTUNED if resolved is None else 0
         )
         self._admitted.append(req_idx)
-        captured = self.capture.add_request(req_idx, sampling_params)
+        captured = self.capture.add_request(req_idx, sampling_params, admitted.capture_trace_id)
         return tuned or captured
 
     def apply_staged_writes(self) -> None:

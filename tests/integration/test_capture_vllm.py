@@ -23,7 +23,7 @@ from noisy_temp_server.engine_contract.keys import (
     RUNTIME_NOISE_SIGMA_ENV,
     TRACE_ENDPOINT_ENV,
 )
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

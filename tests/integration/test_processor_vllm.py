@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from noisy_temp_server.engine_contract.keys import TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+from noisy_temp_server.server.trace_collector import TraceCollector
 
 pytestmark = pytest.mark.vllm
 

@@ -19,10 +19,12 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcRequestState
 
+from noisy_temp_server.engine_contract import request_args
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import CapturedRows, TraceCollector
+from noisy_temp_server.engine_contract.trace_channel import CapturedRows
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
 from noisy_temp_server.server.metrics import ApiMetrics
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
@@ -431,3 +433,28 @@ def test_drop_counts_reach_the_status_and_a_metric_with_bounded_labels(tmp_path:
     assert drops == {"rows_per_step": 5, "speculative": 0, "queue_full": 1, "buffer_full": 2}
     assert {reason: value(reason) for reason in drops} == drops
     assert value("made_up") is None
+
+
+def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The calls of the request keys' parser from now on (it still parses)."""
+    parses: list[object] = []
+    parse = request_args.parse_request_args
+
+    def counting(extra_args: Any) -> request_args.TuningKeys:
+        parses.append(extra_args)
+        return parse(extra_args)
+
+    monkeypatch.setattr(request_args, "parse_request_args", counting)
+    return parses
+
+
+def test_the_engine_reads_a_request_s_keys_once_for_tuning_and_capture(
+    collector: TraceCollector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    v1 = _v1()
+    v2 = _v2(monkeypatch, prompt=[5] * SLOTS, prefill=[5] * SLOTS)
+    parses = _count_parses(monkeypatch)
+    _add_v1(v1, [(_captured("one", 0.8, nts_policy=FIXED.to_json()), [])])
+    assert (v1.capture.active, v1.tuning.host_tuned.sum(), len(parses)) == (1, 1, 1)
+    assert v2.add_request(0, _captured("two", 0.8, nts_policy=FIXED.to_json()))
+    assert (v2.capture.active, v2.tuning.host_tuned.sum(), len(parses)) == (1, 1, 2)

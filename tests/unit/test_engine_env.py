@@ -3,6 +3,7 @@ once by the engine side."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from pathlib import Path
@@ -13,10 +14,10 @@ import torch
 
 from noisy_temp_server.engine_contract import keys
 from noisy_temp_server.engine_contract.bias_files import bias_directories
-from noisy_temp_server.engine_contract.engine_env import EngineConfig, engine_config
-from noisy_temp_server.engine_contract.request_args import default_policy_json
+from noisy_temp_server.engine_contract.engine_env import BOOLEAN_WORDS, EngineConfig, engine_config
+from noisy_temp_server.engine_contract.request_args import default_policy_json, parse_request_args
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
-from noisy_temp_server.settings import Settings
+from noisy_temp_server.settings import Settings, add_settings_arguments
 from noisy_temp_server.step.capture import CaptureBounds
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
@@ -87,6 +88,16 @@ def test_empty_values_and_empty_folders_mean_the_defaults() -> None:
 def test_an_invalid_value_is_refused_naming_its_variable(variable: str, value: str) -> None:
     with pytest.raises(ValueError, match=re.escape(variable)):
         EngineConfig.from_environ({variable: value})
+
+
+@pytest.mark.parametrize("word", sorted(BOOLEAN_WORDS))
+def test_every_channel_reads_the_one_list_of_boolean_words(word: str) -> None:
+    meaning = BOOLEAN_WORDS[word]
+    assert EngineConfig.from_environ({keys.FUSED_STEP_ENV: word.upper()}).fused_step is meaning
+    assert parse_request_args({keys.KEY_TRACE: f" {word} "}).trace is meaning
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ["fused_step"])
+    assert parser.parse_args(["--fused-step", word]).setting_fused_step is meaning
 
 
 def test_a_bias_folder_that_cannot_be_listed_is_refused() -> None:

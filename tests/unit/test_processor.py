@@ -16,7 +16,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from noisy_temp_server.engine_contract.keys import POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule

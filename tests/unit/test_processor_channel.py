@@ -13,8 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from noisy_temp_server.engine_contract.keys import TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector, TraceReport
+from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.engine_contract.trace_sender import TraceSender
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.step.engine_metrics import (
     STEP_TEMPERATURE_BUCKETS,
     StepTemperatureMetrics,

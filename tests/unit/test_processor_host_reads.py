@@ -30,7 +30,7 @@ from test_processor_v2 import _Batch, _ctx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 

@@ -29,7 +29,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
 )
 
 from noisy_temp_server.engine_contract.keys import POLICY_FILE_ENV, TRACE_ENDPOINT_ENV
-from noisy_temp_server.engine_contract.trace_channel import TraceCollector
+from noisy_temp_server.server.trace_collector import TraceCollector
 from noisy_temp_server.step.engine_metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature, step_temperatures

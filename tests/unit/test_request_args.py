@@ -12,6 +12,7 @@ from noisy_temp_server.engine_contract.request_args import (
     LogitCorrection,
     TuningKeys,
     default_policy_json,
+    issue_extra_args,
     parse_policy_json,
     parse_request_args,
     resolve_correction,
@@ -46,6 +47,21 @@ def test_round_trip_through_extra_args() -> None:
     )
     assert parse_request_args(args.to_extra_args()) == args
     assert TuningKeys().to_extra_args() == {}
+
+
+def test_keys_this_process_issued_come_back_once_without_a_parse() -> None:
+    issued = TuningKeys(rule=Rule.FIXED, fixed_t=1.5, policy_json=SQRT.to_json(), trace_id="x1")
+    extra_args = {"seed_of_another": 3, **issue_extra_args(issued)}
+    assert extra_args == {"seed_of_another": 3, **issued.to_extra_args()}
+    assert parse_request_args(extra_args) is issued  # vLLM's validate_params in the API process
+    again = parse_request_args(extra_args)  # parsed, as the engine process does
+    assert again == issued
+    assert again is not issued
+    alike = {**issued.to_extra_args(), "nts_t": "1.5"}  # the same key, another value type
+    issue_extra_args(issued)
+    assert parse_request_args(alike) is not issued
+    with pytest.raises(ValueError, match="nts_t"):
+        parse_request_args({**issued.to_extra_args(), "nts_t": [1.5]})  # unhashable: parsed
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """`engine_contract.keys`: the one list of request keys, as the parser, the server's request
-models, the architecture's table and the README's table know them."""
+models, the architecture's table and the README's table know them; and the one parse of a
+request's keys in the API process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
+from server_fakes import POLICY, build
 
+from noisy_temp_server.engine_contract import request_args
 from noisy_temp_server.engine_contract.keys import (
     API_ONLY_KEYS,
     CLIENT_KEYS,
@@ -20,7 +23,9 @@ from noisy_temp_server.engine_contract.keys import (
 )
 from noisy_temp_server.engine_contract.request_args import parse_request_args
 from noisy_temp_server.server.protocol import ChatCompletionRequest, CompletionRequest
+from noisy_temp_server.settings import Settings
 from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +119,16 @@ def test_the_architecture_table_lists_exactly_the_keys() -> None:
 
 def test_the_readme_table_lists_exactly_the_client_keys() -> None:
     assert _table_keys(_ROOT / "README.md", "## Using the server") == set(CLIENT_KEYS)
+
+
+def test_the_api_process_parses_a_request_s_keys_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = build(Settings(), POLICY)
+    parses: list[object] = []
+    parse = request_args._parse
+    monkeypatch.setattr(request_args, "_parse", lambda keys: parses.append(keys) or parse(keys))
+    body = {"prompt": "abc", "max_tokens": 2, "n": 2, "nts_rule": "fixed", "nts_t": 1.5}
+    assert server.post("/v1/completions", body).status_code == 200
+    assert len(parses) == 1
+    for _, params, _ in server.engine.calls:  # what vLLM's API process runs on each
+        NoisyTemperatureLogitsProcessor.validate_params(params)
+    assert len(parses) == 1

@@ -330,3 +330,45 @@ def test_serve_refuses_an_invalid_engine_variable_in_one_line(
     with caplog.at_level(logging.ERROR, logger="noisy_temp_server.serve"):
         assert serve.run(parser.parse_args([])) == 1
     assert f"Refusing to serve: {RUNTIME_NOISE_SEED_ENV}='1.5'" in caplog.text
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_serve_takes_plain_folders_and_refuses_bad_ones_before_the_engine_in_one_line(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.1), tmp_path)
+    plain_clean = shutil.copytree(tiny_model_dir, tmp_path / "plain-clean")
+    (plain_clean / MANIFEST_FILENAME).unlink()
+    started: list[object] = []
+
+    class Environment:
+        trace_endpoint = "ipc://unused"
+
+        def cleanup(self) -> None:
+            pass
+
+    monkeypatch.setattr(engine_module, "prepare_environment", lambda settings: Environment())
+    monkeypatch.setattr(engine_module, "start_engine", lambda *a, **k: started.append(a))
+    pair = resolve_pair(Settings(served_model=served, clean_model=plain_clean, cache_dir=tmp_path))
+    assert (pair.served, pair.clean) == (served, plain_clean)
+    for clean, problem in (
+        (tmp_path / "missing", "no model folder"),
+        (tmp_path / "plain-clean" / "config.json", "is a file, not a model folder"),
+    ):
+        caplog.clear()
+        args = _serve_args("--served-model", str(served), "--clean-model", str(clean))
+        with caplog.at_level(logging.ERROR, logger="noisy_temp_server.serve"):
+            assert serve.run(args) == 1
+        (line,) = [record.getMessage() for record in caplog.records]
+        assert line.startswith("Refusing to serve: ")
+        assert problem in line
+        assert "\n" not in line
+    assert started == []

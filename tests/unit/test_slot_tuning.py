@@ -20,7 +20,7 @@ from noisy_temp_server.step.slot_tuning import STEP_STRIDE, SlotTuning
 from noisy_temp_server.temperature.policy import TemperaturePolicy
 from noisy_temp_server.temperature.policy_eval import policy_temperature
 from noisy_temp_server.temperature.rules import Rule
-from noisy_temp_server.vllm_plugin.processor_common import request_tuning
+from noisy_temp_server.vllm_plugin.processor_common import admitted_request
 
 SLOTS = 5
 VOCAB = 7
@@ -64,10 +64,10 @@ def _reference_t(policy: TemperaturePolicy, steps: list[int]) -> torch.Tensor:
 
 
 def _admit(tuning: SlotTuning, slot: int, policy: TemperaturePolicy) -> _Occupancy:
-    resolved, _ = request_tuning(
+    admitted = admitted_request(
         SamplingParams(temperature=1.0, extra_args={"nts_policy": policy.to_json()})
     )
-    tuning.stage(slot, resolved, 1.0)
+    tuning.stage(slot, admitted.tuning, 1.0)
     return _Occupancy(policy)
 
 

@@ -99,3 +99,76 @@ def test_the_link_checker_catches_a_broken_link_and_anchor(tmp_path: Path) -> No
     page.write_text("# A title\n\n[x](page.md#a-title) [y](missing.md) [z](#nowhere)\n")
     assert _relative_links(page) == ["page.md#a-title", "missing.md", "#nowhere"]
     assert _anchors(page) == {"a-title"}
+
+
+ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
+PACKAGE = REPO_ROOT / "noisy_temp_server"
+MAX_ARCHITECTURE_LINES = 300
+"""architecture.md is a map a newcomer reads in a minute; detail goes to the page it belongs to."""
+_NAMED_MODULES = re.compile(r"^([\w/]+\.py(?:, [\w/]+\.py)*)(?:\s|$)")
+_MODULE_PATH = re.compile(r"(?<![\w./-])((?:[a-z_]+/)+[a-z_0-9]+\.py)\b")
+
+
+def _module_tree(markdown: str) -> str:
+    """The fenced block of the section "## The module tree"."""
+    section = markdown.split("\n## The module tree\n", 1)[1].split("\n## ", 1)[0]
+    fenced = re.search(r"^```\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
+    assert fenced is not None, "the module tree is not a fenced block"
+    return fenced.group(1)
+
+
+def _tree_modules(tree: str) -> list[str]:
+    """The modules a tree line names at its start, as paths under noisy_temp_server/:
+    ``step/capture.py`` or ``server/models.py, status.py`` (the later names in the first's
+    folder); continuation lines (indented) name none."""
+    modules = []
+    for line in tree.splitlines():
+        named = _NAMED_MODULES.match(line.removeprefix("noisy_temp_server/"))
+        if named is None:
+            continue
+        first, *rest = named.group(1).split(", ")
+        folder = first.rpartition("/")[0]
+        modules += [first, *(f"{folder}/{name}" if folder else name for name in rest)]
+    return modules
+
+
+def _missing_modules(markdown: str) -> list[str]:
+    """What the page names that is not a file: its module tree's modules (under
+    noisy_temp_server/), and every ``folder/module.py`` path in its text (under
+    noisy_temp_server/, else from the repository root, e.g. tests/unit/...)."""
+    missing = [m for m in _tree_modules(_module_tree(markdown)) if not (PACKAGE / m).is_file()]
+    for path in dict.fromkeys(_MODULE_PATH.findall(FENCE.sub("", markdown))):
+        relative = path.removeprefix("noisy_temp_server/")
+        if not (PACKAGE / relative).is_file() and not (REPO_ROOT / path).is_file():
+            missing.append(path)
+    return missing
+
+
+def test_the_architecture_page_is_a_map_of_at_most_300_lines() -> None:
+    lines = ARCHITECTURE.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_ARCHITECTURE_LINES, (
+        f"docs/architecture.md has {len(lines)} lines: move detail to the page it belongs to"
+    )
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    markdown = ARCHITECTURE.read_text(encoding="utf-8")
+    assert len(_tree_modules(_module_tree(markdown))) >= 100
+    assert _missing_modules(markdown) == []
+
+
+def test_the_module_check_catches_a_missing_module() -> None:
+    page = (
+        "# A map\n\nSee `server/launch.py` and `server/gone.py`.\n\n## The module tree\n\n```\n"
+        "cli.py             the command\n"
+        "step/capture.py    rows\n"
+        "server/models.py, status.py, nowhere.py  routes\n"
+        "                   a continuation naming server/also_gone.py\n"
+        "noisy_temp_server/online/shadow.py  the shadow scorer\n"
+        "vllm_plugin/ghost.py  not a module\n```\n\n## Next\n"
+    )
+    assert _tree_modules(_module_tree(page)) == [
+        "cli.py", "step/capture.py", "server/models.py", "server/status.py",
+        "server/nowhere.py", "online/shadow.py", "vllm_plugin/ghost.py",
+    ]  # fmt: skip
+    assert _missing_modules(page) == ["server/nowhere.py", "vllm_plugin/ghost.py", "server/gone.py"]

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from noisy_temp_server.adapter.deltas import eora_delta, propagated_delta, svd_delta
 from noisy_temp_server.adapter.lora import LoraAdapter, LowRankDelta
+from noisy_temp_server.adapter.smoothing import check_adaptable_pair, served_basis
 from noisy_temp_server.scoring.sequence import ScoringSequence
 
 __all__ = [
@@ -349,27 +350,18 @@ def _propagated_block_deltas(
     return fitted
 
 
-def fit_compensation_adapter(
-    clean_model: nn.Module,
-    served_model: nn.Module,
+def _fit_blocks(
+    models: tuple[nn.Module, nn.Module],
+    names: Sequence[str],
     sequences: Sequence[ScoringSequence],
     *,
+    method: AdapterMethod,
     rank: int,
-    method: AdapterMethod = "propagated",
-    ridge: float = 10.0,
-    base_model: str = "",
-    progress: Callable[[int, int], None] | None = None,
-) -> LoraAdapter:
-    """The rank-`rank` adapter correcting every perturbed linear layer of `served_model`
-    towards `clean_model` (`perturbed_linears`), fitted block by block on the inputs of
-    `sequences` as the module docstring describes (``svd``: plain SVD, inputs unused;
-    ``propagated``: each layer fitted to give the clean layer's outputs on the clean model's
-    inputs, `_propagated_block_deltas`). `progress(done, total)` after each block. Leaves both
-    models' weights as they were. ValueError for no sequences, and as `adapter_targets` (no
-    layer differs, or a rank outside a layer's sides)."""
-    names = adapter_targets(clean_model, served_model, rank)
-    if not sequences:
-        raise ValueError("an adapter is fitted on token sequences; got none")
+    ridge: float,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, LowRankDelta]:
+    """The deltas of the layers `names`, block by block (`fit_compensation_adapter`)."""
+    clean_model, served_model = models
     prefix, blocks = decoder_blocks(served_model)
     _, clean_blocks = decoder_blocks(clean_model)
     clean_modules = dict(clean_model.named_modules())
@@ -384,7 +376,7 @@ def fit_compensation_adapter(
         block_names = [n for n in names if n.startswith(f"{prefix}.{index}.")]
         if method == "propagated" and block_names:
             deltas = _propagated_block_deltas(
-                (clean_model, served_model),
+                models,
                 (clean_blocks[index], block),
                 block_names,
                 (clean_inputs, inputs),
@@ -405,4 +397,45 @@ def fit_compensation_adapter(
                 clean_inputs = _next_inputs(clean_model, clean_blocks[index], {}, clean_inputs)
         if progress is not None:
             progress(index + 1, len(blocks))
+    return layers
+
+
+def fit_compensation_adapter(
+    clean_model: nn.Module,
+    served_model: nn.Module,
+    sequences: Sequence[ScoringSequence],
+    *,
+    rank: int,
+    method: AdapterMethod = "propagated",
+    ridge: float = 10.0,
+    base_model: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> LoraAdapter:
+    """The rank-`rank` adapter correcting every perturbed linear layer of `served_model`
+    towards `clean_model` (`perturbed_linears`), fitted block by block on the inputs of
+    `sequences` as the module docstring describes (``svd``: plain SVD, inputs unused;
+    ``propagated``: each layer fitted to give the clean layer's outputs on the clean model's
+    inputs, `_propagated_block_deltas`), in the served model's basis where its quantizer
+    smoothed it (`adapter.smoothing.served_basis`). `progress(done, total)` after each block.
+    Leaves both models' weights as they were. ValueError for no sequences, as `adapter_targets`
+    (no layer differs, or a rank outside a layer's sides) and for a pair that differs beyond the
+    decoder's linear layers and norms (`check_adaptable_pair`)."""
+    names = adapter_targets(clean_model, served_model, rank)
+    if not sequences:
+        raise ValueError("an adapter is fitted on token sequences; got none")
+    prefix, blocks = decoder_blocks(served_model)
+    _, clean_blocks = decoder_blocks(clean_model)
+    check_adaptable_pair(clean_model, served_model, prefix, len(blocks))
+    with served_basis(clean_blocks, blocks) as smoothed:
+        if smoothed:
+            logger.info("the served model is smoothed: fitting in its basis")
+        layers = _fit_blocks(
+            (clean_model, served_model),
+            names,
+            sequences,
+            method=method,
+            rank=rank,
+            ridge=ridge,
+            progress=progress,
+        )
     return LoraAdapter(layers=layers, rank=rank, base_model=base_model)

@@ -1,0 +1,154 @@
+"""Smoothed pairs: the clean model rewritten in the basis of a served model whose quantizer moved
+per-channel scales between layers (AWQ, SmoothQuant), so that the adapter's fit sees only the
+rounding error.
+
+Such a quantizer divides a norm's weight (or a linear layer's output rows) by scales s and
+multiplies the columns of the linear layers that read it by s before rounding them: the served
+model computes the same function in another basis, and its weights differ from the clean ones
+by a diagonal factor that no low-rank correction can express. `served_basis` rewrites the clean
+model the same way, which leaves its function unchanged: a norm takes the served norm's weight
+and its readers' columns are multiplied by s = w_clean / w_served (exact: norms are never
+rounded); a linear layer feeding another (a Llama's v → o and up → down) has its rows divided
+and its reader's columns multiplied by the scales the two weights' norms give. The fit's targets
+(the clean layers' outputs, and the clean weights its ridge leans on) are then in the served
+model's basis.
+
+A pair whose decoder norms are equal is not smoothed and is left as it is. A pair that differs
+in any other tensor than the decoder's linear layers and norms (embeddings, the final norm, the
+output head) is refused: the adapter corrects linear layers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["check_adaptable_pair", "served_basis"]
+
+NORM_READERS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+"""Each decoder norm (Llama family) and the linear layers that read its output."""
+LINEAR_READERS = (("self_attn.v_proj", "self_attn.o_proj"), ("mlp.up_proj", "mlp.down_proj"))
+"""Linear layers whose output rows feed another's columns channel for channel (v → o only
+without grouped-query attention, where their widths match)."""
+
+
+def _linear_parameters(model: nn.Module, prefix: str) -> set[str]:
+    return {
+        f"{name}.{kind}"
+        for name, module in model.named_modules()
+        if name.startswith(prefix + ".") and isinstance(module, nn.Linear)
+        for kind in ("weight", "bias")
+    }
+
+
+def _norm_parameters(prefix: str, blocks: int) -> set[str]:
+    return {f"{prefix}.{i}.{norm}.weight" for i in range(blocks) for norm, _ in NORM_READERS}
+
+
+@torch.no_grad()
+def check_adaptable_pair(clean: nn.Module, served: nn.Module, prefix: str, blocks: int) -> None:
+    """ValueError, one line naming the tensor, unless every tensor the pair does not share is a
+    weight or bias of a decoder linear layer or a decoder norm's weight."""
+    adaptable = _linear_parameters(served, prefix) | _norm_parameters(prefix, blocks)
+    clean_parameters = dict(clean.named_parameters())
+    for name, parameter in served.named_parameters():
+        reference = clean_parameters.get(name)
+        if name in adaptable or reference is None:
+            continue
+        if reference.shape != parameter.shape or not torch.equal(reference, parameter):
+            raise ValueError(
+                f"the served model's {name} differs from the clean model's: a compensation "
+                "adapter corrects the decoder's linear layers only, so this pair gets none"
+            )
+
+
+def _norm_scales(clean_norm: Tensor, served_norm: Tensor) -> Tensor | None:
+    """w_clean / w_served (1 where the served weight is 0), None where the two are equal."""
+    if torch.equal(clean_norm, served_norm):
+        return None
+    safe = torch.where(served_norm == 0, clean_norm, served_norm)
+    return torch.where(served_norm == 0, torch.ones_like(clean_norm), clean_norm / safe).float()
+
+
+def _linear_scales(
+    clean: tuple[nn.Linear, nn.Linear], served: tuple[nn.Linear, nn.Linear]
+) -> Tensor | None:
+    """The scales moved from `served[0]`'s output rows into `served[1]`'s columns: the geometric
+    mean of the two weights' norm ratios, channel by channel; None where their widths differ."""
+    if clean[0].out_features != clean[1].in_features:
+        return None
+    rows = clean[0].weight.float().norm(dim=1) / served[0].weight.float().norm(dim=1)
+    columns = served[1].weight.float().norm(dim=0) / clean[1].weight.float().norm(dim=0)
+    ratio = torch.sqrt(rows * columns)
+    return torch.where(torch.isfinite(ratio) & (ratio > 0), ratio, torch.ones_like(ratio))
+
+
+class _Rewrite:
+    """In-place rewrites of clean parameters, each original kept to be put back."""
+
+    def __init__(self) -> None:
+        self.originals: list[tuple[Tensor, Tensor]] = []
+
+    def keep(self, *parameters: Tensor | None) -> None:
+        self.originals += [(p, p.detach().clone()) for p in parameters if p is not None]
+
+    def restore(self) -> None:
+        for parameter, original in reversed(self.originals):
+            parameter.data.copy_(original)
+
+
+@torch.no_grad()
+def _rewrite_block(clean: nn.Module, served: nn.Module, rewrite: _Rewrite) -> bool:
+    """Rewrite one clean decoder block into the served one's basis; whether anything moved."""
+    clean_modules, served_modules = dict(clean.named_modules()), dict(served.named_modules())
+    moved = False
+    for norm, readers in NORM_READERS:
+        if norm not in clean_modules or norm not in served_modules:
+            continue
+        scales = _norm_scales(clean_modules[norm].weight, served_modules[norm].weight)
+        if scales is None:
+            continue
+        moved = True
+        rewrite.keep(clean_modules[norm].weight, *(clean_modules[r].weight for r in readers))
+        clean_modules[norm].weight.copy_(served_modules[norm].weight)
+        for reader in readers:
+            clean_modules[reader].weight.mul_(scales.to(clean_modules[reader].weight.dtype))
+    if not moved:
+        return False
+    for writer, reader in LINEAR_READERS:
+        if writer not in clean_modules or reader not in clean_modules:
+            continue
+        pair = (clean_modules[writer], clean_modules[reader])
+        scales = _linear_scales(pair, (served_modules[writer], served_modules[reader]))
+        if scales is None:
+            continue
+        rewrite.keep(pair[0].weight, pair[0].bias, pair[1].weight)
+        pair[0].weight.div_(scales[:, None].to(pair[0].weight.dtype))
+        if pair[0].bias is not None:
+            pair[0].bias.div_(scales.to(pair[0].bias.dtype))
+        pair[1].weight.mul_(scales[None, :].to(pair[1].weight.dtype))
+    return True
+
+
+@contextmanager
+def served_basis(
+    clean_blocks: Sequence[nn.Module], served_blocks: Sequence[nn.Module]
+) -> Iterator[bool]:
+    """Within the block, the clean decoder blocks rewritten in the served blocks' basis (module
+    docstring; the clean model's function is unchanged); yields whether the pair was smoothed.
+    The clean weights are put back on leaving. Blocks without a Llama's norms are left as they
+    are (`check_adaptable_pair` refuses a pair whose other norms differ)."""
+    rewrite = _Rewrite()
+    try:
+        smoothed = [
+            _rewrite_block(c, s, rewrite) for c, s in zip(clean_blocks, served_blocks, strict=True)
+        ]
+        yield any(smoothed)
+    finally:
+        rewrite.restore()

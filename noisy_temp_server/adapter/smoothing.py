@@ -20,7 +20,7 @@ output head) is refused: the adapter corrects linear layers only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -138,7 +138,7 @@ def _rewrite_block(clean: nn.Module, served: nn.Module, rewrite: _Rewrite) -> bo
 
 @contextmanager
 def served_basis(
-    clean_blocks: Sequence[nn.Module], served_blocks: Sequence[nn.Module]
+    clean_blocks: Iterable[nn.Module], served_blocks: Iterable[nn.Module]
 ) -> Iterator[bool]:
     """Within the block, the clean decoder blocks rewritten in the served blocks' basis (module
     docstring; the clean model's function is unchanged); yields whether the pair was smoothed.

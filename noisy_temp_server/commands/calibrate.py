@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from noisy_temp_server.calibration.settings import add_calibration_arguments
-from noisy_temp_server.commands.perturb import default_clean_path, read_spec_argument
+from noisy_temp_server.commands.perturb import clean_folder, read_spec_argument
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --out PROFILE.json is required to calibrate a pair", file=sys.stderr)
         return 1
     try:
-        clean = args.clean or default_clean_path(args.cache_dir)
+        clean = clean_folder(args.clean, args.cache_dir)
         if has_pair:
             _calibrate(args, clean)
         if args.report is not None:

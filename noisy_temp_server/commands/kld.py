@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from noisy_temp_server.commands.perturb import default_clean_path, read_spec_argument
+from noisy_temp_server.commands.perturb import clean_folder, read_spec_argument
 from noisy_temp_server.files import write_atomically
 from noisy_temp_server.temperature.rules import Rule
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         spec = None if args.served else read_spec_argument(args.spec or DEFAULT_PERTURBATION)
         report = kld_report(
             KldRequest(
-                clean=args.clean or default_clean_path(args.cache_dir),
+                clean=clean_folder(args.clean, args.cache_dir),
                 prompts=load_prompts(args.prompts)[: args.num_prompts],
                 served=args.served,
                 spec=spec,

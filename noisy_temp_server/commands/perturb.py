@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 
-__all__ = ["HELP", "add_arguments", "read_spec_argument", "run"]
+__all__ = ["HELP", "add_arguments", "clean_folder", "read_spec_argument", "run"]
 
 HELP = (
     "Write a perturbed (noisy, or quantisation-simulated: stored as float) copy of a checkpoint, "
@@ -63,11 +63,16 @@ def read_spec_argument(value: str) -> PerturbationSpec:
     return parse_spec(value) if value.lstrip().startswith("{") else load_spec(Path(value))
 
 
-def default_clean_path(cache_dir: Path | None) -> Path:
-    """The embedded default model's checkpoint folder (converted on first use)."""
+def clean_folder(given: Path | None, cache_dir: Path | None) -> Path:
+    """The clean model's folder: `given` (a folder or a Hugging Face id in the local cache,
+    `resolve_model_folder`), else the embedded default model's (converted on first use into
+    the cache: `cache_dir`, else the settings')."""
     from noisy_temp_server.checkpoints.default_model import ensure_default_model  # noqa: PLC0415
+    from noisy_temp_server.checkpoints.model_folder import resolve_model_folder  # noqa: PLC0415
     from noisy_temp_server.settings import Settings  # noqa: PLC0415
 
+    if given is not None:
+        return resolve_model_folder(given)
     settings = Settings() if cache_dir is None else Settings(cache_dir=cache_dir)
     return ensure_default_model(settings.cache_dir)
 
@@ -75,7 +80,6 @@ def default_clean_path(cache_dir: Path | None) -> Path:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from noisy_temp_server.checkpoints.checkpoint import CorruptCheckpointError  # noqa: PLC0415
-    from noisy_temp_server.checkpoints.perturbation import PerturbationSpecError  # noqa: PLC0415
     from noisy_temp_server.checkpoints.perturbed_checkpoint import (  # noqa: PLC0415
         write_perturbed_checkpoint,
     )
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         spec = read_spec_argument(args.spec)
         if args.out.exists() and not args.replace:
             raise FileExistsError(f"{args.out} exists; pass --replace to overwrite it")
-        clean_path = args.clean or default_clean_path(args.cache_dir)
+        clean_path = clean_folder(args.clean, args.cache_dir)
         manifest = write_perturbed_checkpoint(
             clean_path,
             spec,
@@ -92,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             source=f"noisy-temp-server perturb --spec '{args.spec}'",
             replace=args.replace,
         )
-    except (PerturbationSpecError, CorruptCheckpointError, FileExistsError) as error:
+    except (CorruptCheckpointError, FileExistsError, ValueError) as error:  # bad input: ValueError
         print(f"error: {error}", file=sys.stderr)
         return 1
     logging.getLogger(__name__).info("weights sha256 %s", manifest.weights_sha256)

@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from noisy_temp_server.commands.perturb import default_clean_path
+from noisy_temp_server.commands.perturb import clean_folder
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --group-size must be >= 1, got {args.group_size}", file=sys.stderr)
         return 1
     try:
-        clean = args.clean or default_clean_path(args.cache_dir)
+        clean = clean_folder(args.clean, args.cache_dir)
         write_compressed_checkpoint(
             clean, args.format, args.out, group_size=args.group_size, replace=args.replace
         )

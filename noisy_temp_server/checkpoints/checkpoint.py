@@ -41,6 +41,7 @@ from transformers import (
 )
 
 from noisy_temp_server import __version__
+from noisy_temp_server.checkpoints.quantized_formats import load_quantized_causal_lm
 
 __all__ = [
     "MANIFEST_FILENAME",
@@ -322,7 +323,9 @@ def load_causal_lm(
     path = Path(path)
     if verify:
         verify_checkpoint(path, full=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = load_quantized_causal_lm(path, dtype, device)  # gptq/awq: dequantized on the CPU
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     torch.nn.Module.to(model, torch.device(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer

@@ -39,6 +39,11 @@ FIXTURES: dict[str, tuple[dict[str, Any], str]] = {
         {"bits": 4, "group_size": 32, "desc_act": True, "sym": True, "format": "gptq"},
         "native GPTQ (v1 `gptq` format), 4 bits, symmetric, group 32, desc_act (g_idx)",
     ),
+    "gptq-4bit-g32": (
+        {"bits": 4, "group_size": 32, "desc_act": False, "sym": True, "format": "gptq"},
+        "native GPTQ (v1 `gptq` format), 4 bits, symmetric, group 32, no act-order: the variant "
+        "vLLM 0.32 serves",
+    ),
     "gptq-8bit-perchannel-v2": (
         {
             "bits": 8,

@@ -40,7 +40,12 @@ COMPRESSED = {  # fixture -> bound on the logits' relative error against the cle
     "ct-fp8-dynamic": 0.3,
     "ct-w8a8-int8": 0.1,
 }
-NATIVE = {"gptq-4bit-g32-actorder": 0.6, "gptq-8bit-perchannel-v2": 0.1, "awq-gemm-4bit-g32": 0.6}
+NATIVE = {
+    "gptq-4bit-g32": 0.6,
+    "gptq-4bit-g32-actorder": 0.6,
+    "gptq-8bit-perchannel-v2": 0.1,
+    "awq-gemm-4bit-g32": 0.6,
+}
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 
@@ -201,7 +206,9 @@ def _quantization_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text(encoding="utf-8"))["quantization_config"]
 
 
-@pytest.mark.parametrize("name", ["gptq-4bit-g32-actorder", "gptq-8bit-perchannel-v2"])
+@pytest.mark.parametrize(
+    "name", ["gptq-4bit-g32", "gptq-4bit-g32-actorder", "gptq-8bit-perchannel-v2"]
+)
 def test_gptq_fixture_layers_dequantize_as_autogptq_does(name: str) -> None:
     folder = FIXTURES / name
     config = _quantization_config(folder)

@@ -11,7 +11,6 @@ import pytest
 from noisy_temp_server.checkpoints.checkpoint import MANIFEST_FILENAME
 from noisy_temp_server.cli import main
 
-
 _NOISE = '{"kind": "weight_noise", "scale": 0.1}'
 
 
@@ -21,15 +20,7 @@ def _commands(good: Path, bad: Path, out: Path) -> list[list[str]]:
         ["kld", "--clean", str(bad), "--served", str(good)],
         ["calibrate", "--clean", str(good), "--served", str(bad), "--out", str(out)],
         ["calibrate", "--clean", str(bad), "--served", str(good), "--out", str(out)],
-        [
-            "perturb",
-            "--clean",
-            str(bad),
-            "--spec",
-            '{"kind": "weight_noise", "scale": 0.1}',
-            "--out",
-            str(out),
-        ],  # fmt: skip
+        ["perturb", "--clean", str(bad), "--spec", _NOISE, "--out", str(out)],
         ["quantize", "--clean", str(bad), "--format", "w4a16", "--out", str(out)],
     ]
 

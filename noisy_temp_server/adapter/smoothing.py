@@ -26,7 +26,11 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_adaptable_pair", "served_basis"]
+__all__ = ["MATERIAL_DIFFERENCE", "check_adaptable_pair", "served_basis"]
+
+MATERIAL_DIFFERENCE = 0.01
+"""The relative difference above which a tensor outside the decoder's linear layers and norms
+counts as changed (bf16 rounds to about 0.4 %, fp16 to 0.05 %)."""
 
 NORM_READERS = (
     ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -54,18 +58,34 @@ def _norm_parameters(prefix: str, blocks: int) -> set[str]:
 @torch.no_grad()
 def check_adaptable_pair(clean: nn.Module, served: nn.Module, prefix: str, blocks: int) -> None:
     """ValueError, one line naming the tensor, unless every tensor the pair does not share is a
-    weight or bias of a decoder linear layer or a decoder norm's weight."""
+    weight or bias of a decoder linear layer or a decoder norm's weight. Differences within a
+    16-bit float's rounding (`MATERIAL_DIFFERENCE`, relative; a quantizer may store the
+    unquantized tensors in another dtype) are shared."""
     adaptable = _linear_parameters(served, prefix) | _norm_parameters(prefix, blocks)
     clean_parameters = dict(clean.named_parameters())
     for name, parameter in served.named_parameters():
         reference = clean_parameters.get(name)
         if name in adaptable or reference is None:
             continue
-        if reference.shape != parameter.shape or not torch.equal(reference, parameter):
+        if reference.shape != parameter.shape:
             raise ValueError(
-                f"the served model's {name} differs from the clean model's: a compensation "
-                "adapter corrects the decoder's linear layers only, so this pair gets none"
+                f"the served model's {name} has the shape {tuple(parameter.shape)}, the clean "
+                f"model's {tuple(reference.shape)}: no compensation adapter fits this pair"
             )
+        difference = _relative_difference(reference, parameter)
+        if difference > MATERIAL_DIFFERENCE:
+            raise ValueError(
+                f"the served model's {name} differs from the clean model's by {difference:.1%}: "
+                "a compensation adapter corrects the decoder's linear layers only, so this pair "
+                "gets none"
+            )
+
+
+def _relative_difference(reference: Tensor, other: Tensor) -> float:
+    """||other - reference|| / ||reference|| (0 for two zero tensors)."""
+    scale = float(reference.float().norm())
+    gap = float((other.float() - reference.float()).norm())
+    return gap / scale if scale > 0 else gap
 
 
 def _norm_scales(clean_norm: Tensor, served_norm: Tensor) -> Tensor | None:

@@ -75,6 +75,16 @@ def models(tiny_model_dir: Path) -> tuple[nn.Module, nn.Module, nn.Module]:
     return clean, rounded, smoothed
 
 
+def _fit_in_the_clean_basis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, the adapter is fitted without rewriting the clean model."""
+
+    @contextmanager
+    def clean_basis(*_: object) -> Iterator[bool]:
+        yield False
+
+    monkeypatch.setattr(layer_fit, "served_basis", clean_basis)
+
+
 def _share_removed(clean: nn.Module, served: nn.Module) -> float:
     fit, test = _sequences(16, seed=0), _sequences(8, seed=1)
     adapter = fit_compensation_adapter(clean, served, fit, rank=RANK, ridge=1.0)
@@ -94,11 +104,7 @@ def test_a_smoothed_pair_is_fitted_in_the_served_basis_as_well_as_a_plain_one(
     for name, parameter in clean.named_parameters():
         assert torch.equal(parameter, weights[name]), name
 
-    @contextmanager
-    def clean_basis(*_: object) -> Iterator[bool]:
-        yield False
-
-    monkeypatch.setattr(layer_fit, "served_basis", clean_basis)
+    _fit_in_the_clean_basis(monkeypatch)
     assert _share_removed(clean, smoothed) < 0.5 * smoothed_share
 
 
@@ -108,8 +114,13 @@ def test_a_pair_differing_beyond_the_linear_layers_and_norms_is_refused(
     clean, rounded, _ = models
     served = copy.deepcopy(rounded)
     with torch.no_grad():
-        served.model.embed_tokens.weight.mul_(1.01)
-    with pytest.raises(ValueError, match=r"served model's model.embed_tokens.weight differs"):
+        served.model.embed_tokens.weight.copy_(clean.model.embed_tokens.weight.half().float())
+    fit_compensation_adapter(clean, served, _sequences(2, seed=0), rank=RANK)  # fp16 rounding
+    with torch.no_grad():
+        served.model.embed_tokens.weight.mul_(1.02)
+    with pytest.raises(
+        ValueError, match=r"served model's model.embed_tokens.weight differs from the clean"
+    ):
         fit_compensation_adapter(clean, served, _sequences(2, seed=0), rank=RANK)
 
 
@@ -119,3 +130,20 @@ def test_an_unsmoothed_pair_is_left_in_its_basis(
     clean, rounded, _ = models
     with served_basis(clean.model.layers, rounded.model.layers) as smoothed:
         assert not smoothed
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quantized"
+
+
+@pytest.mark.parametrize("fixture", ["awq-gemm-4bit-g32", "ct-awq-w4a16-asym"])
+def test_real_awq_checkpoints_are_fitted_better_in_their_basis(
+    models: tuple[nn.Module, nn.Module, nn.Module], fixture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model quantized by GPTQModel's and llm-compressor's AWQ (which smooth it)."""
+    clean = models[0]
+    served, _ = load_causal_lm(FIXTURES / fixture, verify=False)
+    in_served_basis = _share_removed(clean, served)
+
+    _fit_in_the_clean_basis(monkeypatch)
+    assert in_served_basis > 0.3
+    assert in_served_basis > 1.1 * _share_removed(clean, served)

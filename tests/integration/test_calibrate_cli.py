@@ -12,6 +12,7 @@ from noisy_temp_server.adapter.lora import adapter_folder_name, find_adapter
 from noisy_temp_server.calibration import pipeline
 from noisy_temp_server.calibration.adapter_calibration import RIDGES
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
+from noisy_temp_server.calibration.settings import calibration_settings_from_args
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import perturb as perturb_command
 from noisy_temp_server.correction.files import bias_file_name
@@ -175,7 +176,8 @@ def test_calibrate_refuses_an_adapter_where_the_served_weights_are_the_clean_one
     argv = ["--clean", str(tiny_model_dir), "--spec", spec, "--out", str(tmp_path / "p.json")]
     parser = argparse.ArgumentParser()
     calibrate_command.add_arguments(parser)
-    assert parser.parse_args([*argv, "--adapter-rank"]).adapter_rank == 64  # the flag alone
+    flag_alone = parser.parse_args([*argv, "--adapter-rank"])
+    assert calibration_settings_from_args(flag_alone, prompts=24).adapter_rank == 64
     assert _run(calibrate_command, [*argv, "--num-prompts", "24", "--adapter-rank"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --adapter-rank needs a pair whose served weights differ")

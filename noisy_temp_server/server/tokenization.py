@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.concurrency import run_in_threadpool
 from vllm import __version__ as VLLM_VERSION  # noqa: N812
 
@@ -58,6 +58,12 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool | None = False
     add_special_tokens: StrictBool = False
+
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> TokenizeChatRequest:
+        for message in self.messages:
+            message.text()  # a ValueError (400) for non-text parts, as on /v1/chat/completions
+        return self
 
 
 class TokenizeResponse(_Strict):

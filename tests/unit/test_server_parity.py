@@ -109,6 +109,8 @@ def test_tokenize_and_detokenize(server: Harness) -> None:
     assert server.post("/detokenize", {"tokens": [104, 105]}).json() == {"prompt": "hi"}
     assert_error(server.post("/detokenize", {"tokens": [-1]}), 400)
     assert_error(server.post("/tokenize", {"prompt": "hi", "model": "other"}), 404)
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    assert_error(server.post("/tokenize", {"messages": [{"role": "user", "content": image}]}), 400)
 
 
 def test_version_is_vllms(server: Harness) -> None:

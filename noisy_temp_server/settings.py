@@ -75,6 +75,12 @@ class Settings(BaseSettings):
         default=None,
         description="Model id in the API (/v1/models, `model` field). Unset: the folder name.",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="The chat template /v1/chat/completions and /tokenize render messages with, "
+        "instead of the served model's own: a Jinja template file, or the template itself (as "
+        "vLLM's --chat-template).",
+    )
     clean_model: Path | None = Field(
         default=None,
         description="Clean checkpoint for shadow scoring, and the one --perturbation applies "

@@ -467,6 +467,9 @@ class SamplingSettings(Protocol):
     def min_tokens(self) -> object: ...
 
     @property
+    def structured_outputs(self) -> object: ...
+
+    @property
     def bad_words(self) -> object: ...
 
     @property
@@ -477,8 +480,8 @@ def capturable(params: SamplingSettings) -> bool:
     """Whether the rows vLLM samples a request from are the served model's own, so that the
     shadow scorer may sample it (and the server mark it with ``nts_capture``): not greedy (see
     `capture_trace_id`), and no penalties, logit bias, minimum length, bad
-    words or allowed-token list (vLLM applies them before our processor: the rows would measure
-    them, not the model)."""
+    words, allowed-token list or structured-output grammar (vLLM applies them before our
+    processor: the rows would measure them, not the model)."""
     return (
         params.temperature >= GREEDY_TEMPERATURE
         and params.presence_penalty == 0.0
@@ -488,4 +491,5 @@ def capturable(params: SamplingSettings) -> bool:
         and not params.min_tokens
         and not params.bad_words
         and params.allowed_token_ids is None
+        and params.structured_outputs is None
     )

@@ -7,6 +7,7 @@ One module per endpoint family, each an `APIRouter` over the shared `ServerState
 - `models`: `GET /v1/models`;
 - `status`: `GET /v1/nts/status`;
 - `health`: `GET /health`, `GET /metrics`;
+- `tokenization`: `POST /tokenize`, `POST /detokenize`, `GET /version` (as vLLM's server);
 - `dashboard`: the status page (`GET /`, `GET /dashboard`, its assets) and its data,
   `GET /v1/nts/dashboard`.
 
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from noisy_temp_server.server import chat, completions, health, models, status
+from noisy_temp_server.server import chat, completions, health, models, status, tokenization
 from noisy_temp_server.server.adapter import adapter_status
 from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.body_limit import BodyLimitMiddleware
@@ -102,7 +103,7 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     install_openapi(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
-    for module in (health, models, status, completions, chat):
+    for module in (health, models, status, completions, chat, tokenization):
         app.include_router(module.router)
     app.include_router(dashboard_router(metrics_registry, require_api_key))
     return app

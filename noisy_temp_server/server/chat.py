@@ -45,7 +45,7 @@ from noisy_temp_server.server.streaming import stream_choices
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
 
-__all__ = ["router"]
+__all__ = ["render_messages", "router"]
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -56,7 +56,7 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | StreamingResponse | Response:
     """The assistant's next message: `n` choices, each with its `nts` summary."""
     prepared = await prepare_request(
-        state, request, lambda: _prompt_ids(state, request), prefix="chatcmpl", param="messages"
+        state, request, lambda: [_prompt_ids(state, request)], prefix="chatcmpl", param="messages"
     )
     top = request.top_logprobs or 0
     if request.stream:
@@ -96,7 +96,16 @@ async def create_chat_completion(
 
 def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
     """The messages rendered by the chat template (with the assistant's turn opened), as
-    token ids; a 400 when the model has no template or it cannot render them."""
+    token ids."""
+    text = render_messages(state, request.template_messages(), add_generation_prompt=True)
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_messages(
+    state: ServerState, messages: list[dict[str, str]], *, add_generation_prompt: bool
+) -> str:
+    """`messages` rendered by the model's chat template (the assistant's turn opened with
+    `add_generation_prompt`); a 400 when the model has no template or it cannot render them."""
     tokenizer = state.tokenizer
     if not tokenizer.chat_template:
         raise OpenAIError(
@@ -106,7 +115,7 @@ def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]
         )
     try:
         text = tokenizer.apply_chat_template(
-            request.template_messages(), tokenize=False, add_generation_prompt=True
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as error:
         raise OpenAIError(
@@ -114,7 +123,7 @@ def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]
             status_code=400,
             param="messages",
         ) from None
-    return tokenizer.encode(str(text), add_special_tokens=False)
+    return str(text)
 
 
 def _delta_choice(choice: Choice, piece: Piece, *, top: int) -> ChatChunkChoice:

@@ -54,12 +54,13 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_completion(
     request: CompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> CompletionResponse | StreamingResponse | Response:
-    """A completion of the prompt: `n` choices, each with its `nts` summary."""
-    prompt = request.prompt_text_or_ids()
+    """A completion of the prompt (of each prompt of a list): `n` choices per prompt, each with
+    its `nts` summary."""
+    prompts = request.prompts_text_or_ids()
     prepared = await prepare_request(
         state,
         request,
-        lambda: state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt),
+        lambda: [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts],
         prefix="cmpl",
         param="prompt",
     )
@@ -75,8 +76,11 @@ async def create_completion(
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if request.echo:
-        echo = _Echo(prompt, prepared.prompt_ids, request.echoes_prompt_only, state)
-        finished = [(choice, echo.prepend(choice, piece)) for choice, piece in finished]
+        echoes = [
+            _Echo(prompt, ids, request.echoes_prompt_only, state)
+            for prompt, ids in zip(prompts, prepared.prompts, strict=True)
+        ]
+        finished = [(c, echoes[c.prompt].prepend(c, piece)) for c, piece in finished]
     decode = _decoder(state)
     return CompletionResponse(
         id=prepared.request_id,

@@ -186,6 +186,10 @@ def _serve(
     adapter = plan_served_adapter(settings, pair, start.profile, start.path, model_name)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
+    if settings.chat_template is not None:  # a file or the template, as vLLM's --chat-template
+        from vllm.renderers.chat_utils import load_chat_template  # noqa: PLC0415
+
+        tokenizer.chat_template = load_chat_template(settings.chat_template)
     collector = stack.enter_context(
         TraceCollector(
             environment.trace_endpoint,

@@ -49,6 +49,8 @@ _ERRORS_EVERYWHERE = {
     "503": "The engine failed; the server is shutting down to be restarted.",
 }
 _ERRORS_OF_API_ROUTES = {"400": "Invalid request.", "401": "Missing or wrong API key."}
+_UNGUARDED_WITH_BODY = ("/tokenize", "/detokenize")
+"""Routes outside `/v1/` (no API key, as vLLM's server) that validate a body."""
 _JSON_OR_EVENTS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionResponse, CompletionStreamResponse),
     "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk),
@@ -88,6 +90,8 @@ def _fix_operation(path: str, operation: dict[str, Any]) -> None:
     errors = dict(_ERRORS_EVERYWHERE)
     if path.startswith("/v1/"):
         errors |= _ERRORS_OF_API_ROUTES
+    elif path in _UNGUARDED_WITH_BODY:
+        errors["400"] = _ERRORS_OF_API_ROUTES["400"]
     if path in _JSON_OR_EVENTS:
         responses["499"] = {"description": "The client disconnected first (no body)."}
         response, chunk = _JSON_OR_EVENTS[path]

@@ -32,6 +32,11 @@ from noisy_temp_server.engine_contract.keys import (
     KEY_RUNTIME_NOISE_SIGMA,
     SERVER_KEYS,
 )
+from noisy_temp_server.server.structured_outputs import (
+    ResponseFormat,
+    StructuredOutputs,
+    structured_outputs_params,
+)
 
 __all__ = [
     "ChatCompletionRequest",
@@ -67,12 +72,16 @@ class StreamOptions(_Request):
 class _Extras(_Request):
     """What noisy-temp-server and vLLM add to both requests, declared once: the `nts_*` keys
     (one field per `engine_contract.keys.CLIENT_KEYS`; tests/unit/test_request_keys.py holds
-    it), vLLM's `ignore_eos`, `repetition_penalty` and `vllm_xargs`. Each request model lists
-    this class first among its bases, so that these fields come after OpenAI's (pydantic orders
-    the fields of the farthest base first)."""
+    it), vLLM's `ignore_eos`, `repetition_penalty`, `min_tokens`, `response_format` (OpenAI's
+    on chat, vLLM's on completions), `structured_outputs` (`server.structured_outputs`) and
+    `vllm_xargs`. Each request model lists this class first among its bases, so that these
+    fields come after OpenAI's (pydantic orders the fields of the farthest base first)."""
 
     ignore_eos: StrictBool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     nts_tune: bool | None = None
     nts_rule: str | None = None
     nts_t: float | None = None
@@ -136,6 +145,9 @@ class _SamplingFields(_Request):
         logit_bias: dict[str, float] | None
         ignore_eos: bool
         repetition_penalty: float | None
+        min_tokens: int
+        response_format: ResponseFormat | None
+        structured_outputs: StructuredOutputs | None
         vllm_xargs: dict[str, XargValue] | None
 
     def requested_max_tokens(self) -> int | None:
@@ -181,12 +193,16 @@ class _SamplingFields(_Request):
             stop=self.stop,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.requested_prompt_logprobs(),
             logit_bias=None
             if self.logit_bias is None
             else {int(token): bias for token, bias in self.logit_bias.items()},
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs_params(
+                self.structured_outputs, self.response_format
+            ),
             extra_args=passthrough,
         )
 
@@ -214,6 +230,7 @@ class _SamplingFields(_Request):
                     f"seed must be between {_SEED_MIN} and {largest} (a 64-bit integer; choice "
                     f"i of n = {self.n} uses seed + i), got {self.seed}."
                 )
+        structured_outputs_params(self.structured_outputs, self.response_format)  # checked early
         return self
 
 
@@ -256,22 +273,22 @@ class _CompletionFields(_SamplingFields):
         """`echo` with `max_tokens: 0`: the response is the prompt alone."""
         return self.echo and self.max_tokens == 0
 
-    def prompt_text_or_ids(self) -> str | list[int]:
-        """The single prompt: a string or token ids (a one-prompt batch unwrapped)."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], list):
-            return list(self.prompt[0])
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return str(self.prompt[0])
-        return self.prompt  # type: ignore[return-value]
+    def prompts_text_or_ids(self) -> list[str | list[int]]:
+        """The prompts, each a string or token ids: one, or the list a batch sends (each of them
+        gets `n` choices, as in vLLM's server)."""
+        prompt: Any = self.prompt  # one of the four forms its type lists
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [p if isinstance(p, str) else list(p) for p in prompt]
 
     @model_validator(mode="after")
     def _check_completion(self) -> _CompletionFields:
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ValueError("prompt must not be empty.")
-            if isinstance(self.prompt[0], str | list) and len(self.prompt) != 1:
-                raise ValueError("one prompt per request is supported; send a request per prompt.")
-            if isinstance(self.prompt[0], list) and not self.prompt[0]:
+            if any(isinstance(p, list) and not p for p in self.prompt):
                 raise ValueError("prompt must not be empty.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
@@ -279,8 +296,11 @@ class _CompletionFields(_SamplingFields):
             raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone).")
         if self.echo and self.stream:
             raise ValueError("echo is supported on non-streamed completions; set stream to false.")
-        if self.suffix:
-            raise ValueError("suffix is not supported; leave it unset.")
+        if self.suffix is not None:  # vLLM's server: only for models with FIM rendering
+            raise ValueError(
+                "suffix is only supported for models with FIM completion rendering; this server "
+                "renders none: leave it unset."
+            )
         return self
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
 from vllm.utils.async_utils import merge_async_iterators
 
@@ -91,6 +92,7 @@ __all__ = [
     "Piece",
     "PreparedRequest",
     "absorb",
+    "check_model",
     "clean_logprob",
     "engine_streams",
     "forget_unsummarized",
@@ -113,10 +115,13 @@ class Choice:
     """One choice's accumulated output. `shadow_sampled`: the shadow scorer sampled it at
     admission (it runs traced and is submitted for scoring when it finishes).
     `prompt_logprobs`: the served model's logprobs of the prompt tokens (None at position 0)
-    when the request asked for them."""
+    when the request asked for them. `prompt`: which of the request's prompts it continues
+    (a completions request may send a list; choice `prompt * n + j` is the `j`-th of prompt
+    `prompt`, as in vLLM's server)."""
 
     index: int
     trace_id: str
+    prompt: int = 0
     shadow_sampled: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -141,7 +146,9 @@ class Piece:
 class PreparedRequest:
     """A validated request, ready for the engine.
 
-    `keys`: its `nts_*` keys over the server defaults, with `policy` pinned; `tuning`: what the
+    `prompts`: the token ids of each of its prompts (one, but for a completions request that
+    sends a list); `keys`: its `nts_*` keys over the server defaults, with `policy` pinned;
+    `tuning`: what the
     processor will apply to it (None when it is not tuned: no trace records will come);
     `correction`: the per-token bias its logits get (None: none); `adapter`:
     the compensation adapter it is served with (`server.adapter`); `model`: the model id its
@@ -149,7 +156,7 @@ class PreparedRequest:
     """
 
     request_id: str
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     keys: TuningKeys
     policy: TemperaturePolicy
     tuning: RequestTuning | None
@@ -158,6 +165,10 @@ class PreparedRequest:
     correction: LogitCorrection | None = None
     adapter: RequestAdapter = NO_ADAPTER
     model: str = ""
+
+    def prompt_of(self, choice: Choice) -> list[int]:
+        """The token ids of the prompt `choice` continues."""
+        return self.prompts[choice.prompt]
 
 
 def clean_logprob(value: float) -> float:
@@ -171,32 +182,38 @@ def clean_logprob(value: float) -> float:
 async def prepare_request(
     state: ServerState,
     request: GenerationRequest,
-    tokenize: Callable[[], list[int]],
+    tokenize: Callable[[], list[list[int]]],
     *,
     prefix: str,
     param: str,
 ) -> PreparedRequest:
     """Validate `request` and make its engine requests; raises `OpenAIError` for anything the
-    engine would refuse. The model name is checked first; then `tokenize()` (the prompt's token
-    ids; it may raise `OpenAIError`) runs in a worker thread, so a long prompt (the body may be
-    megabytes) does not stall the event loop and the other requests' streams. `prefix` starts
-    the request id; `param` names the prompt's field in error bodies."""
-    _check_model(state, request.model)
-    prompt_ids = await run_in_threadpool(tokenize)
-    if not prompt_ids:
+    engine would refuse. The model name is checked first; then `tokenize()` (the token ids of
+    each prompt; it may raise `OpenAIError`) runs in a worker thread, so a long prompt (the body
+    may be megabytes) does not stall the event loop and the other requests' streams. Each
+    prompt gets `n` choices (`Choice.prompt`). `prefix` starts the request id; `param` names the
+    prompt's field in error bodies."""
+    check_model(state, request.model)
+    prompts = await run_in_threadpool(tokenize)
+    if not prompts or not all(prompts):
         raise OpenAIError("The prompt is empty.", status_code=400, param=param)
-    max_tokens = _max_tokens(state, request, len(prompt_ids), param)
+    budgets = [_max_tokens(state, request, len(ids), param) for ids in prompts]
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    choices = [Choice(index=i, trace_id=f"{request_id}-{i}") for i in range(request.n)]
+    n = request.n
+    choices = [
+        Choice(index=i, trace_id=f"{request_id}-{i}", prompt=i // n)
+        for i in range(n * len(prompts))
+    ]
     try:
         params = [
-            request.to_sampling_params(max_tokens=max_tokens, choice=i) for i in range(request.n)
+            request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % n)
+            for c in choices
         ]
-    except ValueError as error:
+    except (ValueError, VLLMClientError) as error:
         raise openai_error_from_exception(error) from None
     # vLLM raises 0 < T < 0.01 to 0.01: tuning follows the temperature the engine samples at.
     engine_temperature = params[0].temperature
-    if request.n > 1 and engine_temperature < GREEDY_TEMPERATURE:
+    if n > 1 and engine_temperature < GREEDY_TEMPERATURE:
         raise OpenAIError(
             "n must be 1 with temperature 0 (greedy choices would be equal).",
             status_code=400,
@@ -219,12 +236,12 @@ async def prepare_request(
             state.shadow is not None
             and adapter.as_served  # the online fit sees the model as served, adapter included
             and capturable(choice_params)
-            and state.shadow.admit(choice.trace_id, max_tokens)
+            and state.shadow.admit(choice.trace_id, budgets[choice.prompt])
         )
         add_extra_args(choice_params, issue_extra_args(_choice_keys(keys, tuning, choice)))
     return PreparedRequest(
         request_id,
-        prompt_ids,
+        prompts,
         keys,
         policy,
         tuning,
@@ -246,7 +263,7 @@ def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice)
     return dataclasses.replace(keys, trace_id=choice.trace_id, trace=traced, capture=sampled)
 
 
-def _check_model(state: ServerState, requested: str | None) -> None:
+def check_model(state: ServerState, requested: str | None) -> None:
     served = listed_model_ids(state.model_name, state.adapter)
     if requested is not None and requested not in known_model_ids(state.model_name, state.adapter):
         raise OpenAIError(
@@ -306,9 +323,13 @@ def engine_streams(
     state: ServerState, prepared: PreparedRequest
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """All choices' engine outputs, merged, each with its choice's index."""
-    prompt = tokens_input(prepared.prompt_ids)
     generators = [
-        state.engine.generate(prompt, params, choice.trace_id, **prepared.adapter.engine_kwargs())
+        state.engine.generate(
+            tokens_input(prepared.prompt_of(choice)),
+            params,
+            choice.trace_id,
+            **prepared.adapter.engine_kwargs(),
+        )
         for choice, params in zip(prepared.choices, prepared.params, strict=True)
     ]
     return merge_async_iterators(*generators)
@@ -366,7 +387,7 @@ async def summarize(state: ServerState, prepared: PreparedRequest, choice: Choic
         state.metrics.request_temperature_mean.labels(rule=summary.rule).observe(summary.t_mean)
     if state.shadow is not None and choice.shadow_sampled:
         state.shadow.submit(
-            prepared.prompt_ids,
+            prepared.prompt_of(choice),
             choice.token_ids,
             trace,
             choice.trace_id,
@@ -400,9 +421,9 @@ def overall_summary(prepared: PreparedRequest) -> NtsSummary:
 
 
 def usage(prepared: PreparedRequest) -> Usage:
-    """The token counts of the request so far (all choices)."""
+    """The token counts of the request so far (all choices; each prompt counted once)."""
     completion = sum(len(c.token_ids) for c in prepared.choices)
-    prompt = len(prepared.prompt_ids)
+    prompt = sum(len(ids) for ids in prepared.prompts)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )

@@ -46,6 +46,8 @@ class ChatTokenizer(Protocol):
         self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
     ) -> Any: ...
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> Any: ...
+
 
 @dataclass(frozen=True)
 class ServerState:

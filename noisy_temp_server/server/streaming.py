@@ -76,10 +76,11 @@ async def stream_choices(
     opening: Sequence[Any] = (),
 ) -> StreamingResponse:
     """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
-    made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary,
-    then `[DONE]`. Errors before the first output raise (proper status code); later ones
-    are reported in-band. When the response's ASGI call ends, whether or not its body was ever
-    iterated, the engine requests still running are aborted and the choices that end without a
+    made by `chunk_choice`), a last chunk with the usage (if asked; no other chunk has the
+    `usage` key, as in vLLM's server) and the `nts` summary, then `[DONE]`. Errors before the
+    first output raise (proper status code); later ones are reported in-band. When the
+    response's ASGI call ends, whether or not its body was ever iterated, the engine requests
+    still running are aborted and the choices that end without a
     summary are cancelled on the shadow scorer and forgotten on the trace channel."""
     engine = engine_streams(state, prepared)
     try:
@@ -96,7 +97,10 @@ async def stream_choices(
         response = chunk_type(
             id=prepared.request_id, model=prepared.model, choices=choices, **extra
         )
-        return _sse(response.model_dump(mode="json"))
+        body = response.model_dump(mode="json")
+        if body["usage"] is None:
+            del body["usage"]  # as vLLM's server: only the chunk that reports it has the key
+        return _sse(body)
 
     async def events() -> AsyncIterator[str]:
         try:

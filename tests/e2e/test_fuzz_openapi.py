@@ -6,7 +6,8 @@ event).
 
 Not checked: whether every schema-valid request is accepted (`positive_data_acceptance`).
 The document lists OpenAI's fields, some of which this server refuses with a 400 by design
-(`echo` with `stream`, `suffix`, `best_of` != n, non-text content parts: see `server.protocol`).
+(`echo` with `stream`, `suffix`, `best_of` != n, non-text content parts: see `server.protocol`;
+a structured-output constraint its grammar compiler refuses, as vLLM's server does).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ OPERATIONS = [
     ("GET", "/v1/nts/status"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
 ]
 
 

@@ -144,6 +144,9 @@ class FakeTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(t) for t in ids]
+
 
 class FakeTraces:
     """The trace channel: every tuned step ran at `temperature`; every captured request has

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 from vllm.sampling_params import RequestOutputKind
@@ -127,7 +129,18 @@ def test_server_keys_cannot_come_from_the_client() -> None:
         ({"stream_options": {"include_usage": True}}, "only allowed when stream"),
         ({"max_tokens": 0}, "0 only with echo"),
         ({"echo": True, "stream": True}, "non-streamed"),
-        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": [[1], []]}, "must not be empty"),
+        ({"suffix": ""}, "FIM completion rendering"),
+        ({"min_tokens": -1}, "greater than or equal"),
+        ({"response_format": {"type": "json_schema"}}, "'json_schema' field must be"),
+        ({"response_format": {"type": "xml"}}, "json_schema"),
+        ({"structured_outputs": {}}, "none are specified"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "multiple are specified"),
+        ({"structured_outputs": {"bogus": 1}}, "Extra inputs"),
+        (  # response_format adds its constraint to structured_outputs', as in vLLM's server
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "multiple are specified",
+        ),
         ({"logit_bias": {"x": 1}}, "token ids"),
     ],
 )
@@ -137,8 +150,47 @@ def test_invalid_completion_requests_are_refused(fields: dict[str, object], mess
 
 
 def test_prompt_forms() -> None:
-    assert _completion(prompt=["only"]).prompt_text_or_ids() == "only"
-    assert _completion(prompt=[1, 2, 3]).prompt_text_or_ids() == [1, 2, 3]
+    assert _completion(prompt="one").prompts_text_or_ids() == ["one"]
+    assert _completion(prompt=["a", "b"]).prompts_text_or_ids() == ["a", "b"]
+    assert _completion(prompt=[1, 2, 3]).prompts_text_or_ids() == [[1, 2, 3]]
+    assert _completion(prompt=[[1], [2, 3]]).prompts_text_or_ids() == [[1], [2, 3]]
+
+
+def test_min_tokens_reaches_the_engine() -> None:
+    assert _completion(min_tokens=3).to_sampling_params(max_tokens=4).min_tokens == 3
+    assert _completion().to_sampling_params(max_tokens=4).min_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}},
+                }
+            },
+            {"json": {}},
+        ),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, {"grammar": 'root ::= "a"'}),
+        ({"structured_outputs": {"json": {"type": "object"}}}, {"json": {"type": "object"}}),
+    ],
+)
+def test_structured_outputs_reach_the_engine(
+    fields: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    for request in (_completion(**fields), _chat(**fields)):
+        params = request.to_sampling_params(max_tokens=4).structured_outputs
+        if expected is None:
+            assert params is None
+            continue
+        assert params is not None
+        assert {k: getattr(params, k) for k in expected} == expected
 
 
 def test_response_serialises_with_nts_extension() -> None:

@@ -71,7 +71,6 @@ def test_a_one_prompt_batch_of_token_ids_is_echoed_as_text(server: Harness) -> N
     [
         ({"max_tokens": 0}, "0 only with echo"),
         ({"echo": True, "stream": True}, "non-streamed"),
-        ({"prompt": [[1], [2]]}, "one prompt per request"),
         ({"prompt": [[]]}, "must not be empty"),
     ],
 )

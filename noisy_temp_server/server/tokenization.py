@@ -1,0 +1,128 @@
+"""`POST /tokenize`, `POST /detokenize` and `GET /version`, as vLLM's OpenAI server answers
+them (vllm/entrypoints/serve/tokenize, serve/instrumentator/basic.py).
+
+`/tokenize` takes a `prompt` (special tokens added unless `add_special_tokens` is false) or
+chat `messages` (rendered by the model's chat template as `/v1/chat/completions` renders them,
+with the assistant's turn opened unless `add_generation_prompt` is false) and answers the token
+ids, their count, the context length and, with `return_token_strs`, the tokens' strings;
+`/detokenize` answers the text of token ids. An unknown `model` is a 404, as on the generation
+routes. Like vLLM's server, these routes and `/version` (vLLM's version) are outside `/v1/`, so
+they never need the API key.
+
+Not taken (a 400): vLLM's per-request `chat_template`, `chat_template_kwargs`, `tools`,
+`continue_final_message` and multimodal options of the chat form.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from starlette.concurrency import run_in_threadpool
+from vllm import __version__ as VLLM_VERSION  # noqa: N812
+
+from noisy_temp_server.server.chat import render_messages
+from noisy_temp_server.server.errors import OpenAIError
+from noisy_temp_server.server.protocol import ChatMessage
+from noisy_temp_server.server.serving import check_model
+from noisy_temp_server.server.state import ServerState, ServerStateDep
+
+__all__ = [
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
+    "VersionResponse",
+    "router",
+]
+
+router = APIRouter()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool | None = False
+    add_special_tokens: StrictBool = False
+
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> TokenizeChatRequest:
+        for message in self.messages:
+            message.text()  # a ValueError (400) for non-text parts, as on /v1/chat/completions
+        return self
+
+
+class TokenizeResponse(_Strict):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
+
+
+class DetokenizeResponse(_Strict):
+    prompt: str
+
+
+class VersionResponse(_Strict):
+    version: str
+
+
+def _token_ids(state: ServerState, request: TokenizeCompletionRequest | TokenizeChatRequest) -> Any:
+    if isinstance(request, TokenizeCompletionRequest):
+        return state.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    text = render_messages(state, messages, add_generation_prompt=request.add_generation_prompt)
+    return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+
+@router.post("/tokenize")
+async def tokenize(
+    request: TokenizeCompletionRequest | TokenizeChatRequest, state: ServerStateDep
+) -> TokenizeResponse:
+    """The token ids of a prompt, or of chat messages rendered by the chat template."""
+    check_model(state, request.model)
+    ids = [int(i) for i in await run_in_threadpool(_token_ids, state, request)]
+    strings = None
+    if request.return_token_strs:
+        strings = [str(s) for s in state.tokenizer.convert_ids_to_tokens(ids)]
+    return TokenizeResponse(
+        count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strings
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, state: ServerStateDep) -> DetokenizeResponse:
+    """The text of token ids (special tokens kept, as vLLM's server)."""
+    check_model(state, request.model)
+    try:
+        text = await run_in_threadpool(state.tokenizer.decode, list(request.tokens))
+    except (OverflowError, IndexError, TypeError, ValueError) as error:
+        raise OpenAIError(
+            f"The tokens could not be decoded: {error}", status_code=400, param="tokens"
+        ) from None
+    return DetokenizeResponse(prompt=str(text))
+
+
+@router.get("/version")
+async def version() -> VersionResponse:
+    """The version of vLLM serving the model (what vLLM's own server answers)."""
+    return VersionResponse(version=VLLM_VERSION)

@@ -1,0 +1,304 @@
+"""Differential: our server and vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.
+api_server`) on the tiny model, each started once, answer one matrix of requests with the same
+status codes and the same response shapes.
+
+The shape of a body is the set of its key paths (`choices[].message.content`: lists merged);
+a stream's is the union over its chunks. For every row: the same status; every key path of ours
+is one of vLLM's too, once the `nts` objects are left out (we answer nothing vLLM does not,
+but `nts`); vLLM's key paths that ours lacks are all in `VLLM_ONLY` (vLLM's extensions we do not
+answer; docs/serving.md lists them); and ours carries the `nts` object where a response does
+(the stream's last chunk). Texts are not compared (ours serves the tiny model perturbed by
+weight noise), but a constrained output must satisfy its constraint on both.
+
+`KNOWN_DIFFERENCES` holds the rows where the servers still differ, with both statuses, so that
+the day ours catches up the test says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_helpers import free_port, running_server, stop
+from tiny_serve import API_KEY, MODEL, start_tiny_server
+
+pytestmark = pytest.mark.vllm
+
+START_TIMEOUT_S = 600
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+_CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+_JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "obj", "schema": _SCHEMA}}
+
+VLLM_ONLY = frozenset(
+    {
+        "system_fingerprint",
+        "metrics",
+        "prompt_text",
+        "ec_transfer_params",
+        "usage.completion_tokens_details",
+        "choices[].routed_experts",
+        "data[].parent",
+        "data[].permission",
+        "service_tier",
+        "kv_transfer_params",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "usage.prompt_tokens_details",
+        "choices[].stop_reason",
+        "choices[].token_ids",
+        "choices[].prompt_logprobs",
+        "choices[].prompt_token_ids",
+        "choices[].message.refusal",
+        "choices[].message.annotations",
+        "choices[].message.audio",
+        "choices[].message.function_call",
+        "choices[].message.tool_calls",
+        "choices[].message.reasoning",
+        "choices[].message.reasoning_content",
+        "choices[].delta.reasoning",
+        "choices[].delta.reasoning_content",
+        "choices[].delta.tool_calls",
+    }
+)
+"""vLLM's key paths that ours does not answer (its extensions and OpenAI's optional nulls)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    path: str
+    body: dict[str, Any] | None = None
+    check: Callable[[str], None] | None = None
+    """Checks each choice's text (the constraint held)."""
+    nts: bool = True
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_json_object(text: str) -> None:
+    assert isinstance(json.loads(text), dict), text
+
+
+def _one_of(*options: str) -> Callable[[str], None]:
+    def check(text: str) -> None:
+        assert text in options, text
+
+    return check
+
+
+def _matches(pattern: str) -> Callable[[str], None]:
+    def check(text: str) -> None:
+        assert re.fullmatch(pattern, text), text
+
+    return check
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "The answer is", "max_tokens": 8, "seed": 1, **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, **_CHAT, "max_tokens": 8, "seed": 1, **fields}
+
+
+ROWS = [
+    Row("completion", "/v1/completions", _completion()),
+    Row("chat", "/v1/chat/completions", _chat()),
+    Row(
+        "completion json_object",
+        "/v1/completions",
+        _completion(response_format={"type": "json_object"}, max_tokens=40),
+    ),
+    Row("chat json_schema", "/v1/chat/completions", _chat(response_format=_JSON_SCHEMA)),
+    Row("completion json_schema", "/v1/completions", _completion(response_format=_JSON_SCHEMA)),
+    Row(
+        "chat choice",
+        "/v1/chat/completions",
+        _chat(structured_outputs={"choice": ["yes", "no"]}),
+        _one_of("yes", "no"),
+    ),
+    Row(
+        "completion regex",
+        "/v1/completions",
+        _completion(structured_outputs={"regex": "[ab]{3}"}),
+        _matches("[ab]{3}"),
+    ),
+    Row(
+        "completion grammar",
+        "/v1/completions",
+        _completion(structured_outputs={"grammar": 'root ::= "up" | "down"'}),
+        _one_of("up", "down"),
+    ),
+    Row("completion json", "/v1/completions", _completion(structured_outputs={"json": _SCHEMA})),
+    Row(
+        "chat stream json_object",
+        "/v1/chat/completions",
+        _chat(response_format={"type": "json_object"}, stream=True),
+    ),
+    Row("min_tokens", "/v1/completions", _completion(min_tokens=4, max_tokens=4)),
+    Row("list of prompts", "/v1/completions", _completion(prompt=["a", "b c"], n=2)),
+    Row(
+        "list of token id prompts, echo",
+        "/v1/completions",
+        _completion(prompt=[[5, 6], [7]], echo=True, max_tokens=2),
+    ),
+    Row(
+        "list of prompts, streamed with usage",
+        "/v1/completions",
+        _completion(prompt=["a", "b"], stream=True, stream_options={"include_usage": True}),
+    ),
+    Row("suffix", "/v1/completions", _completion(suffix="end"), nts=False),
+    Row(
+        "json_schema without a schema",
+        "/v1/completions",
+        _completion(response_format={"type": "json_schema"}),
+        nts=False,
+    ),
+    Row(
+        "two constraints",
+        "/v1/completions",
+        _completion(structured_outputs={"regex": "a", "choice": ["a"]}),
+        nts=False,
+    ),
+    Row(
+        "empty choice", "/v1/chat/completions", _chat(structured_outputs={"choice": []}), nts=False
+    ),
+    Row("bad regex", "/v1/completions", _completion(structured_outputs={"regex": "(("}), nts=False),
+    Row("min_tokens over max_tokens", "/v1/completions", _completion(min_tokens=9), nts=False),
+    Row("tokenize", "/tokenize", {"model": MODEL, "prompt": "hello", "return_token_strs": True}),
+    Row("tokenize chat", "/tokenize", {"model": MODEL, **_CHAT}),
+    Row("detokenize", "/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
+    Row("tokenize unknown model", "/tokenize", {"model": "nope", "prompt": "x"}, nts=False),
+    Row("version", "/version"),
+    Row("models", "/v1/models"),
+]
+NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models")
+
+KNOWN_DIFFERENCES = {
+    "responses": (Row("responses", "/v1/responses", {"model": MODEL, "input": "Hi"}), 404, 200),
+}
+"""Rows where ours still differs: (row, our status, vLLM's status)."""
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("parity-ours"))
+    try:
+        yield server.url
+    finally:
+        stop(server.process)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("NTS_POLICY_FILE", None)
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_model_dir),
+        "--served-model-name", MODEL,
+        "--api-key", API_KEY,
+        "--port", str(port), "--host", "127.0.0.1",
+        "--max-model-len", "256", "--dtype", "float32", "--enforce-eager",
+    ]  # fmt: skip
+    log = tmp_path_factory.mktemp("parity-stock") / "server.log"
+    with running_server(
+        "stock vLLM server", command, port=port, log=log, timeout_s=START_TIMEOUT_S, env=env
+    ) as url:
+        yield url
+
+
+@dataclass
+class Answer:
+    status: int
+    bodies: list[Any]
+    """The JSON body, or a stream's chunks."""
+
+
+def _ask(url: str, row: Row) -> Answer:
+    if row.body is None:
+        reply = httpx.get(f"{url}{row.path}", headers=HEADERS, timeout=300)
+    else:
+        reply = httpx.post(f"{url}{row.path}", json=row.body, headers=HEADERS, timeout=300)
+    if reply.headers.get("content-type", "").startswith("text/event-stream"):
+        chunks = [
+            json.loads(line.removeprefix("data: "))
+            for line in reply.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+        return Answer(reply.status_code, chunks)
+    return Answer(reply.status_code, [reply.json()])
+
+
+def _paths(value: Any, prefix: str = "") -> set[str]:
+    """The key paths of a JSON value (lists merged as `[]`), `nts` objects left out."""
+    found: set[str] = set()
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if key == "nts":
+                continue
+            path = f"{prefix}.{key}" if prefix else key
+            found.add(path)
+            if not key.endswith(("logprobs", "schema", "permission")):
+                found |= _paths(inner, path)
+    elif isinstance(value, list):
+        for item in value:
+            found |= _paths(item, f"{prefix}[]")
+    return found
+
+
+def _texts(answer: Answer) -> list[str]:
+    texts: dict[int, str] = {}
+    for body in answer.bodies:
+        for choice in body.get("choices", []):
+            piece = choice.get("text")
+            if piece is None:
+                piece = (choice.get("message") or choice.get("delta") or {}).get("content")
+            texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+    return [texts[i] for i in sorted(texts)]
+
+
+def _differences(row: Row, ours: Answer, stock: Answer) -> list[str]:
+    found = []
+    if ours.status != stock.status:
+        found.append(f"status {ours.status} (ours) != {stock.status} (vLLM)")
+        return found
+    our_paths = set().union(*map(_paths, ours.bodies))
+    stock_paths = set().union(*map(_paths, stock.bodies))
+    if extra := our_paths - stock_paths:
+        found.append(f"keys only ours answers: {sorted(extra)}")
+    if missing := stock_paths - our_paths - VLLM_ONLY:
+        found.append(f"keys only vLLM answers: {sorted(missing)}")
+    wants_nts = ours.status == 200 and row.nts and row.path not in NO_NTS_PATHS
+    if wants_nts and "nts" not in ours.bodies[-1]:
+        found.append("no nts object on ours (last chunk for a stream)")
+    if ours.status == 200 and row.check is not None:
+        for text in _texts(ours) + _texts(stock):
+            try:
+                row.check(text)
+            except AssertionError as error:
+                found.append(f"constraint not held: {error}")
+    return found
+
+
+def test_both_servers_answer_the_matrix_alike(ours: str, stock: str) -> None:
+    report = {}
+    for row in ROWS:
+        differences = _differences(row, _ask(ours, row), _ask(stock, row))
+        if differences:
+            report[row.name] = differences
+    assert not report, json.dumps(report, indent=1)
+
+
+def test_the_known_differences_are_as_documented(ours: str, stock: str) -> None:
+    for row, our_status, stock_status in KNOWN_DIFFERENCES.values():
+        assert (_ask(ours, row).status, _ask(stock, row).status) == (our_status, stock_status)

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINE_LORA_RANKS",
     "AdapterPath",
-    "AdapterPlan",
     "CalibratedKl",
     "ServedAdapter",
     "lora_engine_rank",
@@ -71,8 +70,10 @@ class CalibratedKl:
 @dataclass(frozen=True)
 class ServedAdapter:
     """The adapter a server serves: its content hash, how (`path`), its PEFT folder and rank,
-    the served model id it is part of (`model_name`), and what it was measured to remove at
-    calibration (`calibrated_kl`; None without a profile)."""
+    the served model id it is part of (`model_name`), what it was measured to remove at
+    calibration (`calibrated_kl`; None without a profile), the checkpoint the engine loads
+    (`engine_model`: the folded one, or the served one on the LoRA path) and the engine's
+    `max_lora_rank` (None: LoRA off)."""
 
     sha256: str
     path: AdapterPath
@@ -80,6 +81,8 @@ class ServedAdapter:
     rank: int
     model_name: str
     calibrated_kl: CalibratedKl | None = None
+    engine_model: Path | None = None
+    max_lora_rank: int | None = None
 
     @property
     def base_model_id(self) -> str:
@@ -104,17 +107,6 @@ class ServedAdapter:
         if text == adapter_folder_name(self.sha256):
             return True
         return len(text) >= _MIN_SHA_PREFIX and self.sha256.startswith(text)
-
-
-@dataclass(frozen=True)
-class AdapterPlan:
-    """How the adapter is served: `adapter` (for the HTTP server), the checkpoint the engine
-    loads (`engine_model`: the folded one, or the served one on the LoRA path) and the engine's
-    `max_lora_rank` (None: LoRA off)."""
-
-    adapter: ServedAdapter
-    engine_model: Path
-    max_lora_rank: int | None
 
 
 def lora_engine_rank(rank: int) -> int:
@@ -180,7 +172,7 @@ def plan_serving(
     model_name: str,
     pair_names: Collection[str],
     calibrated_kl: CalibratedKl | None = None,
-) -> AdapterPlan:
+) -> ServedAdapter:
     """How `adapter` (read from `folder`) is served on the checkpoint `served` under `serving`
     (not ``none``), as part of the model id `model_name`. Checks the adapter's base model
     against `pair_names`, its layers against the served model's shapes and, on the LoRA path,
@@ -189,9 +181,14 @@ def plan_serving(
     _check_base_model(adapter, pair_names)
     check_adapter_fits(adapter, linear_shapes(served))
     path = _choose_path(serving, served, adapter)
-    record = ServedAdapter(
-        adapter_sha256(adapter), path, folder, adapter.rank, model_name, calibrated_kl
+    lora = path == "lora"
+    return ServedAdapter(
+        adapter_sha256(adapter),
+        path,
+        folder,
+        adapter.rank,
+        model_name,
+        calibrated_kl,
+        engine_model=served if lora else ensure_folded_checkpoint(served, adapter, cache_dir),
+        max_lora_rank=lora_engine_rank(adapter.rank) if lora else None,
     )
-    if path == "lora":
-        return AdapterPlan(record, served, lora_engine_rank(adapter.rank))
-    return AdapterPlan(record, ensure_folded_checkpoint(served, adapter, cache_dir), None)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
-    from noisy_temp_server.adapter.serving import AdapterPlan
+    from noisy_temp_server.adapter.serving import ServedAdapter
     from noisy_temp_server.calibration.profile import Profile
     from noisy_temp_server.online.policy_source import PolicySource
     from noisy_temp_server.online.startup import StartupProfile
@@ -101,7 +101,7 @@ def plan_served_adapter(
     profile: Profile | None,
     profile_path: Path | None,
     model_name: str,
-) -> AdapterPlan | None:
+) -> ServedAdapter | None:
     """How `serve` serves its adapter on `pair`: `settings.adapter` when given, else the one
     `profile` (loaded from `profile_path`) names and recommends; None when there is none to
     serve or ``adapter_serving`` is ``none``. Every check, and the folded checkpoint's writing,
@@ -200,7 +200,7 @@ def _serve(
     with logged_phase(_LOGGER, "Starting the vLLM engine"):
         engine = start_engine(
             settings,
-            pair.served if adapter is None else adapter.engine_model,
+            adapter.engine_model if adapter and adapter.engine_model else pair.served,
             model_name,
             pair.runtime_noise,
             max_lora_rank=None if adapter is None else adapter.max_lora_rank,
@@ -229,7 +229,7 @@ def _serve(
         metrics_registry=serving_registry(),
         trace_source=collector,
         shadow=shadow,
-        adapter=None if adapter is None else adapter.adapter,
+        adapter=adapter,
         on_shutdown=stack.close,
     )
     _LOGGER.info(

@@ -63,12 +63,12 @@ def test_float_weights_get_the_adapter_folded_in_once(pair: ServedPair, tmp_path
     path, profile = _profile(pair, tmp_path / "profiles")
     plan = _plan(pair, path, tmp_path)
     assert plan is not None
-    assert plan.adapter.path == "folded"
+    assert plan.path == "folded"
     assert plan.max_lora_rank is None
-    assert plan.adapter.sha256 == profile.adapter.sha256  # type: ignore[union-attr]
+    assert plan.sha256 == profile.adapter.sha256  # type: ignore[union-attr]
     test = profile.adapter.test  # type: ignore[union-attr]
-    assert plan.adapter.calibrated_kl == CalibratedKl(test.baseline_kl, test.mean_kl)
-    assert folded_adapter_of(plan.engine_model) == plan.adapter.sha256
+    assert plan.calibrated_kl == CalibratedKl(test.baseline_kl, test.mean_kl)
+    assert folded_adapter_of(plan.engine_model) == plan.sha256
     adapter = random_adapter(pair.served, base_model=pair.served.name)
     served, folded = (load_file(p / "model.safetensors") for p in (pair.served, plan.engine_model))
     for name, delta in adapter.layers.items():
@@ -88,10 +88,10 @@ def test_lora_path_on_request_and_its_engine_rank(pair: ServedPair, tmp_path: Pa
     path, _ = _profile(pair, tmp_path / "profiles")
     plan = _plan(pair, path, tmp_path, adapter_serving="lora")
     assert plan is not None
-    assert plan.adapter.path == "lora"
+    assert plan.path == "lora"
     assert plan.engine_model == pair.served
     assert plan.max_lora_rank == 8
-    assert plan.adapter.lora_request.lora_path == str(plan.adapter.folder)
+    assert plan.lora_request.lora_path == str(plan.folder)
     assert _plan(pair, path, tmp_path, adapter_serving="none") is None
     assert [lora_engine_rank(r) for r in (1, 2, 16, 17, 300, 512)] == [1, 8, 16, 32, 320, 512]
     with pytest.raises(AdapterError, match="above vLLM's largest"):
@@ -216,7 +216,7 @@ def test_quantized_kernels_get_the_lora_path_and_refuse_folding(
     pair, path = _quantized_pair(tiny_model_dir, tmp_path, "w4a16")
     plan = _plan(pair, path, tmp_path)
     assert plan is not None
-    assert plan.adapter.path == "lora"
+    assert plan.path == "lora"
     assert plan.engine_model == pair.served
     assert plan.max_lora_rank == 8
     with pytest.raises(ProfileError, match="cannot be folded into them"):
@@ -235,7 +235,7 @@ def test_w8a8_on_the_cpu_is_refused_for_lora(
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     plan = _plan(pair, path, tmp_path)
     assert plan is not None
-    assert plan.adapter.path == "lora"
+    assert plan.path == "lora"
     assert _plan(pair, path, tmp_path, adapter_serving="none") is None
 
 
@@ -245,9 +245,9 @@ def test_an_adapter_folder_is_served_without_a_profile(pair: ServedPair, tmp_pat
     config = Settings(cache_dir=tmp_path / "cache", adapter=folder)
     plan = plan_served_adapter(config, pair, None, None, "tiny")
     assert plan is not None
-    assert plan.adapter.sha256 == adapter_sha256(adapter)
-    assert plan.adapter.path == "folded"
-    assert plan.adapter.calibrated_kl is None  # nothing measured it
+    assert plan.sha256 == adapter_sha256(adapter)
+    assert plan.path == "folded"
+    assert plan.calibrated_kl is None  # nothing measured it
     path, _ = _profile(pair, tmp_path / "profiles")  # calibrated with another adapter
     with pytest.raises(ProfileError, match="calibrated with the adapter"):
         plan_served_adapter(config, pair, Profile.load(path), path, "tiny")

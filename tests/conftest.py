@@ -16,6 +16,7 @@ Models:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,13 @@ def default_model_dir() -> Path:
     from noisy_temp_server.settings import Settings  # noqa: PLC0415
 
     return ensure_default_model(Settings().cache_dir)
+
+
+@pytest.fixture(autouse=True)
+def _forget_issued_request_keys() -> Iterator[None]:
+    """The API process's memo of the `nts_*` keys it issued (`request_args.issue_extra_args`)
+    starts each test empty: keys a test issued and no engine parsed do not reach the next."""
+    from noisy_temp_server.engine_contract import request_args  # noqa: PLC0415
+
+    yield
+    request_args._ISSUED.clear()

@@ -90,9 +90,9 @@ def _manifest_metadata(path: Path) -> dict[str, object]:
     return dict(read_manifest(path).metadata) if (path / MANIFEST_FILENAME).is_file() else {}
 
 
-def _weights_sha256(path: Path) -> str:
-    """The served weights' identity (a plain folder's content hash, cached)."""
-    sha256 = ModelIdentity.of_checkpoint(path).weights_sha256
+def _weights_sha256(path: Path, cache_dir: Path) -> str:
+    """The served weights' identity (a plain folder's content hash, cached in `cache_dir`)."""
+    sha256 = ModelIdentity.of_checkpoint(path, cache_dir).weights_sha256
     assert sha256 is not None  # a folder's weights always have one
     return sha256
 
@@ -124,11 +124,8 @@ def ensure_folded_checkpoint(served: Path, adapter: LoraAdapter, cache_dir: Path
             "checkpoint it was folded from"
         )
     sha256 = adapter_sha256(adapter)
-    dest = (
-        cache_dir
-        / "folded"
-        / (f"{served.resolve().name}-{_weights_sha256(served)[:12]}-{adapter_folder_name(sha256)}")
-    )
+    weights = _weights_sha256(served, cache_dir)[:12]
+    dest = cache_dir / "folded" / f"{served.resolve().name}-{weights}-{adapter_folder_name(sha256)}"
     if dest.exists():
         verify_checkpoint(dest, full=False)
         return dest

@@ -123,8 +123,11 @@ def lora_engine_rank(rank: int) -> int:
 
 def _check_base_model(adapter: LoraAdapter, pair_names: Collection[str]) -> None:
     """AdapterError unless the adapter, when it names its base model, was fitted for a model of
-    the pair, known by any of `pair_names` (folder names)."""
-    if adapter.base_model and Path(adapter.base_model).name not in pair_names:
+    the pair, known by any of `pair_names` (folder names, or ``org/name`` for a Hugging Face
+    model): the full name or its last part."""
+    last_parts = {Path(name).name for name in pair_names}
+    base = adapter.base_model
+    if base and base not in pair_names and Path(base).name not in last_parts:
         raise AdapterError(
             f"the adapter was fitted for the base model {adapter.base_model!r}, not for this "
             f"pair ({' / '.join(sorted(pair_names))})"

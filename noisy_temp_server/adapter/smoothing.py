@@ -20,7 +20,7 @@ output head) is refused: the adapter corrects linear layers only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -123,23 +123,79 @@ class _Rewrite:
             parameter.data.copy_(original)
 
 
+_PROBE_ROWS = 8
+_PROBE_TOLERANCE = 1e-3
+
+
+def _weight(module: nn.Module) -> Tensor:
+    weight = module.weight
+    assert isinstance(weight, Tensor)  # a norm's or a linear layer's
+    return weight
+
+
+def _probe(modules: Sequence[nn.Module], width: int) -> list[Tensor]:
+    """The outputs of each later module of `modules` on the first's output, for a fixed random
+    input of `width` features."""
+    generator = torch.Generator().manual_seed(0)
+    first = modules[0]
+    weight = next(first.parameters())
+    x = torch.randn(_PROBE_ROWS, width, generator=generator).to(weight.device, weight.dtype)
+    hidden = first(x)
+    return [module(hidden).float() for module in modules[1:]]
+
+
+def _check_same_function(before: list[Tensor], after: list[Tensor], what: str) -> None:
+    """ValueError, one line, unless the rewrite left the probed outputs as they were."""
+    for old, new in zip(before, after, strict=True):
+        if not torch.allclose(old, new, rtol=_PROBE_TOLERANCE, atol=_PROBE_TOLERANCE):
+            raise ValueError(
+                f"the served model's {what} differs from the clean one's by more than moved "
+                "scales (another kind of norm?): no compensation adapter fits this pair"
+            )
+
+
+@torch.no_grad()
+def _rewrite_norm(
+    modules: tuple[dict[str, nn.Module], dict[str, nn.Module]],
+    norm: str,
+    readers: Sequence[str],
+    rewrite: _Rewrite,
+) -> bool:
+    """Move one norm's scales into its readers (module docstring); whether it had any."""
+    clean_modules, served_modules = modules
+    if norm not in clean_modules or norm not in served_modules:
+        return False
+    clean_norm, served_norm = _weight(clean_modules[norm]), _weight(served_modules[norm])
+    scales = _norm_scales(clean_norm, served_norm)
+    if scales is None:
+        return False
+    missing = [reader for reader in readers if reader not in clean_modules]
+    if missing:
+        raise ValueError(
+            f"the served model's {norm} differs from the clean one's, but its block has no "
+            f"{', '.join(missing)} to move the scales into: no compensation adapter fits it"
+        )
+    chain = [clean_modules[norm], *(clean_modules[reader] for reader in readers)]
+    before = _probe(chain, clean_norm.shape[0])
+    reader_weights = [_weight(clean_modules[reader]) for reader in readers]
+    rewrite.keep(clean_norm, *reader_weights)
+    clean_norm.copy_(torch.where(served_norm == 0, clean_norm, served_norm))
+    for weight in reader_weights:
+        weight.mul_(scales.to(weight.dtype))
+    _check_same_function(before, _probe(chain, clean_norm.shape[0]), norm)
+    return True
+
+
 @torch.no_grad()
 def _rewrite_block(clean: nn.Module, served: nn.Module, rewrite: _Rewrite) -> bool:
-    """Rewrite one clean decoder block into the served one's basis; whether anything moved."""
+    """Rewrite one clean decoder block into the served one's basis; whether anything moved.
+    ValueError, one line, for norms that differ otherwise than by moved scales."""
     clean_modules, served_modules = dict(clean.named_modules()), dict(served.named_modules())
-    moved = False
-    for norm, readers in NORM_READERS:
-        if norm not in clean_modules or norm not in served_modules:
-            continue
-        scales = _norm_scales(clean_modules[norm].weight, served_modules[norm].weight)
-        if scales is None:
-            continue
-        moved = True
-        rewrite.keep(clean_modules[norm].weight, *(clean_modules[r].weight for r in readers))
-        clean_modules[norm].weight.copy_(served_modules[norm].weight)
-        for reader in readers:
-            clean_modules[reader].weight.mul_(scales.to(clean_modules[reader].weight.dtype))
-    if not moved:
+    moved = [
+        _rewrite_norm((clean_modules, served_modules), norm, readers, rewrite)
+        for norm, readers in NORM_READERS
+    ]
+    if not any(moved):
         return False
     for writer, reader in LINEAR_READERS:
         if writer not in clean_modules or reader not in clean_modules:

@@ -123,15 +123,22 @@ def quantize_model(model: PreTrainedModel, scheme: str, *, group_size: int = 128
 
 
 def write_compressed_checkpoint(
-    clean_dir: Path, scheme: str, dest: Path, *, group_size: int = 128, replace: bool = False
+    clean_dir: Path,
+    scheme: str,
+    dest: Path,
+    *,
+    group_size: int = 128,
+    replace: bool = False,
+    cache_dir: Path | None = None,
 ) -> CheckpointManifest:
     """Write `clean_dir` quantized by `scheme` to `dest` (atomically); return its manifest.
 
     The manifest records the scheme (metadata "compressed_tensors") and the clean model's
     identity (metadata "clean"), so `calibrate`, `kld` and `serve` pair it with its clean model.
-    The output is deterministic: the same inputs give byte-identical weights.
+    The output is deterministic: the same inputs give byte-identical weights. A plain clean
+    folder's identity is cached in `cache_dir` (default: the product's cache).
     """
-    clean_identity = ModelIdentity.of_checkpoint(clean_dir)
+    clean_identity = ModelIdentity.of_checkpoint(clean_dir, cache_dir)
     model, tokenizer = load_causal_lm(clean_dir)
     layers = quantize_model(model, scheme, group_size=group_size)
     clean_name = clean_identity.name

@@ -46,6 +46,7 @@ _ARCHITECTURE_KEYS = (
     "num_key_value_heads",
 )
 _SUPPORTED_QUANTIZATION = ("compressed-tensors", "gptq", "awq", "fp8")
+_STAT_KEYS = ("st_size", "st_ino", "st_mtime_ns", "st_ctime_ns")
 
 
 class ModelFolderError(ValueError):
@@ -139,7 +140,7 @@ def _check_quantization(path: Path, config: dict[str, Any]) -> None:
     """ModelFolderError for a quantization method the product cannot read."""
     quantization = config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method is not None and method not in _SUPPORTED_QUANTIZATION:
+    if method is not None and str(method).lower() not in _SUPPORTED_QUANTIZATION:
         raise ModelFolderError(
             f"{path} is quantized with {method!r}, which this product does not read "
             f"(it reads {', '.join(_SUPPORTED_QUANTIZATION)})"
@@ -158,7 +159,10 @@ def check_model_folder(path: Path) -> None:
 
 
 def _cache_key(path: Path, files: list[Path]) -> str:
-    stats = [(file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+    """The folder's path and each weight file's name, size, inode, modification and change
+    times: a file rewritten in place with its size and modification time kept (``cp -p``,
+    ``rsync -a``) still changes its change time, which no user can set."""
+    stats = [(file.name, *(getattr(file.stat(), key) for key in _STAT_KEYS)) for file in files]
     return hashlib.sha256(json.dumps([str(path.resolve()), stats]).encode()).hexdigest()
 
 
@@ -174,7 +178,7 @@ def content_sha256(path: Path, cache_dir: Path | None = None) -> str:
     """The identity of a plain folder's weights: the sha256 of its one weights file (what a
     checkpoint's manifest records for it), or of the ``name sha256`` lines of its shards.
     Computed once and cached under ``cache_dir/identities/`` (default: the product's cache),
-    keyed by the folder's path and the files' names, sizes and modification times; nothing is
+    keyed by the folder's path and the files' names and metadata (`_cache_key`); nothing is
     written into the folder. An unwritable cache only costs the hashing again."""
     files = weight_files(path)
     record = (cache_dir or default_cache_dir()) / "identities" / f"{_cache_key(path, files)}.json"

@@ -33,7 +33,13 @@ __all__ = ["ensure_perturbed_checkpoint", "write_perturbed_checkpoint"]
 
 
 def write_perturbed_checkpoint(
-    clean_dir: Path, spec: PerturbationSpec, dest: Path, *, source: str, replace: bool = False
+    clean_dir: Path,
+    spec: PerturbationSpec,
+    dest: Path,
+    *,
+    source: str,
+    replace: bool = False,
+    cache_dir: Path | None = None,
 ) -> CheckpointManifest:
     """Write `clean_dir` perturbed by `spec` to `dest` (atomically) and return its manifest.
 
@@ -41,13 +47,14 @@ def write_perturbed_checkpoint(
     runtime noise processor applies it). The same spec on the same clean checkpoint gives
     byte-identical weights. Raises `PerturbationSpecError` for an external-pair spec (already
     perturbed elsewhere), `FileExistsError` if `dest` exists and not `replace`, and
-    `CorruptCheckpointError` for a damaged clean checkpoint.
+    `CorruptCheckpointError` for a damaged clean checkpoint. A plain clean folder's identity is
+    cached in `cache_dir` (default: the product's cache).
     """
     if isinstance(spec, ExternalPairSpec):
         raise PerturbationSpecError(
             "an external pair is already perturbed; pass its two paths to `calibrate` instead"
         )
-    clean_identity = ModelIdentity.of_checkpoint(clean_dir)
+    clean_identity = ModelIdentity.of_checkpoint(clean_dir, cache_dir)
     model, tokenizer = load_causal_lm(clean_dir)
     details: dict[str, object] = {}
     if not isinstance(spec, RuntimeLogitNoiseSpec):
@@ -96,5 +103,6 @@ def ensure_perturbed_checkpoint(clean_dir: Path, spec: PerturbationSpec, cache_d
         spec,
         dest,
         source=f"noisy-temp-server serve: {clean_dir} perturbed by the spec in metadata",
+        cache_dir=cache_dir,
     )
     return dest

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             source=f"noisy-temp-server perturb --spec '{args.spec}'",
             replace=args.replace,
+            cache_dir=args.cache_dir,
         )
     except (CorruptCheckpointError, FileExistsError, ValueError) as error:  # bad input: ValueError
         print(f"error: {error}", file=sys.stderr)

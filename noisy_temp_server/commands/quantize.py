@@ -34,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--group-size", type=int, default=128, help="input channels per scale group (w4a16)"
     )
-    parser.add_argument("--cache-dir", type=Path, default=None, help="cache of the default model")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the product's cache: the default model, folder identities",
+    )
     parser.add_argument("--replace", action="store_true", help="overwrite --out if it exists")
 
 
@@ -49,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         clean = clean_folder(args.clean, args.cache_dir)
         write_compressed_checkpoint(
-            clean, args.format, args.out, group_size=args.group_size, replace=args.replace
-        )
+            clean, args.format, args.out, group_size=args.group_size, replace=args.replace,
+            cache_dir=args.cache_dir,
+        )  # fmt: skip
     except (CorruptCheckpointError, FileExistsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from noisy_temp_server.checkpoints.model_folder import display_name
 from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
@@ -70,6 +71,22 @@ def resolve_pair(settings: Settings) -> ServedPair:
         perturbation=settings.perturbation,
         cache_dir=settings.cache_dir,
     )
+
+
+def _chat_template(settings: Settings) -> str | None:
+    """`settings.chat_template` read as vLLM's ``--chat-template`` reads it (a file, or the
+    template itself); None when not given. ProfileError, one line, when it cannot be read."""
+    if settings.chat_template is None:
+        return None
+    from vllm.exceptions import VLLMClientError  # noqa: PLC0415
+    from vllm.renderers.chat_utils import load_chat_template  # noqa: PLC0415
+
+    from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
+
+    try:
+        return load_chat_template(settings.chat_template)
+    except (OSError, ValueError, VLLMClientError) as error:
+        raise ProfileError(f"--chat-template: {error}") from error
 
 
 def int4_stack_settings(settings: Settings) -> Settings:
@@ -129,9 +146,9 @@ def plan_served_adapter(
         if found is None:
             return None
         folder, adapter = found
-        names = {pair.served.resolve().name}
+        names = {display_name(pair.served)}
         if pair.clean is not None:
-            names.add(pair.clean.resolve().name)
+            names.add(display_name(pair.clean))
         if profile is not None:
             names |= {profile.clean.name, profile.served.name}
         return plan_serving(
@@ -179,17 +196,16 @@ def _serve(
     from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
+    chat_template = _chat_template(settings)
     settings = int4_stack_settings(settings)
     pair = resolve_pair(settings)
-    model_name = settings.served_model_name or pair.served.name
+    model_name = settings.served_model_name or display_name(pair.served)
     start, startup_policy = _starting_point(settings, environment, pair)
     adapter = plan_served_adapter(settings, pair, start.profile, start.path, model_name)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
-    if settings.chat_template is not None:  # a file or the template, as vLLM's --chat-template
-        from vllm.renderers.chat_utils import load_chat_template  # noqa: PLC0415
-
-        tokenizer.chat_template = load_chat_template(settings.chat_template)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     collector = stack.enter_context(
         TraceCollector(
             environment.trace_endpoint,

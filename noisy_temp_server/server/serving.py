@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
+    "MAX_CHOICES",
     "MIN_LOGPROB",
     "Choice",
     "GenerationRequest",
@@ -108,6 +109,10 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+MAX_CHOICES = 1024
+"""The most choices (prompts x n) one request makes engine requests for: a body of many short
+prompts cannot fan out without bound."""
 
 
 @dataclass
@@ -197,6 +202,13 @@ async def prepare_request(
     prompts = await run_in_threadpool(tokenize)
     if not prompts or not all(prompts):
         raise OpenAIError("The prompt is empty.", status_code=400, param=param)
+    if request.n * len(prompts) > MAX_CHOICES:
+        raise OpenAIError(
+            f"{len(prompts)} prompts x n = {request.n} asks for {request.n * len(prompts)} "
+            f"choices; one request takes at most {MAX_CHOICES}: split it.",
+            status_code=400,
+            param=param,
+        )
     budgets = [_max_tokens(state, request, len(ids), param) for ids in prompts]
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     n = request.n

@@ -147,3 +147,49 @@ def test_real_awq_checkpoints_are_fitted_better_in_their_basis(
     _fit_in_the_clean_basis(monkeypatch)
     assert in_served_basis > 0.3
     assert in_served_basis > 1.1 * _share_removed(clean, served)
+
+
+@torch.no_grad()
+def test_the_rewrite_leaves_the_clean_function_and_puts_the_weights_back(
+    models: tuple[nn.Module, nn.Module, nn.Module],
+) -> None:
+    clean, _, smoothed = models
+    ids = torch.tensor([_sequences(1, seed=3)[0].token_ids])
+    weights = {name: p.clone() for name, p in clean.named_parameters()}
+    reference = clean(input_ids=ids).logits
+    with served_basis(clean.model.layers, smoothed.model.layers) as moved:
+        assert moved
+        assert not torch.equal(clean.model.layers[0].input_layernorm.weight, weights[
+            "model.layers.0.input_layernorm.weight"])  # fmt: skip
+        torch.testing.assert_close(clean(input_ids=ids).logits, reference, rtol=1e-4, atol=1e-4)
+    for name, parameter in clean.named_parameters():
+        assert torch.equal(parameter, weights[name]), name
+
+
+class _OnePlusNorm(nn.Module):
+    """A norm that multiplies by 1 + w (Gemma's), which moved scales cannot describe."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+@torch.no_grad()
+def test_norms_that_do_not_multiply_by_their_weight_are_refused_in_one_line(
+    models: tuple[nn.Module, nn.Module, nn.Module],
+) -> None:
+    clean, _, smoothed = (copy.deepcopy(model) for model in models)
+    for model in (clean, smoothed):
+        for block in model.model.layers:
+            block.input_layernorm = _OnePlusNorm(block.input_layernorm.weight)
+    weights = {name: p.clone() for name, p in clean.named_parameters()}
+    with (
+        pytest.raises(ValueError, match="differs from the clean one's by more than moved scales"),
+        served_basis(clean.model.layers, smoothed.model.layers),
+    ):
+        pass
+    for name, parameter in clean.named_parameters():
+        assert torch.equal(parameter, weights[name]), name

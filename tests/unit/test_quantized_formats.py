@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from noisy_temp_server.checkpoints.checkpoint import load_causal_lm, sha256_file
+from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
 from noisy_temp_server.checkpoints.quantized_formats import (
     AwqFormat,
     GptqFormat,
@@ -31,6 +31,7 @@ from noisy_temp_server.checkpoints.quantized_formats import (
     load_quantized_causal_lm,
     quantization_method,
 )
+from noisy_temp_server.files import sha256_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quantized"
 COMPRESSED = {  # fixture -> bound on the logits' relative error against the clean model

@@ -260,3 +260,19 @@ def test_an_adapter_folder_is_refused_beside_a_profile_calibrated_without_it(
     path, _ = _profile(pair, tmp_path / "profiles", recommended=False)
     with pytest.raises(ProfileError, match="calibrated without an adapter"):
         _plan(pair, path, tmp_path, adapter=folder)
+
+
+def test_an_adapter_fitted_on_a_hugging_face_model_serves_on_its_snapshot() -> None:
+    from noisy_temp_server.adapter import serving  # noqa: PLC0415
+    from noisy_temp_server.adapter.lora import LoraAdapter, LowRankDelta  # noqa: PLC0415
+
+    delta = LowRankDelta(up=torch.zeros(4, 8), down=torch.zeros(8, 4))
+    adapter = LoraAdapter(
+        layers={"model.layers.0.mlp.up_proj": delta},
+        rank=8,
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
+    serving._check_base_model(adapter, {"HuggingFaceTB/SmolLM2-135M-Instruct", "served-int4"})
+    serving._check_base_model(adapter, {"SmolLM2-135M-Instruct"})  # a plain copy of it
+    with pytest.raises(AdapterError, match="fitted for the base model"):
+        serving._check_base_model(adapter, {"someone/other-model", "0123abcd"})

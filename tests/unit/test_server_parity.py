@@ -15,6 +15,7 @@ from server_fakes import MAX_MODEL_LEN, MODEL, POLICY, Harness, assert_error, bu
 from vllm import __version__ as vllm_version
 
 from noisy_temp_server.engine_contract.request_args import capturable
+from noisy_temp_server.server.serving import MAX_CHOICES
 from noisy_temp_server.settings import Settings
 
 
@@ -123,3 +124,11 @@ def test_tokenize_needs_no_api_key_as_in_vllm() -> None:
     guarded = build(Settings(api_key=SecretStr("k")), POLICY)
     assert guarded.post("/tokenize", {"prompt": "hi"}).status_code == 200
     assert_error(guarded.post("/v1/completions", {"prompt": "hi"}), 401)
+
+
+def test_a_request_makes_at_most_max_choices_engine_requests(server: Harness) -> None:
+    prompts = ["ab"] * (MAX_CHOICES // 4 + 1)
+    response = server.post("/v1/completions", {"prompt": prompts, "n": 4, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    assert f"at most {MAX_CHOICES}" in response.json()["error"]["message"]
+    assert server.engine.calls == []

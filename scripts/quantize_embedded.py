@@ -175,12 +175,14 @@ def quantize(source: Path, out: Path, name: str, prompts: list[str]) -> tuple[Pa
     (dest / "recipe.yaml").unlink(missing_ok=True)
     config = json.loads((dest / "config.json").read_text(encoding="utf-8"))
     assert config["quantization_config"]["quant_method"] == "compressed-tensors", config
-    calibration = "none (data-free)" if pipeline == "datafree" else f"{len(prompts)} prompts"
+    calibration = (
+        "none (data-free)" if pipeline == "datafree" else f"{len(prompts)} chat-formatted prompts"
+    )
     (dest / "README.md").write_text(
         f"# {name}\n\n{what}.\n\nMade by `scripts/quantize_embedded.py` (noisy-temp-server) "
         f"from {source} (model.safetensors sha256 `{sha256_file(source / 'model.safetensors')}`) "
-        f"with llmcompressor's oneshot on a CPU; calibration: {calibration} "
-        f"(chat-formatted); quantizing took {seconds:.0f} s.\n",
+        f"with llmcompressor's oneshot on a CPU; calibration: {calibration}; quantizing took "
+        f"{seconds:.0f} s.\n",
         encoding="utf-8",
     )
     return dest, seconds

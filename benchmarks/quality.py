@@ -2,10 +2,13 @@
 family and request temperature.
 
     .venv/bin/python benchmarks/quality.py [--families int4 logit-noise ...] [--num-prompts 48]
-        [--max-new-tokens 32] [--w8a8 DIR] [--threads N] [--profiles DIR] [--records DIR]
+        [--max-new-tokens 32] [--served NAME=DIR ...] [--threads N] [--profiles DIR]
+        [--records DIR]
 
 Families: noise-0.01, noise-0.02, noise-0.05 (gaussian weight noise), int4 (RTN, group 128),
-int8, fp8 (e4m3) and logit-noise (runtime logit noise sigma = 1); default: all. For each, runs
+int8, fp8 (e4m3) and logit-noise (runtime logit noise sigma = 1); default: all of these, or
+none when `--served` is given. int4-g64 (RTN, group 64: the group of the real quantizers'
+checkpoints of `scripts/quantize_embedded.py`) runs only when named. For each, runs
 the calibration pipeline (served-model completions, pair scoring at the request temperatures
 0.5, 0.7, 1.0 and 1.2, rules fitted on the fit prompts, the recommended rule chosen on the
 validation prompts) and reports on the test prompts, per request temperature T_r (KL to the
@@ -29,8 +32,11 @@ rule and the per-position oracle T at T_r = 1 (`bias_section`, which
 `experiments/bias_quality.py` also prints, with a cross-domain test set and more fit data);
 then at every request temperature, as it is served (with the T of its band there), beside
 the recommended rule and the oracle on the same test rows, and its paired gain over the rule.
-`--w8a8 DIR` adds a real compressed-tensors checkpoint from
-`noisy-temp-server quantize --format w8a8 --out DIR`.
+`--served NAME=DIR` (repeatable) adds an external served checkpoint: any model folder
+`load_pair(clean, served_path=DIR)` takes (a compressed-tensors checkpoint from llm-compressor,
+`scripts/quantize_embedded.py` or `noisy-temp-server quantize --format w8a8 --out DIR`, a plain
+float folder), measured after the families under NAME. `--w8a8 DIR` is short for
+`--served w8a8=DIR`.
 
 `--adapter-rank R` calibrates every family with the compensation adapter first
 (`calibrate --adapter-rank R`: every table above then measures the rules and the bias on top
@@ -96,19 +102,61 @@ FAMILIES: dict[str, PerturbationSpec] = {
     "noise-0.02": WeightNoiseSpec(scale=0.02),
     "noise-0.05": WeightNoiseSpec(scale=0.05),
     "int4": QuantizationSpec(format="int4", group_size=128),
+    "int4-g64": QuantizationSpec(format="int4", group_size=64),
     "int8": QuantizationSpec(format="int8"),
     "fp8": QuantizationSpec(format="fp8_e4m3"),
     "logit-noise": RuntimeLogitNoiseSpec(sigma=1.0),
 }
+# what a run without --families (and without --served) measures: int4-g64 only when named
+DEFAULT_FAMILIES = [name for name in FAMILIES if name != "int4-g64"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def served_pairs(families: list[str], w8a8: Path | None) -> list[tuple[str, dict[str, Any]]]:
-    """(name, `load_pair` keyword arguments) of each family, then of the real compressed-tensors
-    checkpoint ``w8a8`` (from `noisy-temp-server quantize --format w8a8`) when given."""
+def served_argument(text: str) -> tuple[str, Path]:
+    """`--served NAME=DIR` as (NAME, DIR)."""
+    name, equals, folder = text.partition("=")
+    if not equals or not name or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    if name in FAMILIES:
+        raise argparse.ArgumentTypeError(f"{name!r} is a perturbation family's name")
+    return name, Path(folder).expanduser()
+
+
+def served_options(parser: argparse.ArgumentParser) -> None:
+    """`--served NAME=DIR` (repeatable) and its short form `--w8a8 DIR`."""
+    parser.add_argument(
+        "--served",
+        type=served_argument,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also measure this served model folder (e.g. a compressed-tensors checkpoint) "
+        "under NAME; repeatable",
+    )
+    parser.add_argument(
+        "--w8a8",
+        type=Path,
+        default=None,
+        help="short for --served w8a8=DIR (`quantize --format w8a8`)",
+    )
+
+
+def served_checkpoints(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """The (name, folder) of every `--served` and `--w8a8` checkpoint, names unique."""
+    served = list(args.served) + ([] if args.w8a8 is None else [("w8a8", args.w8a8)])
+    names = [name for name, _ in served]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"error: --served names must be unique, got {names}")
+    return served
+
+
+def served_pairs(
+    families: list[str], served: list[tuple[str, Path]]
+) -> list[tuple[str, dict[str, Any]]]:
+    """(name, `load_pair` keyword arguments) of each family, then of each external served
+    checkpoint folder (`--served NAME=DIR`)."""
     pairs: list[tuple[str, dict[str, Any]]] = [(f, {"spec": FAMILIES[f]}) for f in families]
-    if w8a8 is not None:
-        pairs.append(("w8a8", {"served_path": w8a8}))
+    pairs.extend((name, {"served_path": folder}) for name, folder in served)
     return pairs
 
 
@@ -406,12 +454,12 @@ def main() -> int:
         "--families",
         nargs="+",
         choices=list(FAMILIES),
-        default=list(FAMILIES),
-        help="perturbation families to run (default: all)",
+        default=None,
+        help="perturbation families to run (default: all but int4-g64; none with --served)",
     )
     parser.add_argument("--num-prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--w8a8", type=Path, default=None, help="a `quantize --format w8a8` dir")
+    served_options(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -454,7 +502,10 @@ def main() -> int:
         print(f"error: invalid calibration settings: {settings_problems(error)}", file=sys.stderr)
         return 1
     clean_path = ensure_default_model(Settings().cache_dir)
-    pairs = served_pairs(args.families, args.w8a8)
+    served = served_checkpoints(args)
+    if args.families is None:
+        args.families = [] if served else DEFAULT_FAMILIES
+    pairs = served_pairs(args.families, served)
     sections, documents = [], []
     for name, how in pairs:
         family_started = time.monotonic()
@@ -474,7 +525,7 @@ def main() -> int:
             args.records.mkdir(parents=True, exist_ok=True)
             for split in ("fit", "validation", "test"):
                 getattr(result, split).save(args.records / f"{name}.{split}.safetensors")
-        label = how["spec"].label if "spec" in how else pair.served.describe()
+        label = how["spec"].label if "spec" in how else f"{name}: {pair.served.describe()}"
         section = _markdown(label, seconds, result, rows) + "\n" + bias_text + "\n" + served_text
         section += adapter_text
         print(section, flush=True)
@@ -484,6 +535,7 @@ def main() -> int:
                 "family": name,
                 "perturbation": None if "spec" not in how else how["spec"].model_dump(mode="json"),
                 "served": pair.served.describe(),
+                "served_path": None if "spec" in how else str(how["served_path"]),
                 "seconds": seconds,
                 "recommended_rule": result.profile.recommended_rule.value,
                 "by_request_temperature": rows,

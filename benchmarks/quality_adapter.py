@@ -23,6 +23,7 @@ import torch
 from noisy_temp_server.adapter.lora import LoraAdapter, save_peft_adapter
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
 from noisy_temp_server.calibration.completions import sample_completions
+from noisy_temp_server.calibration.curves import best_curve_temperature
 from noisy_temp_server.calibration.pipeline import (
     CalibrationData,
     calibrate_with_data,
@@ -37,8 +38,10 @@ from noisy_temp_server.calibration.significance import (
 from noisy_temp_server.calibration.stack import StackReport, score_stack
 from noisy_temp_server.checkpoints.loading import LoadedPair
 from noisy_temp_server.correction.files import save_bias_file
+from noisy_temp_server.scoring.records import interpolate_kl
 from noisy_temp_server.scoring.scorer import PairScorer
 from noisy_temp_server.scoring.sequence import ScoringSequence
+from noisy_temp_server.temperature.rules import TemperatureBounds
 
 __all__ = ["AdapterFamily", "calibrate_family", "stack_section"]
 
@@ -101,9 +104,12 @@ def _oracle_shares(
     sequences: Sequence[ScoringSequence],
     adapter: LoraAdapter | None,
     device: str,
+    bounds: TemperatureBounds,
 ) -> dict[str, float]:
     """Share of KL(served, T = 1) the per-position oracle T removes, without and with the
-    adapter, on the same positions."""
+    adapter, on the same positions; and, without the adapter, the best constant T's (the one T
+    in `bounds` minimising the mean KL of these very positions: hindsight, an upper bound for
+    any constant), keyed with its T."""
     scorer = PairScorer(
         pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
     )
@@ -117,6 +123,13 @@ def _oracle_shares(
         return 1 - float(kl[finite].double().mean()) / kl_one if kl_one > 0 else float("nan")
 
     shares = {"oracle T": share(plain.oracle_kl)}
+    curves = plain.kl_curve[finite]
+    if curves.shape[0]:
+        best = best_curve_temperature(curves, plain.curve_temperatures, bounds)
+        constant = torch.full((curves.shape[0],), best)
+        kl = torch.zeros_like(plain.kl_at_one)
+        kl[finite] = interpolate_kl(curves, plain.curve_temperatures, constant).to(kl.dtype)
+        shares[f"best constant T = {best:.3f} in hindsight"] = share(kl)
     if adapter is not None:
         shares["adapter + oracle T"] = share(adapted.oracle_kl)
     return shares
@@ -138,9 +151,9 @@ def _stack_text(title: str, stack: StackReport, document: dict[str, Any]) -> str
     )
     verdict = "ok" if document["served_not_worse_than_t1"] else "WORSE"
     return (
-        f"**{title}** (share of KL(T=1) removed by the per-position oracle on the same "
-        f"positions: {oracle}); served stack ({document['served']}) never significantly worse "
-        f"than T = 1: {verdict}\n\n{stack.to_markdown()}"
+        f"**{title}** (share of KL(T=1) removed by the per-position oracle and the best "
+        f"constant T on the same positions: {oracle}); served stack ({document['served']}) "
+        f"never significantly worse than T = 1: {verdict}\n\n{stack.to_markdown()}"
     )
 
 
@@ -197,7 +210,7 @@ def stack_section(
             stack = score_stack(
                 pair, sequences, profile, Path(folder), greedy_tokens=greedy_tokens, device=device
             )
-            oracle = _oracle_shares(pair, sequences, adapter, device)
+            oracle = _oracle_shares(pair, sequences, adapter, device, settings.bounds)
             part = _stack_document(stack, oracle)
             texts.append(_stack_text(f"{title} ({len(sequences)})", stack, part))
             document[title.replace(" ", "_")] = part

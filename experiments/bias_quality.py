@@ -3,7 +3,7 @@ in-domain and cross-domain, on the embedded default model.
 
     .venv/bin/python experiments/bias_quality.py [--num-prompts 80] [--samples 1]
         [--cross-prompts 24] [--max-new-tokens 64] [--max-rows 4096]
-        [--families int4,noise-0.02,...] [--w8a8 DIR] [--stream-samples K]
+        [--families int4,noise-0.02,...] [--served NAME=DIR ...] [--stream-samples K]
         [--request-temperatures 0.5 1.0] [--threads N]
 
 Per perturbation family: the served model writes `--samples` completions (seeds 0, 1, ...) for
@@ -30,8 +30,9 @@ completion a request of at most `Settings().shadow_bias_rows` evenly spaced rows
 head, the rows the calibrated bias was fitted on as prior rows; every 4th request held out),
 its streaming fit measured on the in-domain test prompts after every round, at every request
 temperature of `--request-temperatures` (default 1.0; the bias then has a band's T at each,
-refined online too; the rows taken to T_r exactly). `--w8a8 DIR` adds a real
-compressed-tensors checkpoint from `noisy-temp-server quantize --format w8a8 --out DIR`.
+refined online too; the rows taken to T_r exactly). `--served NAME=DIR` (repeatable) adds a
+served model folder, e.g. a compressed-tensors checkpoint from `scripts/quantize_embedded.py` or
+`noisy-temp-server quantize --format w8a8 --out DIR` (`--w8a8 DIR`: `--served w8a8=DIR`).
 Writes experiments/results/bias_quality.md and bias_quality.json, a family at a time.
 """
 
@@ -48,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # quality.py
 
-from quality import FAMILIES, bias_section, served_pairs
+from quality import FAMILIES, bias_section, served_checkpoints, served_options, served_pairs
 
 from noisy_temp_server.calibration.bias_fit import (
     BiasCalibration,
@@ -341,7 +342,7 @@ def main() -> int:
         "--max-rows", type=int, default=4096, help="paired rows kept per domain (400 KB each)"
     )
     parser.add_argument("--families", default="int4", help=f"comma-separated of {list(FAMILIES)}")
-    parser.add_argument("--w8a8", type=Path, default=None, help="a `quantize --format w8a8` dir")
+    served_options(parser)
     parser.add_argument(
         "--per-token-only",
         action="store_true",
@@ -369,7 +370,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     clean_path = ensure_default_model(Settings().cache_dir)
-    pairs = served_pairs([name for name in args.families.split(",") if name], args.w8a8)
+    families = [name for name in args.families.split(",") if name]
+    pairs = served_pairs(families, served_checkpoints(args))
     header = (
         f"# Per-token bias + T beside the temperature rules on {clean_path.name}\n\n"
         f"{args.num_prompts} shipped prompts with {args.samples} completion(s) each (fit / "

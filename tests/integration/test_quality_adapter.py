@@ -51,6 +51,13 @@ def test_the_stack_of_a_pair_with_weight_error(benchmark: ModuleType, tiny_model
     adapter_alone = document["test_prompts"]["layers"][1]
     assert adapter_alone["share_removed"] > 0
     assert "oracle T" in document["test_prompts"]["oracle_share_removed"]
+    constant = [
+        share
+        for name, share in document["test_prompts"]["oracle_share_removed"].items()
+        if name.startswith("best constant T = ")
+    ]
+    assert len(constant) == 1
+    assert constant[0] <= document["test_prompts"]["oracle_share_removed"]["oracle T"] + 1e-9
     assert "adapter: rank 8 propagated, ridge " in text
     assert ", refitted on 2 completions per prompt, 14 layers" in text
 

@@ -35,7 +35,7 @@ from noisy_temp_server.calibration.completions import sample_completions
 from noisy_temp_server.calibration.prompts import load_prompts
 from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
 from noisy_temp_server.checkpoints.perturbation import parse_spec
-from noisy_temp_server.commands.perturb import default_clean_path
+from noisy_temp_server.commands.perturb import clean_folder
 from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.scoring.standard_error import cluster_stderr
 
@@ -100,7 +100,7 @@ def _kl(pair: LoadedPair, sequences: list[ScoringSequence], adapter: Any) -> tup
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    clean = args.clean or default_clean_path(None)
+    clean = clean_folder(args.clean, None)
     pair = load_pair(clean, spec=parse_spec(args.spec))
     counts = _completion_counts(args.completions)
     fit_prompts = load_prompts()[: args.fit_prompts]

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from quantized_fixtures import no_pin_memory  # the sibling script: the same .venv-quant
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,12 +107,6 @@ CHECKPOINTS: dict[str, tuple[Callable[[], list[Any]], str, str]] = {
         "datafree",
     ),
 }
-
-
-def _no_pin_memory() -> None:
-    """llm-compressor's AWQ pins its cached activations (`Tensor.pin_memory`), which needs an
-    accelerator; on a CPU-only torch that raises, so make it return the tensor unchanged."""
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
 def calibration_prompts() -> list[str]:
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "--num-prompts", type=int, default=None, help="calibrate on the first N prompts (smoke)"
     )
     args = parser.parse_args(argv)
-    _no_pin_memory()
+    no_pin_memory()
     prompts = calibration_prompts()[: args.num_prompts]
     for name in args.only or CHECKPOINTS:
         dest, seconds = quantize(args.source, args.out, name, prompts)

@@ -114,7 +114,7 @@ FIXTURES: dict[str, tuple[Callable[[], list[Any]], str]] = {
 }
 
 
-def _no_pin_memory() -> None:
+def no_pin_memory() -> None:
     """llm-compressor's AWQ pins its cached activations (`Tensor.pin_memory`), which needs an
     accelerator; on a CPU-only torch that raises, so make it return the tensor unchanged."""
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the fixtures folder")
     parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES), help="these fixtures only")
     args = parser.parse_args(argv)
-    _no_pin_memory()
+    no_pin_memory()
     for name in args.only or FIXTURES:
         dest = make_fixture(args.source, args.out, name)
         size = sum(path.stat().st_size for path in dest.iterdir())

@@ -75,6 +75,10 @@ RIDGES: dict[AdapterMethod, tuple[float | None, ...]] = {
 `fit_compensation_adapter`): ``eora`` ridges its input covariances, ``propagated`` pulls each
 layer's target towards its own error; ``svd`` has none."""
 
+RIDGE_EXTENSIONS = 2
+"""How many ridges beyond an edge of `RIDGES` are tried, one grid step at a time, while the
+selection KL is still lowest at that edge (`_ridges`)."""
+
 DISTILLATION_LEARNING_RATE = 1e-5
 """Adam's step size for the adapter's distillation (docs/adapter.md: 1e-4 diverges)."""
 
@@ -262,6 +266,30 @@ def _distilled(
     )
 
 
+def _ridges(
+    method: AdapterMethod, selection_kl: dict[float | None, float]
+) -> Iterator[float | None]:
+    """The ridges to try for `method`: its grid (`RIDGES`), then, while the lowest KL so far
+    (read from `selection_kl` as it fills) is at an edge of what was tried, up to
+    `RIDGE_EXTENSIONS` more beyond that edge, each one grid step further (the ratio of the
+    grid's two values at that edge)."""
+    yield from RIDGES[method]
+    grid = [ridge for ridge in RIDGES[method] if ridge is not None]
+    if len(grid) < 2:
+        return
+    for _ in range(RIDGE_EXTENSIONS):
+        tried = sorted(r for r in selection_kl if r is not None and math.isfinite(selection_kl[r]))
+        if not tried:
+            return
+        best = min(tried, key=selection_kl.__getitem__)
+        if best == tried[-1]:
+            yield best * grid[-1] / grid[-2]
+        elif best == tried[0]:
+            yield best * grid[0] / grid[1]
+        else:
+            return
+
+
 def _choose_ridge(
     fitted: Callable[[float | None], LoraAdapter],
     pair: LoadedPair,
@@ -269,11 +297,11 @@ def _choose_ridge(
     method: AdapterMethod,
     device: str | torch.device,
 ) -> tuple[float | None, dict[float | None, float], LoraAdapter]:
-    """The ridge of `method` whose adapter (`fitted(ridge)`) gives the lowest KL at T = 1 on
-    `selection`, the selection KL of each, and the last adapter fitted (one at a time is held).
-    ValueError when every ridge's KL is non-finite."""
+    """The ridge of `method` (among `_ridges`) whose adapter (`fitted(ridge)`) gives the lowest
+    KL at T = 1 on `selection`, the selection KL of each, and the last adapter fitted (one at a
+    time is held). ValueError when every ridge's KL is non-finite."""
     selection_kl: dict[float | None, float] = {}
-    for ridge in RIDGES[method]:
+    for ridge in _ridges(method, selection_kl):
         adapter = fitted(ridge)
         records = adapter_kl_records(pair, selection, adapter, device)
         kl = float(records.kl_at_one[torch.isfinite(records.kl_at_one)].double().mean())

@@ -10,7 +10,6 @@ import pytest
 
 from noisy_temp_server.adapter.lora import adapter_folder_name, find_adapter
 from noisy_temp_server.calibration import pipeline
-from noisy_temp_server.calibration.adapter_calibration import RIDGES
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile, ProfileError
 from noisy_temp_server.calibration.settings import calibration_settings_from_args
 from noisy_temp_server.commands import calibrate as calibrate_command
@@ -161,7 +160,8 @@ def test_calibrate_fits_an_adapter_first_and_saves_it_beside_the_profile(
     adapter = profile.adapter
     assert adapter is not None
     assert profile.settings.adapter_rank == 8
-    assert adapter.ridge in RIDGES[adapter.method]
+    assert adapter.ridge is not None
+    assert adapter.ridge > 0
     assert adapter.test.gain > 0
     folder, loaded = find_adapter([tmp_path], adapter.sha256)
     assert folder.name == adapter_folder_name(adapter.sha256)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,9 @@ def test_the_chosen_ridge_is_refitted_on_the_fit_and_selection_prompts(
     calibration, fits = _calibrate_recording_fits(pair, "propagated", monkeypatch)
     fit_ids, selection_ids, gate_ids, test_ids = _split_ids()
     *tried, (refit_ids, refit_ridge, refitted) = fits
-    assert [ridge for _, ridge, _ in tried] == list(adapter_calibration.RIDGES["propagated"])
+    grid = adapter_calibration.RIDGES["propagated"]
+    assert tuple(ridge for _, ridge, _ in tried[: len(grid)]) == grid
+    assert len(tried) == len(calibration.selection_kl)
     assert all(ids == fit_ids for ids, _, _ in tried)
     selection_kl = calibration.selection_kl
     assert calibration.summary.ridge == min(selection_kl, key=lambda r: selection_kl[r])
@@ -183,3 +185,22 @@ def test_without_distillation_the_summary_says_none(
 ) -> None:
     calibration, _ = _calibrate_recording_fits(pair, "svd", monkeypatch)
     assert calibration.summary.distillation is None
+
+
+def _tried(method: Any, kl_of: Callable[[float], float]) -> list[float | None]:
+    """The ridges `_ridges` yields when each tried ridge's selection KL is `kl_of(ridge)`."""
+    selection_kl: dict[float | None, float] = {}
+    for ridge in adapter_calibration._ridges(method, selection_kl):
+        assert ridge is not None
+        selection_kl[ridge] = kl_of(ridge)
+    return list(selection_kl)
+
+
+def test_ridges_go_past_the_grid_while_the_kl_still_falls_at_its_edge() -> None:
+    assert _tried("propagated", lambda r: abs(r - 10)) == [3.0, 10.0, 30.0]
+    assert _tried("propagated", lambda r: abs(r - 100)) == [3.0, 10.0, 30.0, 90.0, 270.0]
+    assert _tried("propagated", lambda r: abs(r - 50)) == [3.0, 10.0, 30.0, 90.0]
+    assert _tried("propagated", lambda r: 1 / r) == [3.0, 10.0, 30.0, 90.0, 270.0]  # at most 2
+    assert _tried("propagated", lambda r: r) == pytest.approx([3.0, 10.0, 30.0, 0.9, 0.27])
+    assert _tried("eora", lambda r: r) == pytest.approx([1e-3, 1e-2, 1e-1, 1e-4, 1e-5])
+    assert list(adapter_calibration._ridges("svd", {})) == [None]

@@ -40,7 +40,6 @@ from transformers import (
 )
 
 from noisy_temp_server import __version__
-from noisy_temp_server.checkpoints.activation_quantization import emulate_input_quantization
 from noisy_temp_server.checkpoints.model_folder import check_model_folder
 from noisy_temp_server.checkpoints.quantized_formats import load_quantized_causal_lm
 from noisy_temp_server.files import sha256_file
@@ -320,7 +319,6 @@ def load_causal_lm(
     model = load_quantized_causal_lm(path, dtype, device)  # gptq/awq: dequantized on the CPU
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        emulate_input_quantization(model)
     torch.nn.Module.to(model, torch.device(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer

@@ -1,8 +1,8 @@
 """The per-step path of the T* processor on a device, checked without vLLM in one short run.
 
-For every rule (`gpu_check_step.POLICIES`: the table rules, ``schedule``, ``fisher``, a
+For every rule (`gpu_check_parts.step.POLICIES`: the table rules, ``schedule``, ``fisher``, a
 calibrated table over the entropy), every correction (none, a per-token bias) and every batch
-and vocabulary asked for, the real step objects (`gpu_check_step`) run a
+and vocabulary asked for, the real step objects (`gpu_check_parts.step`) run a
 few steps on the device and on the CPU from the same served logits:
 
 - correctness: the device's logits equal the CPU's within `TOLERANCE` (NaN and ±inf where the
@@ -15,7 +15,7 @@ few steps on the device and on the CPU from the same served logits:
   logits at the device's measured copy bandwidth;
 - goals (`GOALS`), evaluated at batch 256 and vocabulary 128 256 when measured.
 
-Then the compensation adapter's device work at an 8B Llama's shapes (`gpu_check_adapter`): the
+Then the compensation adapter's device work at an 8B Llama's shapes (`gpu_check_parts.adapter`): the
 decode cost of one block's linear layers with an unmerged LoRA adapter against none (the folded
 adapter's cost), and the ``propagated`` fit of one block's projections (seconds, peak memory,
 the CPU's delta). The step check stops at `STEP_SHARE` of ``--budget-s``, the fit at all of it.
@@ -49,13 +49,13 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # the checkout's package, installed or not
     sys.path.insert(0, _ROOT)
 
-from gpu_check_adapter import (  # noqa: E402
+from gpu_check_parts.adapter import (  # noqa: E402
     FULL_SIZES,
     QUICK_SIZES,
     check_fit,
     check_lora_decode,
 )
-from gpu_check_step import (  # noqa: E402 (after the package's folder is on the path)
+from gpu_check_parts.step import (  # noqa: E402 (after the package's folder is on the path)
     CORRECTIONS,
     POLICIES,
     STEPS,
@@ -64,7 +64,7 @@ from gpu_check_step import (  # noqa: E402 (after the package's folder is on the
     StepHarness,
     served_logits,
 )
-from gpu_check_timing import timed  # noqa: E402
+from gpu_check_parts.timing import timed  # noqa: E402
 
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 """|device - cpu| <= atol + rtol |cpu| for every logit and every T* quantity delivered."""

@@ -112,7 +112,7 @@ def test_quick_cpu_run_measures_the_adapter_and_its_fit_matches(results: dict[st
 
 
 def test_adapter_comparisons_catch_a_wrong_delta(gpu_check: ModuleType) -> None:
-    adapter = importlib.import_module("gpu_check_adapter")
+    adapter = importlib.import_module("gpu_check_parts.adapter")
     layer = adapter._FusedLayer.random((6, 2, 2), 5, 3, torch.float32, torch.device("cpu"))
     x = torch.randn(4, 5)
     unmerged = torch.empty(4, 10)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_STEP_MASK = 0xFFFFFFFF  # a step key's step (kinds of rows: 1 fisher, 2 calibrated: `row_reads`)
+_STEP_MASK = tl.constexpr(0xFFFFFFFF)  # a step key's step (row kinds: 1 fisher, 2 calibrated)
 
 __all__ = ["moments_kernel", "step_kernel"]
 
@@ -141,9 +141,12 @@ def _feature_scales(kind, request_temperature, LOGITS_SCALED: tl.constexpr):
     """(up, down): the row the rule's statistics read is logits·up/down: ``fisher`` reads
     z̃/T_req, the calibrated table z̃ (the V1 runner's logits are already z̃/T_req)."""
     one = tl.full((), 1.0, tl.float32)
+    up = one
+    down = tl.where(kind == 1, request_temperature, one)
     if LOGITS_SCALED:
-        return tl.where(kind == 2, request_temperature, one), one
-    return one, tl.where(kind == 1, request_temperature, one)
+        up = tl.where(kind == 2, request_temperature, one)
+        down = one
+    return up, down
 
 
 @triton.jit

@@ -347,3 +347,50 @@ def test_small_batches_split_rows_into_chunks_of_whole_blocks() -> None:
     assert chunking(1, 128_256, 264) == (32, 4096)  # at most a block each
     assert chunking(3, 9_001, 40) == (3, 4096)
     assert chunking(5, 100, 0) == (1, 4096)
+
+
+_POINTERS = {
+    "logits_ptr": "*fp32",
+    "slots_ptr": "*i64",
+    "keys_ptr": "*i64",
+    "tuned_ptr": "*i1",
+    "edge_keys_ptr": "*i64",
+    "cell_table_ptr": "*fp32",
+    "bias_rows_ptr": "*i64",
+    "bias_table_ptr": "*fp32",
+    "reads_ptr": "*fp32",
+    "read_values_ptr": "*fp32",
+    "request_temperature_ptr": "*fp32",
+    "accumulators_ptr": "*fp64",
+    "extrema_ptr": "*fp64",
+    "bad_rows_ptr": "*fp64",
+    "temperature_ptr": "*fp32",
+    "partials_ptr": "*fp32",
+    "flags_ptr": "*i32",
+}
+
+
+@pytest.mark.skipif(_INTERPRETED, reason="compiles for a GPU, not for the interpreter")
+@pytest.mark.parametrize("kernel", ["step_kernel", "moments_kernel"])
+@pytest.mark.parametrize(("counted", "flag"), [("*i1", False), ("*i64", True)])
+def test_the_kernels_compile_for_a_hopper_gpu(kernel: str, counted: str, flag: bool) -> None:
+    """Through ptxas to a cubin for sm_90 (H100, H200), which needs no GPU: what Triton's
+    interpreter does not check (globals, the types of both branches of an if, ...)."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from noisy_temp_server.step import fused_kernels  # noqa: PLC0415
+
+    function = getattr(fused_kernels, kernel)
+    names = function.arg_names
+    flags = {"HAS_BIAS": flag, "ACCOUNT": not flag, "LOGITS_SCALED": flag, "BLOCK": 4096}
+    flags = {name: value for name, value in flags.items() if name in names}
+    types = _POINTERS | {"counted_ptr": counted}
+    signature = {name: types.get(name, "i32") for name in names if name not in flags}
+    signature |= dict.fromkeys(flags, "constexpr")
+    constants = {(names.index(name),): value for name, value in flags.items()}
+    source = ASTSource(fn=function, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.num_warps == 16

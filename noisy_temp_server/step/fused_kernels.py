@@ -229,6 +229,19 @@ def _account(
 
 
 @triton.jit
+def _trace(trace_ptr, row, slot, key, temperature, tracing, traced_ptr, first):
+    """The row's T* into row 2 of the step's trace [4, R], and while ``tracing`` its slot, step
+    and whether the slot is traced into rows 0, 1 and 3 (by the row's ``first`` chunk)."""
+    rows = tl.num_programs(0)
+    tl.store(trace_ptr + 2 * rows + row, temperature, mask=first)
+    if tracing != 0:
+        tl.store(trace_ptr + row, slot.to(tl.float32), mask=first)
+        tl.store(trace_ptr + rows + row, (key & _STEP_MASK).to(tl.float32), mask=first)
+        traced = tl.load(traced_ptr + slot).to(tl.float32)
+        tl.store(trace_ptr + 3 * rows + row, traced, mask=first)
+
+
+@triton.jit
 def _last_arrival(flags_ptr, row, flags, chunks):
     """(whether this program is the row's last chunk to finish, the row's flags): each chunk
     ORs its flags into the row's and counts its arrival; the last one takes both, leaving
@@ -244,13 +257,15 @@ def _last_arrival(flags_ptr, row, flags, chunks):
     return last, flags
 
 
-@triton.jit(do_not_specialize=["n_edge_keys", "search_steps", "n_cells", "chunks", "reading"])
+@triton.jit(
+    do_not_specialize=["n_edge_keys", "search_steps", "n_cells", "chunks", "reading", "tracing"]
+)
 def step_kernel(
     logits_ptr, row_stride, vocab, slots_ptr, keys_ptr, counted_ptr, has_counted, tuned_ptr,
     check_tuned, edge_keys_ptr, n_edge_keys, search_steps, cell_table_ptr, schedule,
     bias_rows_ptr, bias_table_ptr, reading, reads_ptr, read_values_ptr, request_temperature_ptr,
-    accumulators_ptr, extrema_ptr, n_cells, bad_rows_ptr, temperature_ptr, partials_ptr,
-    flags_ptr, chunks, chunk_columns,
+    accumulators_ptr, extrema_ptr, n_cells, bad_rows_ptr, trace_ptr, tracing, traced_ptr,
+    partials_ptr, flags_ptr, chunks, chunk_columns,
     HAS_BIAS: tl.constexpr, ACCOUNT: tl.constexpr, LOGITS_SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -286,7 +301,7 @@ def step_kernel(
             t_min = tl.load(cell_table_ptr + cell * 4 + 2)
             t_max = tl.load(cell_table_ptr + cell * 4 + 3)
             temperature = tl.minimum(tl.maximum(value, t_min), t_max)
-    tl.store(temperature_ptr + row, temperature, mask=chunk == 0)
+    _trace(trace_ptr, row, slot, key, temperature, tracing, traced_ptr, chunk == 0)
     start = chunk * chunk_columns
     end = tl.minimum(start + chunk_columns, vocab)
     flags = _divide(row_start, bias_start, bias_row, start, end, temperature, HAS_BIAS, BLOCK)

@@ -69,7 +69,7 @@ class FusedStep:
     """The fused step of one `SlotTuning` on ``device``: the launch of the kernels, their
     scratch (grown to the most rows seen) and their warm-up. ``programs``: split rows into
     chunks below this many rows (`chunking`; default `_PROGRAMS_PER_SM` per multiprocessor on
-    CUDA, 1 elsewhere: whole rows)."""
+    CUDA, 0 elsewhere: whole rows)."""
 
     def __init__(self, device: torch.device, *, programs: int | None = None) -> None:
         self.device = device
@@ -78,7 +78,7 @@ class FusedStep:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
             programs = _PROGRAMS_PER_SM * sms
         self.programs = programs
-        self.temperature = torch.empty(0, dtype=torch.float32, device=device)
+        self._trace = torch.empty(0, dtype=torch.float32, device=device)
         self._flags = torch.zeros(0, dtype=torch.int32, device=device)
         self._partials = torch.empty(0, dtype=torch.float32, device=device)
 
@@ -93,14 +93,18 @@ class FusedStep:
         bias_rows: torch.Tensor | None,
         tuned: torch.Tensor | None,
         accounts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        traced: torch.Tensor | None = None,
         schedule: bool,
         reading: bool,
         logits_scaled: bool,
     ) -> torch.Tensor | None:
         """One step in place on ``logits`` [R, V], with no host sync: each row's slot's bias
         (``bias_rows`` [slots] its row of ``tables["bias_table"]``, 0 none; None: no slot holds
-        one), divided by its T*; returns the rows' T* [R] float32 (a view of scratch, valid
-        until the next call), or None, touching nothing, for tensors the kernels do not take.
+        one), divided by its T*; returns the step's trace [4, R] float32 (a view of scratch,
+        valid until the next call): row 2 each row's T*, and with ``traced`` ([slots] bool:
+        which slots are traced) rows 0, 1, 3 each row's slot, step and whether its slot is
+        traced, as `Reporter.stage_trace` takes them; or None, touching nothing, for tensors
+        the kernels do not take.
 
         ``tables``: the `SlotTuning`'s ``edge_keys``, ``cell_table``, ``bias_table``,
         ``reads`` and ``read_values`` (`row_reads.RowReads`) and ``request_temperature``.
@@ -112,14 +116,14 @@ class FusedStep:
         or all -inf) of a tuned slot (``tuned`` [slots] bool, None: every row's) adds 1 to the
         bad rows: what the torch path of `SlotTuning.tune` does, up to the order of the
         floating-point sums, with the IEEE division."""
-        if not self._takes(logits, (slots, keys, counted), tables, bias_rows, tuned):
+        if not self._takes(logits, (slots, keys, counted), tables, bias_rows, (tuned, traced)):
             return None
         rows, vocab = logits.shape
         chunks, chunk_columns = chunking(rows, vocab, self.programs)
         self._fit(rows, chunks)
-        temperature = self.temperature[:rows]
+        trace = self._trace[: 4 * rows].view(4, rows)
         if rows == 0:
-            return temperature
+            return trace
         bias_table = tables["bias_table"]
         bias_rows_or_any = bias_rows if bias_rows is not None else slots
         reads, request_temperature = tables["reads"], tables["request_temperature"]
@@ -130,7 +134,7 @@ class FusedStep:
                 request_temperature, self._partials, chunks, chunk_columns,
                 HAS_BIAS=has_bias, LOGITS_SCALED=logits_scaled, BLOCK=_BLOCK, num_warps=_WARPS,
             )  # fmt: skip
-        accumulators, extrema, bad_rows = accounts or (temperature, temperature, temperature)
+        accumulators, extrema, bad_rows = accounts or (trace, trace, trace)
         edge_keys = tables["edge_keys"]
         step_kernel[(rows, chunks)](
             logits, logits.stride(0), vocab, slots, keys,
@@ -139,12 +143,13 @@ class FusedStep:
             edge_keys, edge_keys.numel(), max(1, edge_keys.numel().bit_length()),
             tables["cell_table"], int(schedule), bias_rows_or_any, bias_table, int(reading),
             reads, tables["read_values"], request_temperature,
-            accumulators, extrema, accumulators.shape[-1], bad_rows, temperature,
+            accumulators, extrema, accumulators.shape[-1], bad_rows, trace,
+            int(traced is not None), traced if traced is not None else slots,
             self._partials, self._flags, chunks, chunk_columns,
             HAS_BIAS=has_bias, ACCOUNT=accounts is not None, LOGITS_SCALED=logits_scaled,
             BLOCK=_BLOCK, num_warps=_WARPS,
         )  # fmt: skip
-        return temperature
+        return trace
 
     def warm_up(
         self, vocab: int, *, counted: torch.dtype | None, accounting: bool, logits_scaled: bool
@@ -171,8 +176,8 @@ class FusedStep:
             for self.programs, bias_rows in itertools.product((1, 2), (None, slots)):
                 self(
                     torch.zeros(1, vocab, device=device), slots, slots, rows, tables=tables,
-                    bias_rows=bias_rows, tuned=None, accounts=accounts, schedule=True,
-                    reading=True, logits_scaled=logits_scaled,
+                    bias_rows=bias_rows, tuned=None, accounts=accounts, traced=slots == 0,
+                    schedule=True, reading=True, logits_scaled=logits_scaled,
                 )  # fmt: skip
         finally:
             self.programs = programs
@@ -180,8 +185,8 @@ class FusedStep:
     def _fit(self, rows: int, chunks: int) -> None:
         """Scratch for ``rows`` rows of ``chunks`` chunks (the flags start at zero and the
         kernels leave them so)."""
-        if self.temperature.numel() < rows:
-            self.temperature = torch.empty(rows, dtype=torch.float32, device=self.device)
+        if self._trace.numel() < 4 * rows:
+            self._trace = torch.empty(4 * rows, dtype=torch.float32, device=self.device)
             self._flags = torch.zeros(2 * rows, dtype=torch.int32, device=self.device)
         if chunks > 1 and self._partials.numel() < rows * chunks * _MOMENTS:
             self._partials = torch.empty(
@@ -194,7 +199,7 @@ class FusedStep:
         per_row: tuple[torch.Tensor | None, ...],
         tables: dict[str, torch.Tensor],
         bias_rows: torch.Tensor | None,
-        tuned: torch.Tensor | None,
+        per_slot: tuple[torch.Tensor | None, ...],
     ) -> bool:
         """Whether the kernels run on these tensors (they index them so): float32 logits
         [R, V] of unit column stride, 1-D contiguous vectors (``per_row`` of R entries),
@@ -208,7 +213,7 @@ class FusedStep:
             and all(tensor is None or _is_vector(tensor, logits.shape[0]) for tensor in per_row)
             and all(_is_vector(tables[name]) for name in ("edge_keys", "read_values"))
             and _is_vector(tables["request_temperature"])
-            and (tuned is None or _is_vector(tuned))
+            and all(flags is None or _is_vector(flags) for flags in per_slot)
             and (bias_rows is None or _is_vector(bias_rows))
             and _is_table(tables["cell_table"], 4)
             and _is_table(tables["reads"], 4)

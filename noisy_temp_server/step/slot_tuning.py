@@ -142,8 +142,8 @@ class SlotTuning(SlotTables):
         """`tune` in the fused kernels (`fused_step`), then the reports; False, having done
         nothing, where the kernels do not take the tensors."""
         assert self.fused_step is not None
-        reporting = self.reporter is not None
-        temperature = self.fused_step(
+        reporter = self.reporter
+        trace = self.fused_step(
             logits,
             slots,
             keys,
@@ -151,14 +151,17 @@ class SlotTuning(SlotTables):
             tables=self._step_tables(),
             bias_rows=self.bias.slot_rows if self.bias.biased_slots else None,
             tuned=None if all_rows_tuned else self.tuned,
-            accounts=(self.accumulators, self.extrema, self.bad_rows) if reporting else None,
+            accounts=None if reporter is None else (self.accumulators, self.extrema, self.bad_rows),
+            traced=self.traced if self.n_traced and reporter is not None else None,
             schedule=bool(self._n_scheduled),
             reading=bool(self._row_policies),
             logits_scaled=self.logits_scaled,
         )
-        if temperature is not None and reporting:
-            self._stage_reports(slots, keys, None, temperature)
-        return temperature is not None
+        if trace is not None and reporter is not None:
+            if self.n_traced:  # the kernel wrote the trace's rows
+                reporter.stage_trace(trace)
+            reporter.stage_snapshot(self.state, self.layout)
+        return trace is not None
 
     def _step_tables(self) -> dict[str, torch.Tensor]:
         """The tables the fused step reads (`fused_step.FusedStep`)."""

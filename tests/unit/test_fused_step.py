@@ -1,11 +1,12 @@
 """The fused step (`step.fused_step`, Triton kernels) against the torch path of
-`SlotTuning.tune`, in Triton's interpreter on the CPU: the same logits, T* summaries and bad
-rows, over rows whose telling value sits in one block of the kernel's columns only (a last live
-token, one NaN, one +inf), slots with two biases and none, an untuned slot, a traced slot, a row
-not counted, and the tensors each vLLM runner hands over; for the table rules bit for bit, for
-``schedule`` and the rules that read the served row (``fisher``, a calibrated table over the
-entropy, rows of many entropies) within float32 rounding, rows whole and split into chunks; the
-warm-up touches nothing; and it falls back to the torch path for tensors it does not take. On
+`SlotTuning.tune`, in Triton's interpreter on the CPU: the same logits, T* summaries, bad rows
+and traces, over rows whose telling value sits in one block of the kernel's columns only (a
+last live token, one NaN, one +inf), slots with two biases and none, an untuned slot, a traced
+slot, a row not counted, and the tensors each vLLM runner hands over; for the table rules bit
+for bit, for ``schedule`` and the rules that read the served row (``fisher``, a calibrated table
+over the entropy, rows of many entropies) within float32 rounding, rows whole and split into
+chunks; the warm-up touches nothing; and it falls back to the torch path for tensors it does
+not take. Both kernels also compile for sm_90 (no GPU needed). On
 CUDA, `benchmarks/gpu_check.py` runs the same comparison.
 
 Triton's interpreter must be chosen before Triton is first imported, so the comparisons run in a
@@ -152,6 +153,23 @@ class _Launches:
             self.tuning.fused_step = counted  # type: ignore[assignment]
 
 
+class _Traces:
+    """Keeps the step traces a `Reporter` sends (and drops its other messages)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int, float]] = []
+
+    def send_step(self, records: list[tuple[str, int, float]]) -> bool:
+        self.steps.extend(records)
+        return True
+
+    def send_summaries(self, records: object) -> bool:
+        return True
+
+    def send_rows(self, *parts: object) -> bool:
+        return True
+
+
 def _tuning(
     case: _Case, *, fused: bool, reporting: bool, logits_scaled: bool = False, programs: int = 0
 ) -> tuple[SlotTuning, Reporter | None, _Launches]:
@@ -160,7 +178,7 @@ def _tuning(
     reporter = None
     if reporting:
         metrics = step_temperature_metrics(CollectorRegistry())
-        reporter = Reporter(None, metrics, slots=slots + 1, interval_s=3600.0)
+        reporter = Reporter(_Traces(), metrics, slots=slots + 1, interval_s=3600.0)
     tuning = SlotTuning(
         slots,
         torch.device("cpu"),
@@ -285,6 +303,16 @@ def test_every_rule_does_what_the_torch_path_does(runner: str, programs: int) ->
         torch.testing.assert_close(tuned, expected, equal_nan=True, rtol=2e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), rtol=2e-5, atol=0)
     assert got[2] == want[2] == 2 * 3.0
+    traces = [reporter.sender.steps for reporter in (reference[1], fused[1])]  # type: ignore[union-attr]
+    assert [record[:2] for record in traces[1]] == [record[:2] for record in traces[0]]
+    slot_1 = [("request-1", 5), ("request-1", 1), ("request-1", 7), ("request-1", 3)]
+    assert [record[:2] for record in traces[0]] == slot_1  # its rows of both steps
+    torch.testing.assert_close(
+        torch.tensor([r[2] for r in traces[1]]),
+        torch.tensor([r[2] for r in traces[0]]),
+        rtol=2e-5,
+        atol=0,
+    )
     temperatures = _logits(EVERY_RULE, 2).nan_to_num() / got[0][1].nan_to_num()
     distinct = {round(float(t), 3) for t in temperatures[6:, 0]}
     assert len(distinct) >= 5  # the rows' T* differ: the test can tell them apart
@@ -364,7 +392,8 @@ _POINTERS = {
     "accumulators_ptr": "*fp64",
     "extrema_ptr": "*fp64",
     "bad_rows_ptr": "*fp64",
-    "temperature_ptr": "*fp32",
+    "trace_ptr": "*fp32",
+    "traced_ptr": "*i1",
     "partials_ptr": "*fp32",
     "flags_ptr": "*i32",
 }

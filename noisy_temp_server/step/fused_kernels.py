@@ -257,9 +257,12 @@ def _last_arrival(flags_ptr, row, flags, chunks):
     return last, flags
 
 
-@triton.jit(
-    do_not_specialize=["n_edge_keys", "search_steps", "n_cells", "chunks", "reading", "tracing"]
-)
+_RUNTIME = ["has_counted", "check_tuned", "schedule", "reading", "tracing", "chunks"]
+"""Flags and counts that change from step to step: not specialised on (an integer 1, or a
+multiple of 16 such as 0, would compile a variant of its own)."""
+
+
+@triton.jit(do_not_specialize=["n_edge_keys", "search_steps", "n_cells", *_RUNTIME])
 def step_kernel(
     logits_ptr, row_stride, vocab, slots_ptr, keys_ptr, counted_ptr, has_counted, tuned_ptr,
     check_tuned, edge_keys_ptr, n_edge_keys, search_steps, cell_table_ptr, schedule,

@@ -81,6 +81,9 @@ class FusedStep:
         self._trace = torch.empty(0, dtype=torch.float32, device=device)
         self._flags = torch.zeros(0, dtype=torch.int32, device=device)
         self._partials = torch.empty(0, dtype=torch.float32, device=device)
+        # Stands in for an absent per-slot flag table: a bool pointer, as the tables are, so
+        # that the kernel has one variant whether they are given or not.
+        self._no_flags = torch.zeros(1, dtype=torch.bool, device=device)
 
     def __call__(
         self,
@@ -139,12 +142,12 @@ class FusedStep:
         step_kernel[(rows, chunks)](
             logits, logits.stride(0), vocab, slots, keys,
             counted if counted is not None else slots, int(counted is not None),
-            tuned if tuned is not None else slots, int(tuned is not None),
+            tuned if tuned is not None else self._no_flags, int(tuned is not None),
             edge_keys, edge_keys.numel(), max(1, edge_keys.numel().bit_length()),
             tables["cell_table"], int(schedule), bias_rows_or_any, bias_table, int(reading),
             reads, tables["read_values"], request_temperature,
             accumulators, extrema, accumulators.shape[-1], bad_rows, trace,
-            int(traced is not None), traced if traced is not None else slots,
+            int(traced is not None), traced if traced is not None else self._no_flags,
             self._partials, self._flags, chunks, chunk_columns,
             HAS_BIAS=has_bias, ACCOUNT=accounts is not None, LOGITS_SCALED=logits_scaled,
             BLOCK=_BLOCK, num_warps=_WARPS,

@@ -426,10 +426,12 @@ def check_warm_up(
 ) -> dict[str, Any]:
     """The first steps of a fresh processor (``fisher`` with a bias: every kernel the fused step
     launches), before any other in this process: its construction's seconds, which include the
-    fused step's warm-up (on CUDA), and the host time of its first two steps, which should not
-    differ by a compilation."""
+    fused step's warm-up (on CUDA), the host time of its first two steps, which should not
+    differ by a compilation, and how many kernel variants the warm-up and then the steps
+    compiled (the steps: none)."""
     batch, vocab = served.shape
     started = time.perf_counter()
+    before = _compiled_variants()
     harness = StepHarness(
         fixture.policy(POLICIES["fisher"], "bias"),
         batch,
@@ -442,6 +444,7 @@ def check_warm_up(
     )
     result: dict[str, Any] = {"rule": "fisher", "correction": "bias", "batch": batch}
     result |= {"vocab": vocab, "construction_s": round(time.perf_counter() - started, 3)}
+    after_warm_up = _compiled_variants()
     logits = served.to(device)
     keys, steps = harness.keys(STEPS[0])
     for name in ("first_step_host_us", "second_step_host_us"):
@@ -450,9 +453,26 @@ def check_warm_up(
         with torch.inference_mode():
             harness.step(logits, keys, steps)
         result[name] = round((time.perf_counter() - started) * 1e6, 1)
+    counts = [before, after_warm_up, _compiled_variants()]
+    known = None not in counts
+    result["variants_compiled_at_warm_up"] = counts[1] - counts[0] if known else None
+    result["variants_compiled_by_the_steps"] = counts[2] - counts[1] if known else None
     harness.close()
     _progress("warm-up")
     return result
+
+
+def _compiled_variants() -> int | None:
+    """How many variants of the fused kernels this process has compiled (Triton's per-device
+    caches); None where they are not compiled (Triton's interpreter, no Triton)."""
+    try:
+        from noisy_temp_server.step import fused_kernels  # noqa: PLC0415
+    except ImportError:
+        return None
+    kernels = (fused_kernels.step_kernel, fused_kernels.moments_kernel)
+    if not all(hasattr(kernel, "device_caches") for kernel in kernels):
+        return None
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
 
 def _progress(what: str) -> None:

@@ -122,6 +122,7 @@ def test_quick_cpu_run_covers_every_case_and_passes(
     warm_up = results["warm_up"]
     assert warm_up["construction_s"] > 0
     assert warm_up["first_step_host_us"] > 0
+    assert warm_up["variants_compiled_by_the_steps"] in (0, None)  # None: Triton is absent
     # Not measurable here: no sync check on a CPU, and the goal size is not in the quick sizes.
     assert all(goal["passed"] is None for goal in goals.values())
     assert results["passed"] is True

@@ -308,9 +308,10 @@ class Settings(BaseSettings):
     )
     fused_step: bool = Field(
         default=True,
-        description="On CUDA, the engine's T* step of the step-only table rules (off, fixed, "
-        "sqrt, linear, a step-only calibrated table) runs as one Triton kernel where Triton "
-        "imports; false: as separate torch operations, as on the CPU (docs/gpu.md).",
+        description="On CUDA, the engine's T* step of every rule runs as Triton kernels where "
+        "Triton imports (one launch; the rules that read the served row read it twice), "
+        "compiled when the engine starts; false: as separate torch operations, as on the CPU "
+        "(docs/gpu.md).",
     )
     trace_timeout_s: PositiveFloat = Field(
         default=2.0,

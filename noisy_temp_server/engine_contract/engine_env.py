@@ -54,8 +54,8 @@ class EngineConfig:
     default σ (logit units, 0: off) and seed. ``capture_rows_per_step``, ``capture_positions``,
     ``capture_queue_rows`` (``NTS_CAPTURE_*``, the settings of the same names): the bounds of the
     capture of served logits. ``fused_step`` (``NTS_FUSED_STEP``, the setting of the same name):
-    on CUDA, the T* step of the step-only table rules runs as one Triton kernel where Triton
-    imports (false: as separate torch operations everywhere).
+    on CUDA, the T* step of every rule runs as Triton kernels where Triton imports (false: as
+    separate torch operations everywhere).
 
     Refuses (ValueError naming the variable) a σ that is not finite and >= 0, a capture bound
     below 1, and a bias folder whose path holds ``os.pathsep`` (it could not be listed).

@@ -74,7 +74,7 @@ class SlotBias:
     is the per-step hook. ``biased_slots`` counts the slots holding a bias (host side). On the
     device, as of the last flush: ``table`` [rows, V] the vectors held (row 0: zeros) and
     ``slot_rows`` [slots] int64 each slot's row of it (0: none), which the fused step
-    (`fused_table_step`) reads in place of `add`.
+    (`fused_step`) reads in place of `add`.
     """
 
     def __init__(

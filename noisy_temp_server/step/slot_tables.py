@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,12 +34,16 @@ from noisy_temp_server.engine_contract.request_args import LogitCorrection, Requ
 from noisy_temp_server.step.engine_metrics import MAX_LABELS, OVERFLOW_STEP_BUCKET
 from noisy_temp_server.step.logit_bias import FILE_CORRECTIONS, CorrectionSource, SlotBias
 from noisy_temp_server.step.reports import Occupancy, Reporter, StateLayout
+from noisy_temp_server.step.row_reads import RowReads, cell_values, reading_edges
 from noisy_temp_server.temperature.policy import TemperaturePolicy, step_bucket_labels
 from noisy_temp_server.temperature.policy_eval import (
     StepTemperatures,
     step_temperatures,
 )
 from noisy_temp_server.temperature.rules import Rule
+
+if TYPE_CHECKING:
+    from noisy_temp_server.step.fused_step import FusedStep
 
 __all__ = ["STEP_STRIDE", "SlotTables"]
 
@@ -100,8 +104,8 @@ class SlotTables:
     `commit_last` can count it later (the V1 runner learns only a step late which row was a
     request's first token). ``vocab_size``: the logits' width, for the per-token bias
     (`logit_bias.SlotBias`; None: every bias is refused); ``corrections``: where its vectors
-    come from (the bias directories unless told). ``fused_step``: run a step of the step-only
-    table rules as one Triton kernel (`fused_table_step`): None on CUDA when Triton imports,
+    come from (the bias directories unless told). ``fused_step``: run a step as Triton kernels
+    (`fused_step`; the V1 runner's ``remember`` excepted): None on CUDA when Triton imports,
     True always (ImportError without Triton), False never.
     """
 
@@ -159,9 +163,8 @@ class SlotTables:
         self._keep_before_flush = False
         self._build_tables(_INITIAL_COLUMNS)
         self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory, source=corrections)
+        self.row_reads = RowReads(n, self.upload)
         self.fused_step = _load_fused_step(fused_step, self.device)
-        # The fused step's T* of each row, for the trace (grown to the widest step seen).
-        self.row_temperature = torch.empty(n, dtype=torch.float32, device=self.device)
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,
@@ -265,18 +268,20 @@ class SlotTables:
         self, slot: int, resolved: RequestTuning | None, request_temperature: float
     ) -> tuple[StepTemperatures, list[int]]:
         """The slot's step table and the histogram label of each of its step buckets."""
+        table = None if resolved is None else _admitted(resolved, request_temperature)
+        self.row_reads.assign(slot, None if resolved is None or table else resolved.policy)
         if resolved is None:
             return _UNTUNED_TABLE, [-1]
         policy = resolved.policy
-        table = _admitted(resolved, request_temperature)
-        if table is None:  # reads the served row: per step, `policy_temperature`
-            entry = self._row_policy(policy)
+        if table is None:  # reads the served row: per step (`row_reads`; the torch path:
+            entry = self._row_policy(policy)  # `policy_temperature`)
             entry.slots += 1
             self.host_policy_id[slot] = entry.policy_id
+            edges = reading_edges(policy)
             table = replace(
                 _UNTUNED_TABLE,
-                step_edges=policy.step_edges,
-                scale=(1.0,) * len(policy.step_edges),
+                step_edges=edges,
+                scale=cell_values(policy, edges, request_temperature),
                 t_min=resolved.t_min,
                 t_max=resolved.t_max,
             )
@@ -294,6 +299,11 @@ class SlotTables:
         self.bias.flush()
         if not self._staged:
             return
+        self._flush_tables()
+        self.row_reads.flush()
+
+    def _flush_tables(self) -> None:
+        """`flush_staged` of the slot tables: the staged slots' tables, resized to the widest."""
         latest = {slot: (resolved, temperature) for slot, resolved, temperature in self._staged}
         self._staged.clear()
         slots = list(latest)
@@ -393,16 +403,16 @@ def _count_and_value(temperature: torch.Tensor) -> torch.Tensor:
     return torch.stack((torch.ones_like(temperature), temperature)).double()
 
 
-def _load_fused_step(wanted: bool | None, device: torch.device) -> Callable[..., bool] | None:
-    """`fused_table_step.fused_table_step` where the step uses it: ``wanted`` True (Triton must
-    import), None (on CUDA when Triton imports) or False (never)."""
+def _load_fused_step(wanted: bool | None, device: torch.device) -> FusedStep | None:
+    """A `fused_step.FusedStep` where the step uses it: ``wanted`` True (Triton must import),
+    None (on CUDA when Triton imports) or False (never)."""
     if wanted is False or (wanted is None and device.type != "cuda"):
         return None
     try:
-        from noisy_temp_server.step.fused_table_step import fused_table_step  # noqa: PLC0415
+        from noisy_temp_server.step.fused_step import FusedStep  # noqa: PLC0415
     except ImportError:
         if wanted:
             raise
         _LOGGER.warning("Triton does not import: the T* step runs as separate torch operations")
         return None
-    return fused_table_step
+    return FusedStep(device)

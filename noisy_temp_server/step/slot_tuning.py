@@ -9,8 +9,8 @@ sqrt, linear, schedule, a step-only calibrated table) is therefore:
 
     bucketize + gather (+ the schedule's factor and clamp) + one division + accounting
 
-(on CUDA, for all of them but ``schedule``, one Triton kernel that does the same:
-`fused_table_step`), with no check of the logits: T* is finite and > 0 by construction, and
+(on CUDA, for every rule, Triton kernels that do the same in one launch: `fused_step`), with
+no check of the logits: T* is finite and > 0 by construction, and
 dividing a row by it never makes a finite logit non-finite nor changes which logits are NaN or
 ±inf, so a *bad row* (NaN or +inf logits, or all masked) reaches vLLM's sampler exactly as it
 would without the processor. Rules that read the served row (``fisher``, an entropy-dependent
@@ -126,13 +126,9 @@ class SlotTuning(SlotTables):
             )
 
     def _fuses(self, *, remember: bool) -> bool:
-        """Whether this step may run as the fused kernel: it is loaded, every slot's T* is its
-        cell's constant (no slot holds ``schedule`` or a rule that reads the served row: one
-        such slot, even one Model Runner V2 keeps after its request finished, sends the whole
-        step down the torch path), and nothing is remembered."""
-        return self.fused_step is not None and not (
-            self._n_scheduled or self._row_policies or remember
-        )
+        """Whether this step may run as the fused kernels: they are loaded and nothing is
+        remembered (the V1 runner's ``remember`` keeps the torch path)."""
+        return self.fused_step is not None and not remember
 
     def _fused_tune(
         self,
@@ -143,30 +139,52 @@ class SlotTuning(SlotTables):
         *,
         all_rows_tuned: bool,
     ) -> bool:
-        """`tune` for the step-only table rules in one kernel (`fused_table_step`), then the
-        reports; False, having done nothing, where the kernel does not take the tensors."""
+        """`tune` in the fused kernels (`fused_step`), then the reports; False, having done
+        nothing, where the kernels do not take the tensors."""
         assert self.fused_step is not None
-        rows = logits.shape[0]
-        if rows > self.row_temperature.numel():  # speculative decoding: rows beyond the slots
-            self.row_temperature = torch.empty(rows, dtype=torch.float32, device=self.device)
-        temperature = self.row_temperature[:rows]
-        reporting = self.reporter is not None
-        ran = self.fused_step(
+        reporter = self.reporter
+        trace = self.fused_step(
             logits,
             slots,
             keys,
-            edge_keys=self.edge_keys,
-            cell_table=self.cell_table,
+            counted,
+            tables=self._step_tables(),
             bias_rows=self.bias.slot_rows if self.bias.biased_slots else None,
-            bias_table=self.bias.table,
-            temperature=temperature,
-            accounts=(self.accumulators, self.bad_rows) if reporting else None,
-            counted=counted,
             tuned=None if all_rows_tuned else self.tuned,
+            accounts=None if reporter is None else (self.accumulators, self.extrema, self.bad_rows),
+            traced=self.traced if self.n_traced and reporter is not None else None,
+            schedule=bool(self._n_scheduled),
+            reading=bool(self._row_policies),
+            logits_scaled=self.logits_scaled,
         )
-        if ran and reporting:
-            self._stage_reports(slots, keys, None, temperature)
-        return ran
+        if trace is not None and reporter is not None:
+            if self.n_traced:  # the kernel wrote the trace's rows
+                reporter.stage_trace(trace)
+            reporter.stage_snapshot(self.state, self.layout)
+        return trace is not None
+
+    def _step_tables(self) -> dict[str, torch.Tensor]:
+        """The tables the fused step reads (`fused_step.FusedStep`)."""
+        return {
+            "edge_keys": self.edge_keys,
+            "cell_table": self.cell_table,
+            "bias_table": self.bias.table,
+            "reads": self.row_reads.table,
+            "read_values": self.row_reads.values,
+            "request_temperature": self.request_temperature,
+        }
+
+    def warm_up(self, vocab: int, counted: torch.dtype | None) -> None:
+        """On CUDA, compile the fused kernels' variants this processor runs (logits ``vocab``
+        wide, int64 slots and step keys, counted rows of dtype ``counted`` or None), so that no
+        request's first step pays for it; nothing elsewhere, or without the fused step."""
+        if self.fused_step is not None and self.device.type == "cuda":
+            self.fused_step.warm_up(
+                vocab,
+                counted=counted,
+                accounting=self.reporter is not None,
+                logits_scaled=self.logits_scaled,
+            )
 
     def _read_rows(
         self,

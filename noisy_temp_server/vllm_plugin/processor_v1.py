@@ -84,6 +84,8 @@ class NoisyTemperatureV1(TunedProcessor, LogitsProcessor):
             keep_last=True,
             vocab_size=vocab_size,
         )
+        if not self.duplicate and self.tuning.device.type == "cuda":  # compile the fused step now
+            self.tuning.warm_up(vllm_config.model_config.get_vocab_size(), torch.int64)
         self.device = self.tuning.device
         self._pin = is_pin_memory
         sentinel = self.tuning.sentinel

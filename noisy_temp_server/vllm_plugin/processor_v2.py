@@ -82,6 +82,8 @@ class NoisyTemperatureV2(TunedProcessor, LogitsProcessor):
             registry=registry,
             vocab_size=req_states.vocab_size,
         )
+        if not self.duplicate and self.tuning.device.type == "cuda":  # compile the fused step now
+            self.tuning.warm_up(req_states.vocab_size, torch.bool)
         # `_HOLDS_TUNED` | `_HOLDS_UNTUNED` bits of each slot's latest occupant. vLLM does not
         # say when a slot is freed, so a finished occupant's bits stay until it is re-admitted.
         self._slot_kinds = np.zeros(capacity, dtype=np.uint8)

@@ -1,6 +1,7 @@
 """`benchmarks/gpu_check.py` on the CPU at small sizes, so the prepared GPU check never rots: it
-runs without vLLM, writes its JSON, and the CPU step equals itself on every case; its comparisons
-do catch a wrong logit, a NaN in the wrong place and a wrong delivered summary."""
+runs without vLLM, writes its JSON, and the CPU step equals itself on every case, and so does the
+fused step in Triton's interpreter (rows whole and split into chunks); its comparisons do catch a
+wrong logit, a NaN in the wrong place and a wrong delivered summary."""
 
 from __future__ import annotations
 
@@ -30,24 +31,52 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("gpu_check") / "results.json"
-    argv = ["--device", "cpu", "--quick", "--threads", "1", "--out", str(out)]
+def _run(out: Path, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """gpu_check.py with ``argv`` (and ``--out``) in a fresh interpreter without vLLM."""
     code = _RUN_WITHOUT_VLLM.format(
-        benchmarks=str(BENCHMARKS), argv=argv, script=str(BENCHMARKS / "gpu_check.py")
+        benchmarks=str(BENCHMARKS),
+        argv=[*argv, "--out", str(out)],
+        script=str(BENCHMARKS / "gpu_check.py"),
     )
-    env = {**os.environ, "PYTHONPATH": ""}  # the script finds the checkout's package itself
+    env = {**os.environ, **env, "PYTHONPATH": ""}  # the script finds the checkout's package
     done = subprocess.run(
         [sys.executable, "-c", code],
         check=False,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("gpu_check") / "results.json"
+    return _run(out, ["--device", "cpu", "--quick", "--threads", "1"], {})
+
+
+def test_the_fused_step_passes_in_the_interpreter(tmp_path: Path) -> None:
+    argv = [
+        "--device",
+        "cpu",
+        "--quick",
+        "--threads",
+        "1",
+        "--fused-step",
+        "on",
+        "--correctness-only",
+    ]
+    argv += ["--batches", "1", "5", "--vocabs", "5000", "--programs", "10"]  # two chunks a row
+    results = _run(tmp_path / "results.json", argv, {"TRITON_INTERPRET": "1"})
+    assert results["meta"]["fused_kernel_used"]
+    assert results["meta"]["programs"] == 10
+    cases = results["correctness"]["cases"]
+    assert len(cases) == 8 * 2 * 2
+    assert all(case["passed"] for case in cases), [c for c in cases if not c["passed"]]
+    assert results["cost"] == []
+    assert not results["cost_complete"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +113,16 @@ def test_quick_cpu_run_covers_every_case_and_passes(
         assert row["limit_us"] > 0
     assert results["copy_bandwidth_gb_s"] > 0
     goals = {goal["name"]: goal for goal in results["goals"]}
-    assert set(goals) == {"no_synchronising_call", "host_us_per_step", "step_over_divide"}
+    assert set(goals) == {
+        "no_synchronising_call",
+        "host_us_per_step",
+        "step_over_divide",
+        "reading_step_over_divide",
+    }
+    warm_up = results["warm_up"]
+    assert warm_up["construction_s"] > 0
+    assert warm_up["first_step_host_us"] > 0
+    assert warm_up["variants_compiled_by_the_steps"] in (0, None)  # None: Triton is absent
     # Not measurable here: no sync check on a CPU, and the goal size is not in the quick sizes.
     assert all(goal["passed"] is None for goal in goals.values())
     assert results["passed"] is True
@@ -112,7 +150,7 @@ def test_quick_cpu_run_measures_the_adapter_and_its_fit_matches(results: dict[st
 
 
 def test_adapter_comparisons_catch_a_wrong_delta(gpu_check: ModuleType) -> None:
-    adapter = importlib.import_module("gpu_check_adapter")
+    adapter = importlib.import_module("gpu_check_parts.adapter")
     layer = adapter._FusedLayer.random((6, 2, 2), 5, 3, torch.float32, torch.device("cpu"))
     x = torch.randn(4, 5)
     unmerged = torch.empty(4, 10)

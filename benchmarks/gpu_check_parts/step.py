@@ -136,7 +136,9 @@ class StepHarness:
     """One processor's step objects on ``device`` for ``batch`` requests of ``policy`` over
     ``vocab`` tokens (see the module docstring). ``report_interval_s``: the reporter thread's
     period (a long one: nothing is delivered before `close`, as the correctness check wants).
-    ``fused_step``: `SlotTuning`'s (None: the fused kernel on CUDA, where Triton imports).
+    ``fused_step``: `SlotTuning`'s (None: the fused kernels on CUDA, where Triton imports),
+    warmed up as the processor's construction does; ``programs``: the fused step's (below
+    this many rows it splits rows into chunks; None: the device's default).
     ``observed`` False: no slot is traced or captured (what most of live traffic is)."""
 
     def __init__(
@@ -149,6 +151,7 @@ class StepHarness:
         corrections: CorrectionSource,
         report_interval_s: float,
         fused_step: bool | None = None,
+        programs: int | None = None,
         observed: bool = True,
     ) -> None:
         self.device = device
@@ -167,6 +170,9 @@ class StepHarness:
             corrections=corrections,
             fused_step=fused_step,
         )
+        if self.tuning.fused_step is not None and programs is not None:
+            self.tuning.fused_step.programs = programs
+        self.tuning.warm_up(vocab, torch.bool)  # as `NoisyTemperatureV2` does
         self.capture = RowCapture(
             batch, reporter, CaptureBounds(), logits_scaled=False, pin_memory=pin
         )
@@ -177,7 +183,7 @@ class StepHarness:
             self.tuning.stage(slot, admitted.tuning, REQUEST_TEMPERATURE, admitted.correction)
             self.capture.admit(slot, admitted.capture_trace_id, REQUEST_TEMPERATURE, [])
         self.tuning.flush_staged()
-        self.slots_np = np.arange(batch, dtype=np.int32)
+        self.slots_np = np.arange(batch, dtype=np.int64)
         self.slots = torch.from_numpy(self.slots_np).to(device)
         # Every seventh row is a prefill chunk's: the engine discards its sample (not counted).
         self.counted = (torch.arange(batch) % 7 != 6).to(device)
@@ -233,9 +239,12 @@ class StepHarness:
 
 
 def served_logits(batch: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
-    """Random served logits [batch, vocab] on the CPU, with what the step must carry through
-    from batch 4 on: a row with masked (-inf) entries, a NaN row and an all-masked row."""
-    logits = 2.0 * torch.randn(batch, vocab, generator=generator)
+    """Random served logits [batch, vocab] on the CPU, rows of four spreads (so that their
+    entropies fall on both sides of `POLICIES`' calibrated entropy edge), with what the step
+    must carry through from batch 4 on: a row with masked (-inf) entries, a NaN row and an
+    all-masked row."""
+    spread = 2.0 + 3.0 * (torch.arange(batch) % 4).unsqueeze(1)
+    logits = spread * torch.randn(batch, vocab, generator=generator)
     if batch >= 4:
         logits[1, torch.randperm(vocab, generator=generator)[: vocab // 2]] = -torch.inf
         logits[2] = torch.nan

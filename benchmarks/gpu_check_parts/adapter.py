@@ -23,9 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_check_timing import synchronize, timed
 
 from noisy_temp_server.adapter.deltas import propagated_delta
+
+from .timing import synchronize, timed
 
 PROPAGATED_RIDGE = 10.0
 """The ridge of the timed fits: the middle of the ones calibration tries for ``propagated``

@@ -40,6 +40,7 @@ from noisy_temp_server.temperature.policy_eval import (
     step_temperatures,
 )
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.stats import RowScratch
 
 __all__ = ["STEP_STRIDE", "SlotTables"]
 
@@ -162,6 +163,9 @@ class SlotTables:
         self.fused_step = _load_fused_step(fused_step, self.device)
         # The fused step's T* of each row, for the trace (grown to the widest step seen).
         self.row_temperature = torch.empty(n, dtype=torch.float32, device=self.device)
+        # The rules that read the served row: its rescaled copy, and the statistics' buffers.
+        self.served_rows = RowScratch()
+        self.feature_rows = RowScratch()
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,

@@ -154,6 +154,9 @@ class SlotTables:
         self._n_scheduled = 0
         self._host_scheduled = np.zeros(n, dtype=bool)
         self._row_policies: dict[int, _RowPolicy] = {}
+        # Slots whose policy reads the served row at a request temperature other than 1.
+        self.n_rescaled = 0
+        self._host_rescaled = np.zeros(n, dtype=bool)
         self._row_policy_ids: dict[TemperaturePolicy, int] = {}
         self._label_ids: dict[tuple[str, str], int] = {}
         self._staged: list[tuple[int, RequestTuning | None, float]] = []
@@ -241,6 +244,8 @@ class SlotTables:
         self.host_tuned[slot] = False
         self._n_scheduled -= bool(self._host_scheduled[slot])
         self._host_scheduled[slot] = False
+        self.n_rescaled -= bool(self._host_rescaled[slot])
+        self._host_rescaled[slot] = False
 
     def _row_policy(self, policy: TemperaturePolicy) -> _RowPolicy:
         policy_id = self._row_policy_ids.get(policy)
@@ -277,6 +282,8 @@ class SlotTables:
             entry = self._row_policy(policy)
             entry.slots += 1
             self.host_policy_id[slot] = entry.policy_id
+            self._host_rescaled[slot] = request_temperature != 1.0
+            self.n_rescaled += request_temperature != 1.0
             table = replace(
                 _UNTUNED_TABLE,
                 step_edges=policy.step_edges,

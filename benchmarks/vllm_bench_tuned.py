@@ -16,8 +16,9 @@ it is (the int4 profile's ``calibrated`` rule on its checkpoint, say).
 Shadow scoring is off in both. The servers start once; each round runs ``vllm bench serve``
 (``vllm_bench_serve.bench_round``: random prompts, EOS ignored) against both, back to back, the
 order alternating, so a pair sees the same machine load. The first round is a warm-up.
-Reported: each server's median output tokens/s over ``--repeats`` rounds (min-max) and tuned /
-untuned as the median of the per-round ratios (min-max). Saved as JSON + markdown under
+Reported: each server's median output tokens per second and per CPU-second of its processes
+(API, engine, worker) over ``--repeats`` rounds (min-max), and tuned / untuned as the median of
+the per-round ratios (min-max). Saved as JSON + markdown under
 ``benchmarks/results/``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/vllm_bench_tuned.py
@@ -37,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from serving import ServerProcess
-from throughput import RESULTS_DIR, rotated
+from throughput import RESULTS_DIR, cpu_seconds, rotated
 from vllm_bench_serve import MODEL_NAME, bench_round, summary
 
 from noisy_temp_server.checkpoints.default_model import default_model_dir
@@ -80,9 +81,15 @@ def _servers(args: argparse.Namespace, profile: Path) -> list[ServerProcess]:
     ]
 
 
-def measure(args: argparse.Namespace, profile: Path, tokenizer: Path) -> dict[str, list[float]]:
-    """Output tokens/s per server, one value per measured round."""
-    throughput: dict[str, list[float]] = {UNTUNED: [], TUNED: []}
+def measure(
+    args: argparse.Namespace, profile: Path, tokenizer: Path
+) -> dict[str, dict[str, list[float]]]:
+    """Per kind (``wall``: output tokens per second; ``cpu``: output tokens per CPU-second of
+    the server's processes, which other work on the machine disturbs far less) and server, one
+    value per measured round."""
+    figures: dict[str, dict[str, list[float]]] = {
+        kind: {UNTUNED: [], TUNED: []} for kind in ("wall", "cpu")
+    }
     with ExitStack() as stack:
         servers = _servers(args, profile)
         for server in servers:
@@ -91,23 +98,34 @@ def measure(args: argparse.Namespace, profile: Path, tokenizer: Path) -> dict[st
             server.wait_healthy(args.startup_timeout)
         for repeat in range(args.repeats + 1):
             for server in rotated(servers, repeat):
+                cpu_before = cpu_seconds(server.process.pid)
                 result = bench_round(server, args, tokenizer, seed=repeat)
-                print(f"round {repeat} {server.name}: {result['output_throughput']:.1f} tok/s")
+                per_cpu = result["total_output_tokens"] / (
+                    cpu_seconds(server.process.pid) - cpu_before
+                )
+                wall = result["output_throughput"]
+                print(f"round {repeat} {server.name}: {wall:.1f} tok/s, {per_cpu:.1f} tok/CPU-s")
                 if repeat > 0:
-                    throughput[server.name].append(result["output_throughput"])
-    return throughput
+                    figures["wall"][server.name].append(wall)
+                    figures["cpu"][server.name].append(per_cpu)
+    return figures
 
 
-def table(throughput: dict[str, list[float]]) -> str:
+def table(figures: dict[str, dict[str, list[float]]]) -> str:
     """The markdown table of `measure`'s figures."""
-    ratios = summary([t / u for t, u in zip(throughput[TUNED], throughput[UNTUNED], strict=True)])
-    lines = ["| server | output tokens/s (median, min-max) | tuned / untuned (median, min-max) |",
-             "|---|---|---|"]  # fmt: skip
-    for name, values in throughput.items():
-        s = summary(values)
-        ratio = f"{ratios['median']:.3f} ({ratios['min']:.3f}-{ratios['max']:.3f})"
-        ratio = "1" if name == UNTUNED else ratio
-        lines.append(f"| {name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | {ratio} |")
+    lines = ["| server | measure | output tokens (median, min-max) "
+             "| tuned / untuned (median, min-max) |", "|---|---|---|---|"]  # fmt: skip
+    for kind, unit in (("wall", "per s"), ("cpu", "per CPU-s")):
+        values = figures[kind]
+        pairs = zip(values[TUNED], values[UNTUNED], strict=True)
+        ratios = summary([tuned / untuned for tuned, untuned in pairs])
+        for name, rounds in values.items():
+            s = summary(rounds)
+            ratio = f"{ratios['median']:.3f} ({ratios['min']:.3f}-{ratios['max']:.3f})"
+            ratio = "1" if name == UNTUNED else ratio
+            lines.append(
+                f"| {name} | {unit} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -130,8 +148,8 @@ def main() -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nts-bench-tuned-") as folder:
         profile = args.profile or entropy_profile(Path(folder))
-        throughput = measure(args, profile, args.model or default_model_dir(default_cache_dir()))
-    text = table(throughput)
+        figures = measure(args, profile, args.model or default_model_dir(default_cache_dir()))
+    text = table(figures)
     print(text)
     command = " ".join(["benchmarks/vllm_bench_tuned.py", *sys.argv[1:]])
     machine = f"{platform.platform()} ({os.cpu_count()} CPUs)"
@@ -140,7 +158,7 @@ def main() -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     document = {"command": command, "machine": machine, "minutes": minutes,
                 "settings": {k: str(v) for k, v in vars(args).items()},
-                "output_tokens_per_s": throughput}  # fmt: skip
+                "output_tokens": figures}  # fmt: skip
     (RESULTS_DIR / f"vllm-bench-tuned-{stamp}.json").write_text(json.dumps(document, indent=2))
     (RESULTS_DIR / f"vllm-bench-tuned-{stamp}.md").write_text(
         "# `vllm bench serve`: our server with every request tuned against none tuned\n\n"

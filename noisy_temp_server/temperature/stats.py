@@ -124,8 +124,8 @@ def row_dot(a: Tensor, b: Tensor, *, product: Tensor | None = None) -> Tensor:
 
 class RowScratch:
     """Reusable ``[B, V]`` buffers for statistics computed at every decode step
-    (`served_row_features`): on a CPU, fresh buffers that large are new pages each step, and
-    faulting them in costs more than the arithmetic. Each buffer grows to the most rows asked
+    (`served_row_features`): on a CPU, fresh buffers that large can be new pages each step,
+    faulted in on top of the arithmetic. Each buffer grows to the most rows asked
     for and is never shrunk (the memory the temporaries would peak at anyway). One per caller:
     not thread-safe, and a buffer is overwritten by the next `take`."""
 
@@ -151,15 +151,14 @@ class RowScratch:
 
 
 def _softmax_moments(
-    logits: Tensor, *, need_variance: bool = True, scratch: RowScratch | None = None
+    logits: Tensor, *, scratch: RowScratch | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(weights [B, V], total [B], neg_entropy [B], variance [B])`` of ``softmax(logits)``.
 
     With ``c = logits - max`` (<= 0): ``weights = exp(c)`` (unnormalised; the probabilities are
     ``weights / total``), ``total = sum(weights) >= 1`` (so the top probability is
     ``1 / total``), ``-H = E_q[c] - log(total)`` (a sum of two non-positive terms) and
-    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits;
-    NaN without its second pass when ``need_variance`` is false).
+    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits).
     One exp per element and three ``[B, V]`` temporaries: ``c`` (reused in place), ``weights``
     and the row products; taken from ``scratch`` when given (``weights`` is then overwritten by
     the next call with that scratch).
@@ -173,8 +172,6 @@ def _softmax_moments(
     shifted.clamp_(min=_SHIFTED_LOGIT_FLOOR)  # where exp() is 0, so -inf * 0 terms become 0
     mean = row_dot(weights, shifted, product=buffers[2]) / total  # E_q[c] <= 0
     neg_entropy = (mean - total.log()).clamp(max=0.0)
-    if not need_variance:
-        return weights, total, neg_entropy, torch.full_like(mean, torch.nan)
     shifted.sub_(mean.unsqueeze(-1)).square_()
     variance = row_dot(weights, shifted, product=buffers[2]) / total
     return weights, total, neg_entropy, variance

@@ -16,10 +16,11 @@ Reported per configuration: the median wall time of one ``apply()`` and of the b
 overhead at a small vocabulary is the host work per step that a GPU would otherwise wait for
 (target: ≤ 0.1 ms at batch 256 for step-only rules). Rules: ``sqrt`` (a table lookup, as off,
 fixed, linear and a step-only calibrated table), ``schedule`` (the lookup plus its closed-form
-factor), ``fisher`` (reads the served row: one softmax pass) and ``sqrt+bias`` (``sqrt`` with a
-per-token logit bias in every row's policy: the processor adds it before the division, a gather
-of the rows' bias and an add; its bare arithmetic also counts one add of a [V] vector, so its
-overhead is apply - divide - add). Each configuration is measured
+factor), ``fisher`` (reads the served row: one softmax pass), ``calibrated-entropy`` (a
+calibrated table over step and served-entropy buckets: reads the row too) and ``sqrt+bias``
+(``sqrt`` with a per-token logit bias in every row's policy: the processor adds it before the
+division, a gather of the rows' bias and an add; its bare arithmetic also counts one add of a
+[V] vector, so its overhead is apply - divide - add). Each configuration is measured
 ``--rounds`` times, the rounds spread over the run; the table shows the least disturbed round (on
 a shared machine, the cost without interference) and the median over the rounds. Saved as JSON
 + markdown under ``benchmarks/results/``.
@@ -52,7 +53,7 @@ from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProc
 from noisy_temp_server.correction.files import bias_sha256, save_bias_file
 from noisy_temp_server.engine_contract.keys import BIAS_DIR_ENV, TRACE_ENDPOINT_ENV
 from noisy_temp_server.server.trace_collector import TraceCollector
-from noisy_temp_server.temperature.policy import TemperaturePolicy
+from noisy_temp_server.temperature.policy import CalibratedTable, TemperaturePolicy
 from noisy_temp_server.temperature.rules import Rule
 from noisy_temp_server.vllm_plugin.processor import NoisyTemperatureLogitsProcessor
 
@@ -71,6 +72,14 @@ POLICIES = {
         step_edges=_EDGES,
         alpha_by_step=(0.0,) * 5,
         sigma2_by_step=(0.3, 0.2, 0.1, 0.05, 0.02),
+    ),
+    "calibrated-entropy": TemperaturePolicy(
+        rule=Rule.CALIBRATED,
+        calibrated=CalibratedTable(
+            step_edges=(0, 16),
+            entropy_edges=(0.0, 1.0, 2.0, 3.0),
+            temperatures=(((0.9, 1.0, 1.1, 1.2), (1.0, 1.1, 1.2, 1.3)),),
+        ),
     ),
 }
 BIASED = "sqrt+bias"

@@ -45,14 +45,14 @@ STOCK = "vllm-serve"
 OURS = ("nts-shadow-off", "nts-shadow-on")
 
 
-def _vllm_command() -> list[str]:
+def vllm_command() -> list[str]:
     return [sys.executable, "-m", "noisy_temp_server.vllm_plugin.vllm_command"]
 
 
 def _servers(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[ServerProcess]:
     shared = ["--max-model-len", str(args.max_model_len), "--max-num-seqs",
               str(args.max_concurrency), "--dtype", args.dtype]  # fmt: skip
-    stock = [*_vllm_command(), "serve", str(model), "--served-model-name", MODEL_NAME,
+    stock = [*vllm_command(), "serve", str(model), "--served-model-name", MODEL_NAME,
              "--enforce-eager", "--disable-uvicorn-access-log", *shared]  # fmt: skip
     ours = [sys.executable, "-m", "noisy_temp_server.cli", "serve", "--served-model", str(model),
             "--served-model-name", MODEL_NAME, "--default-rule", "fixed", "--default-t", "1.2",
@@ -68,12 +68,12 @@ def _servers(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[Ser
     ]
 
 
-def _bench_round(server: ServerProcess, args: argparse.Namespace, model: Path, seed: int) -> Any:
+def bench_round(server: ServerProcess, args: argparse.Namespace, model: Path, seed: int) -> Any:
     """One `vllm bench serve` run against `server`; its saved result."""
     endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     with tempfile.TemporaryDirectory(prefix="nts-bench-serve-") as out:
         command = [
-            *_vllm_command(), "bench", "serve", "--backend", args.backend,
+            *vllm_command(), "bench", "serve", "--backend", args.backend,
             "--base-url", server.url, "--endpoint", endpoint, "--model", MODEL_NAME,
             "--tokenizer", str(model), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
@@ -88,7 +88,7 @@ def _bench_round(server: ServerProcess, args: argparse.Namespace, model: Path, s
     return result
 
 
-def _summary(values: list[float]) -> dict[str, float]:
+def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
@@ -104,7 +104,7 @@ def measure(args: argparse.Namespace, model: Path) -> dict[str, list[float]]:
             server.wait_healthy(args.startup_timeout)
         for repeat in range(args.repeats + 1):
             for server in rotated(servers, repeat):
-                result = _bench_round(server, args, model, seed=repeat)
+                result = bench_round(server, args, model, seed=repeat)
                 print(f"round {repeat} {server.name}: {result['output_throughput']:.1f} tok/s")
                 if repeat > 0:
                     throughput[server.name].append(result["output_throughput"])
@@ -115,10 +115,10 @@ def _table(throughput: dict[str, list[float]]) -> str:
     lines = ["| server | output tokens/s (median, min-max) | ours / stock (median, min-max) |",
              "|---|---|---|"]  # fmt: skip
     for name, values in throughput.items():
-        s = _summary(values)
+        s = summary(values)
         ratio = "1"
         if name != STOCK:
-            r = _summary([a / b for a, b in zip(values, throughput[STOCK], strict=True)])
+            r = summary([a / b for a, b in zip(values, throughput[STOCK], strict=True)])
             ratio = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
         lines.append(f"| {name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | {ratio} |")
     return "\n".join(lines)

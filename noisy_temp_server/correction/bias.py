@@ -47,6 +47,7 @@ from noisy_temp_server.correction.paired_rows import (
     kl_objective,
 )
 from noisy_temp_server.temperature.rules import TemperatureBounds
+from noisy_temp_server.temperature.stats import row_dot
 
 __all__ = [
     "DEFAULT_PENALTIES",
@@ -267,7 +268,7 @@ def diagonal_curvature(rows: PairedRows) -> Tensor:
     second_moment = torch.zeros((), dtype=torch.float64, device=rows.served_shifted.device)
     for chunk in rows.chunks():
         served = rows.served_shifted[chunk]
-        moment = torch.einsum("bv,bv->b", rows.clean_prob[chunk], served.square())
+        moment = row_dot(rows.clean_prob[chunk], served.square())
         second_moment += moment.double().sum()
     var_u = second_moment / len(rows) - rows.served_mean.square().mean()
     p_mean = rows.clean_prob.sum(dim=0, dtype=torch.float64) / len(rows)

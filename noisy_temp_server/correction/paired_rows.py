@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from noisy_temp_server.temperature.stats import KLTerms
+from noisy_temp_server.temperature.stats import KLTerms, row_dot
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -135,7 +135,7 @@ def kl_objective(rows: PairedRows, u: Tensor, c: Tensor) -> tuple[Tensor, Tensor
         q = scaled.sub_(lse).exp_()
         lse_total += lse.double().sum()
         q_mean += q.sum(dim=0, dtype=torch.float64)
-        q_served += torch.einsum("bv,bv->b", q, served).double().sum()
+        q_served += row_dot(q, served).double().sum()
     count = len(rows)
     p_mean = rows.clean_prob.sum(dim=0, dtype=torch.float64) / count
     value = (

@@ -41,6 +41,7 @@ from noisy_temp_server.temperature.policy_eval import (
     step_temperatures,
 )
 from noisy_temp_server.temperature.rules import Rule
+from noisy_temp_server.temperature.stats import RowScratch
 
 if TYPE_CHECKING:
     from noisy_temp_server.step.fused_step import FusedStep
@@ -157,6 +158,9 @@ class SlotTables:
         self._n_scheduled = 0
         self._host_scheduled = np.zeros(n, dtype=bool)
         self._row_policies: dict[int, _RowPolicy] = {}
+        # Slots whose policy reads the served row at a request temperature other than 1.
+        self.n_rescaled = 0
+        self._host_rescaled = np.zeros(n, dtype=bool)
         self._row_policy_ids: dict[TemperaturePolicy, int] = {}
         self._label_ids: dict[tuple[str, str], int] = {}
         self._staged: list[tuple[int, RequestTuning | None, float]] = []
@@ -165,6 +169,9 @@ class SlotTables:
         self.bias = SlotBias(n, vocab_size, self.device, pin_memory=pin_memory, source=corrections)
         self.row_reads = RowReads(n, self.upload)
         self.fused_step = _load_fused_step(fused_step, self.device)
+        # The rules that read the served row: its rescaled copy, and the statistics' buffers.
+        self.served_rows = RowScratch()
+        self.feature_rows = RowScratch()
 
     def _build_tables(self, columns: int) -> None:
         """(Re)build the device tables for ``columns`` buckets per slot from the host mirrors,
@@ -240,6 +247,8 @@ class SlotTables:
         self.host_tuned[slot] = False
         self._n_scheduled -= bool(self._host_scheduled[slot])
         self._host_scheduled[slot] = False
+        self.n_rescaled -= bool(self._host_rescaled[slot])
+        self._host_rescaled[slot] = False
 
     def _row_policy(self, policy: TemperaturePolicy) -> _RowPolicy:
         policy_id = self._row_policy_ids.get(policy)
@@ -278,6 +287,8 @@ class SlotTables:
             entry.slots += 1
             self.host_policy_id[slot] = entry.policy_id
             edges = reading_edges(policy)
+            self._host_rescaled[slot] = request_temperature != 1.0
+            self.n_rescaled += request_temperature != 1.0
             table = replace(
                 _UNTUNED_TABLE,
                 step_edges=edges,

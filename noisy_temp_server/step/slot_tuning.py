@@ -224,19 +224,32 @@ class SlotTuning(SlotTables):
         cache: dict[Rule, ServedRowFeatures],
     ) -> ServedRowFeatures:
         """The served-row features ``policy`` reads, computed once per step and rule over the
-        whole batch."""
+        whole batch. The rows are rescaled by their request temperature only while some slot
+        that reads the served row has one other than 1 (`n_rescaled`)."""
         rule = policy.rule
         if rule not in cache:
             scale = request_temperature.unsqueeze(1)
+            rescale = self.n_rescaled > 0
             if rule is Rule.FISHER:
                 # Var under softmax(z~ / T_req), in units of z~.
-                corrected = logits if self.logits_scaled else logits / scale
-                found = served_row_features(corrected, validate=False)
+                divide = rescale and not self.logits_scaled
+                corrected = self._rescaled(logits, scale, divide=True) if divide else logits
+                found = served_row_features(corrected, validate=False, scratch=self.feature_rows)
                 cache[rule] = replace(found, var_q=found.var_q * request_temperature.square())
             else:
-                served = logits * scale if self.logits_scaled else logits
-                cache[rule] = served_row_features(served, validate=False, need_variance=False)
+                multiply = rescale and self.logits_scaled
+                served = self._rescaled(logits, scale, divide=False) if multiply else logits
+                cache[rule] = served_row_features(
+                    served, validate=False, need_variance=False, scratch=self.feature_rows
+                )
         return cache[rule]
+
+    def _rescaled(self, logits: torch.Tensor, scale: torch.Tensor, *, divide: bool) -> torch.Tensor:
+        """``logits / scale`` (``divide``) or ``logits * scale``, in the reused buffer
+        `served_rows` (overwritten by the next call)."""
+        (copy,) = self.served_rows.take(1, logits, logits.dtype)
+        operation = torch.div if divide else torch.mul
+        return operation(logits, scale, out=copy)
 
     def _account(
         self,

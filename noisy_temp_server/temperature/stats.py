@@ -28,10 +28,12 @@ __all__ = [
     "NonFiniteLogitsError",
     "PairStatistics",
     "PairTerms",
+    "RowScratch",
     "ServedRowFeatures",
     "check_logits",
     "compute_dtype",
     "pair_statistics",
+    "row_dot",
     "served_row_features",
     "stable_log_softmax",
 ]
@@ -113,34 +115,65 @@ def stable_log_softmax(logits: Tensor) -> Tensor:
     return torch.log_softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
 
 
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """Row-wise dot product of two ``[B, V]`` tensors -> ``[B]``, without a ``[B, V]`` product."""
-    return torch.einsum("bv,bv->b", a, b)
+def row_dot(a: Tensor, b: Tensor, *, product: Tensor | None = None) -> Tensor:
+    """Row-wise dot product of two ``[B, V]`` tensors -> ``[B]``: one vectorised multiply into
+    ``product`` (a ``[B, V]`` buffer; None: a new one) and one sum (on a CPU, ``einsum``'s
+    batched matrix product is several times slower for B > 1)."""
+    return torch.mul(a, b, out=product).sum(dim=-1)
+
+
+class RowScratch:
+    """Reusable ``[B, V]`` buffers for statistics computed at every decode step
+    (`served_row_features`): on a CPU, fresh buffers that large can be new pages each step,
+    faulted in on top of the arithmetic. Each buffer grows to the most rows asked
+    for and is never shrunk (the memory the temporaries would peak at anyway). One per caller:
+    not thread-safe, and a buffer is overwritten by the next `take`."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Tensor] = []
+
+    def take(self, count: int, like: Tensor, dtype: torch.dtype) -> list[Tensor]:
+        """``count`` distinct contiguous buffers of ``like``'s shape (2-D) and device, in
+        ``dtype``; their contents are undefined."""
+        rows, width = like.shape
+        for index in range(count):
+            held = self._buffers[index] if index < len(self._buffers) else None
+            if (
+                held is None
+                or held.shape[0] < rows
+                or held.shape[1] != width
+                or held.dtype != dtype
+                or held.device != like.device
+            ):
+                fresh = torch.empty((rows, width), dtype=dtype, device=like.device)
+                self._buffers[index : index + 1] = [fresh]
+        return [buffer[:rows] for buffer in self._buffers[:count]]
 
 
 def _softmax_moments(
-    logits: Tensor, *, need_variance: bool = True
+    logits: Tensor, *, scratch: RowScratch | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(weights [B, V], total [B], neg_entropy [B], variance [B])`` of ``softmax(logits)``.
 
     With ``c = logits - max`` (<= 0): ``weights = exp(c)`` (unnormalised; the probabilities are
     ``weights / total``), ``total = sum(weights) >= 1`` (so the top probability is
     ``1 / total``), ``-H = E_q[c] - log(total)`` (a sum of two non-positive terms) and
-    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits;
-    NaN without its second pass when ``need_variance`` is false).
-    One exp per element and two ``[B, V]`` temporaries: ``c`` (reused in place) and ``weights``.
+    ``variance = E_q[(c - E_q[c])^2]`` (two-pass: the softmax-weighted variance of the logits).
+    One exp per element and three ``[B, V]`` temporaries: ``c`` (reused in place), ``weights``
+    and the row products; taken from ``scratch`` when given (``weights`` is then overwritten by
+    the next call with that scratch).
     """
     dtype = compute_dtype(logits.dtype)
-    shifted = logits.to(dtype) - logits.amax(dim=-1, keepdim=True).to(dtype)  # [B, V]
-    weights = shifted.exp()  # [B, V]
+    buffers = [None] * 3 if scratch is None else scratch.take(3, logits, dtype)
+    peak = logits.amax(dim=-1, keepdim=True).to(dtype)
+    shifted = torch.sub(logits.to(dtype), peak, out=buffers[0])  # [B, V]
+    weights = torch.exp(shifted, out=buffers[1])  # [B, V]
     total = weights.sum(dim=-1)
     shifted.clamp_(min=_SHIFTED_LOGIT_FLOOR)  # where exp() is 0, so -inf * 0 terms become 0
-    mean = _row_dot(weights, shifted) / total  # E_q[c] <= 0
+    mean = row_dot(weights, shifted, product=buffers[2]) / total  # E_q[c] <= 0
     neg_entropy = (mean - total.log()).clamp(max=0.0)
-    if not need_variance:
-        return weights, total, neg_entropy, torch.full_like(mean, torch.nan)
     shifted.sub_(mean.unsqueeze(-1)).square_()
-    variance = _row_dot(weights, shifted) / total
+    variance = row_dot(weights, shifted, product=buffers[2]) / total
     return weights, total, neg_entropy, variance
 
 
@@ -178,19 +211,42 @@ class ServedRowFeatures:
 
 
 def served_row_features(
-    served: Tensor, *, validate: bool = True, need_variance: bool = True
+    served: Tensor,
+    *,
+    validate: bool = True,
+    need_variance: bool = True,
+    scratch: RowScratch | None = None,
 ) -> ServedRowFeatures:
     """Entropy, softmax-weighted variance and top probability of each served row.
 
-    Built for the per-step logits processor: one exp per element and two ``[B, V]`` temporaries
-    in the compute dtype. With ``validate=False`` it skips :func:`check_logits` (and its device
-    sync); invalid rows then give NaN features instead of raising. With
-    ``need_variance=False`` it skips the second pass over the row and ``var_q`` is all NaN.
+    Built for the per-step logits processor: one exp per element. With ``need_variance=False``
+    (``var_q`` all NaN) one fused softmax and one product over the row (`_softmax_entropy`);
+    otherwise the moments' passes and three ``[B, V]`` temporaries in the compute dtype, taken
+    from ``scratch`` when given (the processor's, reused every step). With ``validate=False`` it
+    skips :func:`check_logits` (and its device sync); invalid rows then give NaN features
+    instead of raising.
     """
     if validate:
         check_logits(served, name="served logits")
-    _, total, neg_entropy, var_q = _softmax_moments(served, need_variance=need_variance)
+    if not need_variance:
+        entropy, top_prob = _softmax_entropy(served)
+        return ServedRowFeatures(entropy, torch.full_like(entropy, torch.nan), top_prob)
+    _, total, neg_entropy, var_q = _softmax_moments(served, scratch=scratch)
     return ServedRowFeatures(entropy=-neg_entropy, var_q=var_q, top_prob=total.reciprocal())
+
+
+def _softmax_entropy(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """``(entropy [B], top probability [B])`` of ``softmax(logits)``, for the per-step path:
+    one fused softmax and one in-place product over ``[B, V]`` (one temporary), half the passes
+    of `_softmax_moments`. ``H = logsumexp - E_q[logits]``, where ``logsumexp = max - log(top
+    probability)``; masked tokens (-inf, probability 0) are left out of ``E_q``. A row with NaN
+    or +inf logits, or every token masked, gets NaN."""
+    values = logits.to(compute_dtype(logits.dtype))
+    prob = torch.softmax(values, dim=-1)  # [B, V]
+    top_prob = prob.amax(dim=-1)
+    log_total = values.amax(dim=-1) - top_prob.log()
+    mean = prob.mul_(values).nansum(dim=-1)  # 0 * -inf is NaN: the masked tokens' terms
+    return (log_total - mean).clamp(min=0.0), top_prob
 
 
 @dataclass(frozen=True)
@@ -232,11 +288,11 @@ class KLTerms:
         served = served.to(prob.dtype)
         shifted = served - served.amax(dim=-1, keepdim=True)
         if not _has_masked(shifted):
-            return cls(neg_entropy, _row_dot(prob, shifted), shifted, shifted)
+            return cls(neg_entropy, row_dot(prob, shifted), shifted, shifted)
         filled = torch.nan_to_num(shifted, neginf=0.0)
         supported = prob > 0
         support_masked = (supported & torch.isneginf(shifted)).any(dim=-1)
-        mean = torch.where(support_masked, float("-inf"), _row_dot(prob, filled))
+        mean = torch.where(support_masked, float("-inf"), row_dot(prob, filled))
         return cls(neg_entropy, mean, shifted, filled)
 
     def kl(self, inverse_temperature: Tensor) -> Tensor:
@@ -264,8 +320,8 @@ class KLTerms:
         scaled = self.served_shifted * u  # [B, V]
         log_normaliser = torch.logsumexp(scaled, dim=-1)  # [B]
         q = scaled.sub_(log_normaliser.unsqueeze(-1)).exp_()  # softmax(u * s), in place
-        mean_q = _row_dot(q, self.served_filled)
-        var_q = _row_dot(q, (self.served_filled - mean_q.unsqueeze(-1)).square())
+        mean_q = row_dot(q, self.served_filled)
+        var_q = row_dot(q, (self.served_filled - mean_q.unsqueeze(-1)).square())
         kl = self.neg_entropy_clean - u.squeeze(-1) * self.served_mean_under_clean + log_normaliser
         return kl.clamp(min=0.0), mean_q - self.served_mean_under_clean, var_q
 

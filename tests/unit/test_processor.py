@@ -423,3 +423,31 @@ def test_calibrated_bands_follow_each_request_temperature(
     out = processor.apply(logits)
     for row, expected in enumerate((2.0, 1.5, 1.25)):
         torch.testing.assert_close(out[row], before[row] / expected, rtol=1e-6, atol=1e-6)
+
+
+def test_entropy_tables_read_each_row_at_its_request_temperature(
+    registry: CollectorRegistry,
+) -> None:
+    # The V1 processor sees z~ / T_req; the table's entropy is that of z~. The edge lies between
+    # H(z~) and H(z~ / 0.5), so a row read at the wrong scale lands in the other bucket. Rows at
+    # T_req = 1 need no rescaling; while a row at 0.5 holds a slot, the rows are rescaled.
+    served = torch.linspace(0.0, 3.0, VOCAB)
+    entropy = served_row_features(served.unsqueeze(0)).entropy.item()
+    sharper = served_row_features((served / 0.5).unsqueeze(0)).entropy.item()
+    table = CalibratedTable(
+        entropy_edges=(0.0, (entropy + sharper) / 2), temperatures=(((2.0, 3.0),),)
+    )
+    policy = TemperaturePolicy(rule=Rule.CALIBRATED, calibrated=table).to_json()
+    processor = _processor(registry)
+    _add(processor, 1, (0, _params(1.0, nts_policy=policy), []))
+    assert processor.tuning.n_rescaled == 0
+    out = processor.apply(served.unsqueeze(0).clone())
+    torch.testing.assert_close(out[0], served / 3.0)
+    _add(processor, 2, (1, _params(0.5, nts_policy=policy), []))
+    assert processor.tuning.n_rescaled == 1
+    out = processor.apply(torch.stack((served, served / 0.5)))
+    torch.testing.assert_close(out, torch.stack((served / 3.0, served / 0.5 / 3.0)))
+    processor.update_state(BatchUpdate(batch_size=1, removed=[1], added=[], moved=[]))
+    assert processor.tuning.n_rescaled == 0
+    out = processor.apply(served.unsqueeze(0).clone())
+    torch.testing.assert_close(out[0], served / 3.0)

@@ -15,6 +15,7 @@ from noisy_temp_server.temperature.stats import (
     KLTerms,
     NonFiniteLogitsError,
     PairTerms,
+    RowScratch,
     check_logits,
     pair_statistics,
     served_row_features,
@@ -88,13 +89,60 @@ def test_served_row_features_by_hand() -> None:
 
 
 def test_served_row_features_without_variance_skip_only_var_q() -> None:
+    # The entropy-only path (one softmax) agrees with the moments' to float32 rounding.
     served = torch.randn(5, 40, generator=torch.Generator().manual_seed(3)) * 3
     full = served_row_features(served)
     light = served_row_features(served, need_variance=False)
-    assert torch.equal(light.entropy, full.entropy)
-    assert torch.equal(light.top_prob, full.top_prob)
+    torch.testing.assert_close(light.entropy, full.entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(light.top_prob, full.top_prob)
     assert light.var_q.shape == (5,)
     assert light.var_q.isnan().all()
+
+
+def test_entropy_only_path_by_hand_and_on_bad_rows() -> None:
+    # q = [1/4, 3/4] beside a masked token; then NaN, +inf and all-masked rows: NaN features.
+    served = torch.tensor(
+        [[0.0, LN3, -INF], [0.0, math.nan, 1.0], [0.0, INF, 1.0], [-INF, -INF, -INF]]
+    )
+    light = served_row_features(served, validate=False, need_variance=False)
+    assert light.entropy[0].item() == pytest.approx(0.25 * math.log(4) + 0.75 * math.log(4 / 3))
+    assert light.top_prob[0].item() == pytest.approx(0.75)
+    assert light.entropy[1:].isnan().all()
+
+
+def test_entropy_only_path_matches_float64_at_a_real_vocabulary() -> None:
+    served = torch.randn(4, 49_152, generator=torch.Generator().manual_seed(5)) * 4
+    served[0, :1000] = -INF
+    reference = served_row_features(served.double(), validate=False).entropy
+    light = served_row_features(served, validate=False, need_variance=False)
+    torch.testing.assert_close(light.entropy.double(), reference, rtol=0, atol=1e-4)
+
+
+def test_row_scratch_reuses_its_buffers_and_grows_to_more_rows() -> None:
+    scratch = RowScratch()
+    first, second = scratch.take(2, torch.zeros(3, 8), torch.float32)
+    assert first.shape == second.shape == (3, 8)
+    assert first.data_ptr() != second.data_ptr()
+    again, _ = scratch.take(2, torch.zeros(2, 8), torch.float32)
+    assert again.data_ptr() == first.data_ptr()
+    assert again.shape == (2, 8)
+    (grown,) = scratch.take(1, torch.zeros(5, 8), torch.float32)
+    assert grown.shape == (5, 8)
+    assert grown.is_contiguous()
+    (wider,) = scratch.take(1, torch.zeros(5, 9), torch.float64)
+    assert wider.shape == (5, 9)
+    assert wider.dtype == torch.float64
+
+
+def test_served_row_features_with_scratch_equal_without() -> None:
+    served = torch.randn(6, 300, generator=torch.Generator().manual_seed(7)) * 3
+    served[1, :50] = -INF
+    plain = served_row_features(served, validate=False)
+    scratch = RowScratch()
+    for rows in (6, 2, 6):  # reused, at fewer and again more rows
+        reused = served_row_features(served[:rows], validate=False, scratch=scratch)
+        for name in ("entropy", "var_q", "top_prob"):
+            assert torch.equal(getattr(reused, name), getattr(plain, name)[:rows])
 
 
 def test_one_hot_served_row_has_zero_entropy_and_variance() -> None:

@@ -8,11 +8,12 @@ run, the stream and the `nts` summaries are `server.serving`'s.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.errors import OpenAIError
@@ -59,9 +60,12 @@ async def create_chat_completion(
         state, request, lambda: [_prompt_ids(state, request)], prefix="chatcmpl", param="messages"
     )
     top = request.top_logprobs or 0
+    echoed = _echoed(request)
     if request.stream:
         roles = [
-            ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant"))
+            ChatChunkChoice(
+                index=choice.index, delta=ChatDelta(role="assistant", content=echoed or None)
+            )
             for choice in prepared.choices
         ]
         delta_choice = functools.partial(_delta_choice, top=top)
@@ -82,7 +86,7 @@ async def create_chat_completion(
         choices=[
             ChatCompletionChoice(
                 index=choice.index,
-                message=ChatResponseMessage(content=piece.text),
+                message=ChatResponseMessage(content=echoed + piece.text),
                 logprobs=_piece_logprobs(piece, top),
                 finish_reason=piece.finish_reason,
                 nts=choice.summary,
@@ -94,18 +98,29 @@ async def create_chat_completion(
     )
 
 
+def _echoed(request: ChatCompletionRequest) -> str:
+    """What `echo` puts before each choice's text, as vLLM's server does: the last message's
+    text when it has the answer's role (the assistant's, or the last message's own without
+    `add_generation_prompt`); empty without `echo`."""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.role
+    return last.text() if request.echo and last.role == role else ""
+
+
 def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
-    """The messages rendered by the chat template (with the assistant's turn opened), as
-    token ids."""
-    text = render_messages(state, request.template_messages(), add_generation_prompt=True)
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    """The messages rendered by the chat template (with the request's template arguments:
+    the assistant's turn opened by default), as token ids."""
+    text = render_messages(state, request.template_messages(), request.template_kwargs())
+    return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
 
 def render_messages(
-    state: ServerState, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    state: ServerState, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any]
 ) -> str:
-    """`messages` rendered by the model's chat template (the assistant's turn opened with
-    `add_generation_prompt`); a 400 when the model has no template or it cannot render them."""
+    """`messages` rendered by the model's chat template with `template_kwargs`
+    (`add_generation_prompt` opens the assistant's turn), those the template does not take left
+    out as vLLM leaves them out (`resolve_chat_template_kwargs`); a 400 when the model has no
+    template or it cannot render them."""
     tokenizer = state.tokenizer
     if not tokenizer.chat_template:
         raise OpenAIError(
@@ -114,9 +129,11 @@ def render_messages(
             param="messages",
         )
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        hf_tokenizer: Any = tokenizer  # vLLM reads the signature of its `apply_chat_template`
+        kwargs = resolve_chat_template_kwargs(
+            hf_tokenizer, tokenizer.chat_template, dict(template_kwargs)
         )
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as error:
         raise OpenAIError(
             f"The chat template could not render these messages: {error}",

@@ -24,6 +24,7 @@ import re
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from vllm.renderers import merge_kwargs
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from noisy_temp_server.engine_contract.keys import (
@@ -37,6 +38,7 @@ from noisy_temp_server.server.structured_outputs import (
     StructuredOutputs,
     structured_outputs_params,
 )
+from noisy_temp_server.server.vllm_fields import VllmFields
 
 __all__ = [
     "ChatCompletionRequest",
@@ -69,13 +71,14 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
-class _Extras(_Request):
+class _Extras(VllmFields):
     """What noisy-temp-server and vLLM add to both requests, declared once: the `nts_*` keys
     (one field per `engine_contract.keys.CLIENT_KEYS`; tests/unit/test_request_keys.py holds
     it), vLLM's `ignore_eos`, `repetition_penalty`, `min_tokens`, `response_format` (OpenAI's
-    on chat, vLLM's on completions), `structured_outputs` (`server.structured_outputs`) and
-    `vllm_xargs`. Each request model lists this class first among its bases, so that these
-    fields come after OpenAI's (pydantic orders the fields of the farthest base first)."""
+    on chat, vLLM's on completions), `structured_outputs` (`server.structured_outputs`),
+    `vllm_xargs` and the rest of vLLM's shared fields (`server.vllm_fields`). Each request
+    model lists this class first among its bases, so that these fields come after OpenAI's
+    (pydantic orders the fields of the farthest base first)."""
 
     ignore_eos: StrictBool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0)
@@ -150,6 +153,9 @@ class _SamplingFields(_Request):
         structured_outputs: StructuredOutputs | None
         vllm_xargs: dict[str, XargValue] | None
 
+        def sampling_kwargs(self) -> dict[str, Any]: ...
+        def transfer_extra_args(self) -> dict[str, Any]: ...
+
     def requested_max_tokens(self) -> int | None:
         """The client's cap on generated tokens per choice (None: up to the context length)."""
         raise NotImplementedError
@@ -180,7 +186,7 @@ class _SamplingFields(_Request):
             key: value
             for key, value in (self.vllm_xargs or {}).items()
             if not key.startswith(KEY_PREFIX)
-        }
+        } | self.transfer_extra_args()
         logprobs = self.requested_logprobs()
         return SamplingParams.from_optional(
             n=1,
@@ -204,6 +210,7 @@ class _SamplingFields(_Request):
                 self.structured_outputs, self.response_format
             ),
             extra_args=passthrough,
+            **self.sampling_kwargs(),
         )
 
     @field_validator("stop", check_fields=False)
@@ -304,7 +311,13 @@ class _CompletionFields(_SamplingFields):
         return self
 
 
-class CompletionRequest(_Extras, _CompletionFields):
+class _CompletionExtras(_Extras):
+    """vLLM's fields of its completions request only."""
+
+    add_special_tokens: StrictBool = True
+
+
+class CompletionRequest(_CompletionExtras, _CompletionFields):
     """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
 
 
@@ -383,5 +396,65 @@ class _ChatFields(_SamplingFields):
         return self
 
 
-class ChatCompletionRequest(_Extras, _ChatFields):
+class _ChatExtras(_Extras):
+    """vLLM's fields of its chat request only: what the chat template is rendered with (vLLM's
+    meaning: `template_kwargs`), `echo` (the last message's text starts the answer when it has
+    the answer's role), and fields without effect here as on vLLM's server for a text-only model
+    without a reasoning or tool parser (`media_io_kwargs`, `mm_processor_kwargs`,
+    `include_reasoning`, `parallel_tool_calls`). A `chat_template` in the request is refused
+    as vLLM's server refuses it unless started with `--trust-request-chat-template`."""
+
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: StrictBool = True
+    parallel_tool_calls: StrictBool | None = True
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges
+        them (`chat_template_kwargs` under the request's own fields; `enable_thinking` follows
+        `reasoning_effort` unless given)."""
+        extra: dict[str, Any] = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
+        }
+        user = self.chat_template_kwargs or {}
+        if self.reasoning_effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = self.reasoning_effort != "none"
+        return merge_kwargs(self.chat_template_kwargs, extra)
+
+    @model_validator(mode="after")
+    def _check_template_fields(self) -> _ChatExtras:
+        given = self.model_fields_set
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and ("add_generation_prompt" in given)
+        ):
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        if (
+            self.chat_template is not None
+            or (self.chat_template_kwargs or {}).get("chat_template") is not None
+        ):
+            raise ValueError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template."
+            )
+        return self
+
+
+class ChatCompletionRequest(_ChatExtras, _ChatFields):
     """`POST /v1/chat/completions` (https://platform.openai.com/docs/api-reference/chat)."""

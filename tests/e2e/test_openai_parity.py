@@ -307,12 +307,12 @@ ROWS += [
 ]
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models")
 
-_NOT_TAKEN_VALUES = {
-    "prompt_logprobs": 1,
-    "logprob_token_ids": [5],
-    "return_tokens_as_token_ids": True,
-    "return_token_ids": True,
-    "return_prompt_text": True,
+_NOT_TAKEN_VALUES: dict[str, dict[str, Any]] = {
+    "prompt_logprobs": {"prompt_logprobs": 1},
+    "logprob_token_ids": {"logprob_token_ids": [5], "logprobs": 1},
+    "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
+    "return_token_ids": {"return_token_ids": True},
+    "return_prompt_text": {"return_prompt_text": True},
 }
 KNOWN_DIFFERENCES = {
     "responses": (Row("responses", "/v1/responses", {"model": MODEL, "input": "Hi"}), 404, 200),
@@ -322,12 +322,18 @@ KNOWN_DIFFERENCES = {
         200,
     ),
     **{
-        f"chat {name}": (Row(name, "/v1/chat/completions", _chat(**{name: value})), 400, 200)
-        for name, value in _NOT_TAKEN_VALUES.items()
+        f"chat {name}": (
+            Row(
+                name, "/v1/chat/completions", _chat(**{**fields, "logprobs": "logprobs" in fields})
+            ),
+            400,
+            200,
+        )
+        for name, fields in _NOT_TAKEN_VALUES.items()
     },
     **{
-        f"completion {name}": (Row(name, "/v1/completions", _completion(**{name: value})), 400, 200)
-        for name, value in _NOT_TAKEN_VALUES.items()
+        f"completion {name}": (Row(name, "/v1/completions", _completion(**fields)), 400, 200)
+        for name, fields in _NOT_TAKEN_VALUES.items()
         if name != "return_prompt_text"
     },
     "prompt_embeds": (

@@ -81,6 +81,17 @@ class Settings(BaseSettings):
         "instead of the served model's own: a Jinja template file, or the template itself (as "
         "vLLM's --chat-template).",
     )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM's tool parser for tool calls on /v1/chat/completions (vLLM's "
+        "--tool-call-parser: hermes, pythonic, llama3_json, ...); with "
+        "--enable-auto-tool-choice only, as in vLLM.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=False,
+        description="Parse tool calls with --tool-call-parser, for tool_choice auto, required "
+        "and named (vLLM's --enable-auto-tool-choice).",
+    )
     clean_model: Path | None = Field(
         default=None,
         description="Clean checkpoint for shadow scoring, and the one --perturbation applies "
@@ -413,18 +424,21 @@ def add_settings_arguments(
     """Add a `--field-name` flag for each named `Settings` field (all fields if None).
 
     Flags default to "not given" so environment variables and defaults still apply; booleans
-    take an explicit `true`/`false`. Values are parsed and validated by `Settings` itself.
+    take `true`/`false`, or no value for true (as vLLM's switches: `--enforce-eager`). Values
+    are parsed and validated by `Settings` itself.
     """
     names = list(Settings.model_fields) if fields is None else fields
     group = parser.add_argument_group("settings (each also read from NTS_<NAME>)")
     for name in names:
         info = Settings.model_fields[name]
         flag = "--" + name.replace("_", "-")
-        kind = _parse_bool if info.annotation is bool else str
+        boolean = info.annotation in (bool, bool | None)
         group.add_argument(
             flag,
             dest=f"setting_{name}",
-            type=kind,
+            type=_parse_bool if boolean else str,
+            nargs="?" if boolean else None,
+            const=True if boolean else None,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
             help=f"{info.description} [env NTS_{name.upper()}]".replace("%", "%%"),

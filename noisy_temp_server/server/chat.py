@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from vllm.exceptions import VLLMClientError
 from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.errors import OpenAIError
+from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
     ChatChunkChoice,
@@ -42,6 +43,7 @@ from noisy_temp_server.server.serving import (
 )
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
+from noisy_temp_server.server.tools import ToolCalls
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
@@ -55,9 +57,15 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_chat_completion(
     request: ChatCompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> ChatCompletionResponse | StreamingResponse | Response:
-    """The assistant's next message: `n` choices, each with its `nts` summary."""
+    """The assistant's next message: `n` choices, each with its `nts` summary (and the tool
+    calls vLLM's parser finds in it, `server.tools`)."""
+    tools = _tool_calls(state, request)
     prepared = await prepare_request(
-        state, request, lambda: [_prompt_ids(state, request)], prefix="chatcmpl", param="messages"
+        state,
+        request,
+        lambda: [_prompt_ids(state, request, tools)],
+        prefix="chatcmpl",
+        param="messages",
     )
     top = request.top_logprobs or 0
     echoed = _echoed(request)
@@ -68,7 +76,9 @@ async def create_chat_completion(
             )
             for choice in prepared.choices
         ]
-        delta_choice = functools.partial(_delta_choice, top=top)
+        delta_choice = functools.partial(
+            _delta_choice, top=top, tools=tools, prompt=prepared.prompts[0]
+        )
         return await stream_choices(
             state,
             request,
@@ -80,22 +90,43 @@ async def create_chat_completion(
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choices = []
+    for choice, piece in finished:
+        content, calls, finish_reason = tools.parse(
+            choice.index, piece.text, list(piece.token_ids), piece.finish_reason
+        )
+        message = ChatResponseMessage(
+            content=None if content is None else echoed + content, tool_calls=calls
+        )
+        choices.append(
+            ChatCompletionChoice(
+                index=choice.index,
+                message=message,
+                logprobs=_piece_logprobs(piece, top),
+                finish_reason=finish_reason,
+                nts=choice.summary,
+            )
+        )
     return ChatCompletionResponse(
         id=prepared.request_id,
         model=prepared.model,
-        choices=[
-            ChatCompletionChoice(
-                index=choice.index,
-                message=ChatResponseMessage(content=echoed + piece.text),
-                logprobs=_piece_logprobs(piece, top),
-                finish_reason=piece.finish_reason,
-                nts=choice.summary,
-            )
-            for choice, piece in finished
-        ],
+        choices=choices,
         usage=usage(prepared),
         nts=overall_summary(prepared),
     )
+
+
+def _tool_calls(state: ServerState, request: ChatCompletionRequest) -> ToolCalls:
+    """The request's tool calling; a 400 for what vLLM's request model or server refuses."""
+    try:
+        return ToolCalls(
+            request,
+            state.tool_parser,
+            state.tokenizer,
+            auto_tools=state.settings.enable_auto_tool_choice,
+        )
+    except (ValueError, VLLMClientError) as error:  # pydantic's ValidationError too
+        raise openai_error_from_exception(error) from None
 
 
 def _echoed(request: ChatCompletionRequest) -> str:
@@ -107,15 +138,19 @@ def _echoed(request: ChatCompletionRequest) -> str:
     return last.text() if request.echo and last.role == role else ""
 
 
-def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+def _prompt_ids(state: ServerState, request: ChatCompletionRequest, tools: ToolCalls) -> list[int]:
     """The messages rendered by the chat template (with the request's template arguments:
-    the assistant's turn opened by default), as token ids."""
-    text = render_messages(state, request.template_messages(), request.template_kwargs())
+    the assistant's turn opened by default, and its tools), as token ids."""
+    template_tools = tools.template_tools()
+    kwargs = request.template_kwargs() | (
+        {} if template_tools is None else {"tools": template_tools}
+    )
+    text = render_messages(state, request.template_messages(), kwargs)
     return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
 
 def render_messages(
-    state: ServerState, messages: list[dict[str, str]], template_kwargs: Mapping[str, Any]
+    state: ServerState, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any]
 ) -> str:
     """`messages` rendered by the model's chat template with `template_kwargs`
     (`add_generation_prompt` opens the assistant's turn), those the template does not take left
@@ -143,13 +178,19 @@ def render_messages(
     return str(text)
 
 
-def _delta_choice(choice: Choice, piece: Piece, *, top: int) -> ChatChunkChoice:
-    """One stream chunk's choice: what one engine step added."""
+def _delta_choice(
+    choice: Choice, piece: Piece, *, top: int, tools: ToolCalls, prompt: list[int]
+) -> ChatChunkChoice:
+    """One stream chunk's choice: what one engine step added (its tool-call deltas apart)."""
+    finished = piece.finish_reason is not None
+    content, calls = tools.parse_delta(
+        choice.index, piece.text, list(piece.token_ids), prompt, finished=finished
+    )
     return ChatChunkChoice(
         index=choice.index,
-        delta=ChatDelta(content=piece.text),
+        delta=ChatDelta(content=content, tool_calls=calls),
         logprobs=_piece_logprobs(piece, top),
-        finish_reason=piece.finish_reason,
+        finish_reason=tools.stream_finish_reason(choice.index, piece.finish_reason),
         nts=choice.summary,
     )
 

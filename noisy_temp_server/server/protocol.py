@@ -23,9 +23,21 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+)
 from vllm.renderers import merge_kwargs
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from noisy_temp_server.engine_contract.keys import (
     CLIENT_KEYS,
@@ -206,12 +218,14 @@ class _SamplingFields(_Request):
             if self.logit_bias is None
             else {int(token): bias for token, bias in self.logit_bias.items()},
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=structured_outputs_params(
-                self.structured_outputs, self.response_format
-            ),
+            structured_outputs=self.constraint(),
             extra_args=passthrough,
             **self.sampling_kwargs(),
         )
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured output the engine enforces (None: none)."""
+        return structured_outputs_params(self.structured_outputs, self.response_format)
 
     @field_validator("stop", check_fields=False)
     @classmethod
@@ -383,9 +397,12 @@ class _ChatFields(_SamplingFields):
             return None
         return self.top_logprobs or 0
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the tokenizer's chat template expects them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the tokenizer's chat template expects them (with their other keys,
+        such as an assistant's `tool_calls` or a tool's `tool_call_id`)."""
+        return [
+            {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in self.messages
+        ]
 
     @model_validator(mode="after")
     def _check_chat(self) -> _ChatFields:
@@ -417,7 +434,28 @@ class _ChatExtras(_Extras):
         None
     )
     include_reasoning: StrictBool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
+        "none"
+    )
     parallel_tool_calls: StrictBool | None = True
+    _tool_constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
+
+    def constrain(self, constraint: StructuredOutputsParams | None) -> None:
+        """Replace the request's structured output by `constraint` (`server.tools`: vLLM's
+        parser constrains `required` and named tool choices)."""
+        self._tool_constraint = constraint
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self._tool_constraint is not None:
+            return self._tool_constraint
+        return structured_outputs_params(self.structured_outputs, self.response_format)
+
+    def vllm_fields(self) -> dict[str, Any]:
+        """The body as the client sent it, for vLLM's own request model (without the keys
+        only this server takes)."""
+        ours = {*CLIENT_KEYS, "vllm_xargs"}
+        return self.model_dump(by_alias=True, exclude_unset=True, exclude=ours)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges

@@ -6,9 +6,10 @@ by mistake; the `nts` objects are this project's extension.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from vllm.entrypoints.generate.base.protocol import DeltaToolCall, ToolCall
 
 __all__ = [
     "ChatChunkChoice",
@@ -116,6 +117,7 @@ class ChatCompletionLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Response):
@@ -137,8 +139,18 @@ class ChatCompletionResponse(_Response):
 
 
 class ChatDelta(_Response):
+    """A stream chunk's message delta; `tool_calls` only when it has some (as vLLM's)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChunkChoice(_Response):

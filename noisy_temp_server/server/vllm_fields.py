@@ -54,8 +54,6 @@ NOT_TAKEN: dict[str, str] = {
     "return_prompt_text": "responses carry no prompt text",
     "prompt_embeds": "prompts are text or token ids (vLLM too refuses them unless started "
     "with --enable-prompt-embeds)",
-    "tools": "no tool calling yet",
-    "tool_choice": "no tool calling yet",
 }
 """vLLM's request fields this server refuses (400), each with why (docs/serving.md)."""
 

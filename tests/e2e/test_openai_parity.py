@@ -305,6 +305,75 @@ ROWS += [
         nts=False,
     ),
 ]
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+_NAMED = {"type": "function", "function": {"name": "weather"}}
+_TOOL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+ROWS += [
+    Row("tools, tool_choice none", "/v1/chat/completions", _chat(tools=_TOOLS)),
+    Row("tools, auto", "/v1/chat/completions", _chat(tools=_TOOLS, tool_choice="auto")),
+    Row(
+        "tools, required",
+        "/v1/chat/completions",
+        _chat(tools=_TOOLS, tool_choice="required", max_tokens=60),
+    ),
+    Row("tools, named", "/v1/chat/completions", _chat(tools=_TOOLS, tool_choice=_NAMED)),
+    Row(
+        "tools, auto, streamed",
+        "/v1/chat/completions",
+        _chat(tools=_TOOLS, tool_choice="auto", stream=True),
+    ),
+    Row(
+        "tools, required, streamed",
+        "/v1/chat/completions",
+        _chat(tools=_TOOLS, tool_choice="required", stream=True, max_tokens=60),
+    ),
+    Row(
+        "tools, history with a call and its result",
+        "/v1/chat/completions",
+        _chat(messages=_TOOL_HISTORY, tools=_TOOLS, parallel_tool_calls=False),
+    ),
+    Row(
+        "tools, named function not among them",
+        "/v1/chat/completions",
+        _chat(tools=_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        nts=False,
+    ),
+    Row(
+        "tools, tool_choice without tools",
+        "/v1/chat/completions",
+        _chat(tool_choice="required"),
+        nts=False,
+    ),
+]
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+"""Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models")
 
 _NOT_TAKEN_VALUES: dict[str, dict[str, Any]] = {
@@ -347,7 +416,7 @@ KNOWN_DIFFERENCES = {
 
 @pytest.fixture(scope="module")
 def ours(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("parity-ours"))
+    server = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("parity-ours"), *TOOL_FLAGS)
     try:
         yield server.url
     finally:
@@ -365,7 +434,7 @@ def stock(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "--served-model-name", MODEL,
         "--api-key", API_KEY,
         "--port", str(port), "--host", "127.0.0.1",
-        "--max-model-len", "256", "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", "256", "--dtype", "float32", "--enforce-eager", *TOOL_FLAGS,
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("parity-stock") / "server.log"
     with running_server(
@@ -478,5 +547,5 @@ def test_the_matrix_sends_every_field_of_vllms_requests(
     """A field a new vLLM adds fails here until a row sends it (and the servers compared)."""
     rows = [*ROWS, *(row for row, _, _ in KNOWN_DIFFERENCES.values())]
     sent = {key for row in rows if row.path == path and row.body for key in row.body}
-    unsent = set(request_model.model_fields) - sent - {"tools", "tool_choice"}
+    unsent = set(request_model.model_fields) - sent
     assert not unsent, f"vLLM fields no row sends: {sorted(unsent)}"

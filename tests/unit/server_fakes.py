@@ -150,8 +150,10 @@ class FakeTokenizer:
         tokenize: bool,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
+        text = "".join(f"<tool>{t['function']['name']}" for t in tools or [])
+        text += "".join(f"<{m['role']}>{m['content']}" for m in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
@@ -216,6 +218,7 @@ def build(
     *,
     adapter: ServedAdapter | None = None,
     shadow: Any = None,
+    tool_parser: Any = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
     traces = traces or FakeTraces(trace_t)
@@ -231,6 +234,7 @@ def build(
         trace_source=traces,
         shadow=shadow,
         adapter=adapter,
+        tool_parser=tool_parser,
     )
     app.state.registry = registry
     return Harness(TestClient(app), engine, traces)

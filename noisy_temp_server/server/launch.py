@@ -207,6 +207,7 @@ def _serve(
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
+    from noisy_temp_server.server.responses import mount_responses  # noqa: PLC0415
     from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
@@ -263,13 +264,8 @@ def _serve(
         tool_parser=tool_parser,
         on_shutdown=stack.close,
     )
-    _LOGGER.info(
-        "Serving %s on http://%s:%d (startup took %.1f s)",
-        model_name,
-        settings.host,
-        settings.port,
-        time.perf_counter() - started,
-    )
+    mount_responses(app, engine, settings, model_name=model_name, chat_template=chat_template)
+    _LOGGER.info("Serving %s (startup took %.1f s)", model_name, time.perf_counter() - started)
     return _run_until_stopped(settings, app, engine, log_level)
 
 
@@ -303,6 +299,7 @@ def _run_until_stopped(settings: Settings, app: Any, engine: Any, log_level: str
     server = EngineWatchedServer(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level), engine
     )
+    _LOGGER.info("Listening on http://%s:%d", settings.host, settings.port)
     server.run()
     if server.engine_failure is not None:
         _LOGGER.error("Exiting with status 1: the engine failed; restart the server.")

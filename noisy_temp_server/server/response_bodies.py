@@ -114,7 +114,18 @@ class ChatCompletionLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(_Response):
+class _WithoutEmptyToolCalls(_Response):
+    """A message whose `tool_calls` key is left out when it has none (as vLLM's)."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
+
+class ChatResponseMessage(_WithoutEmptyToolCalls):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
@@ -138,19 +149,10 @@ class ChatCompletionResponse(_Response):
     nts: NtsSummary | None = None
 
 
-class ChatDelta(_Response):
-    """A stream chunk's message delta; `tool_calls` only when it has some (as vLLM's)."""
-
+class ChatDelta(_WithoutEmptyToolCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
-
-    @model_serializer(mode="wrap")
-    def _without_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if not data.get("tool_calls"):
-            data.pop("tool_calls", None)
-        return data
 
 
 class ChatChunkChoice(_Response):

@@ -372,9 +372,20 @@ ROWS += [
         nts=False,
     ),
 ]
+_RESPONSE = {"model": MODEL, "input": "Hi", "max_output_tokens": 8}
+ROWS += [
+    Row("responses", "/v1/responses", _RESPONSE),
+    Row("responses, streamed", "/v1/responses", {**_RESPONSE, "stream": True}),
+    Row(
+        "responses, instructions and sampling",
+        "/v1/responses",
+        {**_RESPONSE, "instructions": "Be brief.", "temperature": 0.7, "top_p": 0.9},
+    ),
+    Row("responses, unknown model", "/v1/responses", {**_RESPONSE, "model": "nope"}),
+]
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
-NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models")
+NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
 _NOT_TAKEN_VALUES: dict[str, dict[str, Any]] = {
     "prompt_logprobs": {"prompt_logprobs": 1},
@@ -384,7 +395,6 @@ _NOT_TAKEN_VALUES: dict[str, dict[str, Any]] = {
     "return_prompt_text": {"return_prompt_text": True},
 }
 KNOWN_DIFFERENCES = {
-    "responses": (Row("responses", "/v1/responses", {"model": MODEL, "input": "Hi"}), 404, 200),
     "use_beam_search": (
         Row("beam search", "/v1/completions", _completion(use_beam_search=True, n=2)),
         400,

@@ -7,7 +7,8 @@ It is vLLM's code end to end: its request model, renderer, tool parser (`--tool-
 `nts_*` keys and get no `nts` object: the engine's processor serves them as the stock-vLLM
 recipe does (docs/serving.md), untuned unless they name a rule in `vllm_xargs`; they are never
 shadow-sampled, and on a server with a compensation adapter served through LoRA they get the
-base model.
+base model. The routes are left out of this server's `/openapi.json` (`server.openapi`
+documents the bodies this server builds; these are vLLM's, documented by vLLM).
 """
 
 from __future__ import annotations
@@ -59,4 +60,4 @@ def mount_responses(
     app.state.openai_serving_responses = OpenAIServingResponses(
         engine, models, renderer, chat_template_content_format="auto", **common, **tools
     )
-    app.include_router(router, dependencies=[Depends(require_api_key)])
+    app.include_router(router, dependencies=[Depends(require_api_key)], include_in_schema=False)

@@ -20,6 +20,7 @@ from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
+    MIN_LOGPROB,
     ChatChunkChoice,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -29,13 +30,13 @@ from noisy_temp_server.server.response_bodies import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
+    clean_logprob,
+    prompt_logprobs_body,
 )
 from noisy_temp_server.server.serving import (
     CLIENT_CLOSED_REQUEST,
-    MIN_LOGPROB,
     Choice,
     Piece,
-    clean_logprob,
     overall_summary,
     prepare_request,
     run_unless_disconnected,
@@ -112,6 +113,7 @@ async def create_chat_completion(
         model=prepared.model,
         choices=choices,
         usage=usage(prepared),
+        prompt_logprobs=prompt_logprobs_body(prepared.choices[0].prompt_logprobs),
         nts=overall_summary(prepared),
     )
 
@@ -125,8 +127,10 @@ def _tool_calls(state: ServerState, request: ChatCompletionRequest) -> ToolCalls
             state.tokenizer,
             auto_tools=state.settings.enable_auto_tool_choice,
         )
-    except (ValueError, VLLMClientError) as error:  # pydantic's ValidationError too
+    except VLLMClientError as error:
         raise openai_error_from_exception(error) from None
+    except ValueError as error:  # vLLM's tool schema helpers raise plain ValueErrors
+        raise OpenAIError(str(error), status_code=400, param="tools") from None
 
 
 def _echoed(request: ChatCompletionRequest) -> str:

@@ -32,11 +32,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionNamedToolChoiceParam,
-    ChatCompletionToolsParam,
-)
-from vllm.renderers import merge_kwargs
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from noisy_temp_server.engine_contract.keys import (
@@ -50,7 +45,7 @@ from noisy_temp_server.server.structured_outputs import (
     StructuredOutputs,
     structured_outputs_params,
 )
-from noisy_temp_server.server.vllm_fields import VllmFields
+from noisy_temp_server.server.vllm_fields import VllmChatFields, VllmFields
 
 __all__ = [
     "ChatCompletionRequest",
@@ -164,6 +159,8 @@ class _SamplingFields(_Request):
         response_format: ResponseFormat | None
         structured_outputs: StructuredOutputs | None
         vllm_xargs: dict[str, XargValue] | None
+        prompt_logprobs: int | None
+        echo: bool
 
         def sampling_kwargs(self) -> dict[str, Any]: ...
         def transfer_extra_args(self) -> dict[str, Any]: ...
@@ -177,8 +174,11 @@ class _SamplingFields(_Request):
         raise NotImplementedError
 
     def requested_prompt_logprobs(self) -> int | None:
-        """Top alternatives per prompt token to return (None: no prompt logprobs)."""
-        return None
+        """Top alternatives per prompt token to return (None: no prompt logprobs): vLLM's
+        `prompt_logprobs`, else with `echo` as many as the generated tokens get (vLLM's rule)."""
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        return self.requested_logprobs()
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -284,10 +284,6 @@ class _CompletionFields(_SamplingFields):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
-
-    def requested_prompt_logprobs(self) -> int | None:
-        """With `echo`, the prompt's logprobs come with the same number of alternatives."""
-        return self.logprobs if self.echo else None
 
     @property
     def echoes_prompt_only(self) -> bool:
@@ -397,6 +393,11 @@ class _ChatFields(_SamplingFields):
             return None
         return self.top_logprobs or 0
 
+    def requested_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0  # vLLM's chat: with echo, always
+        return self.prompt_logprobs
+
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the tokenizer's chat template expects them (with their other keys,
         such as an assistant's `tool_calls` or a tool's `tool_call_id`)."""
@@ -413,32 +414,9 @@ class _ChatFields(_SamplingFields):
         return self
 
 
-class _ChatExtras(_Extras):
-    """vLLM's fields of its chat request only: what the chat template is rendered with (vLLM's
-    meaning: `template_kwargs`), `echo` (the last message's text starts the answer when it has
-    the answer's role), and fields without effect here as on vLLM's server for a text-only model
-    without a reasoning or tool parser (`media_io_kwargs`, `mm_processor_kwargs`,
-    `include_reasoning`, `parallel_tool_calls`). A `chat_template` in the request is refused
-    as vLLM's server refuses it unless started with `--trust-request-chat-template`."""
+class _ChatExtras(_Extras, VllmChatFields):
+    """vLLM's chat-only fields (`server.vllm_fields`) and the tool constraint on them."""
 
-    echo: StrictBool = False
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    add_special_tokens: StrictBool = False
-    documents: list[dict[str, str]] | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    media_io_kwargs: dict[str, dict[str, Any]] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
-        None
-    )
-    include_reasoning: StrictBool = True
-    tools: list[ChatCompletionToolsParam] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
-        "none"
-    )
-    parallel_tool_calls: StrictBool | None = True
     _tool_constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
 
     def constrain(self, constraint: StructuredOutputsParams | None) -> None:
@@ -456,42 +434,6 @@ class _ChatExtras(_Extras):
         only this server takes)."""
         ours = {*CLIENT_KEYS, "vllm_xargs"}
         return self.model_dump(by_alias=True, exclude_unset=True, exclude=ours)
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges
-        them (`chat_template_kwargs` under the request's own fields; `enable_thinking` follows
-        `reasoning_effort` unless given)."""
-        extra: dict[str, Any] = {
-            "add_generation_prompt": self.add_generation_prompt,
-            "continue_final_message": self.continue_final_message,
-            "documents": self.documents,
-            "reasoning_effort": self.reasoning_effort,
-        }
-        user = self.chat_template_kwargs or {}
-        if self.reasoning_effort is not None and "enable_thinking" not in user:
-            extra["enable_thinking"] = self.reasoning_effort != "none"
-        return merge_kwargs(self.chat_template_kwargs, extra)
-
-    @model_validator(mode="after")
-    def _check_template_fields(self) -> _ChatExtras:
-        given = self.model_fields_set
-        if (
-            self.continue_final_message
-            and self.add_generation_prompt
-            and ("add_generation_prompt" in given)
-        ):
-            raise ValueError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-            )
-        if (
-            self.chat_template is not None
-            or (self.chat_template_kwargs or {}).get("chat_template") is not None
-        ):
-            raise ValueError(
-                "Chat template is passed with request, but --trust-request-chat-template is not "
-                "set. Refused request with untrusted chat template."
-            )
-        return self
 
 
 class ChatCompletionRequest(_ChatExtras, _ChatFields):

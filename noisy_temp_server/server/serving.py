@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,14 +84,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
     "MAX_CHOICES",
-    "MIN_LOGPROB",
     "Choice",
     "GenerationRequest",
     "Piece",
     "PreparedRequest",
     "absorb",
     "check_model",
-    "clean_logprob",
     "engine_streams",
     "forget_unsummarized",
     "overall_summary",
@@ -103,7 +100,6 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -174,11 +170,6 @@ class PreparedRequest:
     def prompt_of(self, choice: Choice) -> list[int]:
         """The token ids of the prompt `choice` continues."""
         return self.prompts[choice.prompt]
-
-
-def clean_logprob(value: float) -> float:
-    """A logprob JSON can carry: -inf and NaN become vLLM's floor of -9999."""
-    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
 # ----------------------------------------------------------------------------- admission

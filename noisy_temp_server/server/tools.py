@@ -17,7 +17,8 @@ there is a parser only with both flags. The request's `tools` are rendered by th
   shadow-sampled) and parses the JSON back into `tool_calls`.
 
 The parser works on vLLM's own request model: `ToolCalls` builds vLLM's `ChatCompletionRequest`
-from ours (the `nts_*` keys left out) once per request and one parser per choice (parsers keep
+from ours (the `nts_*` keys left out; a body vLLM's model refuses is a 400, as on vLLM's
+server) once per request with tools and a parser, and one parser per choice (parsers keep
 state while a stream goes).
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from vllm.entrypoints.generate.base.protocol import ToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionNamedToolChoiceParam,
@@ -80,10 +82,10 @@ class ToolCalls:
         self.tokenizer = tokenizer
         self.auto_tools = auto_tools
         self._refuse_unserved_choice()
-        self.vllm_request = VllmChatRequest.model_validate(request.vllm_fields())
         self._parsers: dict[int, Parser] = {}
         self.streamed: set[int] = set()
         if self.active:
+            self.vllm_request = _vllm_request(request)
             adjusted: Any = self.parser(-1).adjust_request(self.vllm_request)  # a chat request
             self.vllm_request = adjusted
             request.constrain(self.vllm_request.extract_structured_outputs())
@@ -95,7 +97,7 @@ class ToolCalls:
 
     @property
     def named(self) -> bool:
-        return isinstance(self.vllm_request.tool_choice, ChatCompletionNamedToolChoiceParam)
+        return isinstance(self.request.tool_choice, ChatCompletionNamedToolChoiceParam)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (None: no tools)."""
@@ -139,10 +141,10 @@ class ToolCalls:
             model_output_token_ids=token_ids,
         )  # fmt: skip
         tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls or []]
-        required = self.vllm_request.tool_choice == "required"
+        required = self.request.tool_choice == "required"
         if self.named or required:
             content = content or ""
-        called = (bool(tool_calls) and self.vllm_request.tool_choice in ("auto", None)) or (
+        called = (bool(tool_calls) and self.request.tool_choice in ("auto", None)) or (
             required and finish_reason == "stop"
         )
         return content, tool_calls, "tool_calls" if called else finish_reason
@@ -168,3 +170,16 @@ class ToolCalls:
         if finish_reason is not None and index in self.streamed and not self.named:
             return "tool_calls"
         return finish_reason
+
+
+def _vllm_request(request: ChatCompletionRequest) -> VllmChatRequest:
+    """vLLM's own request model of `request` (what its parsers read); a 400 naming the first
+    problem when vLLM's model refuses the body, as vLLM's server would."""
+    try:
+        return VllmChatRequest.model_validate(request.vllm_fields())
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise OpenAIError(
+            f"vLLM's chat request refuses {where}: {first['msg']}", status_code=400
+        ) from None

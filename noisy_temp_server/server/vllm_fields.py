@@ -10,11 +10,16 @@
   `TokenizeParams`);
 - the engine request: `priority`, `cache_salt` (`engine_kwargs`, `prompt_kwargs`), and
   `kv_transfer_params` / `ec_transfer_params`, passed in `extra_args` as vLLM passes them;
+- `prompt_logprobs`: the prompt's logprobs (the served model's own: vLLM computes them before
+  any logits processor), in the response as vLLM puts them;
 - `request_id` names the response (`cmpl-<request_id>`, `chatcmpl-<request_id>`) as on vLLM's
   server; the engine requests keep ids of this server's own (one per choice, unique);
 - fields vLLM's server reads only on other endpoints or with features this server never starts
   with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`,
   `length_penalty` without beam search): taken, no effect, as on vLLM's server.
+
+`VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments, `echo`, `tools`
+and `tool_choice` (`server.tools`).
 
 `NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
 a 400 (unknown field). tests/unit/test_vllm_fields.py checks that every field of vLLM's two
@@ -36,18 +41,21 @@ from pydantic import (
     model_validator,
 )
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+)
 from vllm.exceptions import VLLMClientError, VLLMValidationError
-from vllm.renderers import TokenizeParams
+from vllm.renderers import TokenizeParams, merge_kwargs
 from vllm.sampling_params import RepetitionDetectionParams, ThinkingTokenBudget
 
 from noisy_temp_server.server.errors import openai_error_from_exception
 
-__all__ = ["NOT_TAKEN", "VllmFields"]
+__all__ = ["NOT_TAKEN", "VllmChatFields", "VllmFields"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 NOT_TAKEN: dict[str, str] = {
-    "prompt_logprobs": "the prompt's logprobs come only with echo (completions)",
     "logprob_token_ids": "logprobs are the top candidates only",
     "return_tokens_as_token_ids": "logprob tokens are always their text",
     "return_token_ids": "responses carry text, not token ids",
@@ -89,6 +97,17 @@ class VllmFields(BaseModel):
     stream_interval: Annotated[int, Field(ge=1)] | None = None
     thinking_token_budget: ThinkingTokenBudget = None
     routed_experts_prompt_start: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_as_vllm(self) -> Self:
+        stream = getattr(self, "stream", False)
+        if self.prompt_logprobs is not None:
+            if stream and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
+                raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        return self
 
     @field_validator("use_beam_search")
     @classmethod
@@ -176,3 +195,67 @@ class VllmFields(BaseModel):
         except VLLMClientError as error:
             raise openai_error_from_exception(error) from None
         return [list(prompt["prompt_token_ids"]) for prompt in truncated]
+
+
+class VllmChatFields(VllmFields):
+    """vLLM's fields of its chat request only: what the chat template is rendered with (vLLM's
+    meaning: `template_kwargs`), `echo` (the last message's text starts the answer when it has
+    the answer's role), and fields without effect here as on vLLM's server for a text-only model
+    without a reasoning or tool parser (`media_io_kwargs`, `mm_processor_kwargs`,
+    `include_reasoning`, `parallel_tool_calls`). A `chat_template` in the request is refused
+    as vLLM's server refuses it unless started with `--trust-request-chat-template`."""
+
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: StrictBool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
+        "none"
+    )
+    parallel_tool_calls: StrictBool | None = True
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges
+        them (`chat_template_kwargs` under the request's own fields; `enable_thinking` follows
+        `reasoning_effort` unless given)."""
+        extra: dict[str, Any] = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
+        }
+        user = self.chat_template_kwargs or {}
+        if self.reasoning_effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = self.reasoning_effort != "none"
+        return merge_kwargs(self.chat_template_kwargs, extra)
+
+    @model_validator(mode="after")
+    def _check_template_fields(self) -> Self:
+        given = self.model_fields_set
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and ("add_generation_prompt" in given)
+        ):
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        if (
+            self.chat_template is not None
+            or (self.chat_template_kwargs or {}).get("chat_template") is not None
+        ):
+            raise ValueError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template."
+            )
+        return self

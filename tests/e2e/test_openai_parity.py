@@ -251,6 +251,19 @@ ROWS += [
         "/v1/chat/completions",
         _chat(**_OPENAI_FIELDS, stream=True, stream_options={"include_usage": True}),
     ),
+    Row("completion, prompt_logprobs", "/v1/completions", _completion(prompt_logprobs=2)),
+    Row("chat, prompt_logprobs", "/v1/chat/completions", _chat(prompt_logprobs=1)),
+    Row(
+        "completion, echo with logprobs and prompt_logprobs",
+        "/v1/completions",
+        _completion(echo=True, logprobs=1, prompt_logprobs=2),
+    ),
+    Row(
+        "prompt_logprobs in a stream",
+        "/v1/chat/completions",
+        _chat(prompt_logprobs=1, stream=True),
+        nts=False,
+    ),
     Row("completion, vLLM's sampling fields", "/v1/completions", _completion(**_SAMPLING_FIELDS)),
     Row("chat, vLLM's sampling fields", "/v1/chat/completions", _chat(**_SAMPLING_FIELDS)),
     Row(
@@ -388,7 +401,6 @@ TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
 _NOT_TAKEN_VALUES: dict[str, dict[str, Any]] = {
-    "prompt_logprobs": {"prompt_logprobs": 1},
     "logprob_token_ids": {"logprob_token_ids": [5], "logprobs": 1},
     "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
     "return_token_ids": {"return_token_ids": True},

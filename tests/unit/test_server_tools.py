@@ -119,3 +119,11 @@ def test_a_stream_reports_tool_call_deltas_and_finishes_with_tool_calls() -> Non
     assert any(calls for _, calls in deltas)
     assert tools.stream_finish_reason(0, "stop") == "tool_calls"
     assert tools.stream_finish_reason(1, "stop") == "stop"
+
+
+def test_a_body_vllms_chat_model_refuses_is_a_400_with_tools(with_parser: Harness) -> None:
+    messages = [{"role": "system", "content": "x", "name": None}, {"role": "user", "content": "y"}]
+    body = {**_BODY, "messages": messages, "tool_choice": "auto"}
+    error = assert_error(with_parser.post("/v1/chat/completions", body), 400)
+    assert error["message"].startswith("vLLM's chat request refuses messages")
+    assert with_parser.engine.calls == []

@@ -162,3 +162,22 @@ def test_chat_echo_starts_the_answer_with_the_last_message_of_its_role(server: H
 def test_add_special_tokens_defaults_differ_by_endpoint_as_in_vllm() -> None:
     assert CompletionRequest(prompt="x").add_special_tokens
     assert not ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).add_special_tokens
+
+
+def test_prompt_logprobs_come_back_where_vllm_puts_them(server: Harness) -> None:
+    chat = server.post("/v1/chat/completions", {**_CHAT, "prompt_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][0] is None
+    first = chat["prompt_logprobs"][1]
+    assert all(set(c) == {"logprob", "rank", "decoded_token"} for c in first.values())
+    assert server.engine.calls[-1][1].prompt_logprobs == 1
+    completion = server.post("/v1/completions", {**_COMPLETION, "prompt_logprobs": 2}).json()
+    assert len(completion["choices"][0]["prompt_logprobs"]) == 3  # "abc": one per prompt token
+    plain = server.post("/v1/completions", _COMPLETION).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    assert "prompt_logprobs" not in server.post("/v1/chat/completions", _CHAT).json()
+
+
+@pytest.mark.parametrize(("value", "stream"), [(1, True), (-2, False)])
+def test_prompt_logprobs_vllm_refuses_are_400s(server: Harness, value: int, stream: bool) -> None:
+    body = {**_COMPLETION, "prompt_logprobs": value, "stream": stream}
+    assert "prompt_logprobs" in assert_error(server.post("/v1/completions", body), 400)["message"]

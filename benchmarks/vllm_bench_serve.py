@@ -79,6 +79,7 @@ def _servers(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[Spe
             (COMPILE_CHOICE[0], [*untuned, "--enforce-eager", "true"], env),
             (COMPILE_CHOICE[1], [*untuned, "--enforce-eager", "false"], env),
         ]
+    ours.extend(["--enforce-eager", "true"])  # matched with the eager stock server
     return [
         (STOCK, stock, stock_environment(stock_dir, env)),
         (OURS[0], [*ours, "--shadow-fraction", "0"], env),

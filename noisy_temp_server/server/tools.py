@@ -84,8 +84,9 @@ class ToolCalls:
         self._refuse_unserved_choice()
         self._parsers: dict[int, Parser] = {}
         self.streamed: set[int] = set()
+        if request.tools or request.tool_choice not in (None, "none"):
+            self.vllm_request = _vllm_request(request)  # vLLM's checks of tools apply
         if self.active:
-            self.vllm_request = _vllm_request(request)
             adjusted: Any = self.parser(-1).adjust_request(self.vllm_request)  # a chat request
             self.vllm_request = adjusted
             request.constrain(self.vllm_request.extract_structured_outputs())

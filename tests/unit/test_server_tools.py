@@ -127,3 +127,8 @@ def test_a_body_vllms_chat_model_refuses_is_a_400_with_tools(with_parser: Harnes
     error = assert_error(with_parser.post("/v1/chat/completions", body), 400)
     assert error["message"].startswith("vLLM's chat request refuses messages")
     assert with_parser.engine.calls == []
+
+
+def test_a_tool_choice_without_tools_is_vllms_400(with_parser: Harness) -> None:
+    body = {"messages": _BODY["messages"], "max_tokens": 2, "tool_choice": "required"}
+    assert_error(with_parser.post("/v1/chat/completions", body), 400)

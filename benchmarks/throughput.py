@@ -302,7 +302,7 @@ def _http_part(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[R
         sys.executable, "-m", "noisy_temp_server.cli", "serve", "--served-model", str(model),
         "--served-model-name", MODEL_NAME, "--shadow-fraction", "0", "--default-rule", "fixed",
         "--default-t", "1.2", "--kv-cache-gib", str(args.kv_cache_gib), "--log-level", "warning",
-        "--tuned-logprobs", str(args.tuned_logprobs).lower(),
+        "--tuned-logprobs", str(args.tuned_logprobs).lower(), "--enforce-eager", "true",
         *shared,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "HF_HUB_OFFLINE": "1"}

@@ -10,7 +10,12 @@ checkpoint and engine settings.
 - ``nts-shadow-on``: the same with the shadow scorer at its default settings (sampling
   fraction, CPU budget) against ``--clean-model`` (default: the served checkpoint itself).
 
-The servers start once; each round runs ``vllm bench serve`` (``--backend``, random prompts of
+With ``--compile-choice`` the three servers are ``vllm-serve`` at its own default (compiled),
+``nts-eager`` and ``nts-compiled`` (ours with ``--enforce-eager true`` / ``false``, shadow off):
+which engine mode ours should default to on a CPU (docs/serving.md).
+
+The servers start once, one at a time (each one's startup seconds, command to a healthy
+``/health``, are reported); each round runs ``vllm bench serve`` (``--backend``, random prompts of
 ``--input-len`` tokens, ``--output-len`` tokens with EOS ignored, ``--num-prompts`` requests
 over ``--max-concurrency`` streams) against each in turn, the order rotating, so all see the
 same machine load. The first round is a warm-up. Reported: each server's median output
@@ -43,13 +48,18 @@ from throughput import RESULTS_DIR, rotated, stock_environment
 MODEL_NAME = "bench"
 STOCK = "vllm-serve"
 OURS = ("nts-shadow-off", "nts-shadow-on")
+COMPILE_CHOICE = ("nts-eager", "nts-compiled")
 
 
 def vllm_command() -> list[str]:
     return [sys.executable, "-m", "noisy_temp_server.vllm_plugin.vllm_command"]
 
 
-def _servers(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[ServerProcess]:
+Spec = tuple[str, list[str], dict[str, str]]
+"""A server to start: its name, command and environment."""
+
+
+def _servers(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[Spec]:
     shared = ["--max-model-len", str(args.max_model_len), "--max-num-seqs",
               str(args.max_concurrency), "--dtype", args.dtype]  # fmt: skip
     stock = [*vllm_command(), "serve", str(model), "--served-model-name", MODEL_NAME,
@@ -61,10 +71,19 @@ def _servers(args: argparse.Namespace, model: Path, stock_dir: Path) -> list[Ser
     clean = str(args.clean_model or model)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if args.compile_choice:  # each engine mode of ours beside vllm serve at its own default
+        stock.remove("--enforce-eager")
+        untuned = [*ours, "--shadow-fraction", "0"]
+        return [
+            (STOCK, stock, stock_environment(stock_dir, env)),
+            (COMPILE_CHOICE[0], [*untuned, "--enforce-eager", "true"], env),
+            (COMPILE_CHOICE[1], [*untuned, "--enforce-eager", "false"], env),
+        ]
+    ours.extend(["--enforce-eager", "true"])  # matched with the eager stock server
     return [
-        ServerProcess(STOCK, stock, stock_environment(stock_dir, env)),
-        ServerProcess(OURS[0], [*ours, "--shadow-fraction", "0"], env),
-        ServerProcess(OURS[1], [*ours, "--clean-model", clean], env),
+        (STOCK, stock, stock_environment(stock_dir, env)),
+        (OURS[0], [*ours, "--shadow-fraction", "0"], env),
+        (OURS[1], [*ours, "--clean-model", clean], env),
     ]
 
 
@@ -92,35 +111,47 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(args: argparse.Namespace, model: Path) -> dict[str, list[float]]:
-    """Output tokens/s per server, one value per measured round."""
-    throughput: dict[str, list[float]] = {name: [] for name in (STOCK, *OURS)}
+def measure(
+    args: argparse.Namespace, model: Path
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Output tokens/s per server, one value per measured round; and each server's startup
+    seconds (started one at a time, command to a healthy `/health`)."""
+    throughput: dict[str, list[float]] = {}
+    startup: dict[str, float] = {}
     with ExitStack() as stack:
         stock_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nts-stock-")))
-        servers = _servers(args, model, stock_dir)
-        for server in servers:
+        servers = []
+        for name, command, env in _servers(args, model, stock_dir):
+            started = time.perf_counter()
+            server = ServerProcess(name, command, env)
             stack.callback(server.stop)
-        for server in servers:
             server.wait_healthy(args.startup_timeout)
+            startup[name] = time.perf_counter() - started
+            print(f"{name}: healthy after {startup[name]:.1f} s")
+            servers.append(server)
+            throughput[name] = []
         for repeat in range(args.repeats + 1):
             for server in rotated(servers, repeat):
                 result = bench_round(server, args, model, seed=repeat)
                 print(f"round {repeat} {server.name}: {result['output_throughput']:.1f} tok/s")
                 if repeat > 0:
                     throughput[server.name].append(result["output_throughput"])
-    return throughput
+    return throughput, startup
 
 
-def _table(throughput: dict[str, list[float]]) -> str:
-    lines = ["| server | output tokens/s (median, min-max) | ours / stock (median, min-max) |",
-             "|---|---|---|"]  # fmt: skip
+def _table(throughput: dict[str, list[float]], startup: dict[str, float]) -> str:
+    lines = ["| server | startup s | output tokens/s (median, min-max) | ours / stock (median, "
+             "min-max) |", "|---|---|---|---|"]  # fmt: skip
     for name, values in throughput.items():
         s = summary(values)
         ratio = "1"
         if name != STOCK:
             r = summary([a / b for a, b in zip(values, throughput[STOCK], strict=True)])
             ratio = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
-        lines.append(f"| {name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | {ratio} |")
+        lines.append(
+            f"| {name} | {startup[name]:.0f} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) "
+            f"| {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -139,6 +170,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--round-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--compile-choice",
+        action="store_true",
+        help="compare ours eager and compiled (shadow off) beside vllm serve at its default "
+        "(compiled), instead of vllm serve eager against ours shadow off and on",
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nts-tiny-") as tiny:
@@ -148,8 +185,8 @@ def main() -> int:
             from tiny_model import build_tiny_llama  # noqa: PLC0415  (a test model)
 
             model = build_tiny_llama(Path(tiny) / "tiny-llama", seed=0)
-        throughput = measure(args, model)
-    table = _table(throughput)
+        throughput, startup = measure(args, model)
+    table = _table(throughput, startup)
     print(table)
     command = " ".join(["benchmarks/vllm_bench_serve.py", *sys.argv[1:]])
     machine = f"{platform.platform()} ({os.cpu_count()} CPUs)"
@@ -158,7 +195,7 @@ def main() -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     document = {"command": command, "machine": machine, "minutes": minutes,
                 "settings": {k: str(v) for k, v in vars(args).items()},
-                "output_tokens_per_s": throughput}  # fmt: skip
+                "output_tokens_per_s": throughput, "startup_s": startup}  # fmt: skip
     (RESULTS_DIR / f"vllm-bench-serve-{stamp}.json").write_text(json.dumps(document, indent=2))
     (RESULTS_DIR / f"vllm-bench-serve-{stamp}.md").write_text(
         "# `vllm bench serve`: stock vLLM server against ours, shadow off and on\n\n"

@@ -81,6 +81,17 @@ class Settings(BaseSettings):
         "instead of the served model's own: a Jinja template file, or the template itself (as "
         "vLLM's --chat-template).",
     )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vLLM's tool parser for tool calls on /v1/chat/completions (vLLM's "
+        "--tool-call-parser: hermes, pythonic, llama3_json, ...); with "
+        "--enable-auto-tool-choice only, as in vLLM.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=False,
+        description="Parse tool calls with --tool-call-parser, for tool_choice auto, required "
+        "and named (vLLM's --enable-auto-tool-choice).",
+    )
     clean_model: Path | None = Field(
         default=None,
         description="Clean checkpoint for shadow scoring, and the one --perturbation applies "
@@ -296,8 +307,8 @@ class Settings(BaseSettings):
     )
     enforce_eager: bool | None = Field(
         default=None,
-        description="Skip graph capture / compilation (default: true on CPU, faster startup; "
-        "false on CUDA, vLLM's CUDA graphs and compilation).",
+        description="Skip graph capture / compilation (default: false, vLLM's compilation, "
+        "and CUDA graphs on CUDA, as vllm serve; true starts faster and serves slower).",
     )
     tuned_logprobs: bool = Field(
         default=True,
@@ -377,7 +388,7 @@ class EngineSettings:
 
 
 def engine_settings(settings: Settings, *, on_cpu: bool) -> EngineSettings:
-    """The engine settings for the CPU (unchanged small defaults) or for CUDA (vLLM's own:
+    """The engine settings for the CPU (small defaults, vLLM's compilation) or for CUDA (vLLM's own:
     CUDA graphs and compilation on, KV cache by memory utilisation, leaving room for the shadow
     scorer's two models when they share the GPU, and vLLM's batch size). Explicit settings win."""
     if on_cpu:
@@ -385,7 +396,7 @@ def engine_settings(settings: Settings, *, on_cpu: bool) -> EngineSettings:
             kv_cache_gib=settings.kv_cache_gib or CPU_KV_CACHE_GIB,
             gpu_memory_utilization=None,
             max_num_seqs=settings.max_num_seqs or CPU_MAX_NUM_SEQS,
-            enforce_eager=True if settings.enforce_eager is None else settings.enforce_eager,
+            enforce_eager=bool(settings.enforce_eager),
         )
     shadow_on_gpu = settings.shadow_fraction > 0 and settings.shadow_device.startswith("cuda")
     utilization = settings.gpu_memory_utilization
@@ -414,18 +425,21 @@ def add_settings_arguments(
     """Add a `--field-name` flag for each named `Settings` field (all fields if None).
 
     Flags default to "not given" so environment variables and defaults still apply; booleans
-    take an explicit `true`/`false`. Values are parsed and validated by `Settings` itself.
+    take `true`/`false`, or no value for true (as vLLM's switches: `--enforce-eager`). Values
+    are parsed and validated by `Settings` itself.
     """
     names = list(Settings.model_fields) if fields is None else fields
     group = parser.add_argument_group("settings (each also read from NTS_<NAME>)")
     for name in names:
         info = Settings.model_fields[name]
         flag = "--" + name.replace("_", "-")
-        kind = _parse_bool if info.annotation is bool else str
+        boolean = info.annotation in (bool, bool | None)
         group.add_argument(
             flag,
             dest=f"setting_{name}",
-            type=kind,
+            type=_parse_bool if boolean else str,
+            nargs="?" if boolean else None,
+            const=True if boolean else None,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
             help=f"{info.description} [env NTS_{name.upper()}]".replace("%", "%%"),

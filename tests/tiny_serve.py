@@ -63,6 +63,7 @@ def start_tiny_server(tiny_model_dir: Path, workdir: Path, *extra: str) -> TinyS
         "--max-num-seqs", "8",
         "--kv-cache-gib", "1",
         "--log-level", "info",
+        "--enforce-eager",  # tests start fast; the default compiles (docs/serving.md)
         *extra,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -37,6 +37,7 @@ from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+    from vllm.parser.abstract_parser import Parser
 
     from noisy_temp_server.adapter.serving import ServedAdapter
     from noisy_temp_server.engine_contract.trace_channel import TraceSource
@@ -60,6 +61,7 @@ def create_app(
     trace_source: TraceSource | None,
     shadow: ShadowScorer | None = None,
     adapter: ServedAdapter | None = None,
+    tool_parser: type[Parser] | None = None,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build the app over one `ServerState` of these parts (see `ServerState` for each).
@@ -95,6 +97,7 @@ def create_app(
             trace_source=trace_source,
             shadow=shadow,
             adapter=adapter,
+            tool_parser=tool_parser,
         ),
     )
     served_adapter = adapter_status(adapter)

@@ -8,16 +8,19 @@ run, the stream and the `nts` summaries are `server.serving`'s.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from vllm.exceptions import VLLMClientError
+from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.errors import OpenAIError
+from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
+    MIN_LOGPROB,
     ChatChunkChoice,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -27,13 +30,13 @@ from noisy_temp_server.server.response_bodies import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
+    clean_logprob,
+    prompt_logprobs_body,
 )
 from noisy_temp_server.server.serving import (
     CLIENT_CLOSED_REQUEST,
-    MIN_LOGPROB,
     Choice,
     Piece,
-    clean_logprob,
     overall_summary,
     prepare_request,
     run_unless_disconnected,
@@ -41,6 +44,7 @@ from noisy_temp_server.server.serving import (
 )
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
+from noisy_temp_server.server.tools import ToolCalls
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
@@ -54,17 +58,28 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_chat_completion(
     request: ChatCompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> ChatCompletionResponse | StreamingResponse | Response:
-    """The assistant's next message: `n` choices, each with its `nts` summary."""
+    """The assistant's next message: `n` choices, each with its `nts` summary (and the tool
+    calls vLLM's parser finds in it, `server.tools`)."""
+    tools = _tool_calls(state, request)
     prepared = await prepare_request(
-        state, request, lambda: [_prompt_ids(state, request)], prefix="chatcmpl", param="messages"
+        state,
+        request,
+        lambda: [_prompt_ids(state, request, tools)],
+        prefix="chatcmpl",
+        param="messages",
     )
     top = request.top_logprobs or 0
+    echoed = _echoed(request)
     if request.stream:
         roles = [
-            ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant"))
+            ChatChunkChoice(
+                index=choice.index, delta=ChatDelta(role="assistant", content=echoed or None)
+            )
             for choice in prepared.choices
         ]
-        delta_choice = functools.partial(_delta_choice, top=top)
+        delta_choice = functools.partial(
+            _delta_choice, top=top, tools=tools, prompt=prepared.prompts[0]
+        )
         return await stream_choices(
             state,
             request,
@@ -76,36 +91,75 @@ async def create_chat_completion(
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choices = []
+    for choice, piece in finished:
+        content, calls, finish_reason = tools.parse(
+            choice.index, piece.text, list(piece.token_ids), piece.finish_reason
+        )
+        message = ChatResponseMessage(
+            content=None if content is None else echoed + content, tool_calls=calls
+        )
+        choices.append(
+            ChatCompletionChoice(
+                index=choice.index,
+                message=message,
+                logprobs=_piece_logprobs(piece, top),
+                finish_reason=finish_reason,
+                nts=choice.summary,
+            )
+        )
     return ChatCompletionResponse(
         id=prepared.request_id,
         model=prepared.model,
-        choices=[
-            ChatCompletionChoice(
-                index=choice.index,
-                message=ChatResponseMessage(content=piece.text),
-                logprobs=_piece_logprobs(piece, top),
-                finish_reason=piece.finish_reason,
-                nts=choice.summary,
-            )
-            for choice, piece in finished
-        ],
+        choices=choices,
         usage=usage(prepared),
+        prompt_logprobs=prompt_logprobs_body(prepared.choices[0].prompt_logprobs),
         nts=overall_summary(prepared),
     )
 
 
-def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
-    """The messages rendered by the chat template (with the assistant's turn opened), as
-    token ids."""
-    text = render_messages(state, request.template_messages(), add_generation_prompt=True)
-    return state.tokenizer.encode(text, add_special_tokens=False)
+def _tool_calls(state: ServerState, request: ChatCompletionRequest) -> ToolCalls:
+    """The request's tool calling; a 400 for what vLLM's request model or server refuses."""
+    try:
+        return ToolCalls(
+            request,
+            state.tool_parser,
+            state.tokenizer,
+            auto_tools=state.settings.enable_auto_tool_choice,
+        )
+    except VLLMClientError as error:
+        raise openai_error_from_exception(error) from None
+    except ValueError as error:  # vLLM's tool schema helpers raise plain ValueErrors
+        raise OpenAIError(str(error), status_code=400, param="tools") from None
+
+
+def _echoed(request: ChatCompletionRequest) -> str:
+    """What `echo` puts before each choice's text, as vLLM's server does: the last message's
+    text when it has the answer's role (the assistant's, or the last message's own without
+    `add_generation_prompt`); empty without `echo`."""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.role
+    return last.text() if request.echo and last.role == role else ""
+
+
+def _prompt_ids(state: ServerState, request: ChatCompletionRequest, tools: ToolCalls) -> list[int]:
+    """The messages rendered by the chat template (with the request's template arguments:
+    the assistant's turn opened by default, and its tools), as token ids."""
+    template_tools = tools.template_tools()
+    kwargs = request.template_kwargs() | (
+        {} if template_tools is None else {"tools": template_tools}
+    )
+    text = render_messages(state, request.template_messages(), kwargs)
+    return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
 
 def render_messages(
-    state: ServerState, messages: list[dict[str, str]], *, add_generation_prompt: bool
+    state: ServerState, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any]
 ) -> str:
-    """`messages` rendered by the model's chat template (the assistant's turn opened with
-    `add_generation_prompt`); a 400 when the model has no template or it cannot render them."""
+    """`messages` rendered by the model's chat template with `template_kwargs`
+    (`add_generation_prompt` opens the assistant's turn), those the template does not take left
+    out as vLLM leaves them out (`resolve_chat_template_kwargs`); a 400 when the model has no
+    template or it cannot render them."""
     tokenizer = state.tokenizer
     if not tokenizer.chat_template:
         raise OpenAIError(
@@ -114,9 +168,11 @@ def render_messages(
             param="messages",
         )
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        hf_tokenizer: Any = tokenizer  # vLLM reads the signature of its `apply_chat_template`
+        kwargs = resolve_chat_template_kwargs(
+            hf_tokenizer, tokenizer.chat_template, dict(template_kwargs)
         )
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as error:
         raise OpenAIError(
             f"The chat template could not render these messages: {error}",
@@ -126,13 +182,19 @@ def render_messages(
     return str(text)
 
 
-def _delta_choice(choice: Choice, piece: Piece, *, top: int) -> ChatChunkChoice:
-    """One stream chunk's choice: what one engine step added."""
+def _delta_choice(
+    choice: Choice, piece: Piece, *, top: int, tools: ToolCalls, prompt: list[int]
+) -> ChatChunkChoice:
+    """One stream chunk's choice: what one engine step added (its tool-call deltas apart)."""
+    finished = piece.finish_reason is not None
+    content, calls = tools.parse_delta(
+        choice.index, piece.text, list(piece.token_ids), prompt, finished=finished
+    )
     return ChatChunkChoice(
         index=choice.index,
-        delta=ChatDelta(content=piece.text),
+        delta=ChatDelta(content=content, tool_calls=calls),
         logprobs=_piece_logprobs(piece, top),
-        finish_reason=piece.finish_reason,
+        finish_reason=tools.stream_finish_reason(choice.index, piece.finish_reason),
         nts=choice.summary,
     )
 

@@ -26,12 +26,13 @@ from noisy_temp_server.server.response_bodies import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionStreamResponse,
+    clean_logprob,
+    prompt_logprobs_body,
 )
 from noisy_temp_server.server.serving import (
     CLIENT_CLOSED_REQUEST,
     Choice,
     Piece,
-    clean_logprob,
     overall_summary,
     prepare_request,
     run_unless_disconnected,
@@ -137,6 +138,7 @@ def _completion_choice(
         if piece.logprobs is None
         else _completion_logprobs(piece.token_ids, piece.logprobs, piece.text_offset, decode),
         finish_reason=piece.finish_reason,
+        prompt_logprobs=prompt_logprobs_body(choice.prompt_logprobs),
         nts=choice.summary,
     )
 

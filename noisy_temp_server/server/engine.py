@@ -90,9 +90,11 @@ class GenerationEngine(Protocol):
         request_id: str,
         *,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (DELTA or FINAL_ONLY as the parameters say), with the
-        LoRA adapter `lora_request` when given (an engine started with LoRA enabled)."""
+        LoRA adapter `lora_request` when given (an engine started with LoRA enabled) and the
+        scheduling `priority` (vLLM's meaning)."""
         ...
 
     async def check_health(self) -> None:

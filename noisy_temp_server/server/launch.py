@@ -26,6 +26,8 @@ from noisy_temp_server.checkpoints.model_folder import display_name
 from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
+    from vllm.parser.abstract_parser import Parser
+
     from noisy_temp_server.adapter.serving import ServedAdapter
     from noisy_temp_server.calibration.profile import Profile
     from noisy_temp_server.online.policy_source import PolicySource
@@ -87,6 +89,18 @@ def _chat_template(settings: Settings) -> str | None:
         return load_chat_template(settings.chat_template)
     except (OSError, ValueError, VLLMClientError) as error:
         raise ProfileError(f"--chat-template: {error}") from error
+
+
+def _tool_parser(settings: Settings, tokenizer: Any, model_name: str) -> type[Parser] | None:
+    """vLLM's tool parser class for `--tool-call-parser` (`server.tools`); ProfileError, one
+    line, for a parser vLLM does not know or the tokenizer cannot serve."""
+    from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.server.tools import tool_parser_class  # noqa: PLC0415
+
+    try:
+        return tool_parser_class(settings, tokenizer, model_name)
+    except (TypeError, KeyError, ValueError) as error:
+        raise ProfileError(f"--tool-call-parser: {error}") from error
 
 
 def int4_stack_settings(settings: Settings) -> Settings:
@@ -193,6 +207,7 @@ def _serve(
     from noisy_temp_server.server.app import create_app  # noqa: PLC0415
     from noisy_temp_server.server.engine import start_engine  # noqa: PLC0415
     from noisy_temp_server.server.metrics import ApiMetrics, serving_registry  # noqa: PLC0415
+    from noisy_temp_server.server.responses import mount_responses  # noqa: PLC0415
     from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
@@ -204,8 +219,8 @@ def _serve(
     adapter = plan_served_adapter(settings, pair, start.profile, start.path, model_name)
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
+    tokenizer.chat_template = chat_template or tokenizer.chat_template
+    tool_parser = _tool_parser(settings, tokenizer, model_name)
     collector = stack.enter_context(
         TraceCollector(
             environment.trace_endpoint,
@@ -246,15 +261,11 @@ def _serve(
         trace_source=collector,
         shadow=shadow,
         adapter=adapter,
+        tool_parser=tool_parser,
         on_shutdown=stack.close,
     )
-    _LOGGER.info(
-        "Serving %s on http://%s:%d (startup took %.1f s)",
-        model_name,
-        settings.host,
-        settings.port,
-        time.perf_counter() - started,
-    )
+    mount_responses(app, engine, settings, model_name=model_name, chat_template=chat_template)
+    _LOGGER.info("Serving %s (startup took %.1f s)", model_name, time.perf_counter() - started)
     return _run_until_stopped(settings, app, engine, log_level)
 
 
@@ -288,6 +299,7 @@ def _run_until_stopped(settings: Settings, app: Any, engine: Any, log_level: str
     server = EngineWatchedServer(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level), engine
     )
+    _LOGGER.info("Listening on http://%s:%d", settings.host, settings.port)
     server.run()
     if server.engine_failure is not None:
         _LOGGER.error("Exiting with status 1: the engine failed; restart the server.")

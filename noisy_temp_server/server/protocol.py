@@ -23,8 +23,16 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from noisy_temp_server.engine_contract.keys import (
     CLIENT_KEYS,
@@ -37,6 +45,7 @@ from noisy_temp_server.server.structured_outputs import (
     StructuredOutputs,
     structured_outputs_params,
 )
+from noisy_temp_server.server.vllm_fields import VllmChatFields, VllmFields
 
 __all__ = [
     "ChatCompletionRequest",
@@ -69,13 +78,14 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
-class _Extras(_Request):
+class _Extras(VllmFields):
     """What noisy-temp-server and vLLM add to both requests, declared once: the `nts_*` keys
     (one field per `engine_contract.keys.CLIENT_KEYS`; tests/unit/test_request_keys.py holds
     it), vLLM's `ignore_eos`, `repetition_penalty`, `min_tokens`, `response_format` (OpenAI's
-    on chat, vLLM's on completions), `structured_outputs` (`server.structured_outputs`) and
-    `vllm_xargs`. Each request model lists this class first among its bases, so that these
-    fields come after OpenAI's (pydantic orders the fields of the farthest base first)."""
+    on chat, vLLM's on completions), `structured_outputs` (`server.structured_outputs`),
+    `vllm_xargs` and the rest of vLLM's shared fields (`server.vllm_fields`). Each request
+    model lists this class first among its bases, so that these fields come after OpenAI's
+    (pydantic orders the fields of the farthest base first)."""
 
     ignore_eos: StrictBool = False
     repetition_penalty: float | None = Field(default=None, gt=0.0)
@@ -149,6 +159,11 @@ class _SamplingFields(_Request):
         response_format: ResponseFormat | None
         structured_outputs: StructuredOutputs | None
         vllm_xargs: dict[str, XargValue] | None
+        prompt_logprobs: int | None
+        echo: bool
+
+        def sampling_kwargs(self) -> dict[str, Any]: ...
+        def transfer_extra_args(self) -> dict[str, Any]: ...
 
     def requested_max_tokens(self) -> int | None:
         """The client's cap on generated tokens per choice (None: up to the context length)."""
@@ -159,8 +174,11 @@ class _SamplingFields(_Request):
         raise NotImplementedError
 
     def requested_prompt_logprobs(self) -> int | None:
-        """Top alternatives per prompt token to return (None: no prompt logprobs)."""
-        return None
+        """Top alternatives per prompt token to return (None: no prompt logprobs): vLLM's
+        `prompt_logprobs`, else with `echo` as many as the generated tokens get (vLLM's rule)."""
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        return self.requested_logprobs()
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -180,7 +198,7 @@ class _SamplingFields(_Request):
             key: value
             for key, value in (self.vllm_xargs or {}).items()
             if not key.startswith(KEY_PREFIX)
-        }
+        } | self.transfer_extra_args()
         logprobs = self.requested_logprobs()
         return SamplingParams.from_optional(
             n=1,
@@ -200,11 +218,14 @@ class _SamplingFields(_Request):
             if self.logit_bias is None
             else {int(token): bias for token, bias in self.logit_bias.items()},
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-            structured_outputs=structured_outputs_params(
-                self.structured_outputs, self.response_format
-            ),
+            structured_outputs=self.constraint(),
             extra_args=passthrough,
+            **self.sampling_kwargs(),
         )
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured output the engine enforces (None: none)."""
+        return structured_outputs_params(self.structured_outputs, self.response_format)
 
     @field_validator("stop", check_fields=False)
     @classmethod
@@ -264,10 +285,6 @@ class _CompletionFields(_SamplingFields):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
-    def requested_prompt_logprobs(self) -> int | None:
-        """With `echo`, the prompt's logprobs come with the same number of alternatives."""
-        return self.logprobs if self.echo else None
-
     @property
     def echoes_prompt_only(self) -> bool:
         """`echo` with `max_tokens: 0`: the response is the prompt alone."""
@@ -304,7 +321,13 @@ class _CompletionFields(_SamplingFields):
         return self
 
 
-class CompletionRequest(_Extras, _CompletionFields):
+class _CompletionExtras(_Extras):
+    """vLLM's fields of its completions request only."""
+
+    add_special_tokens: StrictBool = True
+
+
+class CompletionRequest(_CompletionExtras, _CompletionFields):
     """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
 
 
@@ -370,9 +393,17 @@ class _ChatFields(_SamplingFields):
             return None
         return self.top_logprobs or 0
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the tokenizer's chat template expects them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def requested_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0  # vLLM's chat: with echo, always
+        return self.prompt_logprobs
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the tokenizer's chat template expects them (with their other keys,
+        such as an assistant's `tool_calls` or a tool's `tool_call_id`)."""
+        return [
+            {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in self.messages
+        ]
 
     @model_validator(mode="after")
     def _check_chat(self) -> _ChatFields:
@@ -383,5 +414,27 @@ class _ChatFields(_SamplingFields):
         return self
 
 
-class ChatCompletionRequest(_Extras, _ChatFields):
+class _ChatExtras(_Extras, VllmChatFields):
+    """vLLM's chat-only fields (`server.vllm_fields`) and the tool constraint on them."""
+
+    _tool_constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
+
+    def constrain(self, constraint: StructuredOutputsParams | None) -> None:
+        """Replace the request's structured output by `constraint` (`server.tools`: vLLM's
+        parser constrains `required` and named tool choices)."""
+        self._tool_constraint = constraint
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self._tool_constraint is not None:
+            return self._tool_constraint
+        return structured_outputs_params(self.structured_outputs, self.response_format)
+
+    def vllm_fields(self) -> dict[str, Any]:
+        """The body as the client sent it, for vLLM's own request model (without the keys
+        only this server takes)."""
+        ours = {*CLIENT_KEYS, "vllm_xargs"}
+        return self.model_dump(by_alias=True, exclude_unset=True, exclude=ours)
+
+
+class ChatCompletionRequest(_ChatExtras, _ChatFields):
     """`POST /v1/chat/completions` (https://platform.openai.com/docs/api-reference/chat)."""

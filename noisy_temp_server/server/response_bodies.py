@@ -5,12 +5,18 @@ by mistake; the `nts` objects are this project's extension.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from vllm.entrypoints.generate.base.protocol import DeltaToolCall, ToolCall
+
+if TYPE_CHECKING:
+    from vllm.logprobs import PromptLogprobs as VllmPromptLogprobs
 
 __all__ = [
+    "MIN_LOGPROB",
     "ChatChunkChoice",
     "ChatCompletionChoice",
     "ChatCompletionChunk",
@@ -26,9 +32,21 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "NtsSummary",
+    "PromptLogprob",
+    "PromptLogprobs",
     "TopLogprob",
     "Usage",
+    "clean_logprob",
+    "prompt_logprobs_body",
 ]
+
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
+
+
+def clean_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf and NaN become vLLM's floor of -9999."""
+    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
 class _Response(BaseModel):
@@ -74,11 +92,58 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
+class PromptLogprob(_Response):
+    """One candidate of a prompt position in vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt token its candidates (null at position 0)."""
+
+
+def prompt_logprobs_body(positions: VllmPromptLogprobs | None) -> PromptLogprobs | None:
+    """The engine's prompt logprobs as vLLM's server answers them (-inf: its floor)."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(token): PromptLogprob(
+                logprob=clean_logprob(c.logprob), rank=c.rank, decoded_token=c.decoded_token
+            )
+            for token, c in position.items()
+        }
+        for position in positions
+    ]
+
+
+class _OmitWhenEmpty(_Response):
+    """A body whose keys named in `_omitted_when_empty` are left out when empty or null, as
+    vLLM leaves them out (or as a key only some of vLLM's bodies carry)."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in self._omitted_when_empty:
+            if not data.get(key):
+                data.pop(key, None)
+        return data
+
+
+class CompletionChoice(_OmitWhenEmpty):
+    _omitted_when_empty = ("prompt_logprobs",)
+
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     nts: NtsSummary | None = None
 
 
@@ -113,9 +178,12 @@ class ChatCompletionLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(_Response):
+class ChatResponseMessage(_OmitWhenEmpty):
+    _omitted_when_empty = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Response):
@@ -126,19 +194,25 @@ class ChatCompletionChoice(_Response):
     nts: NtsSummary | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_OmitWhenEmpty):
+    _omitted_when_empty = ("prompt_logprobs",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     nts: NtsSummary | None = None
 
 
-class ChatDelta(_Response):
+class ChatDelta(_OmitWhenEmpty):
+    _omitted_when_empty = ("tool_calls",)
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatChunkChoice(_Response):

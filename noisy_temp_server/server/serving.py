@@ -2,14 +2,12 @@
 
 A request's path:
 
-1. `prepare_request`: check the model name, tokenize the prompt in a worker thread (the
-   endpoint's tokenizer call), check the context length, convert the body to one
-   `SamplingParams` per choice, pin the policy in force (`PolicySource.current_policy`), apply
-   the server defaults under the request's `nts_*` keys (the one parser,
-   `engine_contract.request_args`) and give each of the `n` choices its own engine request and trace
-   id, all before anything reaches the engine, so a bad request costs nothing and gets an
-   OpenAI error body; the shadow scorer draws which choices it samples, and a sampled tuned
-   choice runs with its per-step T* trace (the client's `nts` shows it only when asked);
+1. `prepare_request`: check the model name, tokenize the prompt in a worker thread, check the
+   context length, convert the body to one `SamplingParams` per choice, pin the policy in force,
+   apply the server defaults under the request's `nts_*` keys (`engine_contract.request_args`)
+   and give each choice its own engine request and trace id, all before anything reaches the
+   engine, so a bad request costs nothing and gets an OpenAI error body; the shadow scorer draws
+   which choices it samples (a sampled tuned choice runs with its per-step T* trace);
 2. `run_unless_disconnected` (JSON response) or `server.streaming.stream_choices` (server-sent
    events): run the choices on the engine, concurrently;
 3. when a choice finishes, join its per-step T* (trace channel) with its output into its `nts`
@@ -23,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,14 +84,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
     "MAX_CHOICES",
-    "MIN_LOGPROB",
     "Choice",
     "GenerationRequest",
     "Piece",
     "PreparedRequest",
     "absorb",
     "check_model",
-    "clean_logprob",
     "engine_streams",
     "forget_unsummarized",
     "overall_summary",
@@ -105,7 +100,6 @@ __all__ = [
 ]
 
 _LOGGER = logging.getLogger(__name__)
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -153,11 +147,11 @@ class PreparedRequest:
 
     `prompts`: the token ids of each of its prompts (one, but for a completions request that
     sends a list); `keys`: its `nts_*` keys over the server defaults, with `policy` pinned;
-    `tuning`: what the
-    processor will apply to it (None when it is not tuned: no trace records will come);
+    `tuning`: what the processor will apply to it (None when not tuned: no trace records come);
     `correction`: the per-token bias its logits get (None: none); `adapter`:
     the compensation adapter it is served with (`server.adapter`); `model`: the model id its
-    response names (the one it asked for: the base model id is served without the adapter).
+    response names (the one it asked for: the base model id is served without the adapter);
+    `prompt_kwargs`, `engine_kwargs`: vLLM's fields for the engine (`server.vllm_fields`).
     """
 
     request_id: str
@@ -170,15 +164,12 @@ class PreparedRequest:
     correction: LogitCorrection | None = None
     adapter: RequestAdapter = NO_ADAPTER
     model: str = ""
+    prompt_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def prompt_of(self, choice: Choice) -> list[int]:
         """The token ids of the prompt `choice` continues."""
         return self.prompts[choice.prompt]
-
-
-def clean_logprob(value: float) -> float:
-    """A logprob JSON can carry: -inf and NaN become vLLM's floor of -9999."""
-    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
 # ----------------------------------------------------------------------------- admission
@@ -194,12 +185,15 @@ async def prepare_request(
 ) -> PreparedRequest:
     """Validate `request` and make its engine requests; raises `OpenAIError` for anything the
     engine would refuse. The model name is checked first; then `tokenize()` (the token ids of
-    each prompt; it may raise `OpenAIError`) runs in a worker thread, so a long prompt (the body
-    may be megabytes) does not stall the event loop and the other requests' streams. Each
-    prompt gets `n` choices (`Choice.prompt`). `prefix` starts the request id; `param` names the
-    prompt's field in error bodies."""
+    each prompt, truncated as asked; it may raise `OpenAIError`) runs in a worker thread, so a
+    long prompt does not stall the event loop. Each prompt gets `n` choices (`Choice.prompt`).
+    `prefix` starts the request id; `param` names the prompt's field in error bodies."""
     check_model(state, request.model)
-    prompts = await run_in_threadpool(tokenize)
+    prompts = await run_in_threadpool(
+        lambda: request.truncate_prompts(
+            state.tokenizer, tokenize(), state.max_model_len, request.requested_max_tokens()
+        )
+    )
     if not prompts or not all(prompts):
         raise OpenAIError("The prompt is empty.", status_code=400, param=param)
     if request.n * len(prompts) > MAX_CHOICES:
@@ -210,12 +204,8 @@ async def prepare_request(
             param=param,
         )
     budgets = [_max_tokens(state, request, len(ids), param) for ids in prompts]
-    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id, choices = _choices(request, len(prompts), prefix)
     n = request.n
-    choices = [
-        Choice(index=i, trace_id=f"{request_id}-{i}", prompt=i // n)
-        for i in range(n * len(prompts))
-    ]
     try:
         params = [
             request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % n)
@@ -262,7 +252,21 @@ async def prepare_request(
         correction,
         adapter,
         model=request.model or state.model_name,
+        prompt_kwargs=request.prompt_kwargs(),
+        engine_kwargs=request.engine_kwargs(),
     )
+
+
+def _choices(request: GenerationRequest, prompts: int, prefix: str) -> tuple[str, list[Choice]]:
+    """The response's id (the client's `request_id` when it sent one) and the request's choices,
+    `n` per prompt, each with an engine (trace) id of its own, unique whatever the client sent."""
+    engine_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_id = engine_id if request.request_id is None else f"{prefix}-{request.request_id}"
+    n = request.n
+    choices = [
+        Choice(index=i, trace_id=f"{engine_id}-{i}", prompt=i // n) for i in range(n * prompts)
+    ]
+    return request_id, choices
 
 
 def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice) -> TuningKeys:
@@ -337,10 +341,11 @@ def engine_streams(
     """All choices' engine outputs, merged, each with its choice's index."""
     generators = [
         state.engine.generate(
-            tokens_input(prepared.prompt_of(choice)),
+            tokens_input(prepared.prompt_of(choice), **prepared.prompt_kwargs),
             params,
             choice.trace_id,
             **prepared.adapter.engine_kwargs(),
+            **prepared.engine_kwargs,
         )
         for choice, params in zip(prepared.choices, prepared.params, strict=True)
     ]

@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+    from vllm.parser.abstract_parser import Parser
 
     from noisy_temp_server.adapter.serving import ServedAdapter
     from noisy_temp_server.engine_contract.trace_channel import TraceSource
@@ -43,7 +44,7 @@ class ChatTokenizer(Protocol):
     ) -> str | list[str]: ...
 
     def apply_chat_template(
-        self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+        self, conversation: list[dict[str, str]], *, tokenize: bool, **kwargs: Any
     ) -> Any: ...
 
     def convert_ids_to_tokens(self, ids: list[int]) -> Any: ...
@@ -60,7 +61,8 @@ class ServerState:
     `metrics_registry` (what `/metrics` serves) sees them; `model_name`: the served model name
     clients must send; `max_model_len`: the context length prompts and completions share;
     `adapter`: the compensation adapter the served model id stands for with the model (None:
-    none; `server.adapter`).
+    none; `server.adapter`); `tool_parser`: vLLM's parser class for tool calls (None: none;
+    `server.tools`).
     """
 
     settings: Settings
@@ -74,6 +76,7 @@ class ServerState:
     trace_source: TraceSource | None
     shadow: ShadowScorer | None
     adapter: ServedAdapter | None = None
+    tool_parser: type[Parser] | None = None
 
 
 def attach_state(app: FastAPI, state: ServerState) -> None:

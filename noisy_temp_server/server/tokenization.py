@@ -90,7 +90,9 @@ def _token_ids(state: ServerState, request: TokenizeCompletionRequest | Tokenize
     if isinstance(request, TokenizeCompletionRequest):
         return state.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    text = render_messages(state, messages, add_generation_prompt=request.add_generation_prompt)
+    text = render_messages(
+        state, messages, {"add_generation_prompt": request.add_generation_prompt}
+    )
     return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
 

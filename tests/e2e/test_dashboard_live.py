@@ -41,7 +41,7 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     served = ensure_perturbed_checkpoint(tiny_model_dir, WeightNoiseSpec(scale=0.3), work)
     port = free_port()
     command = [
-        sys.executable, "-m", "noisy_temp_server.cli", "serve",
+        sys.executable, "-m", "noisy_temp_server.cli", "serve", "--enforce-eager",
         "--served-model", str(served),
         "--clean-model", str(tiny_model_dir),
         "--served-model-name", MODEL,

@@ -133,7 +133,7 @@ def test_a_served_replica_scores_against_the_remote_clean_server(
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "noisy_temp_server.cli", "serve"],
+            [sys.executable, "-m", "noisy_temp_server.cli", "serve", "--enforce-eager"],
             env=env,
             stdout=sink,
             stderr=subprocess.STDOUT,

@@ -54,6 +54,8 @@ class FakeEngine:
         self.step_seconds = 0.0
         self.aborted: list[str] = []
         self.lora_requests: list[LoRARequest | None] = []
+        self.prompts: list[TokensInput] = []
+        self.priorities: list[int] = []
 
     async def generate(
         self,
@@ -62,12 +64,15 @@ class FakeEngine:
         request_id: str,
         *,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         ids = list(prompt["prompt_token_ids"])
         if any(i >= VOCAB for i in ids):
             raise VLLMValidationError("Token id out of vocabulary", parameter="prompt")
         self.calls.append((ids, sampling_params, request_id))
         self.lora_requests.append(lora_request)
+        self.prompts.append(prompt)
+        self.priorities.append(priority)
         count = sampling_params.max_tokens or 1
         new = [(len(ids) + step) % VOCAB for step in range(count)]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
@@ -139,9 +144,16 @@ class FakeTokenizer:
         return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(
-        self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
+        text = "".join(f"<tool>{t['function']['name']}" for t in tools or [])
+        text += "".join(f"<{m['role']}>{m['content']}" for m in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
@@ -206,6 +218,7 @@ def build(
     *,
     adapter: ServedAdapter | None = None,
     shadow: Any = None,
+    tool_parser: Any = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
     traces = traces or FakeTraces(trace_t)
@@ -221,6 +234,7 @@ def build(
         trace_source=traces,
         shadow=shadow,
         adapter=adapter,
+        tool_parser=tool_parser,
     )
     app.state.registry = registry
     return Harness(TestClient(app), engine, traces)

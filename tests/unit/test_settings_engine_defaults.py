@@ -1,15 +1,24 @@
-"""Engine settings resolved per device: CPU defaults unchanged, vLLM's own on CUDA."""
+"""Engine settings resolved per device: small defaults and vLLM's compilation on the CPU,
+vLLM's own on CUDA."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from noisy_temp_server.settings import EngineSettings, Settings, engine_settings
+from noisy_temp_server.settings import (
+    EngineSettings,
+    Settings,
+    add_settings_arguments,
+    engine_settings,
+    settings_from_args,
+)
 
 
-def test_cpu_keeps_the_small_eager_defaults() -> None:
+def test_cpu_keeps_small_defaults_and_compiles_as_vllm() -> None:
     assert engine_settings(Settings(), on_cpu=True) == EngineSettings(
-        kv_cache_gib=2, gpu_memory_utilization=None, max_num_seqs=32, enforce_eager=True
+        kv_cache_gib=2, gpu_memory_utilization=None, max_num_seqs=32, enforce_eager=False
     )
 
 
@@ -32,4 +41,19 @@ def test_explicit_settings_win_on_both_devices() -> None:
     assert engine_settings(settings, on_cpu=False) == EngineSettings(
         kv_cache_gib=8, gpu_memory_utilization=None, max_num_seqs=64, enforce_eager=True
     )
-    assert engine_settings(Settings(enforce_eager=False), on_cpu=True).enforce_eager is False
+    assert engine_settings(Settings(enforce_eager=True), on_cpu=True).enforce_eager is True
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [(["--enforce-eager"], True), (["--enforce-eager", "false"], False), ([], None)],
+)
+def test_boolean_flags_take_no_value_for_true_as_vllms_switches(
+    flags: list[str], expected: bool | None
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ["enforce_eager", "enable_auto_tool_choice"])
+    args = parser.parse_args([*flags, "--enable-auto-tool-choice"])
+    settings = settings_from_args(args)
+    assert settings.enforce_eager is expected
+    assert settings.enable_auto_tool_choice is True

@@ -1,0 +1,63 @@
+"""`/v1/responses`: vLLM's own Responses API, its serving class (`OpenAIServingResponses`) and
+its routes (`POST /v1/responses`, `GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`)
+mounted on this server's app over this server's engine, behind its API key.
+
+It is vLLM's code end to end: its request model, renderer, tool parser (`--tool-call-parser`,
+`--enable-auto-tool-choice`), state machine and response bodies. So these requests carry no
+`nts_*` keys and get no `nts` object: the engine's processor serves them as the stock-vLLM
+recipe does (docs/serving.md), untuned unless they name a rule in `vllm_xargs`; they are never
+shadow-sampled, and on a server with a compensation adapter served through LoRA they get the
+base model. The routes are left out of this server's `/openapi.json` (`server.openapi`
+documents the bodies this server builds; these are vLLM's, documented by vLLM).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI
+
+from noisy_temp_server.server.auth import require_api_key
+
+if TYPE_CHECKING:
+    from noisy_temp_server.settings import Settings
+
+__all__ = ["mount_responses"]
+
+
+def mount_responses(
+    app: FastAPI,
+    engine: Any,
+    settings: Settings,
+    *,
+    model_name: str,
+    chat_template: str | None,
+) -> None:
+    """Mount vLLM's Responses API on `app`, served by `engine` (vLLM's `AsyncLLM`) as
+    `model_name`, chat messages rendered with `chat_template` (None: the model's own)."""
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath  # noqa: PLC0415
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels  # noqa: PLC0415
+    from vllm.entrypoints.openai.responses.api_router import router  # noqa: PLC0415
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses  # noqa: PLC0415
+    from vllm.renderers.online_renderer import OnlineRenderer  # noqa: PLC0415
+
+    tools: dict[str, Any] = {
+        "enable_auto_tools": settings.enable_auto_tool_choice,
+        "tool_parser": settings.tool_call_parser,
+    }
+    common: dict[str, Any] = {"request_logger": None, "chat_template": chat_template}
+    renderer = OnlineRenderer(
+        engine.model_config,
+        engine.renderer,
+        chat_template_content_format="auto",
+        **common,
+        **tools,
+    )
+    models = OpenAIServingModels(
+        engine_client=engine,
+        base_model_paths=[BaseModelPath(name=model_name, model_path=engine.model_config.model)],
+    )
+    app.state.openai_serving_responses = OpenAIServingResponses(
+        engine, models, renderer, chat_template_content_format="auto", **common, **tools
+    )
+    app.include_router(router, dependencies=[Depends(require_api_key)], include_in_schema=False)

@@ -1,0 +1,261 @@
+"""vLLM's own fields of the two generation requests (the `ChatCompletionRequest` and
+`CompletionRequest` of vLLM's OpenAI server), taken with vLLM's meaning.
+
+`VllmFields` declares, with vLLM's types and defaults, the fields both requests share:
+
+- sampling: `sampling_kwargs` hands them to `SamplingParams` exactly as vLLM's
+  `to_sampling_params` does, so vLLM validates the values and the engine applies them
+  (`top_k`, `min_p`, `stop_token_ids`, `bad_words`, `allowed_token_ids`, ...);
+- the prompt: `truncate_prompt_tokens` / `truncation_side` (`truncate_prompts`, vLLM's own
+  `TokenizeParams`);
+- the engine request: `priority`, `cache_salt` (`engine_kwargs`, `prompt_kwargs`), and
+  `kv_transfer_params` / `ec_transfer_params`, passed in `extra_args` as vLLM passes them;
+- `prompt_logprobs`: the prompt's logprobs (the served model's own: vLLM computes them before
+  any logits processor), in the response as vLLM puts them;
+- `request_id` names the response (`cmpl-<request_id>`, `chatcmpl-<request_id>`) as on vLLM's
+  server; the engine requests keep ids of this server's own (one per choice, unique);
+- fields vLLM's server reads only on other endpoints or with features this server never starts
+  with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`,
+  `length_penalty` without beam search): taken, no effect, as on vLLM's server.
+
+`VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments, `echo`, `tools`
+and `tool_choice` (`server.tools`).
+
+`NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
+a 400 (unknown field). tests/unit/test_vllm_fields.py checks that every field of vLLM's two
+request models is a field of ours or listed there, so a field a new vLLM adds fails that test
+until it is taken or listed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+)
+from vllm.exceptions import VLLMClientError, VLLMValidationError
+from vllm.renderers import TokenizeParams, merge_kwargs
+from vllm.sampling_params import RepetitionDetectionParams, ThinkingTokenBudget
+
+from noisy_temp_server.server.errors import openai_error_from_exception
+
+__all__ = ["NOT_TAKEN", "VllmChatFields", "VllmFields"]
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+NOT_TAKEN: dict[str, str] = {
+    "logprob_token_ids": "logprobs are the top candidates only",
+    "return_tokens_as_token_ids": "logprob tokens are always their text",
+    "return_token_ids": "responses carry text, not token ids",
+    "return_prompt_text": "responses carry no prompt text",
+    "prompt_embeds": "prompts are text or token ids (vLLM too refuses them unless started "
+    "with --enable-prompt-embeds)",
+}
+"""vLLM's request fields this server refuses (400), each with why (docs/serving.md)."""
+
+
+class VllmFields(BaseModel):
+    """vLLM's extension fields that both generation requests share (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    use_beam_search: StrictBool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    watermarking: StrictBool | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    request_id: str | None = None
+    session_id: str | None = None
+    return_token_offsets: StrictBool | None = False
+    mm_payload: Literal["tensors", "none"] = "tensors"
+    return_mm_kwargs: StrictBool | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
+    thinking_token_budget: ThinkingTokenBudget = None
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_as_vllm(self) -> Self:
+        stream = getattr(self, "stream", False)
+        if self.prompt_logprobs is not None:
+            if stream and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
+                raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        return self
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "use_beam_search is not supported by this server (each choice is sampled with "
+                "its own temperature trace); leave it unset."
+            )
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_as_vllm(cls, value: str | None) -> str | None:
+        validate_cache_salt(value)
+        return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _vllm_refusals_are_validation_errors(
+        cls, data: Any, handler: ModelWrapValidatorHandler[Self]
+    ) -> Self:
+        """vLLM's own checks (`cache_salt`, `repetition_detection`, `thinking_token_budget`)
+        raise `VLLMValidationError`; a 400 with vLLM's message, as on vLLM's server."""
+        try:
+            return handler(data)
+        except VLLMValidationError as error:
+            raise ValueError(str(error)) from None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """These fields' `SamplingParams.from_optional` arguments, as vLLM's `to_sampling_params`
+        passes them (an unset `top_k` / `min_p`: vLLM's OpenAI default, 0)."""
+        return {
+            "top_k": 0 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "watermarking": self.watermarking,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "repetition_detection": self.repetition_detection,
+            "stream_interval": self.stream_interval,
+            "thinking_token_budget": self.thinking_token_budget,
+            "routed_experts_prompt_start": self.routed_experts_prompt_start,
+        }
+
+    def transfer_extra_args(self) -> dict[str, Any]:
+        """`kv_transfer_params` / `ec_transfer_params` under their names, for `extra_args`."""
+        transfers = {
+            "kv_transfer_params": self.kv_transfer_params,
+            "ec_transfer_params": self.ec_transfer_params,
+        }
+        return {key: value for key, value in transfers.items() if value}
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's `generate` (`priority` when not 0)."""
+        return {"priority": self.priority} if self.priority else {}
+
+    def prompt_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `vllm.inputs.tokens_input` (`cache_salt` when given)."""
+        return {"cache_salt": self.cache_salt} if self.cache_salt is not None else {}
+
+    def truncate_prompts(
+        self, tokenizer: Any, prompts: list[list[int]], max_model_len: int, max_tokens: int | None
+    ) -> list[list[int]]:
+        """The token ids of each prompt truncated as vLLM truncates a prompt
+        (`truncate_prompt_tokens` kept from `truncation_side`, the tokenizer's side by default;
+        -1: the context length less one). Raises `OpenAIError` (400, vLLM's message) for a
+        truncation longer than the context."""
+        if self.truncate_prompt_tokens is None:
+            return prompts
+        try:
+            params = TokenizeParams(
+                max_total_tokens=max_model_len,
+                max_output_tokens=max_tokens or 0,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                truncation_side=self.truncation_side,
+            )
+            truncated: list[Any] = [
+                params.apply_post_tokenization(tokenizer, {"prompt_token_ids": ids})
+                for ids in prompts
+            ]
+        except VLLMClientError as error:
+            raise openai_error_from_exception(error) from None
+        return [list(prompt["prompt_token_ids"]) for prompt in truncated]
+
+
+class VllmChatFields(VllmFields):
+    """vLLM's fields of its chat request only: what the chat template is rendered with (vLLM's
+    meaning: `template_kwargs`), `echo` (the last message's text starts the answer when it has
+    the answer's role), and fields without effect here as on vLLM's server for a text-only model
+    without a reasoning or tool parser (`media_io_kwargs`, `mm_processor_kwargs`,
+    `include_reasoning`, `parallel_tool_calls`). A `chat_template` in the request is refused
+    as vLLM's server refuses it unless started with `--trust-request-chat-template`."""
+
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: StrictBool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
+        "none"
+    )
+    parallel_tool_calls: StrictBool | None = True
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges
+        them (`chat_template_kwargs` under the request's own fields; `enable_thinking` follows
+        `reasoning_effort` unless given)."""
+        extra: dict[str, Any] = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
+        }
+        user = self.chat_template_kwargs or {}
+        if self.reasoning_effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = self.reasoning_effort != "none"
+        return merge_kwargs(self.chat_template_kwargs, extra)
+
+    @model_validator(mode="after")
+    def _check_template_fields(self) -> Self:
+        given = self.model_fields_set
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and ("add_generation_prompt" in given)
+        ):
+            raise ValueError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        if (
+            self.chat_template is not None
+            or (self.chat_template_kwargs or {}).get("chat_template") is not None
+        ):
+            raise ValueError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template."
+            )
+        return self

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from noisy_temp_server.checkpoints.checkpoint import load_causal_lm
+from noisy_temp_server.checkpoints.checkpoint import check_folder, load_causal_lm
 from noisy_temp_server.checkpoints.identity import ModelIdentity
+from noisy_temp_server.checkpoints.lean_served import load_lean_served
 from noisy_temp_server.checkpoints.model_folder import (
     check_model_folder,
     check_pair_folders,
@@ -54,6 +55,20 @@ class LoadedPair:
         return None if weight is None or weight.shape[0] != vocab_size else weight.detach()
 
 
+def _load_served(
+    served_path: Path, clean_path: Path, clean_model: PreTrainedModel, device: str | torch.device
+) -> PreTrainedModel:
+    """The served model: its quantized layers packed and its tensors equal to the clean model's
+    shared with it where `load_lean_served` covers the folder, else loaded whole."""
+    check_folder(served_path)
+    dtype = next(clean_model.parameters()).dtype
+    lean = load_lean_served(served_path, clean_path, clean_model, dtype)
+    if lean is not None:
+        return lean
+    model, _ = load_causal_lm(served_path, device=device, verify=False)
+    return model
+
+
 def load_pair(
     clean_path: Path,
     *,
@@ -74,7 +89,9 @@ def load_pair(
     of the clean model and a runtime-noise spec serves the clean weights; the served identity
     is then `ModelIdentity.perturbed(clean, spec)`, which a profile matches against the
     checkpoint `perturb` writes for the same spec. Plain folders' identities are cached in
-    `cache_dir` (default: the product's cache).
+    `cache_dir` (default: the product's cache). A quantized served folder is loaded beside the
+    clean model without a float copy of its own where `checkpoints.lean_served` covers it (its
+    packed layers dequantized one at a time, its tensors equal to the clean ones shared).
     """
     clean_path = resolve_model_folder(clean_path)
     if served_path is not None:
@@ -86,7 +103,7 @@ def load_pair(
     clean_model, tokenizer = load_causal_lm(clean_path, device=device)
     if served_path is not None:
         served = ModelIdentity.of_checkpoint(served_path, cache_dir)
-        served_model, _ = load_causal_lm(served_path, device=device)
+        served_model = _load_served(served_path, clean_path, clean_model, device)
         recorded_clean = served.clean_weights_sha256
         if recorded_clean is not None and recorded_clean != clean.weights_sha256:
             raise ValueError(

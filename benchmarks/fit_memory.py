@@ -12,15 +12,17 @@ head, an untied output head) the script builds, locally and without a network:
 Both are kept under ``--work-dir`` and reused when present. Then it runs ``noisy-temp-server
 calibrate --clean C --served Q --adapter-rank 16`` under ``/usr/bin/time -v`` with tiny prompt
 counts (``--num-prompts``, ``--max-new-tokens``), so that each run takes minutes on one core,
-and reads its peak resident set size. ``--package-root`` runs another tree's package (e.g. an
-export of an older commit) to compare. Beside each peak it prints the parts the formula of
+and reads its peak resident set size (``--served-weights packed`` measures the lean served
+model, ``float`` the served model loaded whole). ``--package-root`` runs another tree's package
+(e.g. an export of an older commit) to compare. Beside each peak it prints the parts the formula of
 docs/adapter.md ("Peak memory") adds up: the clean model in float32 (4 bytes a parameter), the
 served checkpoint's packed bytes, one layer's float32 weight, and the runtime (Python, torch,
 transformers) measured as the RSS of a process that imported them.
 
 Results: a table on stdout, and JSON + markdown under ``benchmarks/results/`` (``--name``).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fit_memory.py --sizes small,1b
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fit_memory.py --sizes small,1b \
+        --method svd --served-weights packed
 """
 
 from __future__ import annotations
@@ -152,6 +154,8 @@ def measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
         "--request-temperatures", "1.0", "--min-quality-positions", "1",
         "--min-cell-positions", "1", *cache,
     ]  # fmt: skip
+    if args.served_weights is not None:
+        command += ["--served-weights", args.served_weights]
     peak_kib, seconds = _peak_kib(command, env, args.work_dir / f"calibrate-{size}-{args.name}.log")
     hidden, mlp, _, _ = SIZES[size]
     parameters = _parameters(clean)
@@ -179,8 +183,8 @@ def _runtime_bytes(package_root: Path) -> int:
 def _markdown(result: dict[str, Any]) -> str:
     gb = 1e9
     lines = [
-        f"# calibrate --adapter-rank 16 --adapter-method {result['method']}: peak RSS "
-        f"({result['name']})",
+        f"# calibrate --adapter-rank 16 --adapter-method {result['method']} "
+        f"--served-weights {result['served_weights']}: peak RSS ({result['name']})",
         "",
         f"{result['date']}, {result['machine']}; {result['num_prompts']} prompts × "
         f"{result['max_new_tokens']} tokens; runtime after imports "
@@ -210,6 +214,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--method", default="propagated", choices=("eora", "propagated", "svd"))
+    parser.add_argument(
+        "--served-weights",
+        choices=("auto", "packed", "float"),
+        default=None,
+        help="calibrate's --served-weights (not given: its default; a tree from before the "
+        "option has none)",
+    )
     parser.add_argument("--name", default="fit_memory", help="results file stem")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +231,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "package_root": str(args.package_root),
         "method": args.method,
+        "served_weights": args.served_weights,
         "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens,
         "runtime_bytes": _runtime_bytes(args.package_root),

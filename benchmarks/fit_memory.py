@@ -1,6 +1,7 @@
 """Peak resident memory of `calibrate --adapter-rank 16` against model size, on random Llamas.
 
-For each size of ``--sizes`` (``small``: about 0.26 B parameters, ``1b``: about 1.07 B; shapes
+For each size of ``--sizes`` (``tiny``: about 0.14 B parameters, ``small``: 0.26 B, ``1b``:
+1.07 B; shapes
 in `SIZES`, Llama 3's proportions: grouped-query attention with 4 query heads per key/value
 head, an untied output head) the script builds, locally and without a network:
 
@@ -44,11 +45,15 @@ RESULTS = REPO / "benchmarks" / "results"
 
 # name -> hidden size, MLP width, decoder blocks, query heads (key/value heads: a quarter)
 SIZES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (768, 2688, 8, 12),
     "small": (1024, 3584, 12, 16),
     "1b": (2048, 7168, 16, 32),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _PEAK = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
+_SAMPLE_S = 0.5
+_VOCAB = 49_152  # the embedded SmolLM2's tokenizer
+_MARGIN = 2_000_000_000  # bytes beyond the float copies a run is let start with
 _IMPORTS = (
     "import resource, torch, transformers, compressed_tensors, noisy_temp_server.cli; "
     "from transformers import LlamaForCausalLM; "
@@ -86,7 +91,12 @@ def build_clean(folder: Path, size: str) -> None:
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy on the way
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     partial = folder.with_name(folder.name + ".partial")
     model.save_pretrained(partial, max_shard_size="500MB")
     for name in _TOKENIZER_FILES:
@@ -118,19 +128,53 @@ def _bytes(folder: Path) -> int:
     return sum(file.stat().st_size for file in folder.glob("*.safetensors"))
 
 
-def _peak_kib(command: list[str], env: dict[str, str], log: Path) -> tuple[int, float]:
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return 1024 * int(line.split()[1])
+    raise SystemExit("no MemAvailable in /proc/meminfo")
+
+
+def _rss_kib(pid: int) -> int:
+    """The process's resident set now (kB; 0 once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"VmRSS:\s+(\d+) kB", status)
+    return int(match.group(1)) if match else 0
+
+
+def _run_sampled(command: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+    """Run `command` under ``/usr/bin/time -v`` (its output and the command's in `log`),
+    sampling the command's RSS every `_SAMPLE_S` seconds. Returns its peak RSS (time's figure),
+    the wall time, and the log line last printed before the largest sample (the phase at the
+    peak)."""
     started = time.monotonic()
+    largest, phase, last_line = 0, "", ""
     with log.open("w") as out:
-        done = subprocess.run(
-            ["/usr/bin/time", "-v", *command], env=env, stdout=out, stderr=subprocess.STDOUT,
-            check=False,
-        )  # fmt: skip
+        process = subprocess.Popen(
+            ["/usr/bin/time", "-v", *command], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+        while process.poll() is None:
+            time.sleep(_SAMPLE_S)
+            children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+            pids = children.read_text().split() if children.exists() else []
+            rss = sum(_rss_kib(int(pid)) for pid in pids)
+            lines = [line for line in log.read_text().splitlines() if line.startswith("INFO")]
+            last_line = lines[-1] if lines else last_line
+            if rss > largest:
+                largest, phase = rss, last_line
     text = log.read_text()
-    if done.returncode:
-        raise SystemExit(f"{' '.join(command[:4])} ... failed ({done.returncode}); see {log}")
+    if process.returncode:
+        raise SystemExit(f"{' '.join(command[:4])} ... failed ({process.returncode}); see {log}")
     match = _PEAK.search(text)
     assert match is not None, f"no peak RSS in {log}"
-    return int(match.group(1)), time.monotonic() - started
+    return {
+        "peak_rss_bytes": 1024 * int(match.group(1)),
+        "wall_s": round(time.monotonic() - started, 1),
+        "phase_at_peak": phase,
+    }
 
 
 def measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -139,6 +183,13 @@ def measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
     env = _environment(args.package_root)
     cli = [sys.executable, "-m", "noisy_temp_server.cli"]
     cache = ["--cache-dir", str(args.work_dir / "cache")]
+    hidden, mlp, blocks, _ = SIZES[size]
+    estimate = blocks * (2 * hidden * hidden * 5 // 4 + 3 * hidden * mlp) + 2 * _VOCAB * hidden
+    copies = 1 if args.served_weights == "packed" else 2
+    needed, available = copies * 4 * estimate + _MARGIN, _available_bytes()
+    if available < needed:  # a shared machine: never push another's processes out of memory
+        print(f"{size}: skipped, needs about {needed / 1e9:.1f} GB, {available / 1e9:.1f} free")
+        return {"size": size, "parameters": estimate, "skipped": "not enough free memory"}
     if not clean.is_dir():
         build_clean(clean, size)
     if not served.is_dir():
@@ -156,9 +207,8 @@ def measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
     ]  # fmt: skip
     if args.served_weights is not None:
         command += ["--served-weights", args.served_weights]
-    peak_kib, seconds = _peak_kib(command, env, args.work_dir / f"calibrate-{size}-{args.name}.log")
-    hidden, mlp, _, _ = SIZES[size]
     parameters = _parameters(clean)
+    sampled = _run_sampled(command, env, args.work_dir / f"calibrate-{size}-{args.name}.log")
     return {
         "size": size,
         "shape": dict(zip(("hidden", "mlp", "blocks", "heads"), SIZES[size], strict=True)),
@@ -167,8 +217,7 @@ def measure(size: str, args: argparse.Namespace) -> dict[str, Any]:
         "clean_bf16_file_bytes": _bytes(clean),
         "served_file_bytes": _bytes(served),
         "largest_layer_float32_bytes": 4 * hidden * mlp,
-        "peak_rss_bytes": 1024 * peak_kib,
-        "wall_s": round(seconds, 1),
+        **sampled,
     }
 
 
@@ -191,15 +240,20 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{result['runtime_bytes'] / gb:.2f} GB.",
         "",
         "| model | parameters | clean float32 | served files (W4A16) | peak RSS "
-        "| peak − clean float32 − runtime | wall |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| peak − clean float32 − runtime | wall | last log line before the largest sample |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for row in result["rows"]:
+        if "skipped" in row:
+            lines.append(f"| {row['size']} | {row['parameters'] / 1e9:.3f} B | {row['skipped']} |")
+            continue
         rest = row["peak_rss_bytes"] - row["clean_float32_bytes"] - result["runtime_bytes"]
+        phase = row["phase_at_peak"].rpartition(": ")[0].removeprefix("INFO ")
         lines.append(
             f"| {row['size']} | {row['parameters'] / 1e9:.3f} B | "
             f"{row['clean_float32_bytes'] / gb:.2f} GB | {row['served_file_bytes'] / gb:.2f} GB | "
-            f"{row['peak_rss_bytes'] / gb:.2f} GB | {rest / gb:.2f} GB | {row['wall_s']:.0f} s |"
+            f"{row['peak_rss_bytes'] / gb:.2f} GB | {rest / gb:.2f} GB | {row['wall_s']:.0f} s | "
+            f"{phase} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -224,7 +278,6 @@ def main() -> None:
     parser.add_argument("--name", default="fit_memory", help="results file stem")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    rows = [measure(size, args) for size in args.sizes.split(",")]
     result = {
         "name": args.name,
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
@@ -235,13 +288,15 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens,
         "runtime_bytes": _runtime_bytes(args.package_root),
-        "rows": rows,
+        "rows": [],
     }
-    text = _markdown(result)
-    print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(text)
+    for size in args.sizes.split(","):  # saved after each size: a later one may not finish
+        result["rows"].append(measure(size, args))
+        text = _markdown(result)
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / f"{args.name}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -112,16 +112,16 @@ class PackedLinear(nn.Linear):
         return weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
-            output = _RecomputedLinear.apply(x, self)
-        else:
-            output = nn.functional.linear(x, self.weight.to(x.dtype))
-        return output if self.bias is None else output + self.bias.to(output.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return nn.functional.linear(x, self.weight.to(x.dtype), bias)
+        output = _RecomputedLinear.apply(x, self)
+        return output if bias is None else output + bias
 
 
-def _compressed_dequantizer(path: Path) -> tuple[Any, Dequantize] | None:
-    """(scheme, dequantize) of a compressed-tensors folder with one quantization group in a
-    format decompressed here; None otherwise."""
+def _compressed_dequantizer(path: Path) -> Dequantize | None:
+    """The dequantization of a compressed-tensors folder with one weight-only quantization
+    group in a format decompressed here; None otherwise."""
     from compressed_tensors.compressors import (  # type: ignore[import-untyped]  # noqa: PLC0415
         BaseCompressor,
     )
@@ -141,7 +141,7 @@ def _compressed_dequantizer(path: Path) -> tuple[Any, Dequantize] | None:
     if storage not in _COMPRESSED_FORMATS or scheme.weights is None or not weight_only:
         return None
     compressor = BaseCompressor.get_value_from_registry(storage)
-    return config, lambda packed: compressor.decompress(packed, scheme)["weight"]
+    return lambda packed: compressor.decompress(packed, scheme)["weight"]
 
 
 def _gptq_awq_dequantizer(layout: GptqFormat | AwqFormat) -> Dequantize:
@@ -201,11 +201,11 @@ def _quantized_layers(
         return _gptq_awq_dequantizer(layout), _GPTQ_AWQ_SUFFIXES, "qweight"
     if quantization_method(path) != "compressed-tensors":
         return None
-    found = _compressed_dequantizer(path)
-    if found is None:
+    dequantize = _compressed_dequantizer(path)
+    if dequantize is None:
         return None
     local = tuple(sorted({n.rpartition(".")[2] for n in files if ".weight_" in n} | {"weight"}))
-    return found[1], local, "weight_scale"
+    return dequantize, local, "weight_scale"
 
 
 def _shared_or_own(

@@ -187,3 +187,18 @@ def test_auto_packs_the_served_model_when_memory_is_short(
     monkeypatch.setattr(loading, "_available_bytes", lambda _: 1000)
     pair = load_pair(tiny_model_dir, served_path=folder)
     assert any(isinstance(m, PackedLinear) for m in pair.served_model.modules())
+
+
+def test_a_packed_layer_with_a_bias_computes_as_a_linear_layer() -> None:
+    generator = torch.Generator().manual_seed(0)
+    reference = nn.Linear(8, 5)
+    codes = torch.randint(-8, 8, (5, 8), generator=generator, dtype=torch.int8)
+    with torch.no_grad():
+        reference.weight.copy_(codes.float() * 0.1)
+    layer = PackedLinear(
+        {"codes": codes}, lambda p: p["codes"].float() * 0.1, (5, 8), torch.float32, reference.bias
+    )
+    x = torch.randn(3, 8, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(layer(x), reference(x))
+    assert not any(name == "weight" for name, _ in layer.named_parameters())

@@ -166,14 +166,15 @@ def _run_sampled(command: list[str], env: dict[str, str], log: Path) -> dict[str
             if rss > largest:
                 largest, phase = rss, last_line
     text = log.read_text()
-    if process.returncode:
-        raise SystemExit(f"{' '.join(command[:4])} ... failed ({process.returncode}); see {log}")
     match = _PEAK.search(text)
-    assert match is not None, f"no peak RSS in {log}"
+    killed = "Command terminated by signal 9" in text  # the kernel's out-of-memory killer
+    if match is None or (process.returncode and not killed):
+        raise SystemExit(f"{' '.join(command[:4])} ... failed ({process.returncode}); see {log}")
     return {
         "peak_rss_bytes": 1024 * int(match.group(1)),
         "wall_s": round(time.monotonic() - started, 1),
         "phase_at_peak": phase,
+        **({"killed": "out of memory (signal 9): the peak is where it stopped"} if killed else {}),
     }
 
 
@@ -253,7 +254,7 @@ def _markdown(result: dict[str, Any]) -> str:
             f"| {row['size']} | {row['parameters'] / 1e9:.3f} B | "
             f"{row['clean_float32_bytes'] / gb:.2f} GB | {row['served_file_bytes'] / gb:.2f} GB | "
             f"{row['peak_rss_bytes'] / gb:.2f} GB | {rest / gb:.2f} GB | {row['wall_s']:.0f} s | "
-            f"{phase} |"
+            f"{phase}{' (killed: out of memory)' if 'killed' in row else ''} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -249,7 +249,7 @@ def _markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {row['size']} | {row['parameters'] / 1e9:.3f} B | {row['skipped']} |")
             continue
         rest = row["peak_rss_bytes"] - row["clean_float32_bytes"] - result["runtime_bytes"]
-        phase = row["phase_at_peak"].rpartition(": ")[0].removeprefix("INFO ")
+        phase = row["phase_at_peak"].partition(": ")[2]  # the message, without the logger
         lines.append(
             f"| {row['size']} | {row['parameters'] / 1e9:.3f} B | "
             f"{row['clean_float32_bytes'] / gb:.2f} GB | {row['served_file_bytes'] / gb:.2f} GB | "

@@ -17,10 +17,13 @@ methods:
   its earlier stages' corrections give it.
 
 The served model's weights are never written (the caller folds the adapter it keeps,
-`adapter.lora.fold_adapter`). Peak memory is stated in docs/adapter.md.
+`adapter.lora.fold_adapter`). Where the served model was smoothed, each clean block is rewritten
+in its basis (`adapter.smoothing.served_basis`) while that block is fitted and run, and put back
+after: one block's originals are kept at a time. Peak memory is stated in docs/adapter.md.
 
-Real quantized checkpoints load through transformers, which decompresses their weights, so the
-served weights here are already dequantized floats and the error is their difference.
+A quantized served model is either loaded whole (transformers decompresses its weights) or
+lean (`checkpoints.lean_served`: its layers packed, each weight dequantized when read); either
+way a served layer's `weight` reads as floats and the error is their difference.
 """
 
 from __future__ import annotations
@@ -372,31 +375,37 @@ def _fit_blocks(
         _first_block_inputs(clean_model, clean_blocks, sequences) if method == "propagated" else []
     )
     layers: dict[str, LowRankDelta] = {}
+    smoothed = False
     for index, block in enumerate(blocks):
         block_names = [n for n in names if n.startswith(f"{prefix}.{index}.")]
-        if method == "propagated" and block_names:
-            deltas = _propagated_block_deltas(
-                models,
-                (clean_blocks[index], block),
-                block_names,
-                (clean_inputs, inputs),
-                rank=rank,
-                ridge=ridge,
-            )
-        else:
-            linears = {n: served_modules[n] for n in block_names}
-            moments = _second_moments(block, linears, inputs) if uses_inputs and linears else {}
-            deltas = {
-                name: _layer_delta(clean_modules[name], module, moments.get(name), rank, ridge)
-                for name, module in linears.items()
-            }
-        layers.update(deltas)
-        if uses_inputs and index + 1 < len(blocks):
-            inputs = _next_inputs(served_model, block, deltas, inputs)
-            if method == "propagated":
-                clean_inputs = _next_inputs(clean_model, clean_blocks[index], {}, clean_inputs)
+        # the clean block in the served one's basis while it is fitted and run, then put back
+        with served_basis([clean_blocks[index]], [block]) as moved:
+            smoothed |= moved
+            if method == "propagated" and block_names:
+                deltas = _propagated_block_deltas(
+                    models,
+                    (clean_blocks[index], block),
+                    block_names,
+                    (clean_inputs, inputs),
+                    rank=rank,
+                    ridge=ridge,
+                )
+            else:
+                linears = {n: served_modules[n] for n in block_names}
+                moments = _second_moments(block, linears, inputs) if uses_inputs and linears else {}
+                deltas = {
+                    name: _layer_delta(clean_modules[name], module, moments.get(name), rank, ridge)
+                    for name, module in linears.items()
+                }
+            layers.update(deltas)
+            if uses_inputs and index + 1 < len(blocks):
+                inputs = _next_inputs(served_model, block, deltas, inputs)
+                if method == "propagated":
+                    clean_inputs = _next_inputs(clean_model, clean_blocks[index], {}, clean_inputs)
         if progress is not None:
             progress(index + 1, len(blocks))
+    if smoothed:
+        logger.info("the served model is smoothed: fitted in its basis")
     return layers
 
 
@@ -424,18 +433,14 @@ def fit_compensation_adapter(
     if not sequences:
         raise ValueError("an adapter is fitted on token sequences; got none")
     prefix, blocks = decoder_blocks(served_model)
-    _, clean_blocks = decoder_blocks(clean_model)
     check_adaptable_pair(clean_model, served_model, prefix, len(blocks))
-    with served_basis(clean_blocks, blocks) as smoothed:
-        if smoothed:
-            logger.info("the served model is smoothed: fitting in its basis")
-        layers = _fit_blocks(
-            (clean_model, served_model),
-            names,
-            sequences,
-            method=method,
-            rank=rank,
-            ridge=ridge,
-            progress=progress,
-        )
+    layers = _fit_blocks(
+        (clean_model, served_model),
+        names,
+        sequences,
+        method=method,
+        rank=rank,
+        ridge=ridge,
+        progress=progress,
+    )
     return LoraAdapter(layers=layers, rank=rank, base_model=base_model)

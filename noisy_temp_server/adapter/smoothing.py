@@ -65,8 +65,8 @@ def check_adaptable_pair(clean: nn.Module, served: nn.Module, prefix: str, block
     clean_parameters = dict(clean.named_parameters())
     for name, parameter in served.named_parameters():
         reference = clean_parameters.get(name)
-        if name in adaptable or reference is None:
-            continue
+        if name in adaptable or reference is None or reference is parameter:
+            continue  # `parameter is reference`: a served model sharing the clean tensor
         if reference.shape != parameter.shape:
             raise ValueError(
                 f"the served model's {name} has the shape {tuple(parameter.shape)}, the clean "

@@ -16,7 +16,7 @@ from noisy_temp_server.calibration.adapter_calibration import AdapterCalibration
 from noisy_temp_server.calibration.pipeline import CalibrationResult, calibrate
 from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.settings import CalibrationSettings
-from noisy_temp_server.checkpoints.loading import load_pair
+from noisy_temp_server.checkpoints.loading import ServedWeights, load_pair
 from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 from noisy_temp_server.correction.files import save_bias_file
 from noisy_temp_server.files import write_atomically
@@ -45,17 +45,20 @@ def calibrate_to_files(
     device: str = "cpu",
     records: Path | None = None,
     cache_dir: Path | None = None,
+    served_weights: ServedWeights = "auto",
 ) -> CalibratedFiles:
     """Calibrate the pair of `clean` and `served` (or `spec` applied to `clean` in memory) on
     `prompts` under `settings`, and write the profile to `out` with its files beside it (module
     docstring), then the records to `records` when given. The bias and adapter files are
     written before the profile, so a profile never names a file not yet written. The pair is
     checked before any model work (`load_pair`; plain folders' identities cached in
-    `cache_dir`). Raises ValueError (bad input, a bad folder or
-    pair: `ModelFolderError`), OSError and `CorruptCheckpointError`."""
+    `cache_dir`; a quantized served model loaded as `served_weights` says). Raises ValueError
+    (bad input, a bad folder or pair: `ModelFolderError`), OSError and
+    `CorruptCheckpointError`."""
     pair = load_pair(
         clean, served_path=served, spec=spec, device=device,
         same_architecture=settings.adapter_rank > 0, cache_dir=cache_dir,
+        served_weights=served_weights,
     )  # fmt: skip
     result = calibrate(pair, prompts, settings, device=device)
     if result.bias is not None:

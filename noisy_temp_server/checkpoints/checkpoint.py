@@ -296,6 +296,16 @@ def verify_checkpoint(
     return manifest
 
 
+def check_folder(path: Path) -> None:
+    """The fast check before loading a model folder: `verify_checkpoint`'s (sizes, no hashing;
+    CorruptCheckpointError) for a checkpoint of ours, `check_model_folder`'s (ModelFolderError)
+    for a plain folder."""
+    if (path / MANIFEST_FILENAME).is_file():
+        verify_checkpoint(path, full=False)
+    else:
+        check_model_folder(path)
+
+
 def load_causal_lm(
     path: Path,
     device: str | torch.device = "cpu",
@@ -312,10 +322,8 @@ def load_causal_lm(
     (ModelFolderError).
     """
     path = Path(path)
-    if verify and (path / MANIFEST_FILENAME).is_file():
-        verify_checkpoint(path, full=False)
-    elif verify:
-        check_model_folder(path)
+    if verify:
+        check_folder(path)
     model = load_quantized_causal_lm(path, dtype, device)  # gptq/awq: dequantized on the CPU
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)

@@ -2,7 +2,8 @@
 
     noisy-temp-server calibrate (--served DIR | --spec SPEC) --out PROFILE.json
         [--clean PATH] [--prompts FILE] [--num-prompts N] [--records FILE] [--report DIR]
-        [--device DEV] [calibration settings: --max-new-tokens N, --adapter-rank [R], ...]
+        [--device DEV] [--served-weights auto|packed|float]
+        [calibration settings: --max-new-tokens N, --adapter-rank [R], ...]
 
 The served model samples completions for the prompts (default: the shipped set), the pair is
 scored, and the prompts are split three ways: every rule is fitted on the fit split, the
@@ -51,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")
     parser.add_argument("--device", default="cpu", help="torch device for scoring")
+    parser.add_argument(
+        "--served-weights",
+        choices=("auto", "packed", "float"),
+        default="auto",
+        help="a quantized served model's weights: packed (dequantized one layer at a time, no "
+        "second float copy; slower), float (whole), or auto: packed when its float copy would "
+        "take over a quarter of the free memory (same results either way)",
+    )
     add_calibration_arguments(parser)
 
 
@@ -71,7 +80,7 @@ def _calibrate(args: argparse.Namespace, clean: Path) -> None:
     files = calibrate_to_files(
         clean, prompts, settings, args.out,
         served=args.served, spec=spec, device=args.device, records=args.records,
-        cache_dir=args.cache_dir,
+        cache_dir=args.cache_dir, served_weights=args.served_weights,
     )  # fmt: skip
     print(calibration_text(files))
 

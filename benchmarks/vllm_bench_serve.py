@@ -155,6 +155,17 @@ def _table(throughput: dict[str, list[float]], startup: dict[str, float]) -> str
     return "\n".join(lines)
 
 
+def add_round_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a bench round and its servers that every `vllm bench serve` script here
+    takes: rounds, context length, KV cache, dtype and timeouts."""
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds per server")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--round-timeout", type=float, default=900.0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="served checkpoint (default: tiny Llama)")
@@ -164,12 +175,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="measured rounds per server")
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--round-timeout", type=float, default=900.0)
+    add_round_options(parser)
     parser.add_argument(
         "--compile-choice",
         action="store_true",

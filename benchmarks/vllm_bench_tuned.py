@@ -39,7 +39,7 @@ from pathlib import Path
 
 from serving import ServerProcess
 from throughput import RESULTS_DIR, cpu_seconds, rotated
-from vllm_bench_serve import MODEL_NAME, bench_round, summary
+from vllm_bench_serve import MODEL_NAME, add_round_options, bench_round, summary
 
 from noisy_temp_server.checkpoints.default_model import default_model_dir
 from noisy_temp_server.files import default_cache_dir
@@ -138,12 +138,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="measured rounds per server")
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--round-timeout", type=float, default=900.0)
+    add_round_options(parser)
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nts-bench-tuned-") as folder:

@@ -308,7 +308,8 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = Field(
         default=None,
         description="Skip graph capture / compilation (default: false, vLLM's compilation, "
-        "and CUDA graphs on CUDA, as vllm serve; true starts faster and serves slower).",
+        "and CUDA graphs on CUDA, as vllm serve, except on a CPU without a C++ compiler "
+        "(g++, or $CXX), which compilation needs; true starts faster and serves slower).",
     )
     tuned_logprobs: bool = Field(
         default=True,
@@ -387,16 +388,20 @@ class EngineSettings:
     enforce_eager: bool
 
 
-def engine_settings(settings: Settings, *, on_cpu: bool) -> EngineSettings:
-    """The engine settings for the CPU (small defaults, vLLM's compilation) or for CUDA (vLLM's own:
-    CUDA graphs and compilation on, KV cache by memory utilisation, leaving room for the shadow
-    scorer's two models when they share the GPU, and vLLM's batch size). Explicit settings win."""
+def engine_settings(
+    settings: Settings, *, on_cpu: bool, cpu_compiler: bool = True
+) -> EngineSettings:
+    """The engine settings for the CPU (small defaults, vLLM's compilation where `cpu_compiler`
+    says a C++ compiler is there for it, eager otherwise) or for CUDA (vLLM's own: CUDA graphs
+    and compilation on, KV cache by memory utilisation, leaving room for the shadow scorer's
+    two models when they share the GPU, and vLLM's batch size). Explicit settings win."""
     if on_cpu:
+        eager = not cpu_compiler if settings.enforce_eager is None else settings.enforce_eager
         return EngineSettings(
             kv_cache_gib=settings.kv_cache_gib or CPU_KV_CACHE_GIB,
             gpu_memory_utilization=None,
             max_num_seqs=settings.max_num_seqs or CPU_MAX_NUM_SEQS,
-            enforce_eager=bool(settings.enforce_eager),
+            enforce_eager=eager,
         )
     shadow_on_gpu = settings.shadow_fraction > 0 and settings.shadow_device.startswith("cuda")
     utilization = settings.gpu_memory_utilization

@@ -211,6 +211,12 @@ def _multiprocess_directory(runtime_dir: Path) -> Path:
     return directory
 
 
+def cpu_compiler_found() -> bool:
+    """Whether the C++ compiler that vLLM's compilation (torch inductor) calls on a CPU is on
+    the PATH: ``$CXX``, else ``g++``."""
+    return shutil.which(os.environ.get("CXX") or "g++") is not None
+
+
 def _processor_from_entry_point() -> bool:
     """Whether vLLM will load the temperature processor by itself (installed entry point)."""
     return any(
@@ -241,7 +247,11 @@ def build_engine_args(
         processors.append(PROCESSOR_CLASS_PATH)
     if runtime_noise is not None:
         processors.append(RUNTIME_NOISE_PROCESSOR_CLASS_PATH)
-    resolved = engine_settings(settings, on_cpu=current_platform.is_cpu())
+    resolved = engine_settings(
+        settings, on_cpu=current_platform.is_cpu(), cpu_compiler=cpu_compiler_found()
+    )
+    if current_platform.is_cpu() and resolved.enforce_eager and settings.enforce_eager is None:
+        _LOGGER.warning("no C++ compiler (g++, or $CXX) for vLLM's compilation: serving eager")
     kv_cache_bytes = None
     if not current_platform.is_cpu() and resolved.kv_cache_gib is not None:
         kv_cache_bytes = resolved.kv_cache_gib * 2**30

@@ -4,9 +4,11 @@ vLLM's own on CUDA."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
+from noisy_temp_server.server.engine import cpu_compiler_found
 from noisy_temp_server.settings import (
     EngineSettings,
     Settings,
@@ -20,6 +22,26 @@ def test_cpu_keeps_small_defaults_and_compiles_as_vllm() -> None:
     assert engine_settings(Settings(), on_cpu=True) == EngineSettings(
         kv_cache_gib=2, gpu_memory_utilization=None, max_num_seqs=32, enforce_eager=False
     )
+
+
+def test_cpu_without_a_compiler_serves_eager_unless_told() -> None:
+    assert engine_settings(Settings(), on_cpu=True, cpu_compiler=False).enforce_eager is True
+    told = Settings(enforce_eager=False)
+    assert engine_settings(told, on_cpu=True, cpu_compiler=False).enforce_eager is False
+    assert engine_settings(Settings(), on_cpu=False, cpu_compiler=False).enforce_eager is False
+
+
+def test_the_compiler_is_looked_up_as_inductor_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert cpu_compiler_found() is False
+    compiler = tmp_path / "my-c++"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", "my-c++")
+    assert cpu_compiler_found() is True
 
 
 def test_cuda_defaults_to_vllms_own_settings() -> None:

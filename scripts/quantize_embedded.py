@@ -31,9 +31,7 @@ prompt of noisy_temp_server/data/prompts.jsonl and experiments/data/prompts_ship
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +40,11 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from quantized_fixtures import no_pin_memory  # the sibling script: the same .venv-quant
+from quantized_fixtures import (  # the sibling script: the same .venv-quant
+    no_pin_memory,
+    save_compressed,
+    sha256_file,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,14 +139,6 @@ def _calibration(tokenizer: Any, prompts: list[str]) -> Dataset:
     )
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def quantize(source: Path, out: Path, name: str, prompts: list[str]) -> tuple[Path, float]:
     from llmcompressor import oneshot  # noqa: PLC0415
 
@@ -164,12 +158,7 @@ def quantize(source: Path, out: Path, name: str, prompts: list[str]) -> tuple[Pa
     )
     seconds = time.monotonic() - started
     dest = out / name
-    shutil.rmtree(dest, ignore_errors=True)
-    model.save_pretrained(dest, save_compressed=True)
-    tokenizer.save_pretrained(dest)
-    (dest / "recipe.yaml").unlink(missing_ok=True)
-    config = json.loads((dest / "config.json").read_text(encoding="utf-8"))
-    assert config["quantization_config"]["quant_method"] == "compressed-tensors", config
+    save_compressed(model, tokenizer, dest)
     calibration = (
         "none (data-free)" if pipeline == "datafree" else f"{len(prompts)} chat-formatted prompts"
     )

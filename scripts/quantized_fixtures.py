@@ -131,7 +131,22 @@ def _calibration(tokenizer: Any) -> Dataset:
 
 
 def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_compressed(model: Any, tokenizer: Any, dest: Path) -> None:
+    """Write `model` (quantized by `oneshot`) and `tokenizer` to `dest`, replacing it, as a
+    compressed-tensors folder without llm-compressor's recipe file."""
+    shutil.rmtree(dest, ignore_errors=True)
+    model.save_pretrained(dest, save_compressed=True)
+    tokenizer.save_pretrained(dest)
+    (dest / "recipe.yaml").unlink(missing_ok=True)
+    config = json.loads((dest / "config.json").read_text(encoding="utf-8"))
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors", config
 
 
 def write_readme(dest: Path, what: str, command: str, source_sha256: str) -> None:
@@ -160,12 +175,7 @@ def make_fixture(source: Path, out: Path, name: str) -> Path:
         pipeline="sequential" if name != "ct-fp8-dynamic" else "datafree",
     )
     dest = out / name
-    shutil.rmtree(dest, ignore_errors=True)
-    model.save_pretrained(dest, save_compressed=True)
-    tokenizer.save_pretrained(dest)
-    (dest / "recipe.yaml").unlink(missing_ok=True)
-    config = json.loads((dest / "config.json").read_text(encoding="utf-8"))
-    assert config["quantization_config"]["quant_method"] == "compressed-tensors", config
+    save_compressed(model, tokenizer, dest)
     write_readme(
         dest, what, "scripts/make_quantized_fixtures.sh", sha256_file(source / "model.safetensors")
     )

@@ -457,6 +457,9 @@ def check_warm_up(
     known = None not in counts
     result["variants_compiled_at_warm_up"] = counts[1] - counts[0] if known else None
     result["variants_compiled_by_the_steps"] = counts[2] - counts[1] if known else None
+    fused = harness.tuning.fused_step
+    launchers = () if fused is None else (fused.step_launch, fused.moments_launch)
+    result["direct_launch_variants"] = sum(launcher.direct_variants for launcher in launchers)
     harness.close()
     _progress("warm-up")
     return result

@@ -12,6 +12,6 @@ def upload(host: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tens
     memory (on CUDA the copy then never blocks the host, and PyTorch's pinned-memory allocator
     keeps the block until the copy is done, so ``host`` may be dropped at once). On the CPU the
     result may be ``host`` itself."""
-    if pin:
-        host = host.pin_memory()
+    if pin:  # a fresh block of the pinned allocator: no `pin_memory()` check of ``host``
+        host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
     return host.to(device, non_blocking=True)

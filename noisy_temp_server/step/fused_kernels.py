@@ -260,9 +260,19 @@ def _last_arrival(flags_ptr, row, flags, chunks):
 _RUNTIME = ["has_counted", "check_tuned", "schedule", "reading", "tracing", "chunks"]
 """Flags and counts that change from step to step: not specialised on (an integer 1, or a
 multiple of 16 such as 0, would compile a variant of its own)."""
+_STEP_UNSPECIALISED = ["n_edge_keys", "search_steps", "n_cells", *_RUNTIME]
+_STEP_UNALIGNED = [
+    "slots_ptr", "keys_ptr", "counted_ptr", "tuned_ptr", "edge_keys_ptr", "cell_table_ptr",
+    "bias_rows_ptr", "reads_ptr", "read_values_ptr", "request_temperature_ptr",
+    "accumulators_ptr", "extrema_ptr", "bad_rows_ptr", "trace_ptr", "traced_ptr",
+    "partials_ptr", "flags_ptr", *_STEP_UNSPECIALISED,
+]  # fmt: skip
+"""Not specialised on 16-byte alignment either: every pointer read or written an element at
+a time. The logits' and the bias table's pointers, the row stride and the vocabulary are
+(their loads are vectorised); `fused_step` keys its compiled variants on them."""
 
 
-@triton.jit(do_not_specialize=["n_edge_keys", "search_steps", "n_cells", *_RUNTIME])
+@triton.jit(do_not_specialize=_STEP_UNSPECIALISED, do_not_specialize_on_alignment=_STEP_UNALIGNED)
 def step_kernel(
     logits_ptr, row_stride, vocab, slots_ptr, keys_ptr, counted_ptr, has_counted, tuned_ptr,
     check_tuned, edge_keys_ptr, n_edge_keys, search_steps, cell_table_ptr, schedule,
@@ -317,7 +327,13 @@ def step_kernel(
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["chunks"])
+@triton.jit(
+    do_not_specialize=["chunks"],
+    do_not_specialize_on_alignment=[
+        "slots_ptr", "bias_rows_ptr", "reads_ptr", "request_temperature_ptr", "partials_ptr",
+        "chunks",
+    ],
+)  # fmt: skip
 def moments_kernel(
     logits_ptr, row_stride, vocab, slots_ptr, bias_rows_ptr, bias_table_ptr, reads_ptr,
     request_temperature_ptr, partials_ptr, chunks, chunk_columns,

@@ -31,7 +31,10 @@ Importing this module imports Triton; `SlotTables` imports it only when it uses 
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
+from typing import Any
 
 import torch
 import triton
@@ -40,12 +43,15 @@ from noisy_temp_server.step.fused_kernels import moments_kernel, step_kernel
 
 __all__ = ["FusedStep", "chunking"]
 
+_LOGGER = logging.getLogger(__name__)
+
 _BLOCK = 4096  # columns per iteration of a row's program, and its warps: the fastest measured
 _WARPS = 16  # at batch 1, 64 and 256 (docs/gpu.md)
 _PROGRAMS_PER_SM = 2  # below this many rows per multiprocessor, rows are split into chunks
 _MOMENTS = 5  # a chunk's (max, Σ exp, mean, M2, flags) in the scratch of split rows
 
 
+@functools.lru_cache(maxsize=512)
 def chunking(rows: int, vocab: int, programs: int) -> tuple[int, int]:
     """(chunks per row, columns per chunk, a whole number of blocks): one chunk from
     ``programs`` rows on, else as many as make about ``programs`` programs (at most a block
@@ -63,6 +69,60 @@ def _is_vector(tensor: torch.Tensor, length: int | None = None) -> bool:
 
 def _is_table(tensor: torch.Tensor, width: int) -> bool:
     return tensor.dim() == 2 and tensor.is_contiguous() and tensor.shape[1] == width
+
+
+def _row_specialisation(logits: torch.Tensor, bias_table: torch.Tensor) -> tuple[bool, ...]:
+    """What Triton specialises on in the arguments it is left to specialise (the logits' and
+    the bias table's pointers, the row stride and the vocabulary; `fused_kernels`): 16-byte
+    alignment, and for the integers whether they are 1."""
+    stride, vocab = logits.stride(0), logits.shape[1]
+    return (
+        logits.data_ptr() % 16 == 0,
+        bias_table.data_ptr() % 16 == 0,
+        stride % 16 == 0,
+        stride == 1,
+        vocab % 16 == 0,
+        vocab == 1,
+    )
+
+
+class _Launcher:
+    """One kernel's launches: through Triton's launch the first time a specialisation key is
+    seen (which compiles or finds the variant), then straight to that compiled kernel, without
+    Triton's per-launch binding, specialisation and cache look-up. The caller's key must
+    determine every specialisation (the constexprs, the tensors' dtypes and
+    `_row_specialisation`). Where the direct launch is refused (a Triton whose launcher takes
+    other arguments) or unavailable (the interpreter), Triton's launch is used."""
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self.direct = True
+
+    @property
+    def direct_variants(self) -> int:
+        """How many compiled variants are launched directly."""
+        return len(self._compiled)
+
+    def __call__(
+        self,
+        key: tuple[Any, ...],
+        grid: tuple[int, int],
+        args: tuple[Any, ...],
+        constants: dict[str, Any],
+    ) -> None:
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            try:
+                compiled[(*grid, 1)](*args, *constants.values())
+                return
+            except TypeError:
+                _LOGGER.warning("Triton refused the direct launch; launching through Triton")
+                self.direct = False
+                self._compiled.clear()
+        found = self._kernel[grid](*args, **constants, num_warps=_WARPS)
+        if self.direct and hasattr(found, "__getitem__"):
+            self._compiled[key] = found
 
 
 class FusedStep:
@@ -84,6 +144,9 @@ class FusedStep:
         # Stands in for an absent per-slot flag table: a bool pointer, as the tables are, so
         # that the kernel has one variant whether they are given or not.
         self._no_flags = torch.zeros(1, dtype=torch.bool, device=device)
+        self._checked_tables: tuple[int, ...] = ()
+        self.step_launch = _Launcher(step_kernel)
+        self.moments_launch = _Launcher(moments_kernel)
 
     def __call__(
         self,
@@ -110,16 +173,20 @@ class FusedStep:
         the kernels do not take.
 
         ``tables``: the `SlotTuning`'s ``edge_keys``, ``cell_table``, ``bias_table``,
-        ``reads`` and ``read_values`` (`row_reads.RowReads`) and ``request_temperature``.
-        ``schedule``: some slot holds ``schedule``; ``reading``: some slot's rule reads the
-        row. ``accounts``: (accumulators [2, cells], extrema [2, cells], bad rows [1]) float64,
-        or None for no accounting; with them a counted row (``counted`` [R], None: all) adds 1
-        and T* to its cell's count and sum (and, with ``schedule`` or ``reading``, its T* to the
-        extrema; a row not counted adds to cell 0), and a bad row (NaN or +inf after the bias,
-        or all -inf) of a tuned slot (``tuned`` [slots] bool, None: every row's) adds 1 to the
-        bad rows: what the torch path of `SlotTuning.tune` does, up to the order of the
-        floating-point sums, with the IEEE division."""
-        if not self._takes(logits, (slots, keys, counted), tables, bias_rows, (tuned, traced)):
+        ``reads`` and ``read_values`` (`row_reads.RowReads`) and ``request_temperature``; they
+        are checked when one of them is a new tensor. ``schedule``: some slot holds
+        ``schedule``; ``reading``: some slot's rule reads the row. ``accounts``: (accumulators
+        [2, cells], extrema [2, cells], bad rows [1]) float64, or None for no accounting; with
+        them a counted row (``counted`` [R], None: all) adds 1 and T* to its cell's count and
+        sum (and, with ``schedule`` or ``reading``, its T* to the extrema; a row not counted
+        adds to cell 0), and a bad row (NaN or +inf after the bias, or all -inf) of a tuned
+        slot (``tuned`` [slots] bool, None: every row's) adds 1 to the bad rows: what the torch
+        path of `SlotTuning.tune` does, up to the order of the floating-point sums, with the
+        IEEE division."""
+        if not (
+            self._takes(logits, (slots, keys, counted), (tuned, traced), bias_rows)
+            and self._takes_tables(tables, logits.shape[1], bias_rows is not None)
+        ):
             return None
         rows, vocab = logits.shape
         chunks, chunk_columns = chunking(rows, vocab, self.programs)
@@ -129,30 +196,76 @@ class FusedStep:
             return trace
         bias_table = tables["bias_table"]
         bias_rows_or_any = bias_rows if bias_rows is not None else slots
-        reads, request_temperature = tables["reads"], tables["request_temperature"]
         has_bias = bias_rows is not None
+        specialisation = _row_specialisation(logits, bias_table)
         if reading and chunks > 1:
-            moments_kernel[(rows, chunks)](
-                logits, logits.stride(0), vocab, slots, bias_rows_or_any, bias_table, reads,
-                request_temperature, self._partials, chunks, chunk_columns,
-                HAS_BIAS=has_bias, LOGITS_SCALED=logits_scaled, BLOCK=_BLOCK, num_warps=_WARPS,
+            self.moments_launch(
+                (has_bias, logits_scaled, slots.dtype, bias_rows_or_any.dtype, *specialisation),
+                (rows, chunks),
+                (
+                    logits, logits.stride(0), vocab, slots, bias_rows_or_any, bias_table,
+                    tables["reads"], tables["request_temperature"], self._partials, chunks,
+                    chunk_columns,
+                ),
+                {"HAS_BIAS": has_bias, "LOGITS_SCALED": logits_scaled, "BLOCK": _BLOCK},
             )  # fmt: skip
-        accumulators, extrema, bad_rows = accounts or (trace, trace, trace)
-        edge_keys = tables["edge_keys"]
-        step_kernel[(rows, chunks)](
-            logits, logits.stride(0), vocab, slots, keys,
-            counted if counted is not None else slots, int(counted is not None),
-            tuned if tuned is not None else self._no_flags, int(tuned is not None),
-            edge_keys, edge_keys.numel(), max(1, edge_keys.numel().bit_length()),
-            tables["cell_table"], int(schedule), bias_rows_or_any, bias_table, int(reading),
-            reads, tables["read_values"], request_temperature,
-            accumulators, extrema, accumulators.shape[-1], bad_rows, trace,
-            int(traced is not None), traced if traced is not None else self._no_flags,
-            self._partials, self._flags, chunks, chunk_columns,
-            HAS_BIAS=has_bias, ACCOUNT=accounts is not None, LOGITS_SCALED=logits_scaled,
-            BLOCK=_BLOCK, num_warps=_WARPS,
+        self._launch_step(
+            logits, slots, keys, counted, tables=tables, bias_rows=bias_rows, tuned=tuned,
+            accounts=accounts, traced=traced, trace=trace, schedule=schedule, reading=reading,
+            logits_scaled=logits_scaled, chunks=(chunks, chunk_columns),
+            specialisation=specialisation,
         )  # fmt: skip
         return trace
+
+    def _launch_step(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        counted: torch.Tensor | None,
+        *,
+        tables: dict[str, torch.Tensor],
+        bias_rows: torch.Tensor | None,
+        tuned: torch.Tensor | None,
+        accounts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        traced: torch.Tensor | None,
+        trace: torch.Tensor,
+        schedule: bool,
+        reading: bool,
+        logits_scaled: bool,
+        chunks: tuple[int, int],
+        specialisation: tuple[bool, ...],
+    ) -> None:
+        """`step_kernel` on the tensors `__call__` took (its arguments there)."""
+        accumulators, extrema, bad_rows = accounts or (trace, trace, trace)
+        bias_rows_or_any = bias_rows if bias_rows is not None else slots
+        counted_or_any = counted if counted is not None else slots
+        tuned_or_none = tuned if tuned is not None else self._no_flags
+        traced_or_none = traced if traced is not None else self._no_flags
+        edge_keys = tables["edge_keys"]
+        constants = {
+            "HAS_BIAS": bias_rows is not None, "ACCOUNT": accounts is not None,
+            "LOGITS_SCALED": logits_scaled, "BLOCK": _BLOCK,
+        }  # fmt: skip
+        key = (
+            *constants.values(), slots.dtype, keys.dtype, counted_or_any.dtype,
+            tuned_or_none.dtype, traced_or_none.dtype, bias_rows_or_any.dtype, *specialisation,
+        )  # fmt: skip
+        self.step_launch(
+            key,
+            (logits.shape[0], chunks[0]),
+            (
+                logits, logits.stride(0), logits.shape[1], slots, keys, counted_or_any,
+                int(counted is not None), tuned_or_none, int(tuned is not None),
+                edge_keys, edge_keys.numel(), max(1, edge_keys.numel().bit_length()),
+                tables["cell_table"], int(schedule), bias_rows_or_any, tables["bias_table"],
+                int(reading), tables["reads"], tables["read_values"],
+                tables["request_temperature"], accumulators, extrema, accumulators.shape[-1],
+                bad_rows, trace, int(traced is not None), traced_or_none, self._partials,
+                self._flags, *chunks,
+            ),
+            constants,
+        )  # fmt: skip
 
     def warm_up(
         self, vocab: int, *, counted: torch.dtype | None, accounting: bool, logits_scaled: bool
@@ -200,25 +313,35 @@ class FusedStep:
     def _takes(
         logits: torch.Tensor,
         per_row: tuple[torch.Tensor | None, ...],
-        tables: dict[str, torch.Tensor],
-        bias_rows: torch.Tensor | None,
         per_slot: tuple[torch.Tensor | None, ...],
+        bias_rows: torch.Tensor | None,
     ) -> bool:
-        """Whether the kernels run on these tensors (they index them so): float32 logits
-        [R, V] of unit column stride, 1-D contiguous vectors (``per_row`` of R entries),
-        contiguous [cells, 4] cell and [slots, 4] reads tables and, if some slot is biased, a
-        contiguous bias table V wide."""
-        bias_table = tables["bias_table"]
+        """Whether the kernels run on this step's tensors (they index them so): float32 logits
+        [R, V] of unit column stride and 1-D contiguous vectors (``per_row`` of R entries)."""
         return (
             logits.dim() == 2
             and logits.dtype == torch.float32
             and logits.stride(1) == 1
             and all(tensor is None or _is_vector(tensor, logits.shape[0]) for tensor in per_row)
-            and all(_is_vector(tables[name]) for name in ("edge_keys", "read_values"))
-            and _is_vector(tables["request_temperature"])
             and all(flags is None or _is_vector(flags) for flags in per_slot)
             and (bias_rows is None or _is_vector(bias_rows))
+        )
+
+    def _takes_tables(self, tables: dict[str, torch.Tensor], vocab: int, biased: bool) -> bool:
+        """Whether the kernels take ``tables`` (checked again only when one is a new tensor):
+        1-D contiguous vectors, contiguous [cells, 4] cell and [slots, 4] reads tables and, if
+        some slot is ``biased``, a contiguous bias table ``vocab`` wide."""
+        bias_table = tables["bias_table"]
+        if biased and not _is_table(bias_table, vocab):
+            return False
+        identity = tuple(id(table) for table in tables.values())
+        if identity == self._checked_tables:
+            return True
+        taken = (
+            all(_is_vector(tables[name]) for name in ("edge_keys", "read_values"))
+            and _is_vector(tables["request_temperature"])
             and _is_table(tables["cell_table"], 4)
             and _is_table(tables["reads"], 4)
-            and (bias_rows is None or _is_table(bias_table, logits.shape[1]))
         )
+        self._checked_tables = identity if taken else ()
+        return taken

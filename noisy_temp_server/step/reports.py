@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from noisy_temp_server.step.engine_metrics import STEP_TEMPERATURE_BUCKETS, StepTemperatureMetrics
+from noisy_temp_server.step.host_copies import HostCopy, PinnedRows, PinnedTraces
 
 if TYPE_CHECKING:
     from noisy_temp_server.step.capture import CapturedStep
@@ -51,6 +52,7 @@ __all__ = ["Occupancy", "Reporter", "StateLayout", "StepSender"]
 _LOGGER = logging.getLogger(__name__)
 # Binned as the device would bin float32 T*: a value equal to a bound goes into its bucket.
 _BUCKET_BOUNDS = np.asarray(STEP_TEMPERATURE_BUCKETS, dtype=np.float32)
+_TRACE_DEPTH = 64  # steps of traces waiting for the reporter thread, beyond which one is dropped
 
 
 class StepSender(Protocol):
@@ -134,39 +136,9 @@ class Occupancy:
     labels: np.ndarray = field(compare=False)
 
 
-class _HostCopy:
-    """A device tensor's asynchronous copy into (pinned) host memory and its completion.
-    ``own``: ``source`` is a fresh tensor nobody else writes, so on the CPU it is used as is."""
-
-    def __init__(
-        self, source: torch.Tensor, target: torch.Tensor | None = None, *, own: bool = False
-    ) -> None:
-        on_device = source.device.type == "cuda"
-        if own and source.device.type == "cpu":
-            target = source
-        elif target is None or target.shape != source.shape:
-            target = torch.empty(source.shape, dtype=source.dtype, pin_memory=on_device)
-        self.host = target
-        self._event: torch.cuda.Event | None = torch.cuda.Event() if on_device else None
-        if target is not source:
-            self.refresh(source)
-
-    def refresh(self, source: torch.Tensor) -> None:
-        """Copy ``source`` (the shape of `host`) again, over the previous copy."""
-        self.host.copy_(source, non_blocking=self._event is not None)
-        if self._event is not None:
-            self._event.record()
-
-    def wait(self) -> np.ndarray:
-        """Block (the calling thread only) until the copy is done; the host values."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self.host.numpy()
-
-
 @dataclass
 class _Snapshot:
-    copy: _HostCopy
+    copy: HostCopy
     occupancy: Occupancy
     layout: StateLayout
     keep: bool
@@ -188,7 +160,8 @@ class Reporter:
         self.sender = sender
         self.capture_queue_rows = capture_queue_rows
         self.capture_dropped_rows = 0
-        self._captures: deque[tuple[_HostCopy, CapturedStep]] = deque()
+        self._captures: deque[tuple[HostCopy, CapturedStep, bool]] = deque()
+        self._pinned: PinnedRows | None = None
         self._capture_rows = 0
         self.metrics = metrics
         self.interval_s = interval_s
@@ -201,7 +174,8 @@ class Reporter:
         self._snapshots: deque[_Snapshot] = deque()
         self._spare: list[torch.Tensor] = []
         self._occupancy = Occupancy(((None, 0),) * slots, np.full((slots, 1), -1))
-        self._traces: deque[tuple[_HostCopy, Occupancy]] = deque()
+        self._traces: PinnedTraces | None = None
+        self.trace_dropped_steps = 0
         self._sent: tuple[np.ndarray, Occupancy, StateLayout] | None = None
 
     # -- producer side (the step loop) -----------------------------------------------------
@@ -213,6 +187,15 @@ class Reporter:
     def set_occupancy(self, occupancy: Occupancy) -> None:
         """Who holds each slot, from the next staged copy on."""
         self._occupancy = occupancy
+
+    def prepare(self, vocab: int, device: torch.device) -> None:
+        """Allocate the host memory of traces and captured rows (``vocab`` wide) for steps on
+        ``device`` now, so that no step pays for it (pinned allocations take milliseconds)."""
+        with self._lock:
+            if self._traces is None:
+                self._traces = PinnedTraces(_TRACE_DEPTH, len(self._occupancy.ids), device)
+            if device.type == "cuda" and self._pinned is None:
+                self._pinned = PinnedRows(self.capture_queue_rows, vocab, pin=True)
 
     def stage_snapshot(
         self, state: torch.Tensor, layout: StateLayout, *, keep: bool = False
@@ -231,31 +214,53 @@ class Reporter:
                 target = self._snapshots.pop().copy.host
             elif self._spare:
                 target = self._spare.pop()
-            snapshot = _Snapshot(_HostCopy(state, target), self._occupancy, layout, keep)
+            snapshot = _Snapshot(HostCopy(state, target), self._occupancy, layout, keep)
             self._snapshots.append(snapshot)
         self._start()
 
     def stage_trace(self, rows: torch.Tensor) -> None:
-        """Copy one step's ``[4, R]`` rows (slot, step, T*, traced flag) to the host."""
+        """Copy one step's ``[4, R]`` rows (slot, step, T*, traced flag) to the host, into
+        slots allocated once; a step that finds them all waiting for the reader is dropped
+        (counted in ``trace_dropped_steps``)."""
         with self._lock:
-            self._traces.append((_HostCopy(rows), self._occupancy))
+            if self._traces is None:
+                self._traces = PinnedTraces(_TRACE_DEPTH, len(self._occupancy.ids), rows.device)
+            if not self._traces.stage(rows, self._occupancy):
+                self.trace_dropped_steps += 1
         self._start()
 
     def stage_capture(self, step: CapturedStep) -> None:
-        """Copy one step's captured rows to the host asynchronously, unless ``capture_queue_rows``
-        rows already wait: then they are dropped (counted, and announced as dropped)."""
+        """Copy one step's captured rows to the host asynchronously (on CUDA into the pinned
+        rows allocated once), unless ``capture_queue_rows`` rows already wait: then they are
+        dropped (counted, and announced as dropped)."""
         count = len(step.steps)
         with self._lock:
-            if self._capture_rows + count > self.capture_queue_rows:
+            target = None
+            if count and self._capture_rows + count <= self.capture_queue_rows:
+                target = self._capture_target(step.rows)
+            if count and target is None:
                 self.capture_dropped_rows += count
                 lost = list(zip(step.trace_ids, step.steps, strict=True))
                 step = replace(
                     step, trace_ids=[], steps=[], rows=step.rows[:0], dropped=step.dropped + lost
                 )
                 count = 0
-            self._captures.append((_HostCopy(step.rows, own=True), step))
+            held = count > 0 and target is not step.rows
+            self._captures.append((HostCopy(step.rows, target, own=True), step, held))
             self._capture_rows += count
         self._start()
+
+    def _capture_target(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """Where ``rows`` [n > 0, V] go on the host: a block of the pinned rows on CUDA (None:
+        none free), ``rows`` themselves on the CPU."""
+        if rows.device.type != "cuda":
+            return rows
+        width = rows.shape[1]
+        if self._pinned is None or self._pinned.buffer.shape[1] != width:
+            if self._capture_rows:
+                return None
+            self._pinned = PinnedRows(self.capture_queue_rows, width, pin=True)
+        return self._pinned.take(rows.shape[0])
 
     def _start(self) -> None:
         if self._thread is None:
@@ -275,26 +280,33 @@ class Reporter:
         """Deliver everything staged so far (waits for the pending copies). Safe to call beside
         the reporter thread: deliveries stay in staging order."""
         with self._delivering:
-            self._flush()
+            self._deliver_staged()
 
-    def _flush(self) -> None:
+    def _deliver_staged(self) -> None:
         with self._lock:
             captures = list(self._captures)
             self._captures.clear()
-            traces = list(self._traces)
-            self._traces.clear()
+            traces = [] if self._traces is None else self._traces.waiting()
             snapshots = list(self._snapshots)
             self._snapshots.clear()
-        for copy, step in captures:
+        for copy, step, held in captures:
             rows = copy.wait()
+            if held:  # the sender may keep the array: the pinned block is taken again
+                rows = rows.copy()
             with self._lock:
                 self._capture_rows -= len(step.steps)
+                if held:
+                    self._pinned.release()  # type: ignore[union-attr]
             if self.sender is not None:
                 records = list(zip(step.trace_ids, step.steps, strict=True))
                 counts = {**step.drop_counts, "queue_full": self.capture_dropped_rows}
                 self.sender.send_rows(records, rows, step.dropped, counts)
-        for copy, occupancy in traces:
-            self._send_trace(copy.wait(), occupancy)
+        if traces:
+            assert self._traces is not None
+            for slot, count, occupancy in traces:
+                self._send_trace(self._traces.read(slot, count), occupancy)
+            with self._lock:
+                self._traces.release(len(traces))
         for snapshot in snapshots:
             self._deliver_snapshot(snapshot.copy.wait(), snapshot.occupancy, snapshot.layout)
         with self._lock:

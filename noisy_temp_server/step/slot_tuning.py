@@ -177,7 +177,10 @@ class SlotTuning(SlotTables):
     def warm_up(self, vocab: int, counted: torch.dtype | None) -> None:
         """On CUDA, compile the fused kernels' variants this processor runs (logits ``vocab``
         wide, int64 slots and step keys, counted rows of dtype ``counted`` or None), so that no
-        request's first step pays for it; nothing elsewhere, or without the fused step."""
+        request's first step pays for it; nothing elsewhere, or without the fused step. The
+        reporter's host memory is allocated too (`Reporter.prepare`)."""
+        if self.reporter is not None:
+            self.reporter.prepare(vocab, self.device)
         if self.fused_step is not None and self.device.type == "cuda":
             self.fused_step.warm_up(
                 vocab,

@@ -59,6 +59,7 @@ import torch
 
 from noisy_temp_server.devices import upload
 from noisy_temp_server.step.batch_rows import RowColumns
+from noisy_temp_server.step.host_copies import PinnedUploads
 
 if TYPE_CHECKING:
     from noisy_temp_server.engine_contract.engine_env import EngineConfig
@@ -132,6 +133,7 @@ class RowCapture:
         self._outputs = self.keys.objects()
         self._turn = 0
         self._pin = pin_memory
+        self._row_uploads: PinnedUploads | None = None
 
     @property
     def active(self) -> int:
@@ -203,7 +205,7 @@ class RowCapture:
         rows, row_keys, row_steps = rows[wanted], row_keys[wanted], row_steps[wanted]
         if not rows.size:
             return
-        order = np.roll(np.arange(rows.size), -(self._turn % rows.size))
+        order = (np.arange(rows.size) + self._turn) % rows.size  # rotated by the turn
         self._turn += 1
         taken, left = order[: self.bounds.rows_per_step], order[self.bounds.rows_per_step :]
         self.dropped["rows_per_step"] += left.size
@@ -212,7 +214,7 @@ class RowCapture:
             (trace_ids[key], step)
             for key, step in zip(row_keys[left].tolist(), row_steps[left].tolist(), strict=True)
         ]
-        served = logits.index_select(0, self._upload(rows[taken], logits.device))
+        served = logits.index_select(0, self._upload_rows(rows[taken], logits.device))
         if self.logits_scaled:
             scale = self._upload(self._temperature[row_keys[taken]], logits.device)
             served.mul_(scale.unsqueeze(1))
@@ -228,3 +230,14 @@ class RowCapture:
 
     def _upload(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
         return upload(torch.from_numpy(array), device, pin=self._pin)
+
+    def _upload_rows(self, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+        """The taken rows' indices on ``device``: on CUDA from pinned slots allocated once
+        (`PinnedUploads`), else (or while those are all in flight) as any upload."""
+        if self._pin:
+            if self._row_uploads is None:
+                self._row_uploads = PinnedUploads(16, self.bounds.rows_per_step, device)
+            uploaded = self._row_uploads.upload(rows)
+            if uploaded is not None:
+                return uploaded
+        return self._upload(rows, device)

@@ -5,7 +5,8 @@
 - `PinnedTraces`: the per-step traces of traced slots, copied into host slots allocated once
   (``depth`` steps), instead of a pinned allocation and an event per step;
 - `PinnedRows`: the captured served rows' host memory, allocated once (``queue_rows`` rows) and
-  handed out first in, first out, instead of a pinned allocation per step.
+  handed out first in, first out, instead of a pinned allocation per step;
+- `PinnedUploads`: the other way, the captured rows' indices, from pinned slots allocated once.
 
 Every copy is staged on the step loop's thread, so it is ordered after the step that wrote its
 source on the same stream; the reporter's own thread only waits on events and reads.
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostCopy", "PinnedRows", "PinnedTraces"]
+__all__ = ["HostCopy", "PinnedRows", "PinnedTraces", "PinnedUploads"]
 
 
 class HostCopy:
@@ -138,3 +139,32 @@ class PinnedRows:
                 return end
             return 0 if count <= oldest else None
         return end if end + count <= oldest else None
+
+
+class PinnedUploads:
+    """Small int64 vectors (at most ``width`` entries) uploaded to ``device`` (CUDA) from
+    ``depth`` pinned host slots allocated once, each reused once its last copy is done (an
+    event per slot), instead of a pinned allocation per upload."""
+
+    def __init__(self, depth: int, width: int, device: torch.device) -> None:
+        self.host = torch.empty(depth, width, dtype=torch.int64, pin_memory=True)
+        self._host_values = self.host.numpy()
+        self.device_slots = torch.empty(depth, width, dtype=torch.int64, device=device)
+        self._events = [torch.Event(device=device) for _ in range(depth)]
+        self._recorded = [False] * depth
+        self._next = 0
+
+    def upload(self, values: np.ndarray) -> torch.Tensor | None:
+        """``values`` on the device, copied without a wait; None (nothing done) when there are
+        more than ``width`` or the next slot's last copy is not done yet."""
+        count, slot = len(values), self._next
+        depth, width = self.host.shape
+        if count > width or (self._recorded[slot] and not self._events[slot].query()):
+            return None
+        self._next = (slot + 1) % depth
+        self._host_values[slot, :count] = values
+        target = self.device_slots[slot, :count]
+        target.copy_(self.host[slot, :count], non_blocking=True)
+        self._events[slot].record()
+        self._recorded[slot] = True
+        return target

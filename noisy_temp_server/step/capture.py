@@ -100,12 +100,19 @@ class CapturedStep:
     rows: torch.Tensor
     dropped: list[tuple[str, int]]
     drop_counts: dict[str, int]
+    queue_full: int = 0
+    """Rows of this step not gathered because the reporter's queue had no room (they are in
+    ``dropped``; the reporter counts them)."""
 
 
 class CaptureSink(Protocol):
     """Where `RowCapture` stages each step's captured rows (`reports.Reporter`)."""
 
     def stage_capture(self, step: CapturedStep) -> None: ...
+
+    def capture_room(self) -> int:
+        """How many rows a `stage_capture` now would take (it may take more, never fewer)."""
+        ...
 
 
 class RowCapture:
@@ -207,15 +214,19 @@ class RowCapture:
             return
         order = (np.arange(rows.size) + self._turn) % rows.size  # rotated by the turn
         self._turn += 1
-        taken, left = order[: self.bounds.rows_per_step], order[self.bounds.rows_per_step :]
-        self.dropped["rows_per_step"] += left.size
+        limit = min(self.bounds.rows_per_step, self.reporter.capture_room())
+        taken, left = order[:limit], order[limit:]
+        over_bound = max(rows.size - self.bounds.rows_per_step, 0)
+        self.dropped["rows_per_step"] += over_bound
         trace_ids = self._trace_ids
         dropped = [
             (trace_ids[key], step)
             for key, step in zip(row_keys[left].tolist(), row_steps[left].tolist(), strict=True)
         ]
-        served = logits.index_select(0, self._upload_rows(rows[taken], logits.device))
-        if self.logits_scaled:
+        served = logits[:0]  # the queue is full: nothing to gather
+        if taken.size:
+            served = logits.index_select(0, self._upload_rows(rows[taken], logits.device))
+        if self.logits_scaled and taken.size:
             scale = self._upload(self._temperature[row_keys[taken]], logits.device)
             served.mul_(scale.unsqueeze(1))
         self.reporter.stage_capture(
@@ -225,6 +236,7 @@ class RowCapture:
                 rows=served,
                 dropped=dropped,
                 drop_counts=dict(self.dropped),
+                queue_full=left.size - over_bound,
             )
         )
 

@@ -26,19 +26,24 @@ __all__ = ["HostCopy", "PinnedRows", "PinnedTraces", "PinnedUploads"]
 class HostCopy:
     """A device tensor's asynchronous copy into (pinned) host memory and its completion.
     ``target``: host memory to copy into (its shape; None: allocated); ``own``: ``source`` is
-    a fresh tensor nobody else writes, so on the CPU it is used as is."""
+    a fresh tensor nobody else writes, so on the CPU it is used as is. An empty ``source`` is
+    neither copied nor waited for."""
 
     def __init__(
         self, source: torch.Tensor, target: torch.Tensor | None = None, *, own: bool = False
     ) -> None:
-        on_device = source.device.type == "cuda"
+        on_device = source.device.type == "cuda" and source.numel() > 0  # else nothing to copy
         if own and not on_device:
-            target = source
+            target = (
+                source
+                if source.device.type == "cpu"
+                else torch.empty(source.shape, dtype=source.dtype)
+            )
         elif target is None or target.shape != source.shape:
             target = torch.empty(source.shape, dtype=source.dtype, pin_memory=on_device)
         self.host = target
         self._event = torch.Event(device=source.device) if on_device else None
-        if target is not source:
+        if target is not source and source.numel():
             self.refresh(source)
 
     def refresh(self, source: torch.Tensor) -> None:

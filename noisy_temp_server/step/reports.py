@@ -235,6 +235,7 @@ class Reporter:
         dropped (counted, and announced as dropped)."""
         count = len(step.steps)
         with self._lock:
+            self.capture_dropped_rows += step.queue_full
             target = None
             if count and self._capture_rows + count <= self.capture_queue_rows:
                 target = self._capture_target(step.rows)
@@ -249,6 +250,11 @@ class Reporter:
             self._captures.append((HostCopy(step.rows, target, own=True), step, held))
             self._capture_rows += count
         self._start()
+
+    def capture_room(self) -> int:
+        """How many captured rows may still wait for the reporter thread (`stage_capture`
+        takes at least as many)."""
+        return self.capture_queue_rows - self._capture_rows
 
     def _capture_target(self, rows: torch.Tensor) -> torch.Tensor | None:
         """Where ``rows`` [n > 0, V] go on the host: a block of the pinned rows on CUDA (None:

@@ -30,7 +30,7 @@ from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.served_adapter import profile_adapter
 from noisy_temp_server.calibration.stack import StackReport, score_scoreboard, score_stack
-from noisy_temp_server.checkpoints.loading import LoadedPair, load_pair
+from noisy_temp_server.checkpoints.loading import LoadedPair, ServedWeights, load_pair
 from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 from noisy_temp_server.correction.files import load_bias_file
 from noisy_temp_server.scoring.scoreboard import ScoreboardResult
@@ -45,8 +45,8 @@ __all__ = ["KldReport", "KldRequest", "format_table", "kld_report"]
 class KldRequest:
     """What to score: the pair (`clean` with `served`, or `spec` applied in memory), the
     prompts and their completions' length and seed, what is served (`profile` with its `rule`,
-    a fixed `t`, else T* = 1), the greedy answers' length for a stack, the torch device and the
-    cache of folder identities."""
+    a fixed `t`, else T* = 1), the greedy answers' length for a stack, the torch device, the
+    cache of folder identities and how a quantized served model is loaded (`load_pair`)."""
 
     clean: Path
     prompts: Sequence[Prompt]
@@ -60,6 +60,7 @@ class KldRequest:
     greedy_tokens: int = 16
     device: str = "cpu"
     cache_dir: Path | None = None
+    served_weights: ServedWeights = "auto"
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def kld_report(request: KldRequest) -> KldReport:
     `CorruptCheckpointError` for a damaged checkpoint."""
     pair = load_pair(
         request.clean, served_path=request.served, spec=request.spec, device=request.device,
-        cache_dir=request.cache_dir,
+        cache_dir=request.cache_dir, served_weights=request.served_weights,
     )  # fmt: skip
     profile = (
         None

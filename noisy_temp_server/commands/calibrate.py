@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", type=Path, default=None, help="save records here")
     parser.add_argument("--report", type=Path, default=None, help="write the report here")
     parser.add_argument("--device", default="cpu", help="torch device for scoring")
+    add_served_weights_argument(parser)
+    add_calibration_arguments(parser)
+
+
+def add_served_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """``--served-weights``, how a quantized served model is loaded (`load_pair`'s
+    ``served_weights``); `kld` takes it too."""
     parser.add_argument(
         "--served-weights",
         choices=("auto", "packed", "float"),
@@ -60,7 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "second float copy; slower), float (whole), or auto: packed when its float copy would "
         "take over a quarter of the free memory (same results either way)",
     )
-    add_calibration_arguments(parser)
 
 
 def _calibrate(args: argparse.Namespace, clean: Path) -> None:

@@ -2,7 +2,8 @@
 
     noisy-temp-server kld [--served DIR | --spec SPEC] [--clean PATH]
         [--profile PROFILE [--rule RULE] | --t T] [--prompts FILE] [--num-prompts N]
-        [--max-new-tokens N] [--seed N] [--device DEV] [--json] [--out FILE]
+        [--max-new-tokens N] [--seed N] [--device DEV] [--served-weights auto|packed|float]
+        [--json] [--out FILE]
 
 What it scores and how: `calibration.kld_report` (the shipped prompts by default). Without
 `--served`/`--spec` the pair is serve's default one (the embedded model with
@@ -20,6 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
+from noisy_temp_server.commands.calibrate import add_served_weights_argument
 from noisy_temp_server.commands.perturb import clean_folder, read_spec_argument
 from noisy_temp_server.files import write_atomically
 from noisy_temp_server.temperature.rules import Rule
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="completion length")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="cpu", help="torch device for generation and scoring")
+    add_served_weights_argument(parser)
     parser.add_argument(
         "--greedy-tokens",
         type=int,
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 greedy_tokens=args.greedy_tokens,
                 device=args.device,
                 cache_dir=args.cache_dir,
+                served_weights=args.served_weights,
             )
         )
     except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors

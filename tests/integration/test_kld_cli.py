@@ -226,3 +226,20 @@ def test_kld_shows_each_layer_of_a_stack_with_an_adapter(
     (tmp_path / adapter_folder_name(summary.sha256) / "adapter_model.safetensors").unlink()
     assert _run(kld_command, [*argv, str(profile)]) == 1
     assert "adapter_model.safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fixture", ["ct-gptq-w4a16", "gptq-4bit-g32"])
+def test_kld_scores_a_packed_served_model_as_the_whole_loaded_one(
+    tiny_model_dir: Path, fixture: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served = Path(__file__).resolve().parents[1] / "fixtures" / "quantized" / fixture
+    argv = ["--clean", str(tiny_model_dir), "--served", str(served), "--num-prompts", "8"]
+    statistics = {}
+    for weights in ("packed", "float"):
+        command = [*argv, "--max-new-tokens", "24", "--json", "--served-weights", weights]
+        assert _run(kld_command, command) == 0
+        statistics[weights] = json.loads(capsys.readouterr().out)["statistics"]["T=1"]
+    packed, whole = statistics["packed"], statistics["float"]
+    assert packed["positions"] == whole["positions"]
+    assert packed["kld_mean"] > 0
+    assert packed["kld_mean"] == pytest.approx(whole["kld_mean"], rel=1e-4)

@@ -311,6 +311,14 @@ class Settings(BaseSettings):
         "and CUDA graphs on CUDA, as vllm serve, except on a CPU without a C++ compiler "
         "(g++, or $CXX), which compilation needs; true starts faster and serves slower).",
     )
+    vllm_args: str = Field(
+        default="",
+        description="Further flags of vLLM's engine, as vllm serve takes them, shell-quoted "
+        "(for example --enable-prefix-caching --kv-cache-dtype fp8 --seed 0). On the command "
+        "line every flag serve does not have is one of these. Refused: a flag vLLM's engine "
+        "does not have, a setting of serve, or one serve sets itself "
+        "(server/engine_flags.py).",
+    )
     tuned_logprobs: bool = Field(
         default=True,
         description="Returned logprobs describe the tuned distribution, the one sampled from "

@@ -31,6 +31,7 @@ _LOGGER = logging.getLogger("noisy_temp_server.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser)
+    parser.set_defaults(takes_vllm_args=True)  # the flags it does not have: vLLM's engine's
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from noisy_temp_server.engine_contract.engine_env import EngineConfig, engine_config
+from noisy_temp_server.server.engine_flags import engine_flag_overrides
 from noisy_temp_server.settings import Settings, engine_settings
 
 if TYPE_CHECKING:
@@ -234,10 +235,11 @@ def build_engine_args(
 ) -> Any:
     """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`.
 
-    With `runtime_noise`, `RuntimeLogitNoiseProcessor` is registered too; its σ and seed reach
-    it through the engine's configuration (`start_engine` hands them over), not through these
-    arguments. With `max_lora_rank` (a value vLLM accepts), LoRA is enabled for one adapter of up
-    to that rank.
+    The settings' ``vllm_args`` are applied last (`engine_flags`; ValueError for one it
+    refuses). With `runtime_noise`, `RuntimeLogitNoiseProcessor` is registered too; its σ and
+    seed reach it through the engine's configuration (`start_engine` hands them over), not
+    through these arguments. With `max_lora_rank` (a value vLLM accepts), LoRA is enabled for
+    one adapter of up to that rank.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 (after the environment)
     from vllm.platforms import current_platform  # noqa: PLC0415
@@ -256,7 +258,7 @@ def build_engine_args(
     if not current_platform.is_cpu() and resolved.kv_cache_gib is not None:
         kv_cache_bytes = resolved.kv_cache_gib * 2**30
     utilization = resolved.gpu_memory_utilization or AsyncEngineArgs.gpu_memory_utilization
-    return AsyncEngineArgs(
+    arguments = AsyncEngineArgs(
         model=str(model_path),
         served_model_name=model_name,
         tokenizer=str(model_path),
@@ -276,6 +278,7 @@ def build_engine_args(
         max_lora_rank=max_lora_rank or AsyncEngineArgs.max_lora_rank,  # type: ignore[arg-type]
         max_loras=1,
     )
+    return dataclasses.replace(arguments, **engine_flag_overrides(settings.vllm_args))
 
 
 def logprobs_mode(settings: Settings) -> Literal["processed_logprobs", "raw_logprobs"]:

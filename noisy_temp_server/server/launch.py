@@ -91,6 +91,18 @@ def _chat_template(settings: Settings) -> str | None:
         raise ProfileError(f"--chat-template: {error}") from error
 
 
+def _check_engine_flags(settings: Settings) -> None:
+    """ProfileError, one line, for vLLM engine flags (``vllm_args``) that `build_engine_args`
+    would refuse, before anything is loaded."""
+    from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
+    from noisy_temp_server.server.engine_flags import engine_flag_overrides  # noqa: PLC0415
+
+    try:
+        engine_flag_overrides(settings.vllm_args)
+    except ValueError as error:
+        raise ProfileError(str(error)) from error
+
+
 def _tool_parser(settings: Settings, tokenizer: Any, model_name: str) -> type[Parser] | None:
     """vLLM's tool parser class for `--tool-call-parser` (`server.tools`); ProfileError, one
     line, for a parser vLLM does not know or the tokenizer cannot serve."""
@@ -211,6 +223,7 @@ def _serve(
     from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
+    _check_engine_flags(settings)
     chat_template = _chat_template(settings)
     settings = int4_stack_settings(settings)
     pair = resolve_pair(settings)

@@ -161,8 +161,10 @@ class _SamplingFields(_Request):
         vllm_xargs: dict[str, XargValue] | None
         prompt_logprobs: int | None
         echo: bool
+        logprob_token_ids: list[int] | None
 
         def sampling_kwargs(self) -> dict[str, Any]: ...
+        def logprob_kwargs(self, logprobs: int | None) -> dict[str, Any]: ...
         def transfer_extra_args(self) -> dict[str, Any]: ...
 
     def requested_max_tokens(self) -> int | None:
@@ -212,7 +214,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            logprobs=logprobs,
+            **self.logprob_kwargs(logprobs),
             prompt_logprobs=self.requested_prompt_logprobs(),
             logit_bias=None
             if self.logit_bias is None
@@ -252,6 +254,10 @@ class _SamplingFields(_Request):
                     f"i of n = {self.n} uses seed + i), got {self.seed}."
                 )
         structured_outputs_params(self.structured_outputs, self.response_format)  # checked early
+        if self.logprob_token_ids and self.requested_logprobs() is None:
+            raise ValueError(
+                "when using `logprob_token_ids`, `logprobs` must be set (true on chat)."
+            )
         return self
 
 
@@ -311,6 +317,11 @@ class _CompletionFields(_SamplingFields):
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone).")
+        if self.logprob_token_ids and self.echoes_prompt_only:
+            raise ValueError(
+                "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+                "no output tokens are generated."
+            )
         if self.echo and self.stream:
             raise ValueError("echo is supported on non-streamed completions; set stream to false.")
         if self.suffix is not None:  # vLLM's server: only for models with FIM rendering

@@ -14,12 +14,17 @@
   any logits processor), in the response as vLLM puts them;
 - `request_id` names the response (`cmpl-<request_id>`, `chatcmpl-<request_id>`) as on vLLM's
   server; the engine requests keep ids of this server's own (one per choice, unique);
+- what the response reports, as vLLM's server reports it: `return_token_ids` (the prompt's and
+  each choice's token ids), `return_tokens_as_token_ids` (logprob tokens named
+  `token_id:<id>`), `logprob_token_ids` (the logprobs of these ids at each generated position,
+  with the sampled token's, instead of the top candidates: `logprob_kwargs`); they change
+  nothing the engine samples, so T*, the bias and the shadow scorer's capture are untouched;
 - fields vLLM's server reads only on other endpoints or with features this server never starts
   with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`,
   `length_penalty` without beam search): taken, no effect, as on vLLM's server.
 
 `VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments, `echo`, `tools`
-and `tool_choice` (`server.tools`).
+and `tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
 
 `NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
 a 400 (unknown field). tests/unit/test_vllm_fields.py checks that every field of vLLM's two
@@ -56,10 +61,6 @@ __all__ = ["NOT_TAKEN", "VllmChatFields", "VllmFields"]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 NOT_TAKEN: dict[str, str] = {
-    "logprob_token_ids": "logprobs are the top candidates only",
-    "return_tokens_as_token_ids": "logprob tokens are always their text",
-    "return_token_ids": "responses carry text, not token ids",
-    "return_prompt_text": "responses carry no prompt text",
     "prompt_embeds": "prompts are text or token ids (vLLM too refuses them unless started "
     "with --enable-prompt-embeds)",
 }
@@ -98,6 +99,9 @@ class VllmFields(BaseModel):
     thinking_token_budget: ThinkingTokenBudget = None
     routed_experts_prompt_start: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
 
     @model_validator(mode="after")
     def _prompt_logprobs_as_vllm(self) -> Self:
@@ -155,6 +159,14 @@ class VllmFields(BaseModel):
             "thinking_token_budget": self.thinking_token_budget,
             "routed_experts_prompt_start": self.routed_experts_prompt_start,
         }
+
+    def logprob_kwargs(self, logprobs: int | None) -> dict[str, Any]:
+        """`SamplingParams`' `logprobs` and `logprob_token_ids`, as vLLM's `to_sampling_params`
+        sets them: with `logprob_token_ids`, those ids instead of the `logprobs` top
+        candidates (the sampled token's logprob comes with either)."""
+        if self.logprob_token_ids:
+            return {"logprobs": None, "logprob_token_ids": self.logprob_token_ids}
+        return {"logprobs": logprobs}
 
     def transfer_extra_args(self) -> dict[str, Any]:
         """`kv_transfer_params` / `ec_transfer_params` under their names, for `extra_args`."""
@@ -223,6 +235,7 @@ class VllmChatFields(VllmFields):
         "none"
     )
     parallel_tool_calls: StrictBool | None = True
+    return_prompt_text: StrictBool | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges

@@ -99,7 +99,14 @@ class FakeEngine:
                 continue
             tokens = [token] if delta else new
             logprobs = None
-            if sampling_params.logprobs is not None:
+            if sampling_params.logprob_token_ids:  # the sampled token, then the ids asked for
+                asked = sampling_params.logprob_token_ids
+                logprobs = [
+                    {t: Logprob(-0.5, 1, f" t{t}")}
+                    | {i: Logprob(-3.0, rank, f" t{i}") for rank, i in enumerate(asked, 1)}
+                    for t in tokens
+                ]
+            elif sampling_params.logprobs is not None:
                 logprobs = [
                     {t: Logprob(-0.5, 1, f" t{t}"), t + 1: Logprob(float("-inf"), 2, f" t{t + 1}")}
                     for t in tokens

@@ -22,10 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.concurrency import run_in_threadpool
 from vllm import __version__ as VLLM_VERSION  # noqa: N812
 
+from noisy_temp_server.server.adapter import check_model
 from noisy_temp_server.server.chat import render_messages
 from noisy_temp_server.server.errors import OpenAIError
 from noisy_temp_server.server.protocol import ChatMessage
-from noisy_temp_server.server.serving import check_model
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 
 __all__ = [

@@ -19,9 +19,10 @@
   `token_id:<id>`), `logprob_token_ids` (the logprobs of these ids at each generated position,
   with the sampled token's, instead of the top candidates: `logprob_kwargs`); they change
   nothing the engine samples, so T*, the bias and the shadow scorer's capture are untouched;
+- `use_beam_search` with `length_penalty`: vLLM's own beam search (`server.beam_search`);
 - fields vLLM's server reads only on other endpoints or with features this server never starts
-  with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`,
-  `length_penalty` without beam search): taken, no effect, as on vLLM's server.
+  with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`): taken, no
+  effect, as on vLLM's server.
 
 `VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments, `echo`, `tools`
 and `tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
@@ -112,16 +113,6 @@ class VllmFields(BaseModel):
             if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
                 raise ValueError("`prompt_logprobs` must be a positive value or -1.")
         return self
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(
-                "use_beam_search is not supported by this server (each choice is sampled with "
-                "its own temperature trace); leave it unset."
-            )
-        return value
 
     @field_validator("cache_salt")
     @classmethod

@@ -515,22 +515,54 @@ ROWS += [
     ),
 ]
 
+
+def _choices(count: int) -> Callable[[Any], None]:
+    def check(body: Any) -> None:
+        assert len(body["choices"]) == count, body["choices"]
+
+    return check
+
+
+_BEAM = {"use_beam_search": True, "n": 2}
+ROWS += [
+    Row("beam search", "/v1/completions", _completion(**_BEAM), body_check=_choices(2)),
+    Row(
+        "beam search, two prompts, logprobs",
+        "/v1/completions",
+        _completion(**_BEAM, prompt=["a", "b c"], logprobs=1, length_penalty=0.5),
+        body_check=_choices(4),
+    ),
+    Row("chat beam search", "/v1/chat/completions", _chat(**_BEAM), body_check=_choices(2)),
+    Row(
+        "chat beam search, logprobs, streamed",
+        "/v1/chat/completions",
+        _chat(**_BEAM, logprobs=True, stream=True),
+    ),
+    Row(
+        "beam search streamed on completions",
+        "/v1/completions",
+        _completion(**_BEAM, stream=True),
+        nts=False,
+    ),
+    Row(
+        "beam search, echo with logprobs",
+        "/v1/completions",
+        _completion(**_BEAM, echo=True, logprobs=1),
+        nts=False,
+    ),
+    Row(
+        "beam search with logprob_token_ids",
+        "/v1/chat/completions",
+        _chat(**_BEAM, logprobs=True, logprob_token_ids=[5]),
+        nts=False,
+    ),
+    Row("prompt_embeds", "/v1/completions", _completion(prompt_embeds="AAAA"), nts=False),
+]
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
-KNOWN_DIFFERENCES = {
-    "use_beam_search": (
-        Row("beam search", "/v1/completions", _completion(use_beam_search=True, n=2)),
-        400,
-        200,
-    ),
-    "prompt_embeds": (
-        Row("prompt_embeds", "/v1/completions", _completion(prompt_embeds="AAAA")),
-        400,
-        400,
-    ),
-}
+KNOWN_DIFFERENCES: dict[str, tuple[Row, int, int]] = {}
 """Rows where ours still differs: (row, our status, vLLM's status)."""
 
 

@@ -128,11 +128,6 @@ def test_request_id_priority_and_cache_salt(server: Harness) -> None:
     assert all(p.get("cache_salt") == "salt" for p in server.engine.prompts)
 
 
-def test_use_beam_search_is_refused_and_false_is_taken(server: Harness) -> None:
-    assert server.post("/v1/completions", {**_COMPLETION, "use_beam_search": False}).is_success
-    assert_error(server.post("/v1/completions", {**_COMPLETION, "use_beam_search": True}), 400)
-
-
 def test_chat_template_arguments_render_as_vllm_renders_them(server: Harness) -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     body = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False}

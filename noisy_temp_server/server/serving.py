@@ -3,11 +3,10 @@
 A request's path:
 
 1. `prepare_request`: check the model name, tokenize the prompt in a worker thread, check the
-   context length, convert the body to one `SamplingParams` per choice, pin the policy in force,
-   apply the server defaults under the request's `nts_*` keys (`engine_contract.request_args`)
-   and give each choice its own engine request and trace id, all before anything reaches the
-   engine, so a bad request costs nothing and gets an OpenAI error body; the shadow scorer draws
-   which choices it samples (a sampled tuned choice runs with its per-step T* trace);
+   context length, make one `SamplingParams` per choice, pin the policy in force, apply the
+   server defaults under the `nts_*` keys (`engine_contract.request_args`), give each choice its
+   engine request and trace id, and draw the shadow scorer's samples (which run traced), all
+   before the engine: a bad request costs nothing and gets an OpenAI error body;
 2. `run_unless_disconnected` (JSON response) or `server.streaming.stream_choices` (server-sent
    events): run the choices on the engine, concurrently;
 3. when a choice finishes, join its per-step T* (trace channel) with its output into its `nts`
@@ -188,7 +187,26 @@ async def prepare_request(
     engine would refuse. The model name is checked first; then `tokenize()` (the token ids of
     each prompt, truncated as asked; it may raise `OpenAIError`) runs in a worker thread, so a
     long prompt does not stall the event loop. Each prompt gets `n` choices (`Choice.prompt`).
-    `prefix` starts the request id; `param` names the prompt's field in error bodies."""
+    `prefix` starts the request id; `param` names the prompt's field in error bodies. Raised
+    before anything reaches the engine, a `ValueError`, `TypeError` or `OverflowError` comes
+    from the request's values (a tokenizer refusing a prompt, vLLM's checks, ours): a 400 with
+    its message, as on vLLM's server; vLLM's client errors get theirs."""
+    try:
+        return await _prepare(state, request, tokenize, prefix=prefix, param=param)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise OpenAIError(str(error) or type(error).__name__, status_code=400) from None
+    except VLLMClientError as error:
+        raise openai_error_from_exception(error) from None
+
+
+async def _prepare(
+    state: ServerState,
+    request: GenerationRequest,
+    tokenize: Callable[[], list[list[int]]],
+    *,
+    prefix: str,
+    param: str,
+) -> PreparedRequest:
     check_model(state, request.model)
     prompts = await run_in_threadpool(
         lambda: request.truncate_prompts(
@@ -197,22 +215,15 @@ async def prepare_request(
     )
     if not prompts or not all(prompts):
         raise OpenAIError("The prompt is empty.", status_code=400, param=param)
-    if request.n * len(prompts) > MAX_CHOICES:
-        raise OpenAIError(
-            f"{len(prompts)} prompts x n = {request.n} asks for {request.n * len(prompts)} "
-            f"choices; one request takes at most {MAX_CHOICES}: split it.",
-            status_code=400,
-            param=param,
-        )
+    if (count := request.n * len(prompts)) > MAX_CHOICES:
+        message = f"{len(prompts)} prompts x n = {request.n} asks for {count} choices"
+        raise OpenAIError(f"{message}; at most {MAX_CHOICES} a request: split it.", param=param)
     budgets = [_max_tokens(state, request, len(ids), param) for ids in prompts]
     request_id, choices = _choices(request, len(prompts), prefix)
-    try:
-        params = [
-            request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % request.n)
-            for c in choices
-        ]
-    except (ValueError, VLLMClientError) as error:
-        raise openai_error_from_exception(error) from None
+    params = [
+        request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % request.n)
+        for c in choices
+    ]
     # vLLM raises 0 < T < 0.01 to 0.01: tuning follows the temperature the engine samples at.
     engine_temperature = params[0].temperature
     if request.n > 1 and engine_temperature < GREEDY_TEMPERATURE and not request.use_beam_search:
@@ -222,17 +233,11 @@ async def prepare_request(
             param="n",
         )
     policy = state.policy_source.current_policy()
-    try:
-        client_args = request.nts_request_args()
-    except ValueError as error:
-        raise OpenAIError(str(error), status_code=400) from None
+    client_args = request.nts_request_args()
     adapter = request_adapter(state.adapter, request.model, client_args.pop(KEY_ADAPTER, None))
-    try:
-        keys = _pinned_keys(policy, client_args, state.settings)
-        tuning = resolve_request(keys, engine_temperature)
-        correction = resolve_correction(keys)
-    except ValueError as error:
-        raise OpenAIError(str(error), status_code=400) from None
+    keys = _pinned_keys(policy, client_args, state.settings)
+    tuning = resolve_request(keys, engine_temperature)
+    correction = resolve_correction(keys)
     for choice, choice_params in zip(choices, params, strict=True):
         choice.shadow_sampled = (
             state.shadow is not None

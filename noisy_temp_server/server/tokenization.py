@@ -102,7 +102,10 @@ async def tokenize(
 ) -> TokenizeResponse:
     """The token ids of a prompt, or of chat messages rendered by the chat template."""
     check_model(state, request.model)
-    ids = [int(i) for i in await run_in_threadpool(_token_ids, state, request)]
+    try:
+        ids = [int(i) for i in await run_in_threadpool(_token_ids, state, request)]
+    except (OverflowError, TypeError, ValueError) as error:  # the tokenizer's refusal
+        raise OpenAIError(f"The prompt could not be tokenized: {error}", status_code=400) from None
     strings = None
     if request.return_token_strs:
         strings = [str(s) for s in state.tokenizer.convert_ids_to_tokens(ids)]

@@ -557,6 +557,13 @@ ROWS += [
         nts=False,
     ),
     Row("prompt_embeds", "/v1/completions", _completion(prompt_embeds="AAAA"), nts=False),
+    Row(
+        "a prompt the tokenizer refuses",
+        "/v1/completions",
+        _completion(prompt="a\ud800"),
+        nts=False,
+    ),
+    Row("tokenize what the tokenizer refuses", "/tokenize", {"model": MODEL, "prompt": "\ud800"}),
 ]
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
@@ -606,7 +613,9 @@ def _ask(url: str, row: Row) -> Answer:
     if row.body is None:
         reply = httpx.get(f"{url}{row.path}", headers=HEADERS, timeout=300)
     else:
-        reply = httpx.post(f"{url}{row.path}", json=row.body, headers=HEADERS, timeout=300)
+        body = json.dumps(row.body)  # ASCII escapes: a lone surrogate is valid JSON this way
+        headers = {**HEADERS, "Content-Type": "application/json"}
+        reply = httpx.post(f"{url}{row.path}", content=body, headers=headers, timeout=300)
     if reply.headers.get("content-type", "").startswith("text/event-stream"):
         chunks = [
             json.loads(line.removeprefix("data: "))

@@ -27,6 +27,7 @@ from vllm.outputs import RequestOutput
 from vllm.utils.async_utils import merge_async_iterators
 
 from noisy_temp_server.engine_contract.keys import KEY_PREFIX
+from noisy_temp_server.server.errors import OpenAIError
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -120,7 +121,7 @@ async def beam_search_outputs(
         )
         for p, ids in enumerate(prompts)
     ]
-    async for p, output in merge_async_iterators(*searches):
+    async for p, output in _overflow_is_the_requests(merge_async_iterators(*searches)):
         for best in output.outputs:
             if not with_logprobs:
                 best.logprobs = None
@@ -134,3 +135,18 @@ async def beam_search_outputs(
 
 def _nts_keys(params: SamplingParams) -> dict[str, Any]:
     return {k: v for k, v in (params.extra_args or {}).items() if k.startswith(KEY_PREFIX)}
+
+
+async def _overflow_is_the_requests(
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """`outputs`; an `OpenAIError` (400) for the `OverflowError` vLLM's beam search raises when
+    it ranks beams with a `length_penalty` too large for a float (its server's answer: 400)."""
+    try:
+        async for item in outputs:
+            yield item
+    except OverflowError as error:
+        raise OpenAIError(
+            f"The beams' scores overflow ({error}): give a smaller length_penalty.",
+            param="length_penalty",
+        ) from None

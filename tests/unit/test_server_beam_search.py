@@ -80,3 +80,8 @@ def test_use_beam_search_false_is_sampling(server: Harness) -> None:
     body = {**_COMPLETION, "use_beam_search": False, "seed": 1}
     assert server.post("/v1/completions", body).status_code == 200
     assert [p.temperature for _, p, _ in server.engine.calls] == [1.0, 1.0]
+
+
+def test_a_length_penalty_that_overflows_the_scores_is_a_400(server: Harness) -> None:
+    body = {**_COMPLETION, "length_penalty": 1e308}
+    assert assert_error(server.post("/v1/completions", body), 400)["param"] == "length_penalty"

@@ -3,8 +3,8 @@
 
 Request fields follow the order of the OpenAI API reference; what this project adds is declared
 once, for both requests (`_Extras`), and comes at the end of each request. Unknown fields are
-rejected (400), as OpenAI does, so a misspelt `nts_*` key is an error rather than silently
-ignored.
+ignored, as vLLM's server ignores them, but for an `nts_*` key that is not one of ours: a 400,
+so that a misspelt key is an error rather than silently dropped (`server.vllm_fields`).
 
 Each request converts itself into vLLM `SamplingParams` with one method, `to_sampling_params`.
 The server runs the `n` choices of a request as `n` engine requests (choice `i` gets
@@ -76,10 +76,12 @@ def add_extra_args(params: SamplingParams, extra_args: dict[str, Any]) -> None:
 
 
 class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-
-class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 

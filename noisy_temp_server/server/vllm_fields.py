@@ -28,13 +28,20 @@
 and `tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
 
 `NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
-a 400 (unknown field). tests/unit/test_vllm_fields.py checks that every field of vLLM's two
-request models is a field of ours or listed there, so a field a new vLLM adds fails that test
-until it is taken or listed.
+a 400 saying why. tests/unit/test_vllm_fields.py checks that every field of vLLM's two request
+models is a field of ours or listed there, so a field a new vLLM adds fails that test until it
+is taken or listed.
+
+Any other field a request does not define is ignored, as vLLM's server ignores it (logged at
+debug level), but for an `nts_*` key that is not one of ours: a 400 naming it, since a misspelt
+key of ours (`nts_rul`) must not be silently dropped (vLLM defines no `nts_*` field). The
+nested objects (`stream_options`, `response_format`, `structured_outputs`) still refuse keys
+they do not define: they are small and a misspelt key there changes the answer silently.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -43,9 +50,11 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     StrictBool,
+    ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionNamedToolChoiceParam,
@@ -55,10 +64,12 @@ from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.renderers import TokenizeParams, merge_kwargs
 from vllm.sampling_params import RepetitionDetectionParams, ThinkingTokenBudget
 
+from noisy_temp_server.engine_contract.keys import CLIENT_KEYS, KEY_PREFIX
 from noisy_temp_server.server.errors import openai_error_from_exception
 
 __all__ = ["NOT_TAKEN", "VllmChatFields", "VllmFields"]
 
+_LOGGER = logging.getLogger(__name__)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 NOT_TAKEN: dict[str, str] = {
@@ -68,10 +79,25 @@ NOT_TAKEN: dict[str, str] = {
 """vLLM's request fields this server refuses (400), each with why (docs/serving.md)."""
 
 
-class VllmFields(BaseModel):
-    """vLLM's extension fields that both generation requests share (module docstring)."""
+def _refusal(key: str) -> PydanticCustomError:
+    """Why an unknown field `key` is refused: vLLM's, refused on purpose, or a key of ours
+    misspelt."""
+    if key in NOT_TAKEN:
+        return PydanticCustomError(
+            "not_taken", "not supported by this server: {why}", {"why": NOT_TAKEN[key]}
+        )
+    return PydanticCustomError(
+        "unknown_nts_key",
+        "not a request key of this server (they are {keys}); a misspelt key is not ignored",
+        {"keys": ", ".join(sorted(CLIENT_KEYS))},
+    )
 
-    model_config = ConfigDict(extra="forbid")
+
+class VllmFields(BaseModel):
+    """vLLM's extension fields that both generation requests share, and vLLM's way with the
+    fields a request does not define (module docstring)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     use_beam_search: StrictBool = False
     top_k: int | None = None
@@ -103,6 +129,23 @@ class VllmFields(BaseModel):
     logprob_token_ids: list[int] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     return_token_ids: StrictBool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields_as_vllm(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        refused = [
+            InitErrorDetails(type=_refusal(key), loc=(key,), input=data[key])
+            for key in unknown
+            if key in NOT_TAKEN or key.startswith(KEY_PREFIX)
+        ]
+        if refused:  # each error at its key, so that the error body names it (`param`)
+            raise ValidationError.from_exception_data(cls.__name__, refused)
+        if unknown:
+            _LOGGER.debug("The request's fields %s are not fields of it: ignored", unknown)
+        return data
 
     @model_validator(mode="after")
     def _prompt_logprobs_as_vllm(self) -> Self:

@@ -569,7 +569,24 @@ TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
-KNOWN_DIFFERENCES: dict[str, tuple[Row, int, int]] = {}
+ROWS += [
+    Row("unknown fields", "/v1/completions", _completion(bogus=1, metadata={"a": "b"})),
+    Row("chat, unknown fields", "/v1/chat/completions", _chat(bogus=[1], store=False)),
+]
+KNOWN_DIFFERENCES = {
+    "misspelt nts key": (Row("nts_tmax", "/v1/completions", _completion(nts_tmax=2.0)), 400, 200),
+    "unknown stream_options key": (
+        Row(
+            "stream_options.continuous_usage_stats",
+            "/v1/chat/completions",
+            _chat(
+                stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+            ),
+        ),
+        400,
+        200,
+    ),
+}
 """Rows where ours still differs: (row, our status, vLLM's status)."""
 
 

@@ -161,7 +161,9 @@ class _RenderedPrompt:
     arguments: the assistant's turn opened by default, and its tools): `token_ids()` renders
     and tokenizes them; `text` is the rendered text once it has (vLLM's `prompt_text`)."""
 
-    def __init__(self, state: ServerState, request: ChatCompletionRequest, tools: ToolCalls):
+    def __init__(
+        self, state: ServerState, request: ChatCompletionRequest, tools: ToolCalls
+    ) -> None:
         self.state = state
         self.request = request
         self.tools = tools

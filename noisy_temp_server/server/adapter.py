@@ -30,10 +30,13 @@ from noisy_temp_server.server.errors import OpenAIError
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
+    from noisy_temp_server.server.state import ServerState
+
 __all__ = [
     "NO_ADAPTER",
     "RequestAdapter",
     "adapter_status",
+    "check_model",
     "known_model_ids",
     "listed_model_ids",
     "request_adapter",
@@ -146,3 +149,17 @@ def adapter_status(served: ServedAdapter | None) -> dict[str, Any]:
         "base_model_id": served.base_model_id if served.path == "lora" else None,
         "calibrated_kl": None if served.calibrated_kl is None else vars(served.calibrated_kl),
     }
+
+
+def check_model(state: ServerState, requested: str | None) -> None:
+    """An `OpenAIError` (404, `model_not_found`) unless `requested` (None: the default) is a
+    model id this server serves (`known_model_ids`)."""
+    served = listed_model_ids(state.model_name, state.adapter)
+    if requested is not None and requested not in known_model_ids(state.model_name, state.adapter):
+        raise OpenAIError(
+            f"The model `{requested}` does not exist; this server serves "
+            f"{' and '.join(f'`{name}`' for name in served)} (see GET /v1/models).",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )

@@ -29,6 +29,7 @@ from noisy_temp_server.server.response_bodies import (
     ChatDelta,
     ChatResponseMessage,
     ChatTokenLogprob,
+    LogprobTokens,
     TopLogprob,
     clean_logprob,
     prompt_logprobs_body,
@@ -59,17 +60,23 @@ async def create_chat_completion(
     request: ChatCompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> ChatCompletionResponse | StreamingResponse | Response:
     """The assistant's next message: `n` choices, each with its `nts` summary (and the tool
-    calls vLLM's parser finds in it, `server.tools`)."""
+    calls vLLM's parser finds in it, `server.tools`), with the token ids and the rendered prompt
+    when asked (`return_token_ids`, `return_prompt_text`), as vLLM's server."""
     tools = _tool_calls(state, request)
+    rendered = _RenderedPrompt(state, request, tools)
     prepared = await prepare_request(
-        state,
-        request,
-        lambda: [_prompt_ids(state, request, tools)],
-        prefix="chatcmpl",
-        param="messages",
+        state, request, lambda: [rendered.token_ids()], prefix="chatcmpl", param="messages"
     )
-    top = request.top_logprobs or 0
+    tokens = LogprobTokens(
+        top=request.top_logprobs or 0,
+        as_ids=bool(request.return_tokens_as_token_ids),
+        every_candidate=bool(request.logprob_token_ids),
+    )
     echoed = _echoed(request)
+    prompt_fields = {
+        "prompt_token_ids": prepared.prompts[0] if request.return_token_ids else None,
+        "prompt_text": rendered.text if request.return_prompt_text else None,
+    }
     if request.stream:
         roles = [
             ChatChunkChoice(
@@ -78,7 +85,11 @@ async def create_chat_completion(
             for choice in prepared.choices
         ]
         delta_choice = functools.partial(
-            _delta_choice, top=top, tools=tools, prompt=prepared.prompts[0]
+            _delta_choice,
+            tokens=tokens,
+            tools=tools,
+            prompt=prepared.prompts[0],
+            with_ids=bool(request.return_token_ids),
         )
         return await stream_choices(
             state,
@@ -87,6 +98,7 @@ async def create_chat_completion(
             chunk_type=ChatCompletionChunk,
             chunk_choice=delta_choice,
             opening=roles,
+            opening_fields=prompt_fields,
         )
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
@@ -103,8 +115,9 @@ async def create_chat_completion(
             ChatCompletionChoice(
                 index=choice.index,
                 message=message,
-                logprobs=_piece_logprobs(piece, top),
+                logprobs=_piece_logprobs(piece, tokens),
                 finish_reason=finish_reason,
+                token_ids=choice.token_ids if request.return_token_ids else None,
                 nts=choice.summary,
             )
         )
@@ -114,6 +127,7 @@ async def create_chat_completion(
         choices=choices,
         usage=usage(prepared),
         prompt_logprobs=prompt_logprobs_body(prepared.choices[0].prompt_logprobs),
+        **prompt_fields,
         nts=overall_summary(prepared),
     )
 
@@ -142,15 +156,27 @@ def _echoed(request: ChatCompletionRequest) -> str:
     return last.text() if request.echo and last.role == role else ""
 
 
-def _prompt_ids(state: ServerState, request: ChatCompletionRequest, tools: ToolCalls) -> list[int]:
-    """The messages rendered by the chat template (with the request's template arguments:
-    the assistant's turn opened by default, and its tools), as token ids."""
-    template_tools = tools.template_tools()
-    kwargs = request.template_kwargs() | (
-        {} if template_tools is None else {"tools": template_tools}
-    )
-    text = render_messages(state, request.template_messages(), kwargs)
-    return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+class _RenderedPrompt:
+    """The request's messages rendered by the chat template (with the request's template
+    arguments: the assistant's turn opened by default, and its tools): `token_ids()` renders
+    and tokenizes them; `text` is the rendered text once it has (vLLM's `prompt_text`)."""
+
+    def __init__(
+        self, state: ServerState, request: ChatCompletionRequest, tools: ToolCalls
+    ) -> None:
+        self.state = state
+        self.request = request
+        self.tools = tools
+        self.text = ""
+
+    def token_ids(self) -> list[int]:
+        template_tools = self.tools.template_tools()
+        kwargs = self.request.template_kwargs() | (
+            {} if template_tools is None else {"tools": template_tools}
+        )
+        self.text = render_messages(self.state, self.request.template_messages(), kwargs)
+        add_special_tokens = self.request.add_special_tokens
+        return self.state.tokenizer.encode(self.text, add_special_tokens=add_special_tokens)
 
 
 def render_messages(
@@ -183,9 +209,16 @@ def render_messages(
 
 
 def _delta_choice(
-    choice: Choice, piece: Piece, *, top: int, tools: ToolCalls, prompt: list[int]
+    choice: Choice,
+    piece: Piece,
+    *,
+    tokens: LogprobTokens,
+    tools: ToolCalls,
+    prompt: list[int],
+    with_ids: bool,
 ) -> ChatChunkChoice:
-    """One stream chunk's choice: what one engine step added (its tool-call deltas apart)."""
+    """One stream chunk's choice: what one engine step added (its tool-call deltas apart; its
+    token ids `with_ids`)."""
     finished = piece.finish_reason is not None
     content, calls = tools.parse_delta(
         choice.index, piece.text, list(piece.token_ids), prompt, finished=finished
@@ -193,40 +226,42 @@ def _delta_choice(
     return ChatChunkChoice(
         index=choice.index,
         delta=ChatDelta(content=content, tool_calls=calls),
-        logprobs=_piece_logprobs(piece, top),
+        logprobs=_piece_logprobs(piece, tokens),
         finish_reason=tools.stream_finish_reason(choice.index, piece.finish_reason),
+        token_ids=list(piece.token_ids) if with_ids else None,
         nts=choice.summary,
     )
 
 
-def _piece_logprobs(piece: Piece, top: int) -> ChatCompletionLogprobs | None:
-    return None if piece.logprobs is None else _chat_logprobs(piece.token_ids, piece.logprobs, top)
+def _piece_logprobs(piece: Piece, tokens: LogprobTokens) -> ChatCompletionLogprobs | None:
+    if piece.logprobs is None:
+        return None
+    return _chat_logprobs(piece.token_ids, piece.logprobs, tokens)
 
 
 def _chat_logprobs(
-    token_ids: Sequence[int], logprobs: SampleLogprobs, top: int
+    token_ids: Sequence[int], logprobs: SampleLogprobs, tokens: LogprobTokens
 ) -> ChatCompletionLogprobs:
-    """Chat logprobs: each token with its logprob, bytes and the `top` best candidates."""
+    """Chat logprobs: each token with its logprob, bytes and the `tokens.top` best candidates
+    (every candidate the engine returned with `tokens.every_candidate`), named by `tokens`."""
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=False):
         candidates = position or {}
         chosen = candidates.get(token_id)
-        token = (chosen.decoded_token if chosen else None) or ""
-        ranked = sorted(
-            (c for c in candidates.values() if c.rank is not None), key=lambda c: c.rank or 0
-        )[:top]
+        token = tokens.name(token_id, chosen.decoded_token if chosen else None) or ""
+        listed = list(candidates.items())
+        if not tokens.every_candidate:
+            ranked = (c for c in listed if c[1].rank is not None)
+            listed = sorted(ranked, key=lambda c: c[1].rank or 0)[: tokens.top]
+        named = [(tokens.name(i, c.decoded_token) or "", c.logprob) for i, c in listed]
         content.append(
             ChatTokenLogprob(
                 token=token,
                 logprob=clean_logprob(chosen.logprob) if chosen else MIN_LOGPROB,
                 bytes=list(token.encode()),
                 top_logprobs=[
-                    TopLogprob(
-                        token=c.decoded_token or "",
-                        logprob=clean_logprob(c.logprob),
-                        bytes=list((c.decoded_token or "").encode()),
-                    )
-                    for c in ranked
+                    TopLogprob(token=name, logprob=clean_logprob(value), bytes=list(name.encode()))
+                    for name, value in named
                 ],
             )
         )

@@ -13,7 +13,7 @@ them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from fastapi import APIRouter, Depends, Request
@@ -26,6 +26,7 @@ from noisy_temp_server.server.response_bodies import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionStreamResponse,
+    LogprobTokens,
     clean_logprob,
     prompt_logprobs_body,
 )
@@ -33,6 +34,7 @@ from noisy_temp_server.server.serving import (
     CLIENT_CLOSED_REQUEST,
     Choice,
     Piece,
+    PreparedRequest,
     overall_summary,
     prepare_request,
     run_unless_disconnected,
@@ -56,7 +58,7 @@ async def create_completion(
     request: CompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> CompletionResponse | StreamingResponse | Response:
     """A completion of the prompt (of each prompt of a list): `n` choices per prompt, each with
-    its `nts` summary."""
+    its `nts` summary (and its prompt's and its own token ids with `return_token_ids`)."""
     prompts = request.prompts_text_or_ids()
     prepared = await prepare_request(
         state,
@@ -65,28 +67,44 @@ async def create_completion(
         prefix="cmpl",
         param="prompt",
     )
+    tokens = LogprobTokens(
+        as_ids=bool(request.return_tokens_as_token_ids),
+        every_candidate=bool(request.logprob_token_ids),
+    )
+    with_ids = bool(request.return_token_ids)
     if request.stream:
         return await stream_choices(
             state,
             request,
             prepared,
             chunk_type=CompletionStreamResponse,
-            chunk_choice=_completion_choice,
+            chunk_choice=_StreamedChoices(prepared, tokens, with_ids),
         )
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if request.echo:
         echoes = [
-            _Echo(prompt, ids, request.echoes_prompt_only, state)
+            _Echo(prompt, ids, request.echoes_prompt_only, state, with_text=not with_ids)
             for prompt, ids in zip(prompts, prepared.prompts, strict=True)
         ]
         finished = [(c, echoes[c.prompt].prepend(c, piece)) for c, piece in finished]
     decode = _decoder(state)
+    choices = [
+        _completion_choice(
+            choice,
+            piece,
+            tokens,
+            decode,
+            prompt_ids=prepared.prompt_of(choice) if with_ids else None,
+            token_ids=choice.token_ids if with_ids else None,
+        )
+        for choice, piece in finished
+    ]
     return CompletionResponse(
         id=prepared.request_id,
         model=prepared.model,
-        choices=[_completion_choice(choice, piece, decode) for choice, piece in finished],
+        choices=choices,
         usage=usage(prepared),
         nts=overall_summary(prepared),
     )
@@ -94,13 +112,15 @@ async def create_completion(
 
 @dataclass(frozen=True)
 class _Echo:
-    """The prompt a choice echoes: its text (decoded when it came as token ids), its ids, and
+    """The prompt a choice echoes: its text (decoded when it came as token ids; none
+    without `with_text`, as vLLM's server echoes no text with `return_token_ids`), its ids, and
     whether the generated token is left out (`max_tokens: 0`)."""
 
     prompt: str | list[int]
     prompt_ids: list[int]
     prompt_only: bool
     state: ServerState
+    with_text: bool = True
 
     def prepend(self, choice: Choice, piece: Piece) -> Piece:
         """`piece` (a whole choice) with the prompt before it: text, token ids and, when the
@@ -112,10 +132,32 @@ class _Echo:
             logprobs = [*choice.prompt_logprobs, *(generated.logprobs or [])]
         return Piece(
             token_ids=[*self.prompt_ids, *generated.token_ids],
-            text=text + generated.text,
+            text=(text if self.with_text else "") + generated.text,
             logprobs=logprobs,
             finish_reason=piece.finish_reason,
             text_offset=0,
+        )
+
+
+@dataclass
+class _StreamedChoices:
+    """The choices of a stream's chunks, each what one engine step added; `with_ids`: each
+    with its token ids, and a choice's first chunk with its prompt's (as vLLM's server)."""
+
+    prepared: PreparedRequest
+    tokens: LogprobTokens
+    with_ids: bool
+    started: set[int] = field(default_factory=set)
+
+    def __call__(self, choice: Choice, piece: Piece) -> CompletionChoice:
+        first = choice.index not in self.started
+        self.started.add(choice.index)
+        return _completion_choice(
+            choice,
+            piece,
+            self.tokens,
+            prompt_ids=self.prepared.prompt_of(choice) if self.with_ids and first else None,
+            token_ids=list(piece.token_ids) if self.with_ids else None,
         )
 
 
@@ -127,18 +169,29 @@ def _decoder(state: ServerState) -> Callable[[Sequence[int]], str]:
 
 
 def _completion_choice(
-    choice: Choice, piece: Piece, decode: Callable[[Sequence[int]], str] | None = None
+    choice: Choice,
+    piece: Piece,
+    tokens: LogprobTokens,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    *,
+    prompt_ids: list[int] | None = None,
+    token_ids: list[int] | None = None,
 ) -> CompletionChoice:
-    """One choice of a response (all of it) or of a stream chunk (what one step added).
-    `decode` names the tokens whose logprobs carry no text (the first prompt token)."""
+    """One choice of a response (all of it) or of a stream chunk (what one step added), with
+    `prompt_ids` and `token_ids` when given. `decode` names the tokens whose logprobs carry no
+    text (the first prompt token)."""
     return CompletionChoice(
         text=piece.text,
         index=choice.index,
         logprobs=None
         if piece.logprobs is None
-        else _completion_logprobs(piece.token_ids, piece.logprobs, piece.text_offset, decode),
+        else _completion_logprobs(
+            piece.token_ids, piece.logprobs, piece.text_offset, decode, tokens
+        ),
         finish_reason=piece.finish_reason,
         prompt_logprobs=prompt_logprobs_body(choice.prompt_logprobs),
+        prompt_token_ids=prompt_ids,
+        token_ids=token_ids,
         nts=choice.summary,
     )
 
@@ -148,16 +201,17 @@ def _completion_logprobs(
     logprobs: Sequence[LogprobsOnePosition | None],
     text_offset_start: int,
     decode: Callable[[Sequence[int]], str] | None,
+    tokens: LogprobTokens,
 ) -> CompletionLogprobs:
     """The legacy completions logprobs: tokens, their logprobs (null where the engine gives
-    none: the first prompt token), the top candidates by token text (null there too), and each
-    token's offset in the choice's text."""
+    none: the first prompt token), the candidates the engine returned by token name (null there
+    too), and each token's offset in the choice's text; tokens named by `tokens`."""
     result = CompletionLogprobs()
     offset = text_offset_start
     for token_id, position in zip(token_ids, logprobs, strict=False):
         candidates = position or {}
         chosen = candidates.get(token_id)
-        token = chosen.decoded_token if chosen else None
+        token = tokens.name(token_id, chosen.decoded_token if chosen else None)
         if token is None:
             token = decode([token_id]) if decode is not None else ""
         result.tokens.append(token)
@@ -165,7 +219,10 @@ def _completion_logprobs(
         result.top_logprobs.append(
             None
             if position is None
-            else {(c.decoded_token or ""): clean_logprob(c.logprob) for c in candidates.values()}
+            else {
+                (tokens.name(i, c.decoded_token) or ""): clean_logprob(c.logprob)
+                for i, c in candidates.items()
+            }
         )
         result.text_offset.append(offset)
         offset += len(token)

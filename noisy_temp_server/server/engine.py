@@ -82,7 +82,10 @@ _PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class GenerationEngine(Protocol):
-    """What the HTTP layer uses of `AsyncLLM`."""
+    """What the HTTP layer uses of `AsyncLLM`: `generate`, `check_health`, and its
+    `input_processor` (vLLM's beam search calls its `resolve_watermarking`)."""
+
+    input_processor: Any
 
     def generate(
         self,

@@ -3,8 +3,8 @@
 
 Request fields follow the order of the OpenAI API reference; what this project adds is declared
 once, for both requests (`_Extras`), and comes at the end of each request. Unknown fields are
-rejected (400), as OpenAI does, so a misspelt `nts_*` key is an error rather than silently
-ignored.
+ignored, as vLLM's server ignores them, but for an `nts_*` key that is not one of ours: a 400,
+so that a misspelt key is an error rather than silently dropped (`server.vllm_fields`).
 
 Each request converts itself into vLLM `SamplingParams` with one method, `to_sampling_params`.
 The server runs the `n` choices of a request as `n` engine requests (choice `i` gets
@@ -32,7 +32,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 from noisy_temp_server.engine_contract.keys import (
     CLIENT_KEYS,
@@ -71,10 +76,12 @@ def add_extra_args(params: SamplingParams, extra_args: dict[str, Any]) -> None:
 
 
 class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-
-class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
@@ -161,8 +168,15 @@ class _SamplingFields(_Request):
         vllm_xargs: dict[str, XargValue] | None
         prompt_logprobs: int | None
         echo: bool
+        logprob_token_ids: list[int] | None
+        use_beam_search: bool
+        watermarking: bool | None
+        length_penalty: float
+        include_stop_str_in_output: bool
+        skip_special_tokens: bool
 
         def sampling_kwargs(self) -> dict[str, Any]: ...
+        def logprob_kwargs(self, logprobs: int | None) -> dict[str, Any]: ...
         def transfer_extra_args(self) -> dict[str, Any]: ...
 
     def requested_max_tokens(self) -> int | None:
@@ -191,8 +205,9 @@ class _SamplingFields(_Request):
         checks the total). `extra_args` holds the client's non-`nts_*` `vllm_xargs`; the server
         adds its flat keys (policy snapshot, trace id) with `add_extra_args` once it knows the
         temperature vLLM settled on (`SamplingParams.temperature`: 0 < T < 0.01 is raised to
-        0.01). Streaming requests get DELTA outputs, others FINAL_ONLY. Raises vLLM's validation
-        error for values vLLM refuses.
+        0.01). Streaming requests get DELTA outputs, others FINAL_ONLY. A beam search's are
+        greedy, as its steps are (`server.beam_search`). Raises vLLM's validation error for
+        values vLLM refuses.
         """
         passthrough = {
             key: value
@@ -205,14 +220,14 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=self._sampled_temperature(),
             top_p=self.top_p,
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            logprobs=logprobs,
+            **self.logprob_kwargs(logprobs),
             prompt_logprobs=self.requested_prompt_logprobs(),
             logit_bias=None
             if self.logit_bias is None
@@ -221,6 +236,27 @@ class _SamplingFields(_Request):
             structured_outputs=self.constraint(),
             extra_args=passthrough,
             **self.sampling_kwargs(),
+        )
+
+    def _sampled_temperature(self) -> float:
+        if self.use_beam_search:
+            return 0.0
+        return 1.0 if self.temperature is None else self.temperature
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """vLLM's `BeamSearchParams` for `use_beam_search` (`n` beams), as its
+        `to_beam_search_params` makes them but with temperature 0: each step of the search is a
+        greedy one-token engine request, so that the logprobs it ranks beams by are the served
+        model's own, not reshaped by a temperature or T* (`server.beam_search`)."""
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=0.0,
+            watermarking=self.watermarking,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -252,6 +288,12 @@ class _SamplingFields(_Request):
                     f"i of n = {self.n} uses seed + i), got {self.seed}."
                 )
         structured_outputs_params(self.structured_outputs, self.response_format)  # checked early
+        if self.use_beam_search and self.logprob_token_ids:
+            raise ValueError("`logprob_token_ids` is not supported with beam search.")
+        if self.logprob_token_ids and self.requested_logprobs() is None:
+            raise ValueError(
+                "when using `logprob_token_ids`, `logprobs` must be set (true on chat)."
+            )
         return self
 
 
@@ -311,8 +353,20 @@ class _CompletionFields(_SamplingFields):
             raise ValueError("best_of is not supported; leave it unset or equal to n.")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone).")
+        if self.logprob_token_ids and self.echoes_prompt_only:
+            raise ValueError(
+                "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+                "no output tokens are generated."
+            )
         if self.echo and self.stream:
             raise ValueError("echo is supported on non-streamed completions; set stream to false.")
+        if self.use_beam_search and self.stream:  # vLLM's chat streams a beam search, not this
+            raise ValueError("Streaming is not currently supported with beam search.")
+        if self.use_beam_search and self.echo and self.logprobs is not None:
+            raise ValueError(
+                "`echo` with `logprobs` is not supported with beam search because beam search "
+                "does not compute prompt logprobs."
+            )
         if self.suffix is not None:  # vLLM's server: only for models with FIM rendering
             raise ValueError(
                 "suffix is only supported for models with FIM completion rendering; this server "

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from vllm.entrypoints.generate.base.protocol import DeltaToolCall, ToolCall
+from vllm.entrypoints.generate.base.serving import format_token_id_placeholder
 
 if TYPE_CHECKING:
     from vllm.logprobs import PromptLogprobs as VllmPromptLogprobs
@@ -29,6 +31,7 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionResponse",
     "CompletionStreamResponse",
+    "LogprobTokens",
     "ModelCard",
     "ModelList",
     "NtsSummary",
@@ -47,6 +50,22 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM's server uses the same floor
 def clean_logprob(value: float) -> float:
     """A logprob JSON can carry: -inf and NaN become vLLM's floor of -9999."""
     return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
+
+
+@dataclass(frozen=True)
+class LogprobTokens:
+    """How a response's logprobs name their tokens and which candidates they list, as vLLM's
+    server: `as_ids` (`return_tokens_as_token_ids`) names each token `token_id:<id>` instead of
+    its text; `every_candidate` (`logprob_token_ids`) lists every candidate the engine returned
+    (the sampled token and the ids asked for) instead of the `top` best."""
+
+    top: int = 0
+    as_ids: bool = False
+    every_candidate: bool = False
+
+    def name(self, token_id: int, text: str | None) -> str | None:
+        """The token's name: `token_id:<id>`, else its text (None: the engine gave none)."""
+        return format_token_id_placeholder(token_id) if self.as_ids else text
 
 
 class _Response(BaseModel):
@@ -122,10 +141,12 @@ def prompt_logprobs_body(positions: VllmPromptLogprobs | None) -> PromptLogprobs
 
 
 class _OmitWhenEmpty(_Response):
-    """A body whose keys named in `_omitted_when_empty` are left out when empty or null, as
-    vLLM leaves them out (or as a key only some of vLLM's bodies carry)."""
+    """A body whose keys named in `_omitted_when_empty` are left out when empty or null, and
+    those in `_omitted_when_null` when null, as vLLM leaves them out (or as a key only some of
+    vLLM's bodies carry: the token ids and prompt text a request asks for)."""
 
     _omitted_when_empty: ClassVar[tuple[str, ...]] = ()
+    _omitted_when_null: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -133,17 +154,23 @@ class _OmitWhenEmpty(_Response):
         for key in self._omitted_when_empty:
             if not data.get(key):
                 data.pop(key, None)
+        for key in self._omitted_when_null:
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
 class CompletionChoice(_OmitWhenEmpty):
     _omitted_when_empty = ("prompt_logprobs",)
+    _omitted_when_null = ("prompt_token_ids", "token_ids")
 
     text: str
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
     nts: NtsSummary | None = None
 
 
@@ -186,16 +213,20 @@ class ChatResponseMessage(_OmitWhenEmpty):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatCompletionChoice(_Response):
+class ChatCompletionChoice(_OmitWhenEmpty):
+    _omitted_when_null = ("token_ids",)
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
     nts: NtsSummary | None = None
 
 
 class ChatCompletionResponse(_OmitWhenEmpty):
     _omitted_when_empty = ("prompt_logprobs",)
+    _omitted_when_null = ("prompt_token_ids", "prompt_text")
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -204,6 +235,8 @@ class ChatCompletionResponse(_OmitWhenEmpty):
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
     nts: NtsSummary | None = None
 
 
@@ -215,21 +248,28 @@ class ChatDelta(_OmitWhenEmpty):
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
-class ChatChunkChoice(_Response):
+class ChatChunkChoice(_OmitWhenEmpty):
+    _omitted_when_null = ("token_ids",)
+
     index: int
     delta: ChatDelta
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
     nts: NtsSummary | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_OmitWhenEmpty):
+    _omitted_when_null = ("prompt_token_ids", "prompt_text")
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
     nts: NtsSummary | None = None
 
 

@@ -3,11 +3,10 @@
 A request's path:
 
 1. `prepare_request`: check the model name, tokenize the prompt in a worker thread, check the
-   context length, convert the body to one `SamplingParams` per choice, pin the policy in force,
-   apply the server defaults under the request's `nts_*` keys (`engine_contract.request_args`)
-   and give each choice its own engine request and trace id, all before anything reaches the
-   engine, so a bad request costs nothing and gets an OpenAI error body; the shadow scorer draws
-   which choices it samples (a sampled tuned choice runs with its per-step T* trace);
+   context length, make one `SamplingParams` per choice, pin the policy in force, apply the
+   server defaults under the `nts_*` keys (`engine_contract.request_args`), give each choice its
+   engine request and trace id, and draw the shadow scorer's samples (which run traced), all
+   before the engine: a bad request costs nothing and gets an OpenAI error body;
 2. `run_unless_disconnected` (JSON response) or `server.streaming.stream_choices` (server-sent
    events): run the choices on the engine, concurrently;
 3. when a choice finishes, join its per-step T* (trace channel) with its output into its `nts`
@@ -55,10 +54,10 @@ from noisy_temp_server.engine_contract.trace_channel import TraceReport
 from noisy_temp_server.server.adapter import (
     NO_ADAPTER,
     RequestAdapter,
-    known_model_ids,
-    listed_model_ids,
+    check_model,
     request_adapter,
 )
+from noisy_temp_server.server.beam_search import beam_search_outputs
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.nts_summary import choice_summary, combine_summaries
 from noisy_temp_server.server.protocol import (
@@ -75,7 +74,7 @@ from noisy_temp_server.temperature.rules import Rule
 if TYPE_CHECKING:
     from vllm.logprobs import PromptLogprobs, SampleLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import BeamSearchParams, SamplingParams
 
     from noisy_temp_server.server.state import ServerState
     from noisy_temp_server.settings import Settings
@@ -89,7 +88,6 @@ __all__ = [
     "Piece",
     "PreparedRequest",
     "absorb",
-    "check_model",
     "engine_streams",
     "forget_unsummarized",
     "overall_summary",
@@ -151,7 +149,8 @@ class PreparedRequest:
     `correction`: the per-token bias its logits get (None: none); `adapter`:
     the compensation adapter it is served with (`server.adapter`); `model`: the model id its
     response names (the one it asked for: the base model id is served without the adapter);
-    `prompt_kwargs`, `engine_kwargs`: vLLM's fields for the engine (`server.vllm_fields`).
+    `prompt_kwargs`, `engine_kwargs`: vLLM's fields for the engine (`server.vllm_fields`);
+    `beam`: a beam search's parameters (None: no beam search; `server.beam_search`).
     """
 
     request_id: str
@@ -166,6 +165,7 @@ class PreparedRequest:
     model: str = ""
     prompt_kwargs: Mapping[str, Any] = field(default_factory=dict)
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    beam: BeamSearchParams | None = None
 
     def prompt_of(self, choice: Choice) -> list[int]:
         """The token ids of the prompt `choice` continues."""
@@ -187,7 +187,26 @@ async def prepare_request(
     engine would refuse. The model name is checked first; then `tokenize()` (the token ids of
     each prompt, truncated as asked; it may raise `OpenAIError`) runs in a worker thread, so a
     long prompt does not stall the event loop. Each prompt gets `n` choices (`Choice.prompt`).
-    `prefix` starts the request id; `param` names the prompt's field in error bodies."""
+    `prefix` starts the request id; `param` names the prompt's field in error bodies. Raised
+    before anything reaches the engine, a `ValueError`, `TypeError` or `OverflowError` comes
+    from the request's values (a tokenizer refusing a prompt, vLLM's checks, ours): a 400 with
+    its message, as on vLLM's server; vLLM's client errors get theirs."""
+    try:
+        return await _prepare(state, request, tokenize, prefix=prefix, param=param)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise OpenAIError(str(error) or type(error).__name__, status_code=400) from None
+    except VLLMClientError as error:
+        raise openai_error_from_exception(error) from None
+
+
+async def _prepare(
+    state: ServerState,
+    request: GenerationRequest,
+    tokenize: Callable[[], list[list[int]]],
+    *,
+    prefix: str,
+    param: str,
+) -> PreparedRequest:
     check_model(state, request.model)
     prompts = await run_in_threadpool(
         lambda: request.truncate_prompts(
@@ -196,43 +215,29 @@ async def prepare_request(
     )
     if not prompts or not all(prompts):
         raise OpenAIError("The prompt is empty.", status_code=400, param=param)
-    if request.n * len(prompts) > MAX_CHOICES:
-        raise OpenAIError(
-            f"{len(prompts)} prompts x n = {request.n} asks for {request.n * len(prompts)} "
-            f"choices; one request takes at most {MAX_CHOICES}: split it.",
-            status_code=400,
-            param=param,
-        )
+    if (count := request.n * len(prompts)) > MAX_CHOICES:
+        message = f"{len(prompts)} prompts x n = {request.n} asks for {count} choices"
+        raise OpenAIError(f"{message}; at most {MAX_CHOICES} a request: split it.", param=param)
     budgets = [_max_tokens(state, request, len(ids), param) for ids in prompts]
     request_id, choices = _choices(request, len(prompts), prefix)
-    n = request.n
-    try:
-        params = [
-            request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % n)
-            for c in choices
-        ]
-    except (ValueError, VLLMClientError) as error:
-        raise openai_error_from_exception(error) from None
+    params = [
+        request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % request.n)
+        for c in choices
+    ]
     # vLLM raises 0 < T < 0.01 to 0.01: tuning follows the temperature the engine samples at.
     engine_temperature = params[0].temperature
-    if n > 1 and engine_temperature < GREEDY_TEMPERATURE:
+    if request.n > 1 and engine_temperature < GREEDY_TEMPERATURE and not request.use_beam_search:
         raise OpenAIError(
             "n must be 1 with temperature 0 (greedy choices would be equal).",
             status_code=400,
             param="n",
         )
     policy = state.policy_source.current_policy()
-    try:
-        client_args = request.nts_request_args()
-    except ValueError as error:
-        raise OpenAIError(str(error), status_code=400) from None
+    client_args = request.nts_request_args()
     adapter = request_adapter(state.adapter, request.model, client_args.pop(KEY_ADAPTER, None))
-    try:
-        keys = _pinned_keys(policy, client_args, state.settings)
-        tuning = resolve_request(keys, engine_temperature)
-        correction = resolve_correction(keys)
-    except ValueError as error:
-        raise OpenAIError(str(error), status_code=400) from None
+    keys = _pinned_keys(policy, client_args, state.settings)
+    tuning = resolve_request(keys, engine_temperature)
+    correction = resolve_correction(keys)
     for choice, choice_params in zip(choices, params, strict=True):
         choice.shadow_sampled = (
             state.shadow is not None
@@ -254,6 +259,7 @@ async def prepare_request(
         model=request.model or state.model_name,
         prompt_kwargs=request.prompt_kwargs(),
         engine_kwargs=request.engine_kwargs(),
+        beam=request.beam_search_params(budgets[0]) if request.use_beam_search else None,
     )
 
 
@@ -277,18 +283,6 @@ def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice)
         return dataclasses.replace(keys, trace_id=None)
     traced = keys.trace or sampled
     return dataclasses.replace(keys, trace_id=choice.trace_id, trace=traced, capture=sampled)
-
-
-def check_model(state: ServerState, requested: str | None) -> None:
-    served = listed_model_ids(state.model_name, state.adapter)
-    if requested is not None and requested not in known_model_ids(state.model_name, state.adapter):
-        raise OpenAIError(
-            f"The model `{requested}` does not exist; this server serves "
-            f"{' and '.join(f'`{name}`' for name in served)} (see GET /v1/models).",
-            status_code=404,
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _max_tokens(state: ServerState, request: GenerationRequest, prompt_len: int, param: str) -> int:
@@ -338,7 +332,20 @@ def _pinned_keys(
 def engine_streams(
     state: ServerState, prepared: PreparedRequest
 ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """All choices' engine outputs, merged, each with its choice's index."""
+    """All choices' engine outputs, merged, each with its choice's index (a beam search's
+    `n` best beams of each prompt for its choices)."""
+    if prepared.beam is not None:
+        return beam_search_outputs(
+            state.engine,
+            state.tokenizer,
+            prepared.prompts,
+            prepared.params,
+            prepared.beam,
+            request_id=prepared.request_id,
+            lora_request=prepared.adapter.lora_request,
+            prompt_kwargs=prepared.prompt_kwargs,
+            engine_kwargs=prepared.engine_kwargs,
+        )
     generators = [
         state.engine.generate(
             tokens_input(prepared.prompt_of(choice), **prepared.prompt_kwargs),

@@ -7,7 +7,7 @@ shadow scorer's samples are released however the response ends.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -74,8 +74,10 @@ async def stream_choices(
     chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
     chunk_choice: Callable[[Choice, Piece], Any],
     opening: Sequence[Any] = (),
+    opening_fields: Mapping[str, Any] | None = None,
 ) -> StreamingResponse:
-    """Server-sent events: one chunk per `opening` choice, one per engine output (its choice
+    """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's
+    prompt token ids and text when asked), one per engine output (its choice
     made by `chunk_choice`), a last chunk with the usage (if asked; no other chunk has the
     `usage` key, as in vLLM's server) and the `nts` summary, then `[DONE]`. Errors before the
     first output raise (proper status code); later ones are reported in-band. When the
@@ -105,7 +107,7 @@ async def stream_choices(
     async def events() -> AsyncIterator[str]:
         try:
             for choice in opening:
-                yield chunk([choice])
+                yield chunk([choice], **(opening_fields or {}))
             async for index, request_output in stream:
                 choice = prepared.choices[index]
                 piece = absorb(choice, request_output.outputs[0])

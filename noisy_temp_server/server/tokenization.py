@@ -22,10 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.concurrency import run_in_threadpool
 from vllm import __version__ as VLLM_VERSION  # noqa: N812
 
+from noisy_temp_server.server.adapter import check_model
 from noisy_temp_server.server.chat import render_messages
 from noisy_temp_server.server.errors import OpenAIError
 from noisy_temp_server.server.protocol import ChatMessage
-from noisy_temp_server.server.serving import check_model
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 
 __all__ = [
@@ -102,7 +102,10 @@ async def tokenize(
 ) -> TokenizeResponse:
     """The token ids of a prompt, or of chat messages rendered by the chat template."""
     check_model(state, request.model)
-    ids = [int(i) for i in await run_in_threadpool(_token_ids, state, request)]
+    try:
+        ids = [int(i) for i in await run_in_threadpool(_token_ids, state, request)]
+    except (OverflowError, TypeError, ValueError) as error:  # the tokenizer's refusal
+        raise OpenAIError(f"The prompt could not be tokenized: {error}", status_code=400) from None
     strings = None
     if request.return_token_strs:
         strings = [str(s) for s in state.tokenizer.convert_ids_to_tokens(ids)]

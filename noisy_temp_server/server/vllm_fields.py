@@ -14,21 +14,34 @@
   any logits processor), in the response as vLLM puts them;
 - `request_id` names the response (`cmpl-<request_id>`, `chatcmpl-<request_id>`) as on vLLM's
   server; the engine requests keep ids of this server's own (one per choice, unique);
+- what the response reports, as vLLM's server reports it: `return_token_ids` (the prompt's and
+  each choice's token ids), `return_tokens_as_token_ids` (logprob tokens named
+  `token_id:<id>`), `logprob_token_ids` (the logprobs of these ids at each generated position,
+  with the sampled token's, instead of the top candidates: `logprob_kwargs`); they change
+  nothing the engine samples, so T*, the bias and the shadow scorer's capture are untouched;
+- `use_beam_search` with `length_penalty`: vLLM's own beam search (`server.beam_search`);
 - fields vLLM's server reads only on other endpoints or with features this server never starts
-  with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`,
-  `length_penalty` without beam search): taken, no effect, as on vLLM's server.
+  with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`): taken, no
+  effect, as on vLLM's server.
 
 `VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments, `echo`, `tools`
-and `tool_choice` (`server.tools`).
+and `tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
 
 `NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
-a 400 (unknown field). tests/unit/test_vllm_fields.py checks that every field of vLLM's two
-request models is a field of ours or listed there, so a field a new vLLM adds fails that test
-until it is taken or listed.
+a 400 saying why. tests/unit/test_vllm_fields.py checks that every field of vLLM's two request
+models is a field of ours or listed there, so a field a new vLLM adds fails that test until it
+is taken or listed.
+
+Any other field a request does not define is ignored, as vLLM's server ignores it (logged at
+debug level), but for an `nts_*` key that is not one of ours: a 400 naming it, since a misspelt
+key of ours (`nts_rul`) must not be silently dropped (vLLM defines no `nts_*` field). The
+nested objects (`stream_options`, `response_format`, `structured_outputs`) still refuse keys
+they do not define: they are small and a misspelt key there changes the answer silently.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -37,9 +50,11 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     StrictBool,
+    ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionNamedToolChoiceParam,
@@ -49,27 +64,40 @@ from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.renderers import TokenizeParams, merge_kwargs
 from vllm.sampling_params import RepetitionDetectionParams, ThinkingTokenBudget
 
+from noisy_temp_server.engine_contract.keys import CLIENT_KEYS, KEY_PREFIX
 from noisy_temp_server.server.errors import openai_error_from_exception
 
 __all__ = ["NOT_TAKEN", "VllmChatFields", "VllmFields"]
 
+_LOGGER = logging.getLogger(__name__)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 NOT_TAKEN: dict[str, str] = {
-    "logprob_token_ids": "logprobs are the top candidates only",
-    "return_tokens_as_token_ids": "logprob tokens are always their text",
-    "return_token_ids": "responses carry text, not token ids",
-    "return_prompt_text": "responses carry no prompt text",
     "prompt_embeds": "prompts are text or token ids (vLLM too refuses them unless started "
     "with --enable-prompt-embeds)",
 }
 """vLLM's request fields this server refuses (400), each with why (docs/serving.md)."""
 
 
-class VllmFields(BaseModel):
-    """vLLM's extension fields that both generation requests share (module docstring)."""
+def _refusal(key: str) -> PydanticCustomError:
+    """Why an unknown field `key` is refused: vLLM's, refused on purpose, or a key of ours
+    misspelt."""
+    if key in NOT_TAKEN:
+        return PydanticCustomError(
+            "not_taken", "not supported by this server: {why}", {"why": NOT_TAKEN[key]}
+        )
+    return PydanticCustomError(
+        "unknown_nts_key",
+        "not a request key of this server (they are {keys}); a misspelt key is not ignored",
+        {"keys": ", ".join(sorted(CLIENT_KEYS))},
+    )
 
-    model_config = ConfigDict(extra="forbid")
+
+class VllmFields(BaseModel):
+    """vLLM's extension fields that both generation requests share, and vLLM's way with the
+    fields a request does not define (module docstring)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     use_beam_search: StrictBool = False
     top_k: int | None = None
@@ -98,6 +126,26 @@ class VllmFields(BaseModel):
     thinking_token_budget: ThinkingTokenBudget = None
     routed_experts_prompt_start: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields_as_vllm(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        refused = [
+            InitErrorDetails(type=_refusal(key), loc=(key,), input=data[key])
+            for key in unknown
+            if key in NOT_TAKEN or key.startswith(KEY_PREFIX)
+        ]
+        if refused:  # each error at its key, so that the error body names it (`param`)
+            raise ValidationError.from_exception_data(cls.__name__, refused)
+        if unknown:
+            _LOGGER.debug("The request's fields %s are not fields of it: ignored", unknown)
+        return data
 
     @model_validator(mode="after")
     def _prompt_logprobs_as_vllm(self) -> Self:
@@ -108,16 +156,6 @@ class VllmFields(BaseModel):
             if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
                 raise ValueError("`prompt_logprobs` must be a positive value or -1.")
         return self
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(
-                "use_beam_search is not supported by this server (each choice is sampled with "
-                "its own temperature trace); leave it unset."
-            )
-        return value
 
     @field_validator("cache_salt")
     @classmethod
@@ -155,6 +193,14 @@ class VllmFields(BaseModel):
             "thinking_token_budget": self.thinking_token_budget,
             "routed_experts_prompt_start": self.routed_experts_prompt_start,
         }
+
+    def logprob_kwargs(self, logprobs: int | None) -> dict[str, Any]:
+        """`SamplingParams`' `logprobs` and `logprob_token_ids`, as vLLM's `to_sampling_params`
+        sets them: with `logprob_token_ids`, those ids instead of the `logprobs` top
+        candidates (the sampled token's logprob comes with either)."""
+        if self.logprob_token_ids:
+            return {"logprobs": None, "logprob_token_ids": self.logprob_token_ids}
+        return {"logprobs": logprobs}
 
     def transfer_extra_args(self) -> dict[str, Any]:
         """`kv_transfer_params` / `ec_transfer_params` under their names, for `extra_args`."""
@@ -223,6 +269,7 @@ class VllmChatFields(VllmFields):
         "none"
     )
     parallel_tool_calls: StrictBool | None = True
+    return_prompt_text: StrictBool | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges

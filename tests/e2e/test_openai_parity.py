@@ -86,6 +86,10 @@ class Row:
     """Checks each choice's text (the constraint held)."""
     nts: bool = True
     params: dict[str, Any] = field(default_factory=dict)
+    reports: tuple[str, ...] = ()
+    """Key paths both servers must answer with a value (not null) in some body or chunk."""
+    body_check: Callable[[Any], None] | None = None
+    """Checks each body (each chunk of a stream) of both servers."""
 
 
 def _is_json_object(text: str) -> None:
@@ -396,41 +400,191 @@ ROWS += [
     ),
     Row("responses, unknown model", "/v1/responses", {**_RESPONSE, "model": "nope"}),
 ]
+
+
+def _logprob_tokens(body: Any) -> list[str]:
+    """The token names of a body's logprobs (chat's and the legacy completions'), candidates
+    included."""
+    names: list[str] = []
+    for choice in body.get("choices", []):
+        logprobs = choice.get("logprobs") or {}
+        for position in logprobs.get("content") or []:
+            names += [position["token"], *(t["token"] for t in position["top_logprobs"])]
+        names += logprobs.get("tokens") or []
+        names += [name for top in logprobs.get("top_logprobs") or [] for name in top or {}]
+    return names
+
+
+def _without_the_prompt(text: str) -> None:
+    assert not text.startswith(_completion()["prompt"]), text
+
+
+def _tokens_named_by_id(body: Any) -> None:
+    for name in _logprob_tokens(body):
+        assert re.fullmatch("token_id:[0-9]+", name), name
+
+
+def _candidates_include_5(body: Any) -> None:
+    for choice in body.get("choices", []):
+        logprobs = choice.get("logprobs") or {}
+        positions = [
+            {t["token"] for t in p["top_logprobs"]} for p in logprobs.get("content") or []
+        ] + [set(top or {}) for top in logprobs.get("top_logprobs") or []]
+        assert all("token_id:5" in p for p in positions), positions
+
+
+_IDS = ("prompt_token_ids", "choices[].token_ids")
+_COMPLETION_IDS = ("choices[].prompt_token_ids", "choices[].token_ids")
+_BY_ID = {"return_tokens_as_token_ids": True}
+_ONLY_5 = {"logprob_token_ids": [5], **_BY_ID}
+ROWS += [
+    Row(
+        "chat return_token_ids", "/v1/chat/completions", _chat(return_token_ids=True), reports=_IDS
+    ),
+    Row(
+        "chat return_token_ids, streamed",
+        "/v1/chat/completions",
+        _chat(return_token_ids=True, stream=True, n=2),
+        reports=_IDS,
+    ),
+    Row(
+        "chat return_prompt_text",
+        "/v1/chat/completions",
+        _chat(return_prompt_text=True),
+        reports=("prompt_text",),
+    ),
+    Row(
+        "chat return_prompt_text, streamed",
+        "/v1/chat/completions",
+        _chat(return_prompt_text=True, stream=True),
+        reports=("prompt_text",),
+    ),
+    Row(
+        "chat return_tokens_as_token_ids",
+        "/v1/chat/completions",
+        _chat(**_BY_ID, logprobs=True, top_logprobs=2),
+        body_check=_tokens_named_by_id,
+    ),
+    Row(
+        "chat logprob_token_ids",
+        "/v1/chat/completions",
+        _chat(logprob_token_ids=[5], logprobs=True),
+    ),
+    Row(
+        "chat logprob_token_ids, by id, streamed",
+        "/v1/chat/completions",
+        _chat(**_ONLY_5, logprobs=True, stream=True),
+        body_check=_candidates_include_5,
+    ),
+    Row(
+        "completion return_token_ids",
+        "/v1/completions",
+        _completion(return_token_ids=True, prompt=["a", "b c"]),
+        reports=_COMPLETION_IDS,
+    ),
+    Row(
+        "completion return_token_ids, streamed",
+        "/v1/completions",
+        _completion(return_token_ids=True, stream=True, n=2),
+        reports=_COMPLETION_IDS,
+    ),
+    Row(
+        "completion echo with return_token_ids: no prompt text",
+        "/v1/completions",
+        _completion(return_token_ids=True, echo=True),
+        _without_the_prompt,
+        reports=_COMPLETION_IDS,
+    ),
+    Row(
+        "completion return_tokens_as_token_ids",
+        "/v1/completions",
+        _completion(**_BY_ID, logprobs=2),
+        body_check=_tokens_named_by_id,
+    ),
+    Row(
+        "completion logprob_token_ids, by id",
+        "/v1/completions",
+        _completion(**_ONLY_5, logprobs=1),
+        body_check=_candidates_include_5,
+    ),
+    Row(
+        "logprob_token_ids without logprobs",
+        "/v1/chat/completions",
+        _chat(logprob_token_ids=[5]),
+        nts=False,
+    ),
+]
+
+
+def _choices(count: int) -> Callable[[Any], None]:
+    def check(body: Any) -> None:
+        assert len(body["choices"]) == count, body["choices"]
+
+    return check
+
+
+_BEAM = {"use_beam_search": True, "n": 2}
+ROWS += [
+    Row("beam search", "/v1/completions", _completion(**_BEAM), body_check=_choices(2)),
+    Row(
+        "beam search, two prompts, logprobs",
+        "/v1/completions",
+        _completion(**_BEAM, prompt=["a", "b c"], logprobs=1, length_penalty=0.5),
+        body_check=_choices(4),
+    ),
+    Row("chat beam search", "/v1/chat/completions", _chat(**_BEAM), body_check=_choices(2)),
+    Row(
+        "chat beam search, logprobs, streamed",
+        "/v1/chat/completions",
+        _chat(**_BEAM, logprobs=True, stream=True),
+    ),
+    Row(
+        "beam search streamed on completions",
+        "/v1/completions",
+        _completion(**_BEAM, stream=True),
+        nts=False,
+    ),
+    Row(
+        "beam search, echo with logprobs",
+        "/v1/completions",
+        _completion(**_BEAM, echo=True, logprobs=1),
+        nts=False,
+    ),
+    Row(
+        "beam search with logprob_token_ids",
+        "/v1/chat/completions",
+        _chat(**_BEAM, logprobs=True, logprob_token_ids=[5]),
+        nts=False,
+    ),
+    Row("prompt_embeds", "/v1/completions", _completion(prompt_embeds="AAAA"), nts=False),
+    Row(
+        "a prompt the tokenizer refuses",
+        "/v1/completions",
+        _completion(prompt="a\ud800"),
+        nts=False,
+    ),
+    Row("tokenize what the tokenizer refuses", "/tokenize", {"model": MODEL, "prompt": "\ud800"}),
+]
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
-_NOT_TAKEN_VALUES: dict[str, dict[str, Any]] = {
-    "logprob_token_ids": {"logprob_token_ids": [5], "logprobs": 1},
-    "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
-    "return_token_ids": {"return_token_ids": True},
-    "return_prompt_text": {"return_prompt_text": True},
-}
+ROWS += [
+    Row("unknown fields", "/v1/completions", _completion(bogus=1, metadata={"a": "b"})),
+    Row("chat, unknown fields", "/v1/chat/completions", _chat(bogus=[1], store=False)),
+]
 KNOWN_DIFFERENCES = {
-    "use_beam_search": (
-        Row("beam search", "/v1/completions", _completion(use_beam_search=True, n=2)),
+    "misspelt nts key": (Row("nts_tmax", "/v1/completions", _completion(nts_tmax=2.0)), 400, 200),
+    "unknown stream_options key": (
+        Row(
+            "stream_options.continuous_usage_stats",
+            "/v1/chat/completions",
+            _chat(
+                stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+            ),
+        ),
         400,
         200,
-    ),
-    **{
-        f"chat {name}": (
-            Row(
-                name, "/v1/chat/completions", _chat(**{**fields, "logprobs": "logprobs" in fields})
-            ),
-            400,
-            200,
-        )
-        for name, fields in _NOT_TAKEN_VALUES.items()
-    },
-    **{
-        f"completion {name}": (Row(name, "/v1/completions", _completion(**fields)), 400, 200)
-        for name, fields in _NOT_TAKEN_VALUES.items()
-        if name != "return_prompt_text"
-    },
-    "prompt_embeds": (
-        Row("prompt_embeds", "/v1/completions", _completion(prompt_embeds="AAAA")),
-        400,
-        400,
     ),
 }
 """Rows where ours still differs: (row, our status, vLLM's status)."""
@@ -476,7 +630,9 @@ def _ask(url: str, row: Row) -> Answer:
     if row.body is None:
         reply = httpx.get(f"{url}{row.path}", headers=HEADERS, timeout=300)
     else:
-        reply = httpx.post(f"{url}{row.path}", json=row.body, headers=HEADERS, timeout=300)
+        body = json.dumps(row.body)  # ASCII escapes: a lone surrogate is valid JSON this way
+        headers = {**HEADERS, "Content-Type": "application/json"}
+        reply = httpx.post(f"{url}{row.path}", content=body, headers=headers, timeout=300)
     if reply.headers.get("content-type", "").startswith("text/event-stream"):
         chunks = [
             json.loads(line.removeprefix("data: "))
@@ -487,20 +643,21 @@ def _ask(url: str, row: Row) -> Answer:
     return Answer(reply.status_code, [reply.json()])
 
 
-def _paths(value: Any, prefix: str = "") -> set[str]:
-    """The key paths of a JSON value (lists merged as `[]`), `nts` objects left out."""
+def _paths(value: Any, prefix: str = "", *, answered: bool = False) -> set[str]:
+    """The key paths of a JSON value (lists merged as `[]`), `nts` objects left out;
+    `answered`: only those with a value that is not null."""
     found: set[str] = set()
     if isinstance(value, dict):
         for key, inner in value.items():
-            if key == "nts":
+            if key == "nts" or (answered and inner is None):
                 continue
             path = f"{prefix}.{key}" if prefix else key
             found.add(path)
             if not key.endswith(("logprobs", "schema", "permission")):
-                found |= _paths(inner, path)
+                found |= _paths(inner, path, answered=answered)
     elif isinstance(value, list):
         for item in value:
-            found |= _paths(item, f"{prefix}[]")
+            found |= _paths(item, f"{prefix}[]", answered=answered)
     return found
 
 
@@ -529,6 +686,15 @@ def _differences(row: Row, ours: Answer, stock: Answer) -> list[str]:
     wants_nts = ours.status == 200 and row.nts and row.path not in NO_NTS_PATHS
     if wants_nts and "nts" not in ours.bodies[-1]:
         found.append("no nts object on ours (last chunk for a stream)")
+    for name, answer in (("ours", ours), ("vLLM", stock)):
+        answered = set().union(*(_paths(body, answered=True) for body in answer.bodies))
+        if unanswered := set(row.reports) - answered:
+            found.append(f"{name} answers no {sorted(unanswered)}")
+        for body in answer.bodies if row.body_check is not None else ():
+            try:
+                row.body_check(body)
+            except AssertionError as error:
+                found.append(f"{name}: {error}")
     if ours.status == 200 and row.check is not None:
         for text in _texts(ours) + _texts(stock):
             try:

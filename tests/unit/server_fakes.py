@@ -45,10 +45,18 @@ MAX_MODEL_LEN = 64
 MODEL = "fake-model"
 
 
+class FakeInputProcessor:
+    """AsyncLLM's `input_processor`, as far as vLLM's beam search reads it."""
+
+    def resolve_watermarking(self, params: Any) -> bool:
+        return False
+
+
 class FakeEngine:
     """AsyncLLM's generate(): `max_tokens` tokens, one per step, token id = position."""
 
     def __init__(self) -> None:
+        self.input_processor = FakeInputProcessor()
         self.calls: list[tuple[list[int], SamplingParams, str]] = []
         self.dead = False
         self.step_seconds = 0.0
@@ -99,7 +107,14 @@ class FakeEngine:
                 continue
             tokens = [token] if delta else new
             logprobs = None
-            if sampling_params.logprobs is not None:
+            if sampling_params.logprob_token_ids:  # the sampled token, then the ids asked for
+                asked = sampling_params.logprob_token_ids
+                logprobs = [
+                    {t: Logprob(-0.5, 1, f" t{t}")}
+                    | {i: Logprob(-3.0, rank, f" t{i}") for rank, i in enumerate(asked, 1)}
+                    for t in tokens
+                ]
+            elif sampling_params.logprobs is not None:
                 logprobs = [
                     {t: Logprob(-0.5, 1, f" t{t}"), t + 1: Logprob(float("-inf"), 2, f" t{t + 1}")}
                     for t in tokens
@@ -134,6 +149,8 @@ def _prompt_logprobs(ids: list[int]) -> list[dict[int, Logprob] | None]:
 
 
 class FakeTokenizer:
+    eos_token_id = 0
+
     def __init__(self, chat_template: str | None = "{{ messages }}") -> None:
         self.chat_template = chat_template
 

@@ -132,3 +132,19 @@ def test_a_request_makes_at_most_max_choices_engine_requests(server: Harness) ->
     assert response.status_code == 400, response.text
     assert f"at most {MAX_CHOICES}" in response.json()["error"]["message"]
     assert server.engine.calls == []
+
+
+def test_a_prompt_the_tokenizer_refuses_is_a_400_as_on_vllms_server() -> None:
+    """A lone surrogate (valid JSON: "\\ud800") makes a Hugging Face fast tokenizer raise a
+    TypeError; vLLM's server answers such raw errors of a request with a 400, and so does
+    ours, before anything reaches the engine."""
+    from tiny_model import build_tiny_tokenizer  # noqa: PLC0415
+
+    server = build(Settings(), POLICY, tokenizer=build_tiny_tokenizer())
+    body = '{"prompt": "a\\ud800"}'  # a JSON escape: the client would not encode the character
+    headers = {"content-type": "application/json"}
+    for path in ("/v1/completions", "/tokenize"):
+        response = server.client.post(path, content=body, headers=headers)
+        assert "TextEncodeInput" in assert_error(response, 400)["message"]
+    assert server.engine.calls == []
+    assert server.post("/v1/completions", {"prompt": "ab", "max_tokens": 1}).status_code == 200

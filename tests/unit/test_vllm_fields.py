@@ -41,13 +41,37 @@ def test_every_vllm_field_is_taken_or_refused_on_purpose(
 
 
 @pytest.mark.parametrize("name", sorted(NOT_TAKEN))
-def test_a_refused_field_is_a_400(server: Harness, name: str) -> None:
-    path, body = (
-        ("/v1/completions", _COMPLETION)
-        if name == "prompt_embeds"
-        else ("/v1/chat/completions", _CHAT)
-    )
-    assert_error(server.post(path, {**body, name: None}), 400)
+def test_a_refused_field_is_a_400_saying_why(server: Harness, name: str) -> None:
+    error = assert_error(server.post("/v1/completions", {**_COMPLETION, name: None}), 400)
+    assert (error["param"], NOT_TAKEN[name] in error["message"]) == (name, True)
+    assert server.engine.calls == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/completions", _COMPLETION), ("/v1/chat/completions", _CHAT)]
+)
+def test_unknown_fields_are_ignored_as_vllm_ignores_them(
+    server: Harness, path: str, body: dict[str, Any]
+) -> None:
+    response = server.post(path, {**body, "metadata": {"a": 1}, "bogus": [1]})
+    assert response.status_code == 200, response.text
+    assert len(server.engine.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"nts_tmax": 2.0}, "nts_tmax"),  # a key of ours misspelt
+        ({"vllm_xargs": {"nts_tmax": 2.0}}, None),
+        ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, None),
+    ],
+)
+def test_a_misspelt_key_of_ours_and_unknown_nested_keys_are_400s(
+    server: Harness, fields: dict[str, Any], param: str | None
+) -> None:
+    error = assert_error(server.post("/v1/completions", {**_COMPLETION, **fields}), 400)
+    if param is not None:
+        assert error["param"] == param
     assert server.engine.calls == []
 
 
@@ -126,11 +150,6 @@ def test_request_id_priority_and_cache_salt(server: Harness) -> None:
     assert "mine" not in "".join(engine_ids)
     assert server.engine.priorities == [3, 3]
     assert all(p.get("cache_salt") == "salt" for p in server.engine.prompts)
-
-
-def test_use_beam_search_is_refused_and_false_is_taken(server: Harness) -> None:
-    assert server.post("/v1/completions", {**_COMPLETION, "use_beam_search": False}).is_success
-    assert_error(server.post("/v1/completions", {**_COMPLETION, "use_beam_search": True}), 400)
 
 
 def test_chat_template_arguments_render_as_vllm_renders_them(server: Harness) -> None:

@@ -19,8 +19,8 @@ routes; `errors` turns every failure into an OpenAI error body.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -62,6 +62,7 @@ def create_app(
     shadow: ShadowScorer | None = None,
     adapter: ServedAdapter | None = None,
     tool_parser: type[Parser] | None = None,
+    sampling_defaults: Mapping[str, Any] | None = None,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build the app over one `ServerState` of these parts (see `ServerState` for each).
@@ -98,6 +99,7 @@ def create_app(
             shadow=shadow,
             adapter=adapter,
             tool_parser=tool_parser,
+            sampling_defaults=dict(sampling_defaults or {}),
         ),
     )
     served_adapter = adapter_status(adapter)

@@ -275,11 +275,21 @@ def _serve(
         shadow=shadow,
         adapter=adapter,
         tool_parser=tool_parser,
+        sampling_defaults=_sampling_defaults(engine),
         on_shutdown=stack.close,
     )
     mount_responses(app, engine, settings, model_name=model_name, chat_template=chat_template)
     _LOGGER.info("Serving %s (startup took %.1f s)", model_name, time.perf_counter() - started)
     return _run_until_stopped(settings, app, engine, log_level)
+
+
+def _sampling_defaults(engine: Any) -> dict[str, Any]:
+    """The model's sampling defaults as vLLM's OpenAI server reads them at startup (its
+    `generation_config.json` under ``--generation-config auto``), logged as vLLM logs them."""
+    defaults: dict[str, Any] = engine.model_config.get_diff_sampling_param()
+    if defaults:
+        _LOGGER.info("Using default sampling params from the model: %s", defaults)
+    return defaults
 
 
 def _policy_source(

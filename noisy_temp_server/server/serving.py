@@ -208,6 +208,7 @@ async def _prepare(
     param: str,
 ) -> PreparedRequest:
     check_model(state, request.model)
+    request = request.with_sampling_defaults(state.sampling_defaults)
     prompts = await run_in_threadpool(
         lambda: request.truncate_prompts(
             state.tokenizer, tokenize(), state.max_model_len, request.requested_max_tokens()
@@ -286,7 +287,8 @@ def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice)
 
 
 def _max_tokens(state: ServerState, request: GenerationRequest, prompt_len: int, param: str) -> int:
-    """The request's completion budget (all the room left when it names none)."""
+    """The request's completion budget: all the room left when it names none, at most the
+    model's generation config's ``max_tokens`` (`ServerState.sampling_defaults`), as vLLM's."""
     requested = request.requested_max_tokens()
     limit = state.max_model_len
     room = limit - prompt_len
@@ -301,7 +303,8 @@ def _max_tokens(state: ServerState, request: GenerationRequest, prompt_len: int,
             param=param,
             code="context_length_exceeded",
         )
-    return room if requested is None else requested
+    budget = room if requested is None else requested
+    return min(budget, state.sampling_defaults.get("max_tokens", budget))
 
 
 def _pinned_keys(

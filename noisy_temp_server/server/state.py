@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
 
 from fastapi import Depends, FastAPI, Request
@@ -62,7 +62,9 @@ class ServerState:
     clients must send; `max_model_len`: the context length prompts and completions share;
     `adapter`: the compensation adapter the served model id stands for with the model (None:
     none; `server.adapter`); `tool_parser`: vLLM's parser class for tool calls (None: none;
-    `server.tools`).
+    `server.tools`); `sampling_defaults`: the model's sampling defaults as vLLM's server reads
+    them (`ModelConfig.get_diff_sampling_param`: its `generation_config.json` under vLLM's
+    default ``--generation-config auto``), for the fields a request leaves unset.
     """
 
     settings: Settings
@@ -77,6 +79,7 @@ class ServerState:
     shadow: ShadowScorer | None
     adapter: ServedAdapter | None = None
     tool_parser: type[Parser] | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def attach_state(app: FastAPI, state: ServerState) -> None:

@@ -42,6 +42,7 @@ they do not define: they are small and a misspelt key there changes the answer s
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -91,6 +92,10 @@ def _refusal(key: str) -> PydanticCustomError:
         "not a request key of this server (they are {keys}); a misspelt key is not ignored",
         {"keys": ", ".join(sorted(CLIENT_KEYS))},
     )
+
+
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The sampling fields a model's generation config gives defaults for (vLLM's server)."""
 
 
 class VllmFields(BaseModel):
@@ -174,6 +179,18 @@ class VllmFields(BaseModel):
             return handler(data)
         except VLLMValidationError as error:
             raise ValueError(str(error)) from None
+
+    def with_sampling_defaults(self, defaults: Mapping[str, Any]) -> Self:
+        """This request with the fields it leaves unset that ``defaults`` names (the model's
+        generation config, `ServerState.sampling_defaults`) taken from them, as vLLM's
+        `to_sampling_params` takes them: `temperature`, `top_p`, `top_k`, `min_p`,
+        `repetition_penalty`."""
+        update = {
+            name: defaults[name]
+            for name in _GENERATION_DEFAULTS
+            if name in defaults and getattr(self, name) is None
+        }
+        return self.model_copy(update=update) if update else self
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """These fields' `SamplingParams.from_optional` arguments, as vLLM's `to_sampling_params`

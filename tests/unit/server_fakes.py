@@ -236,6 +236,7 @@ def build(
     adapter: ServedAdapter | None = None,
     shadow: Any = None,
     tool_parser: Any = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
     traces = traces or FakeTraces(trace_t)
@@ -252,6 +253,7 @@ def build(
         shadow=shadow,
         adapter=adapter,
         tool_parser=tool_parser,
+        sampling_defaults=sampling_defaults,
     )
     app.state.registry = registry
     return Harness(TestClient(app), engine, traces)

@@ -83,6 +83,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+    """With `include_usage`, every chunk also reports its choice's usage so far (vLLM's)."""
 
 
 class _Extras(VllmFields):

@@ -569,6 +569,26 @@ TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
+
+def _usage_on_every_chunk(body: Any) -> None:
+    assert body.get("usage") is not None, body
+
+
+_CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+ROWS += [
+    Row(
+        "chat stream_options.continuous_usage_stats",
+        "/v1/chat/completions",
+        _chat(stream=True, stream_options=_CONTINUOUS, n=2),
+        body_check=_usage_on_every_chunk,
+    ),
+    Row(
+        "completion stream_options.continuous_usage_stats",
+        "/v1/completions",
+        _completion(prompt=["a", "b c"], stream=True, stream_options=_CONTINUOUS),
+        body_check=_usage_on_every_chunk,
+    ),
+]
 ROWS += [
     Row("unknown fields", "/v1/completions", _completion(bogus=1, metadata={"a": "b"})),
     Row("chat, unknown fields", "/v1/chat/completions", _chat(bogus=[1], store=False)),
@@ -577,11 +597,9 @@ KNOWN_DIFFERENCES = {
     "misspelt nts key": (Row("nts_tmax", "/v1/completions", _completion(nts_tmax=2.0)), 400, 200),
     "unknown stream_options key": (
         Row(
-            "stream_options.continuous_usage_stats",
+            "stream_options.bogus",
             "/v1/chat/completions",
-            _chat(
-                stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
-            ),
+            _chat(stream=True, stream_options={"include_usage": True, "bogus": True}),
         ),
         400,
         200,

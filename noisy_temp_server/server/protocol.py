@@ -360,8 +360,6 @@ class _CompletionFields(_SamplingFields):
                 "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
                 "no output tokens are generated."
             )
-        if self.echo and self.stream:
-            raise ValueError("echo is supported on non-streamed completions; set stream to false.")
         if self.use_beam_search and self.stream:  # vLLM's chat streams a beam search, not this
             raise ValueError("Streaming is not currently supported with beam search.")
         if self.use_beam_search and self.echo and self.logprobs is not None:

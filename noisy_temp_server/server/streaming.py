@@ -127,6 +127,8 @@ async def stream_choices(
                 yield chunk([opened], usage=choice_usage(started), **(opening_fields or {}))
             async for index, request_output in stream:
                 choice = prepared.choices[index]
+                if request_output.prompt_logprobs is not None:  # the first output's (echo)
+                    choice.prompt_logprobs = request_output.prompt_logprobs
                 piece = absorb(choice, request_output.outputs[0])
                 if piece.finish_reason is not None:
                     choice.summary = await summarize(state, prepared, choice)

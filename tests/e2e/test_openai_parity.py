@@ -516,6 +516,44 @@ ROWS += [
 ]
 
 
+def _with_the_prompt(text: str) -> None:
+    assert text.startswith(_completion()["prompt"]), text
+
+
+ROWS += [
+    Row(
+        "completion echo, streamed",
+        "/v1/completions",
+        _completion(echo=True, stream=True, n=2),
+        _with_the_prompt,
+    ),
+    Row(
+        "completion echo with logprobs, streamed with usage",
+        "/v1/completions",
+        _completion(echo=True, logprobs=1, stream=True, stream_options={"include_usage": True}),
+        _with_the_prompt,
+    ),
+    Row(
+        "completion echo without generation, streamed",
+        "/v1/completions",
+        _completion(echo=True, max_tokens=0, logprobs=0, stream=True),
+        _matches(_completion()["prompt"]),
+    ),
+    Row(
+        "completion echo of token id prompts, streamed",
+        "/v1/completions",
+        _completion(prompt=[[5, 6], [7]], echo=True, stream=True, max_tokens=2),
+    ),
+    Row(
+        "completion echo with return_token_ids, streamed: no prompt text",
+        "/v1/completions",
+        _completion(echo=True, return_token_ids=True, stream=True),
+        _without_the_prompt,
+        reports=_COMPLETION_IDS,
+    ),
+]
+
+
 def _choices(count: int) -> Callable[[Any], None]:
     def check(body: Any) -> None:
         assert len(body["choices"]) == count, body["choices"]

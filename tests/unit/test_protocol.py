@@ -128,7 +128,6 @@ def test_server_keys_cannot_come_from_the_client() -> None:
         ({"n": 0}, "greater than or equal"),
         ({"stream_options": {"include_usage": True}}, "only allowed when stream"),
         ({"max_tokens": 0}, "0 only with echo"),
-        ({"echo": True, "stream": True}, "non-streamed"),
         ({"prompt": [[1], []]}, "must not be empty"),
         ({"suffix": ""}, "FIM completion rendering"),
         ({"min_tokens": -1}, "greater than or equal"),

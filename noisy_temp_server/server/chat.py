@@ -50,7 +50,7 @@ from noisy_temp_server.server.tools import ToolCalls
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
 
-__all__ = ["render_messages", "router"]
+__all__ = ["chat_logprobs", "render_messages", "router"]
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -236,14 +236,16 @@ def _delta_choice(
 def _piece_logprobs(piece: Piece, tokens: LogprobTokens) -> ChatCompletionLogprobs | None:
     if piece.logprobs is None:
         return None
-    return _chat_logprobs(piece.token_ids, piece.logprobs, tokens)
+    return chat_logprobs(piece.token_ids, piece.logprobs, tokens)
 
 
-def _chat_logprobs(
+def chat_logprobs(
     token_ids: Sequence[int], logprobs: SampleLogprobs, tokens: LogprobTokens
 ) -> ChatCompletionLogprobs:
-    """Chat logprobs: each token with its logprob, bytes and the `tokens.top` best candidates
-    (every candidate the engine returned with `tokens.every_candidate`), named by `tokens`."""
+    """Chat logprobs: each token with its logprob, bytes and the first `tokens.top` candidates
+    in the engine's order, as vLLM's server lists them: the sampled token first, then the best
+    others by rank (so a sampled token outside the top ones displaces the last of them);
+    every candidate the engine returned with `tokens.every_candidate`; named by `tokens`."""
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=False):
         candidates = position or {}
@@ -251,8 +253,7 @@ def _chat_logprobs(
         token = tokens.name(token_id, chosen.decoded_token if chosen else None) or ""
         listed = list(candidates.items())
         if not tokens.every_candidate:
-            ranked = (c for c in listed if c[1].rank is not None)
-            listed = sorted(ranked, key=lambda c: c[1].rank or 0)[: tokens.top]
+            listed = listed[: tokens.top]
         named = [(tokens.name(i, c.decoded_token) or "", c.logprob) for i, c in listed]
         content.append(
             ChatTokenLogprob(

@@ -554,6 +554,33 @@ ROWS += [
 ]
 
 
+def _sampled_first_then_by_logprob(body: Any) -> None:
+    """vLLM's order of chat `top_logprobs`: the sampled token, then the others best first."""
+    for choice in body.get("choices", []):
+        for position in (choice.get("logprobs") or {}).get("content") or []:
+            top = position["top_logprobs"]
+            assert [t["token"] for t in top[:1]] == [position["token"]], position
+            others = [t["logprob"] for t in top[1:]]
+            assert others == sorted(others, reverse=True), position
+
+
+_TOP_3 = {"logprobs": True, "top_logprobs": 3}
+ROWS += [
+    Row(
+        "chat top_logprobs order, greedy",
+        "/v1/chat/completions",
+        _chat(**_TOP_3, temperature=0),
+        body_check=_sampled_first_then_by_logprob,
+    ),
+    Row(
+        "chat top_logprobs order, sampled, streamed",
+        "/v1/chat/completions",
+        _chat(**_TOP_3, temperature=1.0, max_tokens=24, stream=True),
+        body_check=_sampled_first_then_by_logprob,
+    ),
+]
+
+
 def _choices(count: int) -> Callable[[Any], None]:
     def check(body: Any) -> None:
         assert len(body["choices"]) == count, body["choices"]

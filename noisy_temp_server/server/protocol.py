@@ -404,6 +404,11 @@ class ChatMessage(BaseModel):
             )
         return self
 
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template takes it: its text, with its other keys (such as an
+        assistant's `tool_calls` or a tool's `tool_call_id`)."""
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
+
     def text(self) -> str:
         """The message's text (text parts joined); raises ValueError for non-text parts."""
         if self.content is None:
@@ -451,13 +456,6 @@ class _ChatFields(_SamplingFields):
         if self.prompt_logprobs is None and self.echo:
             return self.top_logprobs or 0  # vLLM's chat: with echo, always
         return self.prompt_logprobs
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the tokenizer's chat template expects them (with their other keys,
-        such as an assistant's `tool_calls` or a tool's `tool_call_id`)."""
-        return [
-            {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in self.messages
-        ]
 
     @model_validator(mode="after")
     def _check_chat(self) -> _ChatFields:

@@ -34,6 +34,12 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as VllmChatRequest,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeChatRequest as VllmTokenizeChatRequest,
+)
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeCompletionRequest as VllmTokenizeCompletionRequest,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -386,6 +392,62 @@ ROWS += [
         "tools, tool_choice without tools",
         "/v1/chat/completions",
         _chat(tool_choice="required"),
+        nts=False,
+    ),
+]
+_TOKENIZE_CHAT = {"model": MODEL, **_CHAT}
+ROWS += [
+    Row(
+        "tokenize chat, template fields",
+        "/tokenize",
+        {
+            **_TOKENIZE_CHAT,
+            "messages": _ASSISTANT_LAST,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"unused": 1},
+            "add_special_tokens": True,
+            "return_token_strs": True,
+            "media_io_kwargs": None,
+            "mm_processor_kwargs": None,
+        },
+    ),
+    Row(
+        "tokenize chat, tools and a call's history",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "messages": _TOOL_HISTORY, "tools": _TOOLS},
+    ),
+    Row(
+        "tokenize a chat request's body, keys of ours included",
+        "/tokenize",
+        {**_chat(stream=True, n=2, nts_t=1.0, nts_tmax=2.0), "bogus": 1},
+    ),
+    Row("tokenize, unknown fields", "/tokenize", {"model": MODEL, "prompt": "x", "bogus": [1]}),
+    Row("detokenize, unknown fields", "/detokenize", {"model": MODEL, "tokens": [5], "x": 1}),
+    Row(
+        "tokenize chat_template in the request",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "chat_template": "{{ messages }}"},
+    ),
+    Row(
+        "tokenize chat_template in chat_template_kwargs",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "chat_template_kwargs": {"chat_template": "{{ messages }}"}},
+    ),
+    Row(
+        "tokenize both generation prompt and continuation",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "add_generation_prompt": True, "continue_final_message": True},
+    ),
+    Row(
+        "tokenize mm_processor_kwargs",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "mm_processor_kwargs": {"size": 1}},
+    ),
+    Row(
+        "chat media_io_kwargs",
+        "/v1/chat/completions",
+        _chat(media_io_kwargs={"image": {"a": 1}}),
         nts=False,
     ),
 ]
@@ -796,6 +858,17 @@ def test_both_servers_answer_the_matrix_alike(ours: str, stock: str) -> None:
     assert not report, json.dumps(report, indent=1)
 
 
+def test_tokenize_answers_the_same_tokens(ours: str, stock: str) -> None:
+    """Both servers tokenize with the same tokenizer and chat template: every `/tokenize` row
+    both answer gets the same body from both."""
+    report = {}
+    for row in (r for r in ROWS if r.path == "/tokenize"):
+        answers = _ask(ours, row), _ask(stock, row)
+        if answers[0].status == 200 and answers[0].bodies != answers[1].bodies:
+            report[row.name] = [answer.bodies for answer in answers]
+    assert not report, json.dumps(report, indent=1)
+
+
 def test_the_known_differences_are_as_documented(ours: str, stock: str) -> None:
     statuses = {
         name: (_ask(ours, row).status, _ask(stock, row).status)
@@ -810,6 +883,8 @@ def test_the_known_differences_are_as_documented(ours: str, stock: str) -> None:
     [
         ("/v1/chat/completions", VllmChatRequest),
         ("/v1/completions", VllmCompletionRequest),
+        ("/tokenize", VllmTokenizeChatRequest),
+        ("/tokenize", VllmTokenizeCompletionRequest),
     ],
 )
 def test_the_matrix_sends_every_field_of_vllms_requests(

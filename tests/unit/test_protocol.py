@@ -95,7 +95,7 @@ def test_chat_text_parts_are_joined_and_other_parts_refused() -> None:
             }
         ]
     )
-    assert request.template_messages() == [{"role": "user", "content": "ab"}]
+    assert [m.template_message() for m in request.messages] == [{"role": "user", "content": "ab"}]
     with pytest.raises(ValidationError, match="only text content parts"):
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
 

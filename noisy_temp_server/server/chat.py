@@ -18,7 +18,7 @@ from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
-from noisy_temp_server.server.protocol import ChatCompletionRequest
+from noisy_temp_server.server.protocol import ChatCompletionRequest, ChatMessage
 from noisy_temp_server.server.response_bodies import (
     MIN_LOGPROB,
     ChatChunkChoice,
@@ -46,11 +46,12 @@ from noisy_temp_server.server.serving import (
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
 from noisy_temp_server.server.tools import ToolCalls
+from noisy_temp_server.server.vllm_fields import ChatTemplateFields
 
 if TYPE_CHECKING:
     from vllm.logprobs import SampleLogprobs
 
-__all__ = ["render_messages", "router"]
+__all__ = ["chat_logprobs", "chat_prompt", "render_messages", "router"]
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -63,7 +64,7 @@ async def create_chat_completion(
     calls vLLM's parser finds in it, `server.tools`), with the token ids and the rendered prompt
     when asked (`return_token_ids`, `return_prompt_text`), as vLLM's server."""
     tools = _tool_calls(state, request)
-    rendered = _RenderedPrompt(state, request, tools)
+    rendered = _RenderedPrompt(state, request)
     prepared = await prepare_request(
         state, request, lambda: [rendered.token_ids()], prefix="chatcmpl", param="messages"
     )
@@ -157,26 +158,31 @@ def _echoed(request: ChatCompletionRequest) -> str:
 
 
 class _RenderedPrompt:
-    """The request's messages rendered by the chat template (with the request's template
-    arguments: the assistant's turn opened by default, and its tools): `token_ids()` renders
-    and tokenizes them; `text` is the rendered text once it has (vLLM's `prompt_text`)."""
+    """The request's messages rendered by the chat template (`chat_prompt`): `token_ids()`
+    renders and tokenizes them; `text` is the rendered text once it has (vLLM's
+    `prompt_text`)."""
 
-    def __init__(
-        self, state: ServerState, request: ChatCompletionRequest, tools: ToolCalls
-    ) -> None:
+    def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
         self.state = state
         self.request = request
-        self.tools = tools
         self.text = ""
 
     def token_ids(self) -> list[int]:
-        template_tools = self.tools.template_tools()
-        kwargs = self.request.template_kwargs() | (
-            {} if template_tools is None else {"tools": template_tools}
-        )
-        self.text = render_messages(self.state, self.request.template_messages(), kwargs)
-        add_special_tokens = self.request.add_special_tokens
-        return self.state.tokenizer.encode(self.text, add_special_tokens=add_special_tokens)
+        self.text, ids = chat_prompt(self.state, self.request.messages, self.request)
+        return ids
+
+
+def chat_prompt(
+    state: ServerState, messages: Sequence[ChatMessage], fields: ChatTemplateFields
+) -> tuple[str, list[int]]:
+    """`messages` rendered by the chat template with the request's template fields
+    (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools),
+    and the rendered text's token ids (special tokens added on top only with
+    `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
+    text = render_messages(
+        state, [m.template_message() for m in messages], fields.template_kwargs()
+    )
+    return text, state.tokenizer.encode(text, add_special_tokens=fields.add_special_tokens)
 
 
 def render_messages(
@@ -236,14 +242,16 @@ def _delta_choice(
 def _piece_logprobs(piece: Piece, tokens: LogprobTokens) -> ChatCompletionLogprobs | None:
     if piece.logprobs is None:
         return None
-    return _chat_logprobs(piece.token_ids, piece.logprobs, tokens)
+    return chat_logprobs(piece.token_ids, piece.logprobs, tokens)
 
 
-def _chat_logprobs(
+def chat_logprobs(
     token_ids: Sequence[int], logprobs: SampleLogprobs, tokens: LogprobTokens
 ) -> ChatCompletionLogprobs:
-    """Chat logprobs: each token with its logprob, bytes and the `tokens.top` best candidates
-    (every candidate the engine returned with `tokens.every_candidate`), named by `tokens`."""
+    """Chat logprobs: each token with its logprob, bytes and the first `tokens.top` candidates
+    in the engine's order, as vLLM's server lists them: the sampled token first, then the best
+    others by rank (so a sampled token outside the top ones displaces the last of them);
+    every candidate the engine returned with `tokens.every_candidate`; named by `tokens`."""
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=False):
         candidates = position or {}
@@ -251,8 +259,7 @@ def _chat_logprobs(
         token = tokens.name(token_id, chosen.decoded_token if chosen else None) or ""
         listed = list(candidates.items())
         if not tokens.every_candidate:
-            ranked = (c for c in listed if c[1].rank is not None)
-            listed = sorted(ranked, key=lambda c: c[1].rank or 0)[: tokens.top]
+            listed = listed[: tokens.top]
         named = [(tokens.name(i, c.decoded_token) or "", c.logprob) for i, c in listed]
         content.append(
             ChatTokenLogprob(

@@ -3,15 +3,16 @@
 The handler tokenizes the prompt and formats the response; admission, the engine run and the
 `nts` summaries are `server.serving`'s, the stream `server.streaming`'s.
 
-`echo` (non-streamed) puts the prompt before each choice's text, as vLLM's server does; with
-`logprobs` the prompt tokens get theirs too (the first has none: null), and `max_tokens: 0`
-returns the prompt alone. Prompt logprobs are the served model's own: vLLM computes them from
-the model's logits, before any logits processor, so neither T* nor the per-token bias touches
-them.
+`echo` puts the prompt before each choice's text, as vLLM's server does (streamed: in each
+choice's first chunk, with the prompt's token ids, as vLLM's); with `logprobs` the prompt
+tokens get theirs too (the first has none: null), and `max_tokens: 0` returns the prompt
+alone. Prompt logprobs are the served model's own: vLLM computes them from the model's logits,
+before any logits processor, so neither T* nor the per-token bias touches them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -44,7 +45,7 @@ from noisy_temp_server.server.state import ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
 
 if TYPE_CHECKING:
-    from vllm.logprobs import LogprobsOnePosition
+    from vllm.logprobs import LogprobsOnePosition, PromptLogprobs
 
     from noisy_temp_server.server.state import ServerState
 
@@ -72,24 +73,25 @@ async def create_completion(
         every_candidate=bool(request.logprob_token_ids),
     )
     with_ids = bool(request.return_token_ids)
+    echoes = [
+        _Echo(prompt, ids, request.echoes_prompt_only, state, with_text=not with_ids)
+        for prompt, ids in zip(prompts, prepared.prompts, strict=True)
+        if request.echo
+    ]
+    decode = _decoder(state)
     if request.stream:
         return await stream_choices(
             state,
             request,
             prepared,
             chunk_type=CompletionStreamResponse,
-            chunk_choice=_StreamedChoices(prepared, tokens, with_ids),
+            chunk_choice=_StreamedChoices(prepared, tokens, decode, with_ids, echoes),
         )
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if request.echo:
-        echoes = [
-            _Echo(prompt, ids, request.echoes_prompt_only, state, with_text=not with_ids)
-            for prompt, ids in zip(prompts, prepared.prompts, strict=True)
-        ]
+    if echoes:
         finished = [(c, echoes[c.prompt].prepend(c, piece)) for c, piece in finished]
-    decode = _decoder(state)
     choices = [
         _completion_choice(
             choice,
@@ -98,6 +100,7 @@ async def create_completion(
             decode,
             prompt_ids=prepared.prompt_of(choice) if with_ids else None,
             token_ids=choice.token_ids if with_ids else None,
+            prompt_logprobs=choice.prompt_logprobs,
         )
         for choice, piece in finished
     ]
@@ -141,24 +144,41 @@ class _Echo:
 
 @dataclass
 class _StreamedChoices:
-    """The choices of a stream's chunks, each what one engine step added; `with_ids`: each
-    with its token ids, and a choice's first chunk with its prompt's (as vLLM's server)."""
+    """The choices of a stream's chunks, each what one engine step added, as vLLM's server
+    makes them: `with_ids`, each with its token ids and a choice's first chunk with its
+    prompt's; with `echoes` (one per prompt), a choice's first chunk starts with its prompt's
+    echo and carries the prompt's ids. The logprobs' text offsets go on from the tokens reported
+    so far (vLLM's: text held back for a stop string lags them)."""
 
     prepared: PreparedRequest
     tokens: LogprobTokens
+    decode: Callable[[Sequence[int]], str]
     with_ids: bool
+    echoes: Sequence[_Echo] = ()
     started: set[int] = field(default_factory=set)
+    offsets: dict[int, int] = field(default_factory=dict)
 
     def __call__(self, choice: Choice, piece: Piece) -> CompletionChoice:
         first = choice.index not in self.started
         self.started.add(choice.index)
-        return _completion_choice(
+        reported = (
+            self.echoes[choice.prompt].prepend(choice, piece) if first and self.echoes else piece
+        )
+        reported = dataclasses.replace(reported, text_offset=self.offsets.get(choice.index, 0))
+        streamed = _completion_choice(
             choice,
-            piece,
+            reported,
             self.tokens,
-            prompt_ids=self.prepared.prompt_of(choice) if self.with_ids and first else None,
+            self.decode,
+            prompt_ids=self.prepared.prompt_of(choice)
+            if first and (self.with_ids or self.echoes)
+            else None,
             token_ids=list(piece.token_ids) if self.with_ids else None,
         )
+        if streamed.logprobs is not None and streamed.logprobs.tokens:
+            last = streamed.logprobs
+            self.offsets[choice.index] = last.text_offset[-1] + len(last.tokens[-1])
+        return streamed
 
 
 def _decoder(state: ServerState) -> Callable[[Sequence[int]], str]:
@@ -176,10 +196,11 @@ def _completion_choice(
     *,
     prompt_ids: list[int] | None = None,
     token_ids: list[int] | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> CompletionChoice:
     """One choice of a response (all of it) or of a stream chunk (what one step added), with
-    `prompt_ids` and `token_ids` when given. `decode` names the tokens whose logprobs carry no
-    text (the first prompt token)."""
+    `prompt_ids`, `token_ids` and `prompt_logprobs` when given. `decode` names the tokens whose
+    logprobs carry no text (the first prompt token)."""
     return CompletionChoice(
         text=piece.text,
         index=choice.index,
@@ -189,7 +210,7 @@ def _completion_choice(
             piece.token_ids, piece.logprobs, piece.text_offset, decode, tokens
         ),
         finish_reason=piece.finish_reason,
-        prompt_logprobs=prompt_logprobs_body(choice.prompt_logprobs),
+        prompt_logprobs=prompt_logprobs_body(prompt_logprobs),
         prompt_token_ids=prompt_ids,
         token_ids=token_ids,
         nts=choice.summary,

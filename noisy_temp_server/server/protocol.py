@@ -83,6 +83,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+    """With `include_usage`, every chunk also reports its choice's usage so far (vLLM's)."""
 
 
 class _Extras(VllmFields):
@@ -358,8 +360,6 @@ class _CompletionFields(_SamplingFields):
                 "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
                 "no output tokens are generated."
             )
-        if self.echo and self.stream:
-            raise ValueError("echo is supported on non-streamed completions; set stream to false.")
         if self.use_beam_search and self.stream:  # vLLM's chat streams a beam search, not this
             raise ValueError("Streaming is not currently supported with beam search.")
         if self.use_beam_search and self.echo and self.logprobs is not None:
@@ -403,6 +403,11 @@ class ChatMessage(BaseModel):
                 "not null (only an assistant message may have null content)."
             )
         return self
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template takes it: its text, with its other keys (such as an
+        assistant's `tool_calls` or a tool's `tool_call_id`)."""
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
 
     def text(self) -> str:
         """The message's text (text parts joined); raises ValueError for non-text parts."""
@@ -451,13 +456,6 @@ class _ChatFields(_SamplingFields):
         if self.prompt_logprobs is None and self.echo:
             return self.top_logprobs or 0  # vLLM's chat: with echo, always
         return self.prompt_logprobs
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the tokenizer's chat template expects them (with their other keys,
-        such as an assistant's `tool_calls` or a tool's `tool_call_id`)."""
-        return [
-            {**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in self.messages
-        ]
 
     @model_validator(mode="after")
     def _check_chat(self) -> _ChatFields:

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from noisy_temp_server.server.errors import openai_error_from_exception
+from noisy_temp_server.server.response_bodies import Usage
 from noisy_temp_server.server.serving import (
     Choice,
     GenerationRequest,
@@ -78,8 +79,10 @@ async def stream_choices(
 ) -> StreamingResponse:
     """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's
     prompt token ids and text when asked), one per engine output (its choice
-    made by `chunk_choice`), a last chunk with the usage (if asked; no other chunk has the
-    `usage` key, as in vLLM's server) and the `nts` summary, then `[DONE]`. Errors before the
+    made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary, then
+    `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but with
+    `stream_options.continuous_usage_stats`: then every chunk has its choice's usage so far
+    (its prompt's tokens and the tokens it generated; 0 on an opening chunk). Errors before the
     first output raise (proper status code); later ones are reported in-band. When the
     response's ASGI call ends, whether or not its body was ever iterated, the engine requests
     still running are aborted and the choices that end without a
@@ -95,6 +98,19 @@ async def stream_choices(
         forget_unsummarized(state, prepared)
         await engine.aclose()  # aborts what the body did not run to its end
 
+    options = request.stream_options
+    continuous = request.include_usage_in_stream and bool(
+        options is not None and options.continuous_usage_stats
+    )
+
+    def choice_usage(choice: Choice) -> Usage | None:
+        if not continuous:
+            return None
+        prompt, completion = len(prepared.prompt_of(choice)), len(choice.token_ids)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
     def chunk(choices: list[Any], **extra: Any) -> str:
         response = chunk_type(
             id=prepared.request_id, model=prepared.model, choices=choices, **extra
@@ -106,14 +122,17 @@ async def stream_choices(
 
     async def events() -> AsyncIterator[str]:
         try:
-            for choice in opening:
-                yield chunk([choice], **(opening_fields or {}))
+            for opened in opening:
+                started = prepared.choices[opened.index]
+                yield chunk([opened], usage=choice_usage(started), **(opening_fields or {}))
             async for index, request_output in stream:
                 choice = prepared.choices[index]
+                if request_output.prompt_logprobs is not None:  # the first output's (echo)
+                    choice.prompt_logprobs = request_output.prompt_logprobs
                 piece = absorb(choice, request_output.outputs[0])
                 if piece.finish_reason is not None:
                     choice.summary = await summarize(state, prepared, choice)
-                yield chunk([chunk_choice(choice, piece)])
+                yield chunk([chunk_choice(choice, piece)], usage=choice_usage(choice))
             yield chunk(
                 [],
                 usage=usage(prepared) if request.include_usage_in_stream else None,

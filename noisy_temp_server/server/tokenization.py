@@ -2,15 +2,18 @@
 them (vllm/entrypoints/serve/tokenize, serve/instrumentator/basic.py).
 
 `/tokenize` takes a `prompt` (special tokens added unless `add_special_tokens` is false) or
-chat `messages` (rendered by the model's chat template as `/v1/chat/completions` renders them,
-with the assistant's turn opened unless `add_generation_prompt` is false) and answers the token
-ids, their count, the context length and, with `return_token_strs`, the tokens' strings;
-`/detokenize` answers the text of token ids. An unknown `model` is a 404, as on the generation
-routes. Like vLLM's server, these routes and `/version` (vLLM's version) are outside `/v1/`, so
-they never need the API key.
+chat `messages`, rendered by the model's chat template as `/v1/chat/completions` renders them,
+with vLLM's chat-template fields and their meaning (`server.vllm_fields.ChatTemplateFields`:
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `tools`,
+`add_special_tokens`; a request `chat_template` and multimodal kwargs refused as vLLM refuses
+them), and answers the token ids, their count, the context length and, with
+`return_token_strs`, the tokens' strings; `/detokenize` answers the text of token ids. An
+unknown `model` is a 404, as on the generation routes. Like vLLM's server, these routes and
+`/version` (vLLM's version) are outside `/v1/`, so they never need the API key.
 
-Not taken (a 400): vLLM's per-request `chat_template`, `chat_template_kwargs`, `tools`,
-`continue_final_message` and multimodal options of the chat form.
+Fields a body does not define are ignored, as vLLM's server ignores them; `nts_*` keys too:
+these routes take none of ours, so a chat request's body, keys of ours included, tokenizes as
+its messages.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from starlette.concurrency import run_in_threadpool
 from vllm import __version__ as VLLM_VERSION  # noqa: N812
 
 from noisy_temp_server.server.adapter import check_model
-from noisy_temp_server.server.chat import render_messages
+from noisy_temp_server.server.chat import chat_prompt
 from noisy_temp_server.server.errors import OpenAIError
 from noisy_temp_server.server.protocol import ChatMessage
 from noisy_temp_server.server.state import ServerState, ServerStateDep
+from noisy_temp_server.server.vllm_fields import ChatTemplateFields
 
 __all__ = [
     "DetokenizeRequest",
@@ -45,19 +49,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TokenizeCompletionRequest(_Strict):
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TokenizeCompletionRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool | None = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(ChatTemplateFields, _Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool | None = False
-    add_special_tokens: StrictBool = False
 
     @model_validator(mode="after")
     def _text_parts_only(self) -> TokenizeChatRequest:
@@ -73,7 +79,7 @@ class TokenizeResponse(_Strict):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
 
@@ -89,11 +95,7 @@ class VersionResponse(_Strict):
 def _token_ids(state: ServerState, request: TokenizeCompletionRequest | TokenizeChatRequest) -> Any:
     if isinstance(request, TokenizeCompletionRequest):
         return state.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    text = render_messages(
-        state, messages, {"add_generation_prompt": request.add_generation_prompt}
-    )
-    return state.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    return chat_prompt(state, request.messages, request)[1]
 
 
 @router.post("/tokenize")

@@ -100,11 +100,6 @@ class ToolCalls:
     def named(self) -> bool:
         return isinstance(self.request.tool_choice, ChatCompletionNamedToolChoiceParam)
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template takes them (None: no tools)."""
-        tools = self.request.tools
-        return None if tools is None else [tool.model_dump() for tool in tools]
-
     def _refuse_unserved_choice(self) -> None:
         choice = self.request.tool_choice
         if self.parser_class is not None or choice in (None, "none"):

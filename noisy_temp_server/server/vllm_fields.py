@@ -24,8 +24,9 @@
   with (`session_id`, `return_token_offsets`, `mm_payload`, `return_mm_kwargs`): taken, no
   effect, as on vLLM's server.
 
-`VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments, `echo`, `tools`
-and `tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
+`VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments
+(`ChatTemplateFields`, which `/tokenize`'s chat form takes too), `echo`, `tools` and
+`tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
 
 `NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
 a 400 saying why. tests/unit/test_vllm_fields.py checks that every field of vLLM's two request
@@ -56,7 +57,10 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
-from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+from vllm.entrypoints.generate.base.protocol import (
+    validate_cache_salt,
+    validate_request_mm_kwargs,
+)
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionToolsParam,
@@ -68,7 +72,7 @@ from vllm.sampling_params import RepetitionDetectionParams, ThinkingTokenBudget
 from noisy_temp_server.engine_contract.keys import CLIENT_KEYS, KEY_PREFIX
 from noisy_temp_server.server.errors import openai_error_from_exception
 
-__all__ = ["NOT_TAKEN", "VllmChatFields", "VllmFields"]
+__all__ = ["NOT_TAKEN", "ChatTemplateFields", "VllmChatFields", "VllmFields"]
 
 _LOGGER = logging.getLogger(__name__)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -260,48 +264,40 @@ class VllmFields(BaseModel):
         return [list(prompt["prompt_token_ids"]) for prompt in truncated]
 
 
-class VllmChatFields(VllmFields):
-    """vLLM's fields of its chat request only: what the chat template is rendered with (vLLM's
-    meaning: `template_kwargs`), `echo` (the last message's text starts the answer when it has
-    the answer's role), and fields without effect here as on vLLM's server for a text-only model
-    without a reasoning or tool parser (`media_io_kwargs`, `mm_processor_kwargs`,
-    `include_reasoning`, `parallel_tool_calls`). A `chat_template` in the request is refused
-    as vLLM's server refuses it unless started with `--trust-request-chat-template`."""
+class ChatTemplateFields(BaseModel):
+    """What vLLM's chat request and its `/tokenize` chat request render the messages with, with
+    vLLM's meaning (`template_kwargs`): the assistant's turn opened (`add_generation_prompt`,
+    by default) or the last message continued (`continue_final_message`; both true is vLLM's
+    400), `chat_template_kwargs`, `tools`, special tokens added on top of the template's
+    (`add_special_tokens`, off by default). Refused as vLLM's server refuses them (a 400 with
+    its message): a `chat_template` in the request (vLLM takes one only with
+    `--trust-request-chat-template`) and non-empty `media_io_kwargs` / `mm_processor_kwargs`
+    (only with `--trust-request-mm-kwargs`); neither flag is one of this server's."""
 
-    echo: StrictBool = False
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
-    documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
-        None
-    )
-    include_reasoning: StrictBool = True
     tools: list[ChatCompletionToolsParam] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
-        "none"
-    )
-    parallel_tool_calls: StrictBool | None = True
-    return_prompt_text: StrictBool | None = None
+
+    def own_template_kwargs(self) -> dict[str, Any]:
+        """The request's own fields that are template arguments (over `chat_template_kwargs`)."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges
-        them (`chat_template_kwargs` under the request's own fields; `enable_thinking` follows
-        `reasoning_effort` unless given)."""
-        extra: dict[str, Any] = {
-            "add_generation_prompt": self.add_generation_prompt,
-            "continue_final_message": self.continue_final_message,
-            "documents": self.documents,
-            "reasoning_effort": self.reasoning_effort,
-        }
-        user = self.chat_template_kwargs or {}
-        if self.reasoning_effort is not None and "enable_thinking" not in user:
-            extra["enable_thinking"] = self.reasoning_effort != "none"
-        return merge_kwargs(self.chat_template_kwargs, extra)
+        them (`chat_template_kwargs` under the request's own fields), with `tools` as the
+        template takes them when the request has some."""
+        kwargs = merge_kwargs(self.chat_template_kwargs, self.own_template_kwargs())
+        if self.tools is not None:
+            kwargs["tools"] = [tool.model_dump() for tool in self.tools]
+        return kwargs
 
     @model_validator(mode="after")
     def _check_template_fields(self) -> Self:
@@ -322,4 +318,44 @@ class VllmChatFields(VllmFields):
                 "Chat template is passed with request, but --trust-request-chat-template is not "
                 "set. Refused request with untrusted chat template."
             )
+        try:
+            validate_request_mm_kwargs(
+                mm_processor_kwargs=self.mm_processor_kwargs,
+                media_io_kwargs=self.media_io_kwargs,
+                trust_request_mm_kwargs=False,
+            )
+        except VLLMValidationError as error:
+            raise ValueError(str(error)) from None
         return self
+
+
+class VllmChatFields(ChatTemplateFields, VllmFields):
+    """vLLM's fields of its chat request only: what the chat template is rendered with
+    (`ChatTemplateFields`, and `documents`, `reasoning_effort`), `echo` (the last message's
+    text starts the answer when it has the answer's role), and fields without effect here as on
+    vLLM's server for a text-only model without a reasoning parser (`include_reasoning`,
+    `parallel_tool_calls`)."""
+
+    echo: StrictBool = False
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: StrictBool = True
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
+        "none"
+    )
+    parallel_tool_calls: StrictBool | None = True
+    return_prompt_text: StrictBool | None = None
+
+    def own_template_kwargs(self) -> dict[str, Any]:
+        """`ChatTemplateFields`' with `documents` and `reasoning_effort`; `enable_thinking`
+        follows `reasoning_effort` unless `chat_template_kwargs` gives it (vLLM's)."""
+        extra = super().own_template_kwargs() | {
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
+        }
+        user = self.chat_template_kwargs or {}
+        if self.reasoning_effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = self.reasoning_effort != "none"
+        return extra

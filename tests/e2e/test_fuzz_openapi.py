@@ -6,7 +6,7 @@ event).
 
 Not checked: whether every schema-valid request is accepted (`positive_data_acceptance`).
 The document lists OpenAI's fields, some of which this server refuses with a 400 by design
-(`echo` with `stream`, `suffix`, `best_of` != n, non-text content parts: see `server.protocol`;
+(`suffix`, `best_of` != n, non-text content parts: see `server.protocol`;
 a structured-output constraint its grammar compiler refuses, as vLLM's server does).
 """
 

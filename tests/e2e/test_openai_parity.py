@@ -34,6 +34,12 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as VllmChatRequest,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeChatRequest as VllmTokenizeChatRequest,
+)
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeCompletionRequest as VllmTokenizeCompletionRequest,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -389,6 +395,62 @@ ROWS += [
         nts=False,
     ),
 ]
+_TOKENIZE_CHAT = {"model": MODEL, **_CHAT}
+ROWS += [
+    Row(
+        "tokenize chat, template fields",
+        "/tokenize",
+        {
+            **_TOKENIZE_CHAT,
+            "messages": _ASSISTANT_LAST,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"unused": 1},
+            "add_special_tokens": True,
+            "return_token_strs": True,
+            "media_io_kwargs": None,
+            "mm_processor_kwargs": None,
+        },
+    ),
+    Row(
+        "tokenize chat, tools and a call's history",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "messages": _TOOL_HISTORY, "tools": _TOOLS},
+    ),
+    Row(
+        "tokenize a chat request's body, keys of ours included",
+        "/tokenize",
+        {**_chat(stream=True, n=2, nts_t=1.0, nts_tmax=2.0), "bogus": 1},
+    ),
+    Row("tokenize, unknown fields", "/tokenize", {"model": MODEL, "prompt": "x", "bogus": [1]}),
+    Row("detokenize, unknown fields", "/detokenize", {"model": MODEL, "tokens": [5], "x": 1}),
+    Row(
+        "tokenize chat_template in the request",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "chat_template": "{{ messages }}"},
+    ),
+    Row(
+        "tokenize chat_template in chat_template_kwargs",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "chat_template_kwargs": {"chat_template": "{{ messages }}"}},
+    ),
+    Row(
+        "tokenize both generation prompt and continuation",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "add_generation_prompt": True, "continue_final_message": True},
+    ),
+    Row(
+        "tokenize mm_processor_kwargs",
+        "/tokenize",
+        {**_TOKENIZE_CHAT, "mm_processor_kwargs": {"size": 1}},
+    ),
+    Row(
+        "chat media_io_kwargs",
+        "/v1/chat/completions",
+        _chat(media_io_kwargs={"image": {"a": 1}}),
+        nts=False,
+    ),
+]
 _RESPONSE = {"model": MODEL, "input": "Hi", "max_output_tokens": 8}
 ROWS += [
     Row("responses", "/v1/responses", _RESPONSE),
@@ -516,6 +578,71 @@ ROWS += [
 ]
 
 
+def _with_the_prompt(text: str) -> None:
+    assert text.startswith(_completion()["prompt"]), text
+
+
+ROWS += [
+    Row(
+        "completion echo, streamed",
+        "/v1/completions",
+        _completion(echo=True, stream=True, n=2),
+        _with_the_prompt,
+    ),
+    Row(
+        "completion echo with logprobs, streamed with usage",
+        "/v1/completions",
+        _completion(echo=True, logprobs=1, stream=True, stream_options={"include_usage": True}),
+        _with_the_prompt,
+    ),
+    Row(
+        "completion echo without generation, streamed",
+        "/v1/completions",
+        _completion(echo=True, max_tokens=0, logprobs=0, stream=True),
+        _matches(_completion()["prompt"]),
+    ),
+    Row(
+        "completion echo of token id prompts, streamed",
+        "/v1/completions",
+        _completion(prompt=[[5, 6], [7]], echo=True, stream=True, max_tokens=2),
+    ),
+    Row(
+        "completion echo with return_token_ids, streamed: no prompt text",
+        "/v1/completions",
+        _completion(echo=True, return_token_ids=True, stream=True),
+        _without_the_prompt,
+        reports=_COMPLETION_IDS,
+    ),
+]
+
+
+def _sampled_first_then_by_logprob(body: Any) -> None:
+    """vLLM's order of chat `top_logprobs`: the sampled token, then the others best first."""
+    for choice in body.get("choices", []):
+        for position in (choice.get("logprobs") or {}).get("content") or []:
+            top = position["top_logprobs"]
+            assert [t["token"] for t in top[:1]] == [position["token"]], position
+            others = [t["logprob"] for t in top[1:]]
+            assert others == sorted(others, reverse=True), position
+
+
+_TOP_3 = {"logprobs": True, "top_logprobs": 3}
+ROWS += [
+    Row(
+        "chat top_logprobs order, greedy",
+        "/v1/chat/completions",
+        _chat(**_TOP_3, temperature=0),
+        body_check=_sampled_first_then_by_logprob,
+    ),
+    Row(
+        "chat top_logprobs order, sampled, streamed",
+        "/v1/chat/completions",
+        _chat(**_TOP_3, temperature=1.0, max_tokens=24, stream=True),
+        body_check=_sampled_first_then_by_logprob,
+    ),
+]
+
+
 def _choices(count: int) -> Callable[[Any], None]:
     def check(body: Any) -> None:
         assert len(body["choices"]) == count, body["choices"]
@@ -569,6 +696,26 @@ TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
+
+def _usage_on_every_chunk(body: Any) -> None:
+    assert body.get("usage") is not None, body
+
+
+_CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+ROWS += [
+    Row(
+        "chat stream_options.continuous_usage_stats",
+        "/v1/chat/completions",
+        _chat(stream=True, stream_options=_CONTINUOUS, n=2),
+        body_check=_usage_on_every_chunk,
+    ),
+    Row(
+        "completion stream_options.continuous_usage_stats",
+        "/v1/completions",
+        _completion(prompt=["a", "b c"], stream=True, stream_options=_CONTINUOUS),
+        body_check=_usage_on_every_chunk,
+    ),
+]
 ROWS += [
     Row("unknown fields", "/v1/completions", _completion(bogus=1, metadata={"a": "b"})),
     Row("chat, unknown fields", "/v1/chat/completions", _chat(bogus=[1], store=False)),
@@ -577,11 +724,9 @@ KNOWN_DIFFERENCES = {
     "misspelt nts key": (Row("nts_tmax", "/v1/completions", _completion(nts_tmax=2.0)), 400, 200),
     "unknown stream_options key": (
         Row(
-            "stream_options.continuous_usage_stats",
+            "stream_options.bogus",
             "/v1/chat/completions",
-            _chat(
-                stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
-            ),
+            _chat(stream=True, stream_options={"include_usage": True, "bogus": True}),
         ),
         400,
         200,
@@ -713,6 +858,17 @@ def test_both_servers_answer_the_matrix_alike(ours: str, stock: str) -> None:
     assert not report, json.dumps(report, indent=1)
 
 
+def test_tokenize_answers_the_same_tokens(ours: str, stock: str) -> None:
+    """Both servers tokenize with the same tokenizer and chat template: every `/tokenize` row
+    both answer gets the same body from both."""
+    report = {}
+    for row in (r for r in ROWS if r.path == "/tokenize"):
+        answers = _ask(ours, row), _ask(stock, row)
+        if answers[0].status == 200 and answers[0].bodies != answers[1].bodies:
+            report[row.name] = [answer.bodies for answer in answers]
+    assert not report, json.dumps(report, indent=1)
+
+
 def test_the_known_differences_are_as_documented(ours: str, stock: str) -> None:
     statuses = {
         name: (_ask(ours, row).status, _ask(stock, row).status)
@@ -727,6 +883,8 @@ def test_the_known_differences_are_as_documented(ours: str, stock: str) -> None:
     [
         ("/v1/chat/completions", VllmChatRequest),
         ("/v1/completions", VllmCompletionRequest),
+        ("/tokenize", VllmTokenizeChatRequest),
+        ("/tokenize", VllmTokenizeCompletionRequest),
     ],
 )
 def test_the_matrix_sends_every_field_of_vllms_requests(

@@ -9,9 +9,11 @@ character to its code point.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from lm_eval.models.openai_completions import LocalCompletionsAPI
-from server_fakes import POLICY, Harness, assert_error, build
+from server_fakes import POLICY, Harness, assert_error, build, sse_events
 
 from noisy_temp_server.settings import Settings
 
@@ -66,11 +68,51 @@ def test_a_one_prompt_batch_of_token_ids_is_echoed_as_text(server: Harness) -> N
     assert server.engine.calls[0][0] == [104, 105]
 
 
+def _streamed_choices(server: Harness, body: dict[str, Any]) -> list[dict[str, Any]]:
+    response = server.post("/v1/completions", {"prompt": "abc", "stream": True, **body})
+    assert response.status_code == 200, response.text
+    return [c for e in sse_events(response) if e != "[DONE]" for c in e["choices"]]
+
+
+def test_a_streamed_echo_starts_each_choice_with_the_prompt_and_its_ids(server: Harness) -> None:
+    """As vLLM's: the prompt's text and ids (whether or not `return_token_ids` asks) in each
+    choice's first chunk, with the first generated token; no prompt logprobs key in a chunk."""
+    choices = _streamed_choices(server, {"max_tokens": 2, "echo": True, "n": 2, "seed": 1})
+    firsts = [c for c in choices if "prompt_token_ids" in c]
+    assert [(c["index"], c["text"]) for c in firsts] == [(0, "abc t3"), (1, "abc t3")]
+    assert all(c["prompt_token_ids"] == [97, 98, 99] for c in firsts)
+    assert sorted(c["text"] for c in choices if c not in firsts) == [" t4", " t4"]
+    assert not any("prompt_logprobs" in c for c in choices)
+
+
+def test_a_streamed_echo_with_logprobs_gives_the_prompt_tokens_theirs(server: Harness) -> None:
+    first, second = _streamed_choices(server, {"max_tokens": 2, "echo": True, "logprobs": 1})
+    assert first["logprobs"]["tokens"] == ["a", "b", "c", " t3"]
+    assert first["logprobs"]["token_logprobs"] == [None, -1.0, -1.0, -0.5]
+    assert first["logprobs"]["top_logprobs"][:2] == [None, {"b": -1.0, "c": -2.0}]
+    assert first["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert second["logprobs"]["tokens"] == [" t4"]
+    assert second["logprobs"]["text_offset"] == [6]  # after the echoed prompt's tokens
+    assert server.engine.calls[0][1].prompt_logprobs == 1
+
+
+def test_a_streamed_echo_without_generation_is_the_prompt_alone(server: Harness) -> None:
+    (only,) = _streamed_choices(server, {"max_tokens": 0, "echo": True, "logprobs": 0})
+    assert only["text"] == "abc"
+    assert only["logprobs"]["tokens"] == ["a", "b", "c"]
+    assert only["finish_reason"] == "length"
+
+
+def test_a_streamed_echo_with_return_token_ids_echoes_the_ids_alone(server: Harness) -> None:
+    body = {"max_tokens": 1, "echo": True, "return_token_ids": True}
+    (only,) = _streamed_choices(server, body)
+    assert (only["text"], only["token_ids"], only["prompt_token_ids"]) == (" t3", [3], [97, 98, 99])
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
         ({"max_tokens": 0}, "0 only with echo"),
-        ({"echo": True, "stream": True}, "non-streamed"),
         ({"prompt": [[]]}, "must not be empty"),
     ],
 )

@@ -65,6 +65,61 @@ def test_a_prompt_of_the_list_over_the_context_is_a_400(server: Harness) -> None
     assert server.engine.calls == []
 
 
+_CONTINUOUS = {
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def test_continuous_usage_stats_put_each_choices_usage_on_every_completion_chunk(
+    server: Harness,
+) -> None:
+    """As vLLM's: each chunk has its choice's prompt (of a list: its own) and its tokens so
+    far; the last chunk the whole request's."""
+    response = server.post(
+        "/v1/completions", {"prompt": ["a", "bc"], "max_tokens": 2, **_CONTINUOUS}
+    )
+    assert response.status_code == 200, response.text
+    chunks = [e for e in sse_events(response) if e != "[DONE]"]
+    generated = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        generated[choice["index"]] += 1
+        assert chunk["usage"] == _usage(choice["index"] + 1, generated[choice["index"]])
+    assert generated == {0: 2, 1: 2}
+    assert chunks[-1]["usage"] == _usage(3, 4)
+
+
+def test_continuous_usage_stats_on_chat_count_from_the_opening_chunk(server: Harness) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}
+    response = server.post("/v1/chat/completions", {**body, "seed": 1, **_CONTINUOUS})
+    assert response.status_code == 200, response.text
+    chunks = [e for e in sse_events(response) if e != "[DONE]"]
+    prompt = len("<user>hi<assistant>")
+    assert [c["usage"] for c in chunks[:2]] == [_usage(prompt, 0)] * 2  # the roles
+    counts = [c["usage"]["completion_tokens"] for c in chunks[2:-1]]
+    assert sorted(counts) == [1, 1, 2, 2]
+    assert chunks[-1]["usage"] == _usage(prompt, 4)
+
+
+def test_without_continuous_usage_stats_only_the_last_chunk_has_usage(server: Harness) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": False}
+    response = server.post(
+        "/v1/completions",
+        {"prompt": "a", "max_tokens": 2, "stream": True, "stream_options": options},
+    )
+    chunks = [e for e in sse_events(response) if e != "[DONE]"]
+    assert ["usage" in c for c in chunks] == [False, False, True]
+
+
 def test_min_tokens_and_structured_outputs_reach_the_engine(server: Harness) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "min_tokens": 2}
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}

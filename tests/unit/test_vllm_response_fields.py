@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 from server_fakes import POLICY, Harness, assert_error, build, sse_events
+from vllm.logprobs import Logprob
 
+from noisy_temp_server.server.chat import chat_logprobs
+from noisy_temp_server.server.response_bodies import LogprobTokens
 from noisy_temp_server.settings import Settings
 
 _CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -100,6 +103,24 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(server: Harness) 
     assert set(legacy["top_logprobs"][0]) == {"token_id:3", "token_id:4"}
     assert legacy["text_offset"] == [0, len("token_id:3")]  # vLLM's offsets: by the names
     assert _chat_logprobs(server, top_logprobs=1)[0]["token"] == " t19"
+
+
+@pytest.mark.parametrize(
+    ("sampled", "listed"),
+    [(2, [" b", " a"]), (9, [" s", " a"]), (1, [" a", " b"])],
+)
+def test_chat_top_logprobs_come_in_the_engines_order_as_vllms(
+    sampled: int, listed: list[str]
+) -> None:
+    """vLLM's engine gives a position's candidates the sampled token first, then the best by
+    rank (the sampled one once); vLLM's chat lists the first `top_logprobs` of them as they
+    come: a sampled token outside the top ones displaces the last of them."""
+    ranked = {1: Logprob(-0.5, 1, " a"), 2: Logprob(-1.0, 2, " b"), 3: Logprob(-2.0, 3, " c")}
+    sampled_entry = ranked.get(sampled, Logprob(-3.0, 7, " s"))
+    position = {sampled: sampled_entry} | ranked
+    (entry,) = chat_logprobs([sampled], [position], LogprobTokens(top=2)).content
+    assert [t.token for t in entry.top_logprobs] == listed
+    assert entry.logprob == sampled_entry.logprob
 
 
 def test_logprob_token_ids_lists_the_ids_asked_for(server: Harness) -> None:

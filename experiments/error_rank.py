@@ -3,17 +3,22 @@ inputs' energy sits at a few positions? Why a rank-16 adapter removes less of AW
 RTN's at the same format (docs/quality.md#real-quantizers).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 nice .venv/bin/python experiments/error_rank.py \\
-        --served awq=DIR --served gptq=DIR --spec rtn-g64='{"kind": "quantization", \\
-        "format": "int4", "group_size": 64}' --out experiments/results/error_rank.md
+        --served awq=DIR --served gptq=DIR \\
+        --spec rtn-g64='{"kind": "quantization", "format": "int4", "group_size": 64}' \\
+        --prompt-file benchmarks/data/prompts_formal.jsonl --prompts 24 --new-tokens 48 \\
+        --out experiments/results/error_rank_formal.md
 
-For each pair, on the shipped prompts with the clean model's greedy completions: each decoder
-linear layer's error E = W_clean - W_served in the served model's basis
-(`adapter.smoothing.served_basis`) and the second moment C of its inputs in the served model;
-the input-weighted error energy tr(E C E^T) = ||E L||_F^2 (L L^T = C ridged as the fit truncates,
-`TRUNCATION_RIDGE`), relative to the clean output energy tr(W C W^T); the share of it in the top
-16 and 64 singular directions of E L (what an adapter of that rank can capture) and the
-energy those leave; the same top-16 share with each sequence's first position left out of C;
-and the share of tr(C) from the first positions and from the top 1 % of positions.
+For each pair, on the first `--prompts` prompts (default: the shipped set) with the clean
+model's greedy completions: each decoder linear layer's error E = W_clean - W_served in the
+served model's basis (`adapter.smoothing.served_basis`) and the second moment C of its inputs in
+the served model; the input-weighted error energy tr(E C E^T) = ||E L||_F^2 (L L^T = C ridged as
+the fit truncates, `TRUNCATION_RIDGE`), relative to the clean output energy tr(W C W^T); the
+share of it in the top 16 and 64 singular directions of E L (what an adapter of that rank can
+capture) and the energy those leave; the same top-16 share with each sequence's first position
+left out of C; the share of the error energy and of tr(C) at the first positions, and of tr(C)
+at the top 1 % of positions. Then, over all layers, the share a uniform rank's parameters
+capture when allocated to the largest energy per parameter (`_allocated_share`). The table
+(means over blocks) goes to `--out`, every block's row beside it as JSON.
 """
 
 from __future__ import annotations
@@ -217,7 +222,7 @@ def main() -> int:
         every[name], spectra = measure(pair, sequences)
         lines += _table_rows(name, every[name])
         allocated[name] = [_allocated_share(spectra, rank) for rank in RANKS]
-        print("\n".join(lines[-len(LINEARS) - 1 :]), flush=True)
+        print("\n".join(lines[-len(LINEARS) - 1 :]), allocated[name], flush=True)
         del pair
     lines += [
         "\nAll layers' error energy captured by the parameters of a uniform rank, allocated by "

@@ -64,6 +64,23 @@ class Settings(BaseSettings):
         description="Largest request body accepted (bytes); larger ones get a 413.",
     )
 
+    # vllm serve's HTTP flags, with its meaning (uvicorn's and FastAPI's; CORS lists as JSON)
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = (
+        Field(default=None, description="uvicorn's log level (default: serve's --log-level).")
+    )
+    disable_uvicorn_access_log: bool = Field(default=False, description="No access log.")
+    allowed_origins: tuple[str, ...] = Field(
+        default=(), description="CORS origins, a JSON list ('[\"*\"]': any; default none)."
+    )
+    allowed_methods: tuple[str, ...] = Field(default=("*",), description="CORS methods.")
+    allowed_headers: tuple[str, ...] = Field(default=("*",), description="CORS headers.")
+    allow_credentials: bool = Field(default=False, description="CORS: allow credentials.")
+    ssl_keyfile: Path | None = Field(default=None, description="HTTPS: the key file.")
+    ssl_certfile: Path | None = Field(default=None, description="HTTPS: the certificate file.")
+    ssl_ca_certs: Path | None = Field(default=None, description="HTTPS: the CA certificates.")
+    ssl_cert_reqs: int = Field(default=0, ge=0, le=2, description="HTTPS: ssl.CERT_* (0 none).")
+    root_path: str | None = Field(default=None, description="FastAPI's root path behind a proxy.")
+
     # --- models ---
     served_model: Path | None = Field(
         default=None,
@@ -111,13 +128,8 @@ class Settings(BaseSettings):
     )
     bias_dir: Path | None = Field(
         default=None,
-        description="Folder of the per-token logit bias files (bias-<sha256>.safetensors) "
-        "a policy may name; the engine "
-        "loads each once, looking here first, then in the profile's folder (where "
-        "`calibrate` writes them) when the profile serves a bias. Unset, with a profile "
-        "without a bias: no folder at all (the V1 processor then stays argmax-invariant). "
-        "Biases refined online are written to the server's runtime folder, never here, and "
-        "looked up there too.",
+        description="Folder of the per-token logit bias files (bias-<sha256>.safetensors) a "
+        "policy may name, looked up first, then the profile's folder (docs/calibration.md).",
     )
     int4_stack: bool = Field(
         default=False,
@@ -307,17 +319,13 @@ class Settings(BaseSettings):
     )
     enforce_eager: bool | None = Field(
         default=None,
-        description="Skip graph capture / compilation (default: false, vLLM's compilation, "
-        "and CUDA graphs on CUDA, as vllm serve, except on a CPU without a C++ compiler "
-        "(g++, or $CXX), which compilation needs; true starts faster and serves slower).",
+        description="Skip graph capture / compilation (default: false, as vllm serve, but on a "
+        "CPU without the C++ compiler it needs: docs/serving.md).",
     )
     vllm_args: str = Field(
         default="",
-        description="Further flags of vLLM's engine, as vllm serve takes them, shell-quoted "
-        "(for example --enable-prefix-caching --kv-cache-dtype fp8 --seed 0). On the command "
-        "line every flag serve does not have is one of these. Refused: a flag vLLM's engine "
-        "does not have, a setting of serve, or one serve sets itself "
-        "(server/engine_flags.py).",
+        description="vLLM's engine flags, shell-quoted (--enable-prefix-caching --seed 0); on "
+        "the command line, every flag serve does not have (server/engine_flags.py).",
     )
     tuned_logprobs: bool = Field(
         default=True,
@@ -337,6 +345,17 @@ class Settings(BaseSettings):
         default=2.0,
         description="How long a response waits for the engine's last T* trace steps.",
     )
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _json_list(cls, value: Any) -> Any:
+        """A JSON list given as text (the flag, as vllm serve takes it), as a list."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"expected a JSON list, got {value!r}") from error
+        return value
 
     @field_validator("perturbation")
     @classmethod

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from noisy_temp_server.server import chat, completions, health, models, status, tokenization
 from noisy_temp_server.server.adapter import adapter_status
@@ -108,6 +109,15 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     install_openapi(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(settings.allowed_origins),
+        allow_credentials=settings.allow_credentials,
+        allow_methods=list(settings.allowed_methods),
+        allow_headers=list(settings.allowed_headers),
+    )  # outermost, as vLLM's: a preflight is answered before the other middleware
+    if settings.root_path is not None:
+        app.root_path = settings.root_path
     for module in (health, models, status, completions, chat, tokenization):
         app.include_router(module.router)
     app.include_router(dashboard_router(metrics_registry, require_api_key))

@@ -5,9 +5,9 @@ parser (`AsyncEngineArgs.add_cli_args`) and applied over the engine arguments `s
 
 They reach it as the setting ``vllm_args`` (on the command line, every flag `serve` does not
 have). Refused, in one line naming the flag: a flag vLLM's engine does not have (vLLM's server
-flags outside the engine are not taken: docs/serving.md), a bad value, a flag that is a setting
-of `serve` (pass it as that setting), one `serve` sets itself, and ``--reasoning-parser``
-(reasoning is not split out of responses here).
+flags that are not settings of `serve` are not taken: docs/serving.md), a bad value, a flag
+that is a setting of `serve` (pass it as that setting), one `serve` sets itself, and
+``--reasoning-parser`` (reasoning is not split out of responses here).
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ if TYPE_CHECKING:
     from noisy_temp_server.server.engine import EngineEnvironment
     from noisy_temp_server.temperature.policy import TemperaturePolicy
 
-__all__ = ["int4_stack_settings", "plan_served_adapter", "resolve_pair", "serve"]
+__all__ = [
+    "int4_stack_settings", "plan_served_adapter", "resolve_pair", "serve", "uvicorn_config",
+]  # fmt: skip
 
 _LOGGER = logging.getLogger("noisy_temp_server.serve")
 _INT4_STACK_CONFLICTS = ("served_model", "clean_model", "profile", "adapter")
@@ -313,16 +315,32 @@ def _policy_source(
     return policy_source
 
 
+def uvicorn_config(settings: Settings, app: Any, log_level: str) -> Any:
+    """uvicorn's configuration of the HTTP server, with vllm serve's HTTP flags as it passes
+    them (log level, access log, TLS)."""
+    import uvicorn  # noqa: PLC0415
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.uvicorn_log_level or log_level,
+        access_log=not settings.disable_uvicorn_access_log,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs,
+    )
+
+
 def _run_until_stopped(settings: Settings, app: Any, engine: Any, log_level: str) -> int:
     """Serve `app` until stopped: 0, or 1 when the engine failed (`EngineWatchedServer`)."""
-    import uvicorn  # noqa: PLC0415
 
     from noisy_temp_server.server.engine_watchdog import EngineWatchedServer  # noqa: PLC0415
 
-    server = EngineWatchedServer(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level), engine
-    )
-    _LOGGER.info("Listening on http://%s:%d", settings.host, settings.port)
+    server = EngineWatchedServer(uvicorn_config(settings, app, log_level), engine)
+    scheme = "https" if settings.ssl_certfile else "http"
+    _LOGGER.info("Listening on %s://%s:%d", scheme, settings.host, settings.port)
     server.run()
     if server.engine_failure is not None:
         _LOGGER.error("Exiting with status 1: the engine failed; restart the server.")

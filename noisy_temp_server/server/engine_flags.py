@@ -25,11 +25,10 @@ _SETTINGS = (
 """Engine arguments that are settings of `serve` (the same flags)."""
 _SET_BY_SERVE = (
     "model", "tokenizer", "kv_cache_memory_bytes", "logprobs_mode", "max_logprobs",
-    "logits_processors", "disable_log_stats", "enable_log_requests", "enable_lora",
-    "max_lora_rank", "max_loras", "reasoning_parser",
+    "logits_processors", "enable_lora", "max_lora_rank", "max_loras", "reasoning_parser",
 )  # fmt: skip
 """Engine arguments `serve` sets itself: the served model and its tokenizer, the KV cache
-(``--kv-cache-gib``), what the processors and the adapter need, the logs it reads."""
+(``--kv-cache-gib``), what the processors and the adapter need."""
 
 
 def engine_flag_overrides(flags: str) -> dict[str, Any]:

@@ -18,6 +18,8 @@ def test_the_flags_given_are_read_by_vllms_parser() -> None:
     overrides = engine_flag_overrides("--enable-prefix-caching --kv-cache-dtype fp8 --seed 3")
     assert overrides == {"enable_prefix_caching": True, "kv_cache_dtype": "fp8", "seed": 3}
     assert engine_flag_overrides("") == {}
+    logs = engine_flag_overrides("--disable-log-stats --enable-log-requests")
+    assert logs == {"disable_log_stats": True, "enable_log_requests": True}  # the user's logs
 
 
 @pytest.mark.parametrize(

@@ -23,12 +23,9 @@ SCORE_EVERY_REQUEST = (
 """`serve` flags that shadow-score every request (sampling fraction 1, no CPU budget)."""
 STARTUP_TIMEOUT_S = 420.0
 _SERVE = (
-    "import argparse, sys\n"
-    "from noisy_temp_server.commands import serve\n"
-    "parser = argparse.ArgumentParser()\n"
-    "serve.add_arguments(parser)\n"
-    "sys.exit(serve.run(parser.parse_args(sys.argv[1:])))\n"
+    "import sys\nfrom noisy_temp_server.cli import main\nsys.exit(main(['serve', *sys.argv[1:]]))\n"
 )
+"""`noisy-temp-server serve` as the console script runs it (vLLM's engine flags included)."""
 
 
 @dataclass(frozen=True)

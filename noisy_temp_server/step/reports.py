@@ -227,6 +227,12 @@ class Reporter:
                 self._traces = PinnedTraces(_TRACE_DEPTH, len(self._occupancy.ids), rows.device)
             if not self._traces.stage(rows, self._occupancy):
                 self.trace_dropped_steps += 1
+                if self.trace_dropped_steps == 1:
+                    _LOGGER.warning(
+                        "noisy-temp-server: the reporter thread is %d steps behind; dropping "
+                        "per-step traces (counted in Reporter.trace_dropped_steps)",
+                        _TRACE_DEPTH,
+                    )
         self._start()
 
     def stage_capture(self, step: CapturedStep) -> None:

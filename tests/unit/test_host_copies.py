@@ -145,3 +145,23 @@ def test_the_launcher_keeps_launching_through_triton_without_a_compiled_kernel(
     for _ in range(3):
         launch(("a",), (1, 1), (), {})
     assert len(calls) == 3
+
+
+def test_the_reporter_drops_traces_past_its_slots_counts_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prometheus_client import CollectorRegistry  # noqa: PLC0415
+
+    from noisy_temp_server.step.engine_metrics import step_temperature_metrics  # noqa: PLC0415
+    from noisy_temp_server.step.reports import _TRACE_DEPTH, Reporter  # noqa: PLC0415
+
+    reporter = Reporter(None, step_temperature_metrics(CollectorRegistry()), slots=2)
+    reporter._start = lambda: None  # type: ignore[method-assign]  (no reader: the slots fill)
+    for _ in range(_TRACE_DEPTH + 3):
+        reporter.stage_trace(torch.zeros(4, 2))
+    assert reporter.trace_dropped_steps == 3
+    warnings = [record for record in caplog.records if "dropping per-step traces" in record.message]
+    assert len(warnings) == 1
+    reporter.flush()  # the reader frees every slot
+    reporter.stage_trace(torch.zeros(4, 2))
+    assert reporter.trace_dropped_steps == 3

@@ -77,6 +77,21 @@ def _load_row(row_start, bias_start, bias_row, columns, valid, HAS_BIAS: tl.cons
 
 
 @triton.jit
+def _seen(values, valid, nan_or_inf, live):
+    """The block's running flags with ``values`` (where ``valid``) seen: a NaN or +inf, a live
+    (not -inf) value."""
+    nan_or_inf |= valid & ((values != values) | (values == float("inf")))  # noqa: PLR0124
+    live |= valid & (values != float("-inf"))
+    return nan_or_inf, live
+
+
+@triton.jit
+def _flags(nan_or_inf, live):
+    """A row part's flags from the block's running ones: 1 NaN or +inf seen, 2 a live value."""
+    return tl.max(nan_or_inf.to(tl.int32), 0) + 2 * tl.max(live.to(tl.int32), 0)
+
+
+@triton.jit
 def _moments(row_start, bias_start, bias_row, start, end, scale_up, scale_down, HAS_BIAS, BLOCK):
     """Softmax moments (`_merge`) of y = row·``scale_up``/``scale_down`` over columns
     [start, end), and the flags of the biased row there: 1 NaN or +inf seen, 2 a live value."""
@@ -91,8 +106,7 @@ def _moments(row_start, bias_start, bias_row, start, end, scale_up, scale_down, 
         columns = first + offsets
         valid = columns < end
         values = _load_row(row_start, bias_start, bias_row, columns, valid, HAS_BIAS)
-        nan_or_inf |= valid & ((values != values) | (values == float("inf")))  # noqa: PLR0124
-        live |= valid & (values != float("-inf"))
+        nan_or_inf, live = _seen(values, valid, nan_or_inf, live)
         scaled = tl.math.div_rn(values * scale_up, scale_down)
         finite = valid & (scaled > float("-inf")) & (scaled < float("inf"))
         scaled = tl.where(finite, scaled, float("-inf"))
@@ -108,7 +122,7 @@ def _moments(row_start, bias_start, bias_row, start, end, scale_up, scale_down, 
         top, weight, mean, m2 = _merge(
             top, weight, mean, m2, block_top, block_weight, block_mean, block_m2
         )
-    flags = tl.max(nan_or_inf.to(tl.int32), 0) + 2 * tl.max(live.to(tl.int32), 0)
+    flags = _flags(nan_or_inf, live)
     return top, weight, mean, m2, flags
 
 
@@ -182,10 +196,9 @@ def _divide(row_start, bias_start, bias_row, start, end, temperature, HAS_BIAS, 
         columns = first + offsets
         valid = columns < end
         values = _load_row(row_start, bias_start, bias_row, columns, valid, HAS_BIAS)
-        nan_or_inf |= valid & ((values != values) | (values == float("inf")))  # noqa: PLR0124
-        live |= valid & (values != float("-inf"))
+        nan_or_inf, live = _seen(values, valid, nan_or_inf, live)
         tl.store(row_start + columns, tl.math.div_rn(values, temperature), mask=valid)
-    return tl.max(nan_or_inf.to(tl.int32), 0) + 2 * tl.max(live.to(tl.int32), 0)
+    return _flags(nan_or_inf, live)
 
 
 @triton.jit

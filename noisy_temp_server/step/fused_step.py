@@ -210,10 +210,10 @@ class FusedStep:
                 {"HAS_BIAS": has_bias, "LOGITS_SCALED": logits_scaled, "BLOCK": _BLOCK},
             )  # fmt: skip
         self._launch_step(
-            logits, slots, keys, counted, tables=tables, bias_rows=bias_rows, tuned=tuned,
-            accounts=accounts, traced=traced, trace=trace, schedule=schedule, reading=reading,
-            logits_scaled=logits_scaled, chunks=(chunks, chunk_columns),
-            specialisation=specialisation,
+            logits, slots, keys, counted, tables=tables, bias_rows_or_any=bias_rows_or_any,
+            has_bias=has_bias, tuned=tuned, accounts=accounts, traced=traced, trace=trace,
+            schedule=schedule, reading=reading, logits_scaled=logits_scaled,
+            chunks=(chunks, chunk_columns), specialisation=specialisation,
         )  # fmt: skip
         return trace
 
@@ -225,7 +225,8 @@ class FusedStep:
         counted: torch.Tensor | None,
         *,
         tables: dict[str, torch.Tensor],
-        bias_rows: torch.Tensor | None,
+        bias_rows_or_any: torch.Tensor,
+        has_bias: bool,
         tuned: torch.Tensor | None,
         accounts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         traced: torch.Tensor | None,
@@ -236,15 +237,15 @@ class FusedStep:
         chunks: tuple[int, int],
         specialisation: tuple[bool, ...],
     ) -> None:
-        """`step_kernel` on the tensors `__call__` took (its arguments there)."""
+        """`step_kernel` on the tensors `__call__` took (its arguments there; the bias rows, or
+        the slots standing in for them, with whether some slot holds a bias)."""
         accumulators, extrema, bad_rows = accounts or (trace, trace, trace)
-        bias_rows_or_any = bias_rows if bias_rows is not None else slots
         counted_or_any = counted if counted is not None else slots
         tuned_or_none = tuned if tuned is not None else self._no_flags
         traced_or_none = traced if traced is not None else self._no_flags
         edge_keys = tables["edge_keys"]
         constants = {
-            "HAS_BIAS": bias_rows is not None, "ACCOUNT": accounts is not None,
+            "HAS_BIAS": has_bias, "ACCOUNT": accounts is not None,
             "LOGITS_SCALED": logits_scaled, "BLOCK": _BLOCK,
         }  # fmt: skip
         key = (

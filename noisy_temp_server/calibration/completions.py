@@ -6,10 +6,11 @@ from collections.abc import Callable, Sequence
 
 from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
 from noisy_temp_server.checkpoints.loading import LoadedPair
-from noisy_temp_server.scoring.sampling import generate_completions
+from noisy_temp_server.scoring.engine_rows import EngineCompletion, sample_with_engine
+from noisy_temp_server.scoring.sampling import eos_ids, generate_completions
 from noisy_temp_server.scoring.sequence import ScoringSequence
 
-__all__ = ["sample_completions"]
+__all__ = ["sample_completions", "sample_engine_completions"]
 
 
 def sample_completions(
@@ -29,5 +30,32 @@ def sample_completions(
         max_new_tokens=max_new_tokens,
         seed=seed,
         runtime_noise=pair.runtime_noise,
+        progress=progress,
+    )
+
+
+def sample_engine_completions(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int,
+    seed: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[EngineCompletion]:
+    """One completion per prompt sampled at T = 1 by vLLM's engine serving the pair's served
+    folder, with the rows it sampled them from (`scoring.engine_rows.sample_with_engine`),
+    stopping at the served model's end-of-sequence tokens. ValueError for a pair without a
+    served folder or with runtime logit noise (the engine would serve neither)."""
+    if pair.served_path is None or pair.runtime_noise is not None:
+        raise ValueError(
+            "the engine's rows need a served model folder; this pair's served model is made in "
+            "memory (--spec): score it with served_rows model"
+        )
+    return sample_with_engine(
+        pair.served_path,
+        [encode_prompt(pair.tokenizer, prompt) for prompt in prompts],
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop_token_ids=eos_ids(pair.served_model),
         progress=progress,
     )

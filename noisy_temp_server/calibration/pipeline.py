@@ -55,7 +55,10 @@ from noisy_temp_server.calibration.adapter_calibration import (
 )
 from noisy_temp_server.calibration.bias_fit import BiasCalibration, calibrate_bias
 from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_rows
-from noisy_temp_server.calibration.completions import sample_completions
+from noisy_temp_server.calibration.completions import (
+    sample_completions,
+    sample_engine_completions,
+)
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile
 from noisy_temp_server.calibration.prompts import Prompt
@@ -68,6 +71,7 @@ from noisy_temp_server.calibration.significance import (
 from noisy_temp_server.checkpoints.loading import LoadedPair
 from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 from noisy_temp_server.correction.paired_rows import PairedRows
+from noisy_temp_server.scoring.engine_rows import EngineRows
 from noisy_temp_server.scoring.records import PositionRecords
 from noisy_temp_server.scoring.scorer import PairScorer
 from noisy_temp_server.scoring.sequence import ScoringSequence
@@ -126,19 +130,32 @@ def score_pair(
     """Generate with the served model and score the pair: records for every prompt, each
     position once per request temperature of `settings`, and the full rows of up to
     `settings.bias_rows` positions for the bias fit."""
-    return score_sequences(pair, _sample(pair, prompts, settings), settings, device=device)
+    sequences, engine_rows = _sample(pair, prompts, settings)
+    return score_sequences(pair, sequences, settings, device=device, engine_rows=engine_rows)
 
 
 def _sample(
     pair: LoadedPair, prompts: Sequence[Prompt], settings: CalibrationSettings
-) -> list[ScoringSequence]:
-    return sample_completions(
+) -> tuple[list[ScoringSequence], EngineRows | None]:
+    """The completions the pair's served model samples, with the engine's rows of them when
+    `settings.served_rows` is ``engine`` (`sample_engine_completions`)."""
+    if settings.served_rows == "engine":
+        completions = sample_engine_completions(
+            pair,
+            prompts,
+            max_new_tokens=settings.max_new_tokens,
+            seed=settings.seed,
+            progress=_log_progress("generating with the engine"),
+        )
+        return [c.sequence for c in completions], EngineRows(completions)
+    sequences = sample_completions(
         pair,
         prompts,
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed,
         progress=_log_progress("generating"),
     )
+    return sequences, None
 
 
 def score_sequences(
@@ -147,10 +164,15 @@ def score_sequences(
     settings: CalibrationSettings,
     *,
     device: str | torch.device = "cpu",
+    engine_rows: EngineRows | None = None,
 ) -> ScoredSet:
-    """`score_pair` on completions already sampled (`sample_completions`)."""
+    """`score_pair` on completions already sampled (`sample_completions`), the served rows
+    from `engine_rows` when given (else the served model's forward)."""
     scorer = PairScorer(
-        pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
+        pair.clean_model,
+        pair.served_model if engine_rows is None else engine_rows,
+        runtime_noise=pair.runtime_noise,
+        device=device,
     )
     return score_with_rows(
         scorer,
@@ -262,8 +284,8 @@ def calibrate_with_data(
     adapter = _calibrate_adapter(pair, prompts, settings, device) if settings.adapter_rank else None
     served = adapter.adapter if adapter is not None and adapter.summary.recommended else None
     with applied_adapter(pair.served_model, served):
-        sequences = _sample(pair, prompts, settings)
-        scored = score_sequences(pair, sequences, settings, device=device)
+        sequences, engine_rows = _sample(pair, prompts, settings)
+        scored = score_sequences(pair, sequences, settings, device=device, engine_rows=engine_rows)
         logger.info("scored %d positions in %d sequences", len(scored.records), len(prompts))
         result = calibrate_scored(pair, scored, settings)
     if adapter is not None:

@@ -12,7 +12,7 @@ import argparse
 import math
 import typing
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -98,6 +98,11 @@ class CalibrationSettings(BaseModel):
     adapter_distil_completions: int = Field(default=4, ge=1)
     """Completions of each fit prompt the distillation trains on: the one calibration samples
     without the adapter, and the others sampled with it."""
+    served_rows: Literal["model", "engine"] = "model"
+    """Where the served rows come from: model (transformers' forward of the served model) or
+    engine (vLLM's engine serving the served folder samples the completions and gives each
+    position's row, `scoring.engine_rows`: for formats whose kernels transformers does not
+    reproduce, such as W8A8 int8; no adapter)."""
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Self:
@@ -118,6 +123,11 @@ class CalibrationSettings(BaseModel):
             raise ValueError(
                 f"validation_fraction ({self.validation_fraction}) + test_fraction "
                 f"({self.test_fraction}) must be < 1: the rest of the prompts fit the rules"
+            )
+        if self.served_rows == "engine" and self.adapter_rank:
+            raise ValueError(
+                "the engine's rows are the served model's without an adapter: calibrate an "
+                "adapter with served_rows model"
             )
         if self.adapter_distil_epochs and not self.adapter_rank:
             raise ValueError("adapter distillation needs an adapter: give adapter_rank > 0")

@@ -40,7 +40,8 @@ the memory available once the clean model is loaded (docs/adapter.md, "Peak memo
 
 @dataclass(frozen=True)
 class LoadedPair:
-    """A clean and a served model sharing `tokenizer`, with their identities and the spec."""
+    """A clean and a served model sharing `tokenizer`, with their identities and the spec;
+    `served_path`: the served model's folder (None: made in memory from the clean one)."""
 
     clean_model: PreTrainedModel
     served_model: PreTrainedModel
@@ -48,6 +49,7 @@ class LoadedPair:
     clean: ModelIdentity
     served: ModelIdentity
     perturbation: PerturbationSpec | None
+    served_path: Path | None = None
 
     @property
     def runtime_noise(self) -> RuntimeLogitNoiseSpec | None:
@@ -144,7 +146,7 @@ def load_pair(
                 f"{clean_path} ({clean.describe()}); pass the clean checkpoint it was made from"
             )
         spec = served.perturbation or spec
-        return LoadedPair(clean_model, served_model, tokenizer, clean, served, spec)
+        return LoadedPair(clean_model, served_model, tokenizer, clean, served, spec, served_path)
     if spec is None:
         raise ValueError("give a served checkpoint or a perturbation spec")
     if isinstance(spec, WeightNoiseSpec | QuantizationSpec):

@@ -100,8 +100,10 @@ def _device_generator(seed: int, label: str, device: torch.device) -> torch.Gene
 
 class PairScorer:
     """Scores token sequences with a clean side (a transformers model, used in process, or any
-    `CleanBackend`, e.g. a remote clean server) and a served side: a causal LM (transformers)
-    offline, the engine's captured rows online (`score_live`; ``served_model`` may be None).
+    `CleanBackend`, e.g. a remote clean server) and a served side: offline a causal LM
+    (transformers) or rows the engine recorded (`scoring.engine_rows.EngineRows`, any
+    `CleanBackend`), online the engine's captured rows (`score_live`; ``served_model`` may be
+    None).
 
     Both must share the tokenizer/vocabulary; the models must have no final-logit soft-capping
     (the logits are `output_embeddings(last_hidden_state)`). They are used as given (dtype, on
@@ -113,7 +115,7 @@ class PairScorer:
     def __init__(
         self,
         clean: PreTrainedModel | CleanBackend,
-        served_model: PreTrainedModel | None = None,
+        served_model: PreTrainedModel | CleanBackend | None = None,
         *,
         runtime_noise: RuntimeLogitNoiseSpec | None = None,
         device: str | torch.device = "cpu",
@@ -125,11 +127,16 @@ class PairScorer:
         self.clean: CleanBackend = (
             InProcessModel(clean) if isinstance(clean, torch.nn.Module) else clean
         )
-        self.served = None if served_model is None else InProcessModel(served_model, "served")
-        if self.served is not None and self.clean.vocab_size not in (None, self.served.vocab_size):
+        self.served: CleanBackend | None = (
+            InProcessModel(served_model, "served")
+            if isinstance(served_model, torch.nn.Module)
+            else served_model
+        )
+        sizes = (self.clean.vocab_size, None if self.served is None else self.served.vocab_size)
+        if None not in sizes and sizes[0] != sizes[1]:
             raise ValueError(
-                f"clean and served vocabularies differ ({self.clean.vocab_size} vs "
-                f"{self.served.vocab_size}); a pair must share its tokenizer"
+                f"clean and served vocabularies differ ({sizes[0]} vs {sizes[1]}); a pair must "
+                "share its tokenizer"
             )
         self.runtime_noise = runtime_noise
         self.device = torch.device(device)

@@ -1,0 +1,163 @@
+"""The served model's rows as vLLM's engine computes them: calibrating on what is served.
+
+Where transformers' forward of a served checkpoint is not what vLLM's kernels compute (W8A8
+int8 on a CPU, whose kernel quantizes the activations its own way: docs/quantized_checkpoints.md),
+scoring the pair with transformers measures a model nobody serves. Then the served side comes
+from the engine itself:
+
+- `sample_with_engine` samples one completion per prompt with vLLM's offline engine at T = 1
+  (no top-k, top-p or penalty), asking for every position's whole raw log-probability row
+  (``logprobs=-1`` in vLLM's default ``raw_logprobs`` mode: before any processor or
+  temperature, the row the engine samples from);
+- `EngineRows` hands those rows to the `PairScorer` as its served side (the `CleanBackend`
+  contract). A log-probability row is the logits less a constant, which no statistic of the
+  scorer sees.
+
+Memory: every completion's rows stay until scored, 4·V bytes a generated position (48 prompts
+of 48 tokens at V = 49 152: 0.45 GB), beside the engine's weights and KV cache while it runs;
+the engine is shut down before the rows are returned.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from noisy_temp_server.scoring.sequence import ScoringSequence
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput
+
+__all__ = ["EngineCompletion", "EngineRows", "sample_with_engine"]
+
+_CPU_KV_CACHE_GIB = "1"
+"""The engine's KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise (calibration's
+completions are short and few)."""
+
+
+@dataclass(frozen=True)
+class EngineCompletion:
+    """One prompt's completion as the engine sampled it, with the raw log-probability row
+    (float32 ``[len(completion), V]``) it sampled each completion token from."""
+
+    sequence: ScoringSequence
+    rows: Tensor
+
+    def __post_init__(self) -> None:
+        generated = len(self.sequence.token_ids) - self.sequence.prompt_length
+        if self.rows.ndim != 2 or self.rows.shape[0] != generated:
+            raise ValueError(
+                f"sequence {self.sequence.sequence_id}: {tuple(self.rows.shape)} rows for "
+                f"{generated} generated tokens"
+            )
+
+
+def sample_with_engine(
+    model: Path,
+    prompt_ids: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    seed: int,
+    stop_token_ids: Collection[int],
+    progress: Callable[[int, int], None] | None = None,
+) -> list[EngineCompletion]:
+    """One completion per prompt (token ids) sampled by vLLM's offline engine serving the
+    checkpoint folder `model` at T = 1, with its rows (the module docstring). Sequence ids are
+    the prompts' indices; prompt i is sampled with seed ``seed * 1_000_003 + i``. A completion
+    stops after a token of `stop_token_ids` (which it keeps) or at `max_new_tokens`.
+
+    The engine runs eager, in the dtype `serve` gives it by default (vLLM's ``auto``), with a 1 GiB
+    KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, and is shut down before this
+    returns. `progress(done, total)` is called once all are sampled. Raises what vLLM raises
+    for a folder it cannot serve; ValueError for no prompts."""
+    if not prompt_ids:
+        raise ValueError("no prompts to sample")
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 (vLLM only where the engine is asked for)
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_CACHE_GIB)
+    engine = LLM(
+        str(model),
+        dtype="auto",
+        enforce_eager=True,
+        max_model_len=max(len(ids) for ids in prompt_ids) + max_new_tokens,
+        max_logprobs=-1,
+        skip_tokenizer_init=True,
+        seed=seed,
+    )
+    try:
+        requests = [
+            SamplingParams(
+                temperature=1.0,
+                max_tokens=max_new_tokens,
+                stop_token_ids=sorted(stop_token_ids),
+                logprobs=-1,
+                flat_logprobs=True,
+                seed=seed * 1_000_003 + index,
+                detokenize=False,
+            )
+            for index in range(len(prompt_ids))
+        ]
+        outputs = engine.generate(
+            [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids],
+            requests,
+            use_tqdm=False,
+        )
+        vocab_size = engine.llm_engine.model_config.get_vocab_size()
+    finally:
+        del engine
+        gc.collect()
+    if progress is not None:
+        progress(len(prompt_ids), len(prompt_ids))
+    return [
+        EngineCompletion(
+            ScoringSequence(list(ids) + list(output.outputs[0].token_ids), len(ids), index),
+            _dense_rows(output.outputs[0], vocab_size),
+        )
+        for index, (ids, output) in enumerate(zip(prompt_ids, outputs, strict=True))
+    ]
+
+
+def _dense_rows(completion: CompletionOutput, vocab_size: int) -> Tensor:
+    """The float32 ``[n, V]`` rows of a completion's flat whole-vocabulary log-probabilities."""
+    flat: Any = completion.logprobs
+    ids = torch.tensor(flat.token_ids, dtype=torch.int64)
+    values = torch.tensor(flat.logprobs, dtype=torch.float32)
+    rows = torch.full((len(completion.token_ids), vocab_size), float("nan"))
+    for step, (start, end) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
+        rows[step, ids[start:end]] = values[start:end]
+    if torch.isnan(rows).any():
+        raise ValueError("the engine answered a row without the whole vocabulary")
+    return rows
+
+
+class EngineRows:
+    """The served side of a `PairScorer` read from the engine's rows (`sample_with_engine`),
+    by sequence id. Refuses (ValueError) a sequence it has no rows of, or whose tokens are not
+    the ones the engine sampled."""
+
+    def __init__(self, completions: Sequence[EngineCompletion]) -> None:
+        if not completions:
+            raise ValueError("no engine completions")
+        self._by_id = {c.sequence.sequence_id: c for c in completions}
+        self._vocab_size = int(completions[0].rows.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def completion_rows(self, sequence: ScoringSequence, chunk_positions: int) -> Iterator[Tensor]:
+        recorded = self._by_id.get(sequence.sequence_id)
+        if recorded is None or list(recorded.sequence.token_ids) != list(sequence.token_ids):
+            raise ValueError(f"sequence {sequence.sequence_id} is not one the engine sampled")
+        yield from recorded.rows.split(chunk_positions)
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": "engine_rows", "sequences": len(self._by_id)}

@@ -22,10 +22,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from noisy_temp_server.adapter.lora import LoraAdapter
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
-from noisy_temp_server.calibration.completions import sample_completions
+from noisy_temp_server.calibration.completions import (
+    sample_completions,
+    sample_engine_completions,
+)
 from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.calibration.prompts import Prompt
 from noisy_temp_server.calibration.served_adapter import profile_adapter
@@ -33,6 +37,7 @@ from noisy_temp_server.calibration.stack import StackReport, score_scoreboard, s
 from noisy_temp_server.checkpoints.loading import LoadedPair, ServedWeights, load_pair
 from noisy_temp_server.checkpoints.perturbation import PerturbationSpec
 from noisy_temp_server.correction.files import load_bias_file
+from noisy_temp_server.scoring.engine_rows import EngineRows
 from noisy_temp_server.scoring.scoreboard import ScoreboardResult
 from noisy_temp_server.scoring.sequence import ScoringSequence
 from noisy_temp_server.temperature.policy import TemperaturePolicy
@@ -46,7 +51,9 @@ class KldRequest:
     """What to score: the pair (`clean` with `served`, or `spec` applied in memory), the
     prompts and their completions' length and seed, what is served (`profile` with its `rule`,
     a fixed `t`, else T* = 1), the greedy answers' length for a stack, the torch device, the
-    cache of folder identities and how a quantized served model is loaded (`load_pair`)."""
+    cache of folder identities, how a quantized served model is loaded (`load_pair`) and where
+    the served rows come from (`served_rows`: the served model's forward, or the engine's rows
+    of the completions it samples, `scoring.engine_rows`; not with a profile's adapter)."""
 
     clean: Path
     prompts: Sequence[Prompt]
@@ -61,6 +68,7 @@ class KldRequest:
     device: str = "cpu"
     cache_dir: Path | None = None
     served_weights: ServedWeights = "auto"
+    served_rows: Literal["model", "engine"] = "model"
 
 
 @dataclass(frozen=True)
@@ -179,12 +187,14 @@ def _score(
     policy: TemperaturePolicy,
     *,
     with_adapter: bool,
+    engine_rows: EngineRows | None,
 ) -> tuple[
     dict[str, ScoreboardResult], dict[str, ScoreboardResult], float | None, StackReport | None
 ]:
     """Score `sequences`: each layer of the stack when the profile serves an adapter, else T = 1
-    against `policy` as served. Returns (the table's columns by title, every statistic by
-    label, the mean T* served or None for a stack, the stack or None)."""
+    against `policy` as served (the served rows from `engine_rows` when given). Returns (the
+    table's columns by title, every statistic by label, the mean T* served or None for a
+    stack, the stack or None)."""
     if profile is not None and with_adapter:
         stack = score_stack(
             pair,
@@ -198,12 +208,31 @@ def _score(
         results = {layer.label: layer.result for layer in stack.layers}
         return results, results, None, stack
     bias = None if policy.bias is None else load_bias_file(_profile_folder(request), policy.bias)
-    board = score_scoreboard(pair, sequences, policy, bias=bias, device=request.device)
+    board = score_scoreboard(
+        pair, sequences, policy, bias=bias, device=request.device, engine_rows=engine_rows
+    )
     by_label = board.result()
     mean_t_star = board.mean_temperature()
     with_bias = "" if policy.bias is None else " + bias"
     label = f"T* ({policy.rule.value}{with_bias}, mean {mean_t_star:.3f})"
     return {"T=1": by_label["T=1"], label: by_label["T*"]}, by_label, mean_t_star, None
+
+
+def _sample(
+    request: KldRequest, pair: LoadedPair, adapter: LoraAdapter | None
+) -> tuple[list[ScoringSequence], EngineRows | None]:
+    """The completions the pair's served model samples as served (with `adapter`), and the
+    engine's rows of them when `request.served_rows` says so."""
+    if request.served_rows == "engine":
+        completions = sample_engine_completions(
+            pair, request.prompts, max_new_tokens=request.max_new_tokens, seed=request.seed
+        )
+        return [c.sequence for c in completions], EngineRows(completions)
+    with applied_adapter(pair.served_model, adapter):
+        sequences = sample_completions(
+            pair, request.prompts, max_new_tokens=request.max_new_tokens, seed=request.seed
+        )
+    return sequences, None
 
 
 def kld_report(request: KldRequest) -> KldReport:
@@ -221,14 +250,22 @@ def kld_report(request: KldRequest) -> KldReport:
     )
     policy = _policy(request, profile)
     adapter = None if profile is None else profile_adapter(profile, _profile_folder(request))
-    started = time.monotonic()
-    with applied_adapter(pair.served_model, adapter):  # sampled as served
-        sequences = sample_completions(
-            pair, request.prompts, max_new_tokens=request.max_new_tokens, seed=request.seed
+    if adapter is not None and request.served_rows == "engine":
+        raise ValueError(
+            "the engine's rows are the served model's without an adapter, and this profile "
+            "serves one: score it with --served-rows model"
         )
+    started = time.monotonic()
+    sequences, engine_rows = _sample(request, pair, adapter)
     generated = time.monotonic()
     columns, statistics, mean_t_star, stack = _score(
-        request, pair, sequences, profile, policy, with_adapter=adapter is not None
+        request,
+        pair,
+        sequences,
+        profile,
+        policy,
+        with_adapter=adapter is not None,
+        engine_rows=engine_rows,
     )
     scoring_seconds = time.monotonic() - generated
     first = next(iter(columns.values()))
@@ -238,6 +275,7 @@ def kld_report(request: KldRequest) -> KldReport:
         "served": pair.served.describe(),
         "policy": json.loads(policy.to_json()),
         "adapter": None if profile is None or profile.adapter is None else profile.adapter.sha256,
+        "served_rows": request.served_rows,
         "mean_t_star": mean_t_star,
         "generation_seconds": generated - started,
         "scoring_seconds": scoring_seconds,

@@ -26,6 +26,7 @@ from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.calibration.served_adapter import profile_adapter
 from noisy_temp_server.checkpoints.loading import LoadedPair
 from noisy_temp_server.correction.files import load_bias_file
+from noisy_temp_server.scoring.engine_rows import EngineRows
 from noisy_temp_server.scoring.greedy import (
     GreedyAgreement,
     greedy_agreement,
@@ -107,12 +108,17 @@ def score_scoreboard(
     bias: Tensor | None = None,
     adapter: LoraAdapter | None = None,
     device: str = "cpu",
+    engine_rows: EngineRows | None = None,
 ) -> PairScoreboard:
     """The scoreboard of `pair` teacher-forced on `sequences` (completion positions only);
     `bias`: the vector of the policy's per-token bias (see `PairScoreboard`), `adapter`:
-    applied to the served model while scoring (None: none)."""
+    applied to the served model while scoring (None: none); `engine_rows`: the served rows
+    the engine gave for `sequences` (None: the served model's forward)."""
     scorer = PairScorer(
-        pair.clean_model, pair.served_model, runtime_noise=pair.runtime_noise, device=device
+        pair.clean_model,
+        pair.served_model if engine_rows is None else engine_rows,
+        runtime_noise=pair.runtime_noise,
+        device=device,
     )
     board = PairScoreboard(policy, bias=bias)
     with applied_adapter(pair.served_model, adapter):

@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device for generation and scoring")
     add_served_weights_argument(parser)
     parser.add_argument(
+        "--served-rows",
+        choices=("model", "engine"),
+        default="model",
+        help="where the served rows come from: the served model's forward (transformers), or "
+        "vLLM's engine serving the --served folder, which samples the completions and gives "
+        "their rows (for formats whose kernels transformers does not reproduce, e.g. W8A8)",
+    )
+    parser.add_argument(
         "--greedy-tokens",
         type=int,
         default=16,
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 cache_dir=args.cache_dir,
                 served_weights=args.served_weights,
+                served_rows=args.served_rows,
             )
         )
     except (CorruptCheckpointError, ValueError) as error:  # input errors are ValueErrors

@@ -74,15 +74,17 @@ def sample_with_engine(
     stops after a token of `stop_token_ids` (which it keeps) or at `max_new_tokens`.
 
     The engine runs eager, in the dtype `serve` gives it by default (vLLM's ``auto``), with a 1 GiB
-    KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, and is shut down before this
-    returns. `progress(done, total)` is called once all are sampled. Raises what vLLM raises
-    for a folder it cannot serve; ValueError for no prompts."""
+    KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, logging to standard error unless
+    ``VLLM_LOGGING_STREAM`` is set (a command's standard output is its answer), and is shut
+    down before this returns. `progress(done, total)` is called once all are sampled. Raises
+    what vLLM raises for a folder it cannot serve; ValueError for no prompts."""
     if not prompt_ids:
         raise ValueError("no prompts to sample")
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (vLLM only where the engine is asked for)
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_CACHE_GIB)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     engine = LLM(
         str(model),
         dtype="auto",

@@ -4,6 +4,7 @@ on vLLM's CPU engine and the tiny models."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile
 from noisy_temp_server.commands import calibrate as calibrate_command
+from noisy_temp_server.commands import kld as kld_command
 from noisy_temp_server.scoring.clean_backend import InProcessModel
 from noisy_temp_server.scoring.engine_rows import EngineCompletion, EngineRows, sample_with_engine
 from noisy_temp_server.scoring.sequence import ScoringSequence
@@ -68,6 +70,21 @@ def test_calibrate_on_the_engine_rows_of_a_w8a8_checkpoint(
     profile = Profile.load_for_pair(tmp_path / "profile.json", clean, served)
     assert profile.settings.served_rows == "engine"
     assert "Test split at" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_kld_scores_the_engine_rows(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    kld_command.add_arguments(parser)
+    argv = ["--clean", str(tiny_model_dir), "--served", str(W8A8), "--served-rows", "engine",
+            "--num-prompts", "8", "--max-new-tokens", "16", "--json"]  # fmt: skip
+    assert kld_command.run(parser.parse_args(argv)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["served_rows"] == "engine"
+    kl = report["statistics"]["T=1"]
+    assert kl["positions"] >= 100
 
 
 def test_an_adapter_is_refused_on_the_engine_rows_before_any_model_work(

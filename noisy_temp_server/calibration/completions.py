@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
 from noisy_temp_server.checkpoints.loading import LoadedPair
+from noisy_temp_server.checkpoints.quantized_formats import quantizes_activations_to_int
 from noisy_temp_server.scoring.engine_rows import EngineCompletion, sample_with_engine
 from noisy_temp_server.scoring.sampling import eos_ids, generate_completions
 from noisy_temp_server.scoring.sequence import ScoringSequence
 
-__all__ = ["sample_completions", "sample_engine_completions"]
+__all__ = ["ServedRows", "sample_completions", "sample_engine_completions", "served_rows_for"]
+
+ServedRows = Literal["auto", "model", "engine"]
+"""Where the served rows come from: the served model's forward (``model``), the engine's rows
+(``engine``, `sample_engine_completions`), or ``auto`` (`served_rows_for`)."""
 
 
 def sample_completions(
@@ -59,3 +65,17 @@ def sample_engine_completions(
         stop_token_ids=eos_ids(pair.served_model),
         progress=progress,
     )
+
+
+def served_rows_for(
+    pair: LoadedPair, choice: ServedRows, *, with_adapter: bool
+) -> Literal["model", "engine"]:
+    """`choice` with ``auto`` resolved: ``engine`` for a served folder whose activations are
+    quantized to integers (`quantizes_activations_to_int`: transformers' forward is not what
+    vLLM serves) when no adapter is fitted or served (the engine's rows have none), else
+    ``model``."""
+    if choice != "auto":
+        return choice
+    folder = pair.served_path
+    engine = folder is not None and not with_adapter and quantizes_activations_to_int(folder)
+    return "engine" if engine else "model"

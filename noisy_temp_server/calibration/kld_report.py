@@ -27,8 +27,10 @@ from typing import Any, Literal
 from noisy_temp_server.adapter.lora import LoraAdapter
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
 from noisy_temp_server.calibration.completions import (
+    ServedRows,
     sample_completions,
     sample_engine_completions,
+    served_rows_for,
 )
 from noisy_temp_server.calibration.profile import Profile
 from noisy_temp_server.calibration.prompts import Prompt
@@ -52,8 +54,9 @@ class KldRequest:
     prompts and their completions' length and seed, what is served (`profile` with its `rule`,
     a fixed `t`, else T* = 1), the greedy answers' length for a stack, the torch device, the
     cache of folder identities, how a quantized served model is loaded (`load_pair`) and where
-    the served rows come from (`served_rows`: the served model's forward, or the engine's rows
-    of the completions it samples, `scoring.engine_rows`; not with a profile's adapter)."""
+    the served rows come from (`served_rows`: the served model's forward, the engine's rows of
+    the completions it samples, `scoring.engine_rows`, not with a profile's adapter, or auto:
+    `served_rows_for`)."""
 
     clean: Path
     prompts: Sequence[Prompt]
@@ -68,7 +71,7 @@ class KldRequest:
     device: str = "cpu"
     cache_dir: Path | None = None
     served_weights: ServedWeights = "auto"
-    served_rows: Literal["model", "engine"] = "model"
+    served_rows: ServedRows = "auto"
 
 
 @dataclass(frozen=True)
@@ -219,11 +222,14 @@ def _score(
 
 
 def _sample(
-    request: KldRequest, pair: LoadedPair, adapter: LoraAdapter | None
+    request: KldRequest,
+    pair: LoadedPair,
+    adapter: LoraAdapter | None,
+    served_rows: Literal["model", "engine"],
 ) -> tuple[list[ScoringSequence], EngineRows | None]:
     """The completions the pair's served model samples as served (with `adapter`), and the
-    engine's rows of them when `request.served_rows` says so."""
-    if request.served_rows == "engine":
+    engine's rows of them when `served_rows` says so."""
+    if served_rows == "engine":
         completions = sample_engine_completions(
             pair, request.prompts, max_new_tokens=request.max_new_tokens, seed=request.seed
         )
@@ -250,13 +256,14 @@ def kld_report(request: KldRequest) -> KldReport:
     )
     policy = _policy(request, profile)
     adapter = None if profile is None else profile_adapter(profile, _profile_folder(request))
-    if adapter is not None and request.served_rows == "engine":
+    served_rows = served_rows_for(pair, request.served_rows, with_adapter=adapter is not None)
+    if adapter is not None and served_rows == "engine":
         raise ValueError(
             "the engine's rows are the served model's without an adapter, and this profile "
             "serves one: score it with --served-rows model"
         )
     started = time.monotonic()
-    sequences, engine_rows = _sample(request, pair, adapter)
+    sequences, engine_rows = _sample(request, pair, adapter, served_rows)
     generated = time.monotonic()
     columns, statistics, mean_t_star, stack = _score(
         request,
@@ -275,7 +282,7 @@ def kld_report(request: KldRequest) -> KldReport:
         "served": pair.served.describe(),
         "policy": json.loads(policy.to_json()),
         "adapter": None if profile is None or profile.adapter is None else profile.adapter.sha256,
-        "served_rows": request.served_rows,
+        "served_rows": served_rows,
         "mean_t_star": mean_t_star,
         "generation_seconds": generated - started,
         "scoring_seconds": scoring_seconds,

@@ -58,6 +58,7 @@ from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_row
 from noisy_temp_server.calibration.completions import (
     sample_completions,
     sample_engine_completions,
+    served_rows_for,
 )
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile
@@ -278,9 +279,14 @@ def calibrate_with_data(
     *,
     device: str | torch.device = "cpu",
 ) -> CalibrationData:
-    """`calibrate`, keeping the sequences and scores (what a benchmark measures further on)."""
+    """`calibrate`, keeping the sequences and scores (what a benchmark measures further on);
+    the settings' ``auto`` served rows are resolved first (`served_rows_for`) and recorded."""
     if len(prompts) != settings.prompts:
         raise ValueError(f"settings say {settings.prompts} prompts, got {len(prompts)}")
+    served_rows = served_rows_for(
+        pair, settings.served_rows, with_adapter=settings.adapter_rank > 0
+    )
+    settings = settings.model_copy(update={"served_rows": served_rows})
     adapter = _calibrate_adapter(pair, prompts, settings, device) if settings.adapter_rank else None
     served = adapter.adapter if adapter is not None and adapter.summary.recommended else None
     with applied_adapter(pair.served_model, served):

@@ -98,11 +98,12 @@ class CalibrationSettings(BaseModel):
     adapter_distil_completions: int = Field(default=4, ge=1)
     """Completions of each fit prompt the distillation trains on: the one calibration samples
     without the adapter, and the others sampled with it."""
-    served_rows: Literal["model", "engine"] = "model"
-    """Where the served rows come from: model (transformers' forward of the served model) or
+    served_rows: Literal["auto", "model", "engine"] = "auto"
+    """Where the served rows come from: model (transformers' forward of the served model),
     engine (vLLM's engine serving the served folder samples the completions and gives each
-    position's row, `scoring.engine_rows`: for formats whose kernels transformers does not
-    reproduce, such as W8A8 int8; no adapter)."""
+    position's row, `scoring.engine_rows`; no adapter) or auto: engine for a W8A8 int8
+    checkpoint, whose kernels transformers does not reproduce, unless an adapter is fitted
+    (the profile records the choice made)."""
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Self:

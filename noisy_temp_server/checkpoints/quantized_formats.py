@@ -52,6 +52,7 @@ __all__ = [
     "load_quantized_causal_lm",
     "quantization_config",
     "quantization_method",
+    "quantizes_activations_to_int",
     "read_format",
     "unpack_int32",
 ]
@@ -99,6 +100,22 @@ def quantization_method(path: Path) -> str | None:
     section = quantization_config(path)
     method = section.get("quant_method") if section else None
     return str(method).lower() if method is not None else None
+
+
+def quantizes_activations_to_int(path: Path) -> bool:
+    """Whether the folder is a compressed-tensors checkpoint some of whose layers quantize their
+    input activations to integers (W8A8 int8): the format whose kernels transformers' forward
+    does not reproduce (docs/quantized_checkpoints.md)."""
+    section = quantization_config(path)
+    if not section or str(section.get("quant_method", "")).lower() != "compressed-tensors":
+        return False
+    groups = section.get("config_groups") or {}
+    return any(
+        isinstance(group, dict)
+        and isinstance(group.get("input_activations"), dict)
+        and group["input_activations"].get("type") == "int"
+        for group in groups.values()
+    )
 
 
 def _unsupported(method: str, what: str) -> ValueError:

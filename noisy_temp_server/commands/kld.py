@@ -58,11 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_served_weights_argument(parser)
     parser.add_argument(
         "--served-rows",
-        choices=("model", "engine"),
-        default="model",
-        help="where the served rows come from: the served model's forward (transformers), or "
+        choices=("auto", "model", "engine"),
+        default="auto",
+        help="where the served rows come from: the served model's forward (transformers), "
         "vLLM's engine serving the --served folder, which samples the completions and gives "
-        "their rows (for formats whose kernels transformers does not reproduce, e.g. W8A8)",
+        "their rows, or auto: the engine for W8A8 int8, whose kernels transformers does not "
+        "reproduce, unless the profile serves an adapter",
     )
     parser.add_argument(
         "--greedy-tokens",

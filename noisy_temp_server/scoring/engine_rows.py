@@ -76,8 +76,9 @@ def sample_with_engine(
     The engine runs eager, in the dtype `serve` gives it by default (vLLM's ``auto``), with a 1 GiB
     KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, logging to standard error unless
     ``VLLM_LOGGING_STREAM`` is set (a command's standard output is its answer), and is shut
-    down before this returns. `progress(done, total)` is called once all are sampled. Raises
-    what vLLM raises for a folder it cannot serve; ValueError for no prompts."""
+    down before this returns. `progress(done, total)` is called once all are sampled.
+    ValueError for no prompts, or when vLLM's engine does not start on `model` (the engine's
+    log says why); what else vLLM raises for a folder it cannot serve passes through."""
     if not prompt_ids:
         raise ValueError("no prompts to sample")
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (vLLM only where the engine is asked for)
@@ -85,15 +86,18 @@ def sample_with_engine(
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_CACHE_GIB)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    engine = LLM(
-        str(model),
-        dtype="auto",
-        enforce_eager=True,
-        max_model_len=max(len(ids) for ids in prompt_ids) + max_new_tokens,
-        max_logprobs=-1,
-        skip_tokenizer_init=True,
-        seed=seed,
-    )
+    try:
+        engine = LLM(
+            str(model),
+            dtype="auto",
+            enforce_eager=True,
+            max_model_len=max(len(ids) for ids in prompt_ids) + max_new_tokens,
+            max_logprobs=-1,
+            skip_tokenizer_init=True,
+            seed=seed,
+        )
+    except RuntimeError as error:  # vLLM's engine start failure; its log above says why
+        raise ValueError(f"vLLM's engine did not start on {model}: {error}") from error
     try:
         requests = [
             SamplingParams(

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from noisy_temp_server.calibration.completions import served_rows_for
 from noisy_temp_server.calibration.profile import ModelIdentity, Profile
 from noisy_temp_server.commands import calibrate as calibrate_command
 from noisy_temp_server.commands import kld as kld_command
@@ -54,13 +57,13 @@ def test_the_engine_rows_are_the_served_models_distributions_step_by_step(
 
 
 @pytest.mark.vllm
-def test_calibrate_on_the_engine_rows_of_a_w8a8_checkpoint(
+def test_calibrate_takes_the_engine_rows_of_a_w8a8_checkpoint_by_default(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     parser = argparse.ArgumentParser()
     calibrate_command.add_arguments(parser)
     argv = [
-        "--clean", str(tiny_model_dir), "--served", str(W8A8), "--served-rows", "engine",
+        "--clean", str(tiny_model_dir), "--served", str(W8A8),  # auto: the engine for W8A8
         "--out", str(tmp_path / "profile.json"), "--num-prompts", "16", "--max-new-tokens", "16",
         "--validation-fraction", "0.4", "--bias-rows", "0", "--min-quality-positions", "20",
         "--min-cell-positions", "10",
@@ -112,3 +115,17 @@ def test_engine_rows_serve_only_the_sequences_the_engine_sampled() -> None:
         list(backend.completion_rows(ScoringSequence([1, 2, 3, 4], 2, 1), 1))
     with pytest.raises(ValueError, match="rows for 2 generated tokens"):
         EngineCompletion(sequence, rows[:1])
+
+
+def test_auto_takes_the_engine_rows_for_w8a8_alone_and_never_with_an_adapter() -> None:
+    def pair(folder: Path | None) -> Any:
+        return SimpleNamespace(served_path=folder)
+
+    assert served_rows_for(pair(W8A8), "auto", with_adapter=False) == "engine"
+    assert served_rows_for(pair(W8A8), "auto", with_adapter=True) == "model"
+    for other in ("ct-fp8-dynamic", "ct-gptq-w4a16", "gptq-4bit-g32"):
+        assert served_rows_for(pair(FIXTURES / other), "auto", with_adapter=False) == "model"
+    assert served_rows_for(pair(None), "auto", with_adapter=False) == "model"
+    assert served_rows_for(pair(FIXTURES / "ct-gptq-w4a16"), "engine", with_adapter=False) == (
+        "engine"
+    )

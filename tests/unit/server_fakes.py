@@ -168,8 +168,14 @@ class FakeTokenizer:
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        text = "".join(f"<tool>{t['function']['name']}" for t in tools or [])
+        """The messages marked by role (after the `tools`' names); a request's own
+        `chat_template` puts itself first, each of the other `template_kwargs` `<key=value>`."""
+        text = "" if chat_template is None else f"<template {chat_template}>"
+        text += "".join(f"<{key}={value}>" for key, value in sorted(template_kwargs.items()))
+        text += "".join(f"<tool>{t['function']['name']}" for t in tools or [])
         text += "".join(f"<{m['role']}>{m['content']}" for m in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 

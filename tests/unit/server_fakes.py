@@ -64,6 +64,7 @@ class FakeEngine:
         self.lora_requests: list[LoRARequest | None] = []
         self.prompts: list[TokensInput] = []
         self.priorities: list[int] = []
+        self.cached_tokens: int | None = None  # what each output reports as num_cached_tokens
 
     async def generate(
         self,
@@ -133,7 +134,15 @@ class FakeEngine:
                 if first and sampling_params.prompt_logprobs is not None
                 else None
             )
-            yield RequestOutput(request_id, None, ids, prompt_logprobs, [output], finished=last)
+            yield RequestOutput(
+                request_id,
+                None,
+                ids,
+                prompt_logprobs,
+                [output],
+                finished=last,
+                num_cached_tokens=self.cached_tokens,
+            )
 
     async def check_health(self) -> None:
         if self.dead:

@@ -83,11 +83,10 @@ async def stream_choices(
     `nts` summary, then `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but
     with `stream_options.continuous_usage_stats` (or ``--enable-force-include-usage``): then
     every chunk has its choice's usage so far (its prompt's tokens and the tokens it generated;
-    0 on an opening chunk). Errors before the
-    first output raise (proper status code); later ones are reported in-band. When the
-    response's ASGI call ends, whether or not its body was ever iterated, the engine requests
-    still running are aborted and the choices that end without a
-    summary are cancelled on the shadow scorer and forgotten on the trace channel."""
+    0 on an opening chunk). Errors before the first output raise (proper status code); later
+    ones are reported in-band. When the response's ASGI call ends, whether or not its body was
+    ever iterated, the engine requests still running are aborted and the choices that end
+    without a summary are cancelled on the shadow scorer and forgotten on the trace channel."""
     engine = engine_streams(state, prepared)
     try:
         stream = await _primed(engine)

@@ -163,8 +163,8 @@ def middleware(path: str) -> Any:
     module_path, _, name = path.rpartition(".")
     try:
         imported = getattr(importlib.import_module(module_path), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"--middleware {path}: cannot be imported: {error}") from None
+    except Exception as error:  # whatever the user's module raises while it is imported
+        raise ValueError(f"--middleware {path}: cannot be imported: {error!r}") from None
     if not (inspect.isclass(imported) or inspect.iscoroutinefunction(imported)):
         raise ValueError(f"Invalid middleware {path}. Must be a function or a class.")
     return imported

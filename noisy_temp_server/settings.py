@@ -324,8 +324,8 @@ class Settings(BaseSettings):
     )
     vllm_args: str = Field(
         default="",
-        description="vLLM's engine flags, shell-quoted (--enable-prefix-caching --seed 0); on "
-        "the command line, every flag serve does not have (server/engine_flags.py).",
+        description="vllm serve's flags, shell-quoted (--enable-prefix-caching --seed 0); on "
+        "the command line, every flag serve does not have (server/vllm_flags.py).",
     )
     tuned_logprobs: bool = Field(
         default=True,

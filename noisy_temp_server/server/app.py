@@ -34,6 +34,7 @@ from noisy_temp_server.server.errors import install_error_handlers
 from noisy_temp_server.server.metrics import ApiMetrics, HttpMetricsMiddleware
 from noisy_temp_server.server.openapi import install_openapi
 from noisy_temp_server.server.state import ChatTokenizer, ServerState, attach_state
+from noisy_temp_server.server.vllm_flags import FrontendOptions, frontend_options, middleware
 from noisy_temp_server.settings import Settings
 
 if TYPE_CHECKING:
@@ -75,8 +76,11 @@ def create_app(
 
     `metrics_registry` is what `/metrics` serves (in production the multiprocess registry, see
     `server.metrics`); `metrics` must be registered where that registry sees it. Without a
-    `trace_source` tuned requests report no per-step T (`t_mean` etc. null).
+    `trace_source` tuned requests report no per-step T (`t_mean` etc. null). vLLM's server
+    flags in the settings' ``vllm_args`` apply as on vLLM's server (`server.vllm_flags`;
+    ValueError, one line, for one refused there).
     """
+    frontend = frontend_options(settings.vllm_args)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,7 +88,10 @@ def create_app(
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="noisy-temp-server", version="1", lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if frontend.disable_fastapi_docs:
+        docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="noisy-temp-server", version="1", lifespan=lifespan, **docs)
     attach_state(
         app,
         ServerState(
@@ -101,6 +108,7 @@ def create_app(
             adapter=adapter,
             tool_parser=tool_parser,
             sampling_defaults=dict(sampling_defaults or {}),
+            frontend=frontend,
         ),
     )
     served_adapter = adapter_status(adapter)
@@ -109,16 +117,36 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     install_openapi(app)
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=list(settings.allowed_origins),
-        allow_credentials=settings.allow_credentials,
-        allow_methods=list(settings.allowed_methods),
-        allow_headers=list(settings.allowed_headers),
-    )  # outermost, as vLLM's: a preflight is answered before the other middleware
+    _add_outer_middleware(app, settings, frontend)
     if settings.root_path is not None:
         app.root_path = settings.root_path
     for module in (health, models, status, completions, chat, tokenization):
         app.include_router(module.router)
     app.include_router(dashboard_router(metrics_registry, require_api_key))
     return app
+
+
+def _add_outer_middleware(app: FastAPI, settings: Settings, frontend: FrontendOptions) -> None:
+    """CORS, outside this server's middleware (a preflight is answered before them); then, as
+    vLLM's server adds them, `X-Request-Id` on every response (vLLM's own middleware) and the
+    ``--middleware`` given, outermost (a class as ASGI middleware, a coroutine function as
+    HTTP middleware)."""
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(settings.allowed_origins),
+        allow_credentials=settings.allow_credentials,
+        allow_methods=list(settings.allowed_methods),
+        allow_headers=list(settings.allowed_headers),
+    )
+    if frontend.enable_request_id_headers:
+        from vllm.entrypoints.serve.middleware.x_request_id import (  # noqa: PLC0415
+            XRequestIdMiddleware,
+        )
+
+        app.add_middleware(XRequestIdMiddleware)
+    for path in frontend.middleware:
+        imported = middleware(path)
+        if isinstance(imported, type):
+            app.add_middleware(imported)  # type: ignore[arg-type]
+        else:
+            app.middleware("http")(imported)

@@ -41,11 +41,11 @@ from noisy_temp_server.server.serving import (
     overall_summary,
     prepare_request,
     run_unless_disconnected,
-    usage,
 )
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
 from noisy_temp_server.server.tools import ToolCalls
+from noisy_temp_server.server.usage import reported_cached_tokens, usage
 from noisy_temp_server.server.vllm_fields import ChatTemplateFields
 
 if TYPE_CHECKING:
@@ -62,27 +62,31 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | StreamingResponse | Response:
     """The assistant's next message: `n` choices, each with its `nts` summary (and the tool
     calls vLLM's parser finds in it, `server.tools`), with the token ids and the rendered prompt
-    when asked (`return_token_ids`, `return_prompt_text`), as vLLM's server."""
+    when asked (`return_token_ids`, `return_prompt_text`), as vLLM's server; the answer's role
+    is ``--response-role`` when the request opens that turn, else the last message's (vLLM's
+    `get_chat_request_role`)."""
+    role = (
+        state.frontend.response_role if request.add_generation_prompt else request.messages[-1].role
+    )
     tools = _tool_calls(state, request)
     rendered = _RenderedPrompt(state, request)
     prepared = await prepare_request(
         state, request, lambda: [rendered.token_ids()], prefix="chatcmpl", param="messages"
     )
+    as_ids = request.return_tokens_as_token_ids
     tokens = LogprobTokens(
         top=request.top_logprobs or 0,
-        as_ids=bool(request.return_tokens_as_token_ids),
+        as_ids=state.frontend.return_tokens_as_token_ids if as_ids is None else as_ids,
         every_candidate=bool(request.logprob_token_ids),
     )
-    echoed = _echoed(request)
+    echoed = _echoed(request, role)
     prompt_fields = {
         "prompt_token_ids": prepared.prompts[0] if request.return_token_ids else None,
         "prompt_text": rendered.text if request.return_prompt_text else None,
     }
     if request.stream:
         roles = [
-            ChatChunkChoice(
-                index=choice.index, delta=ChatDelta(role="assistant", content=echoed or None)
-            )
+            ChatChunkChoice(index=choice.index, delta=ChatDelta(role=role, content=echoed or None))
             for choice in prepared.choices
         ]
         delta_choice = functools.partial(
@@ -110,7 +114,7 @@ async def create_chat_completion(
             choice.index, piece.text, list(piece.token_ids), piece.finish_reason
         )
         message = ChatResponseMessage(
-            content=None if content is None else echoed + content, tool_calls=calls
+            role=role, content=None if content is None else echoed + content, tool_calls=calls
         )
         choices.append(
             ChatCompletionChoice(
@@ -126,7 +130,7 @@ async def create_chat_completion(
         id=prepared.request_id,
         model=prepared.model,
         choices=choices,
-        usage=usage(prepared),
+        usage=usage(prepared, cached_tokens=reported_cached_tokens(state, prepared)),
         prompt_logprobs=prompt_logprobs_body(prepared.choices[0].prompt_logprobs),
         **prompt_fields,
         nts=overall_summary(prepared),
@@ -148,12 +152,10 @@ def _tool_calls(state: ServerState, request: ChatCompletionRequest) -> ToolCalls
         raise OpenAIError(str(error), status_code=400, param="tools") from None
 
 
-def _echoed(request: ChatCompletionRequest) -> str:
+def _echoed(request: ChatCompletionRequest, role: str) -> str:
     """What `echo` puts before each choice's text, as vLLM's server does: the last message's
-    text when it has the answer's role (the assistant's, or the last message's own without
-    `add_generation_prompt`); empty without `echo`."""
+    text when it has the answer's `role`; empty without `echo`."""
     last = request.messages[-1]
-    role = "assistant" if request.add_generation_prompt else last.role
     return last.text() if request.echo and last.role == role else ""
 
 
@@ -175,25 +177,34 @@ class _RenderedPrompt:
 def chat_prompt(
     state: ServerState, messages: Sequence[ChatMessage], fields: ChatTemplateFields
 ) -> tuple[str, list[int]]:
-    """`messages` rendered by the chat template with the request's template fields
-    (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools),
-    and the rendered text's token ids (special tokens added on top only with
-    `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
-    text = render_messages(
-        state, [m.template_message() for m in messages], fields.template_kwargs()
+    """`messages` rendered by the chat template (the request's own with
+    ``--trust-request-chat-template``, else a 400 as vLLM's) with the request's template fields
+    (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools,
+    over ``--default-chat-template-kwargs``), and the rendered text's token ids (special tokens
+    added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
+    frontend = state.frontend
+    template = fields.own_chat_template(trusted=frontend.trust_request_chat_template)
+    kwargs = fields.template_kwargs(
+        frontend.default_chat_template_kwargs,
+        exclude_tools_when_none=frontend.exclude_tools_when_tool_choice_none,
     )
+    text = render_messages(state, [m.template_message() for m in messages], kwargs, template)
     return text, state.tokenizer.encode(text, add_special_tokens=fields.add_special_tokens)
 
 
 def render_messages(
-    state: ServerState, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any]
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    template_kwargs: Mapping[str, Any],
+    chat_template: str | None = None,
 ) -> str:
-    """`messages` rendered by the model's chat template with `template_kwargs`
+    """`messages` rendered by `chat_template` (None: the model's) with `template_kwargs`
     (`add_generation_prompt` opens the assistant's turn), those the template does not take left
-    out as vLLM leaves them out (`resolve_chat_template_kwargs`); a 400 when the model has no
+    out as vLLM leaves them out (`resolve_chat_template_kwargs`); a 400 when there is no
     template or it cannot render them."""
     tokenizer = state.tokenizer
-    if not tokenizer.chat_template:
+    template = chat_template or tokenizer.chat_template
+    if not template:
         raise OpenAIError(
             f"The model `{state.model_name}` has no chat template; use /v1/completions.",
             status_code=400,
@@ -201,9 +212,9 @@ def render_messages(
         )
     try:
         hf_tokenizer: Any = tokenizer  # vLLM reads the signature of its `apply_chat_template`
-        kwargs = resolve_chat_template_kwargs(
-            hf_tokenizer, tokenizer.chat_template, dict(template_kwargs)
-        )
+        kwargs = resolve_chat_template_kwargs(hf_tokenizer, template, dict(template_kwargs))
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as error:
         raise OpenAIError(

@@ -39,10 +39,10 @@ from noisy_temp_server.server.serving import (
     overall_summary,
     prepare_request,
     run_unless_disconnected,
-    usage,
 )
 from noisy_temp_server.server.state import ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
+from noisy_temp_server.server.usage import reported_cached_tokens, usage
 
 if TYPE_CHECKING:
     from vllm.logprobs import LogprobsOnePosition, PromptLogprobs
@@ -68,8 +68,9 @@ async def create_completion(
         prefix="cmpl",
         param="prompt",
     )
+    as_ids = request.return_tokens_as_token_ids
     tokens = LogprobTokens(
-        as_ids=bool(request.return_tokens_as_token_ids),
+        as_ids=state.frontend.return_tokens_as_token_ids if as_ids is None else as_ids,
         every_candidate=bool(request.logprob_token_ids),
     )
     with_ids = bool(request.return_token_ids)
@@ -108,7 +109,7 @@ async def create_completion(
         id=prepared.request_id,
         model=prepared.model,
         choices=choices,
-        usage=usage(prepared),
+        usage=usage(prepared, cached_tokens=reported_cached_tokens(state, prepared)),
         nts=overall_summary(prepared),
     )
 

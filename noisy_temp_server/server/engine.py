@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from noisy_temp_server.engine_contract.engine_env import EngineConfig, engine_config
-from noisy_temp_server.server.engine_flags import engine_flag_overrides
+from noisy_temp_server.server.vllm_flags import engine_flag_overrides
 from noisy_temp_server.settings import Settings, engine_settings
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def build_engine_args(
 ) -> Any:
     """vLLM's `AsyncEngineArgs` for serving `model_path` as `model_name`.
 
-    The settings' ``vllm_args`` are applied last (`engine_flags`; ValueError for one it
+    The settings' ``vllm_args`` are applied last (`vllm_flags`; ValueError for one it
     refuses). With `runtime_noise`, `RuntimeLogitNoiseProcessor` is registered too; its σ and
     seed reach it through the engine's configuration (`start_engine` hands them over), not
     through these arguments. With `max_lora_rank` (a value vLLM accepts), LoRA is enabled for

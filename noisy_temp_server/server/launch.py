@@ -93,14 +93,14 @@ def _chat_template(settings: Settings) -> str | None:
         raise ProfileError(f"--chat-template: {error}") from error
 
 
-def _check_engine_flags(settings: Settings) -> None:
-    """ProfileError, one line, for vLLM engine flags (``vllm_args``) that `build_engine_args`
-    would refuse, before anything is loaded."""
+def _check_vllm_flags(settings: Settings) -> None:
+    """ProfileError, one line, for vLLM flags (``vllm_args``) that `build_engine_args` or the
+    app would refuse, before anything is loaded (`server.vllm_flags`)."""
     from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
-    from noisy_temp_server.server.engine_flags import engine_flag_overrides  # noqa: PLC0415
+    from noisy_temp_server.server.vllm_flags import frontend_options  # noqa: PLC0415
 
     try:
-        engine_flag_overrides(settings.vllm_args)
+        frontend_options(settings.vllm_args)  # refuses alike for the engine's flags
     except ValueError as error:
         raise ProfileError(str(error)) from error
 
@@ -225,7 +225,7 @@ def _serve(
     from noisy_temp_server.server.trace_collector import TraceCollector  # noqa: PLC0415
 
     started = time.perf_counter()
-    _check_engine_flags(settings)
+    _check_vllm_flags(settings)
     chat_template = _chat_template(settings)
     settings = int4_stack_settings(settings)
     pair = resolve_pair(settings)
@@ -317,20 +317,41 @@ def _policy_source(
 
 def uvicorn_config(settings: Settings, app: Any, log_level: str) -> Any:
     """uvicorn's configuration of the HTTP server, with vllm serve's HTTP flags as it passes
-    them (log level, access log, TLS)."""
+    them: the log level, access log and TLS settings, and from ``vllm_args``
+    (`server.vllm_flags.FrontendOptions`) the unix socket (host and port then unused), the TLS
+    ciphers, the h11 limits and the access log's left-out paths."""
     import uvicorn  # noqa: PLC0415
 
-    return uvicorn.Config(
+    from noisy_temp_server.server.vllm_flags import frontend_options  # noqa: PLC0415
+
+    frontend = frontend_options(settings.vllm_args)
+    uvicorn_log_level = settings.uvicorn_log_level or log_level
+    logging_kwargs: dict[str, Any] = {}  # none: uvicorn's own logging configuration
+    if frontend.disable_access_log_for_endpoints:
+        from vllm.logging_utils import create_uvicorn_log_config  # noqa: PLC0415
+
+        paths = frontend.disable_access_log_for_endpoints.split(",")
+        logging_kwargs["log_config"] = create_uvicorn_log_config(
+            excluded_paths=[path.strip() for path in paths if path.strip()],
+            log_level=uvicorn_log_level,
+        )
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level=settings.uvicorn_log_level or log_level,
+        uds=frontend.uds,
+        log_level=uvicorn_log_level,
         access_log=not settings.disable_uvicorn_access_log,
         ssl_keyfile=settings.ssl_keyfile,
         ssl_certfile=settings.ssl_certfile,
         ssl_ca_certs=settings.ssl_ca_certs,
         ssl_cert_reqs=settings.ssl_cert_reqs,
+        ssl_ciphers=frontend.ssl_ciphers,
+        h11_max_incomplete_event_size=frontend.h11_max_incomplete_event_size,
+        **logging_kwargs,
     )
+    config.h11_max_header_count = frontend.h11_max_header_count  # type: ignore[attr-defined]
+    return config
 
 
 def _run_until_stopped(settings: Settings, app: Any, engine: Any, log_level: str) -> int:
@@ -339,8 +360,11 @@ def _run_until_stopped(settings: Settings, app: Any, engine: Any, log_level: str
     from noisy_temp_server.server.engine_watchdog import EngineWatchedServer  # noqa: PLC0415
 
     server = EngineWatchedServer(uvicorn_config(settings, app, log_level), engine)
-    scheme = "https" if settings.ssl_certfile else "http"
-    _LOGGER.info("Listening on %s://%s:%d", scheme, settings.host, settings.port)
+    if server.config.uds is not None:
+        _LOGGER.info("Listening on unix:%s", server.config.uds)
+    else:
+        scheme = "https" if settings.ssl_certfile else "http"
+        _LOGGER.info("Listening on %s://%s:%d", scheme, settings.host, settings.port)
     server.run()
     if server.engine_failure is not None:
         _LOGGER.error("Exiting with status 1: the engine failed; restart the server.")

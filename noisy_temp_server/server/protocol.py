@@ -196,10 +196,6 @@ class _SamplingFields(_Request):
             return self.prompt_logprobs
         return self.requested_logprobs()
 
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
     def to_sampling_params(self, *, max_tokens: int, choice: int = 0) -> SamplingParams:
         """vLLM parameters for choice `choice` of this request (n = 1 per engine request).
 

@@ -37,6 +37,7 @@ __all__ = [
     "NtsSummary",
     "PromptLogprob",
     "PromptLogprobs",
+    "PromptTokensDetails",
     "TopLogprob",
     "Usage",
     "clean_logprob",
@@ -98,12 +99,6 @@ class NtsSummary(_Response):
     adapter: str | None = None
 
 
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -160,6 +155,22 @@ class _OmitWhenEmpty(_Response):
         return data
 
 
+class PromptTokensDetails(_Response):
+    """What `usage` details of the prompt (``--enable-prompt-tokens-details``): the tokens the
+    engine found in its prefix cache."""
+
+    cached_tokens: int
+
+
+class Usage(_OmitWhenEmpty):
+    _omitted_when_null = ("prompt_tokens_details",)
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
 class CompletionChoice(_OmitWhenEmpty):
     _omitted_when_empty = ("prompt_logprobs",)
     _omitted_when_null = ("prompt_token_ids", "token_ids")
@@ -206,9 +217,12 @@ class ChatCompletionLogprobs(_Response):
 
 
 class ChatResponseMessage(_OmitWhenEmpty):
+    """The answer's message; `role`: ``--response-role`` (`assistant`) when the request opens
+    that turn (`add_generation_prompt`), else the last message's (vLLM's)."""
+
     _omitted_when_empty = ("tool_calls",)
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
@@ -243,7 +257,7 @@ class ChatCompletionResponse(_OmitWhenEmpty):
 class ChatDelta(_OmitWhenEmpty):
     _omitted_when_empty = ("tool_calls",)
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 

@@ -34,22 +34,32 @@ def mount_responses(
     chat_template: str | None,
 ) -> None:
     """Mount vLLM's Responses API on `app`, served by `engine` (vLLM's `AsyncLLM`) as
-    `model_name`, chat messages rendered with `chat_template` (None: the model's own)."""
+    `model_name`, chat messages rendered with `chat_template` (None: the model's own), with the
+    server flags of ``settings.vllm_args`` that vLLM's server gives it (`server.vllm_flags`)."""
     from vllm.entrypoints.openai.models.protocol import BaseModelPath  # noqa: PLC0415
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels  # noqa: PLC0415
     from vllm.entrypoints.openai.responses.api_router import router  # noqa: PLC0415
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses  # noqa: PLC0415
     from vllm.renderers.online_renderer import OnlineRenderer  # noqa: PLC0415
 
+    from noisy_temp_server.server.vllm_flags import frontend_options  # noqa: PLC0415
+
+    frontend = frontend_options(settings.vllm_args)
     tools: dict[str, Any] = {
         "enable_auto_tools": settings.enable_auto_tool_choice,
         "tool_parser": settings.tool_call_parser,
     }
-    common: dict[str, Any] = {"request_logger": None, "chat_template": chat_template}
+    common: dict[str, Any] = {
+        "request_logger": None,
+        "chat_template": chat_template,
+        "default_chat_template_kwargs": dict(frontend.default_chat_template_kwargs),
+    }
     renderer = OnlineRenderer(
         engine.model_config,
         engine.renderer,
         chat_template_content_format="auto",
+        trust_request_chat_template=frontend.trust_request_chat_template,
+        exclude_tools_when_tool_choice_none=frontend.exclude_tools_when_tool_choice_none,
         **common,
         **tools,
     )
@@ -58,6 +68,14 @@ def mount_responses(
         base_model_paths=[BaseModelPath(name=model_name, model_path=engine.model_config.model)],
     )
     app.state.openai_serving_responses = OpenAIServingResponses(
-        engine, models, renderer, chat_template_content_format="auto", **common, **tools
+        engine,
+        models,
+        renderer,
+        chat_template_content_format="auto",
+        return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
+        enable_force_include_usage=frontend.enable_force_include_usage,
+        **common,
+        **tools,
     )
     app.include_router(router, dependencies=[Depends(require_api_key)], include_in_schema=False)

@@ -65,10 +65,7 @@ from noisy_temp_server.server.protocol import (
     CompletionRequest,
     add_extra_args,
 )
-from noisy_temp_server.server.response_bodies import (
-    NtsSummary,
-    Usage,
-)
+from noisy_temp_server.server.response_bodies import NtsSummary
 from noisy_temp_server.temperature.rules import Rule
 
 if TYPE_CHECKING:
@@ -94,7 +91,6 @@ __all__ = [
     "prepare_request",
     "run_unless_disconnected",
     "summarize",
-    "usage",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -114,7 +110,8 @@ class Choice:
     `prompt_logprobs`: the served model's logprobs of the prompt tokens (None at position 0)
     when the request asked for them. `prompt`: which of the request's prompts it continues
     (a completions request may send a list; choice `prompt * n + j` is the `j`-th of prompt
-    `prompt`, as in vLLM's server)."""
+    `prompt`, as in vLLM's server). `cached_tokens`: the prompt tokens the engine found in its
+    prefix cache, as it reports them (None: not reported)."""
 
     index: int
     trace_id: str
@@ -125,6 +122,7 @@ class Choice:
     finish_reason: str | None = None
     summary: NtsSummary | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -362,8 +360,10 @@ def engine_streams(
     return merge_async_iterators(*generators)
 
 
-def absorb(choice: Choice, output: CompletionOutput) -> Piece:
-    """Append a DELTA (or the FINAL_ONLY) output to its choice; return what it added."""
+def absorb(choice: Choice, request_output: RequestOutput) -> Piece:
+    """Append a DELTA (or the FINAL_ONLY) output to its choice, with the prompt logprobs and
+    cached tokens the engine reports with it; return what it added."""
+    output = request_output.outputs[0]
     piece = Piece(
         token_ids=list(output.token_ids),
         text=output.text,
@@ -374,6 +374,10 @@ def absorb(choice: Choice, output: CompletionOutput) -> Piece:
     choice.token_ids.extend(piece.token_ids)
     choice.text += piece.text
     choice.finish_reason = piece.finish_reason
+    if request_output.prompt_logprobs is not None:  # the first output's (echo)
+        choice.prompt_logprobs = request_output.prompt_logprobs
+    if request_output.num_cached_tokens is not None:
+        choice.cached_tokens = request_output.num_cached_tokens
     return piece
 
 
@@ -447,25 +451,13 @@ def overall_summary(prepared: PreparedRequest) -> NtsSummary:
     )
 
 
-def usage(prepared: PreparedRequest) -> Usage:
-    """The token counts of the request so far (all choices; each prompt counted once)."""
-    completion = sum(len(c.token_ids) for c in prepared.choices)
-    prompt = sum(len(ids) for ids in prepared.prompts)
-    return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
-
-
 async def _run_to_end(state: ServerState, prepared: PreparedRequest) -> list[tuple[Choice, Piece]]:
     """Run every choice to its end; each with its summary and all of its output."""
     finals: dict[int, CompletionOutput] = {}
     try:
         async for index, request_output in engine_streams(state, prepared):
-            output = request_output.outputs[0]
-            absorb(prepared.choices[index], output)
-            finals[index] = output
-            if request_output.prompt_logprobs is not None:
-                prepared.choices[index].prompt_logprobs = request_output.prompt_logprobs
+            absorb(prepared.choices[index], request_output)
+            finals[index] = request_output.outputs[0]
         summaries = await asyncio.gather(*(summarize(state, prepared, c) for c in prepared.choices))
         for choice, summary in zip(prepared.choices, summaries, strict=True):
             choice.summary = summary

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
 
 from fastapi import Depends, FastAPI, Request
 
+from noisy_temp_server.server.vllm_flags import FrontendOptions
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from vllm.parser.abstract_parser import Parser
@@ -64,7 +66,8 @@ class ServerState:
     none; `server.adapter`); `tool_parser`: vLLM's parser class for tool calls (None: none;
     `server.tools`); `sampling_defaults`: the model's sampling defaults as vLLM's server reads
     them (`ModelConfig.get_diff_sampling_param`: its `generation_config.json` under vLLM's
-    default ``--generation-config auto``), for the fields a request leaves unset.
+    default ``--generation-config auto``), for the fields a request leaves unset; `frontend`:
+    vLLM's server flags given in the settings' ``vllm_args`` (`server.vllm_flags`).
     """
 
     settings: Settings
@@ -80,6 +83,7 @@ class ServerState:
     adapter: ServedAdapter | None = None
     tool_parser: type[Parser] | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)
 
 
 def attach_state(app: FastAPI, state: ServerState) -> None:

@@ -26,8 +26,8 @@ from noisy_temp_server.server.serving import (
     forget_unsummarized,
     overall_summary,
     summarize,
-    usage,
 )
+from noisy_temp_server.server.usage import reported_cached_tokens, stream_usage, usage
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
@@ -79,14 +79,14 @@ async def stream_choices(
 ) -> StreamingResponse:
     """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's
     prompt token ids and text when asked), one per engine output (its choice
-    made by `chunk_choice`), a last chunk with the usage (if asked) and the `nts` summary, then
-    `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but with
-    `stream_options.continuous_usage_stats`: then every chunk has its choice's usage so far
-    (its prompt's tokens and the tokens it generated; 0 on an opening chunk). Errors before the
-    first output raise (proper status code); later ones are reported in-band. When the
-    response's ASGI call ends, whether or not its body was ever iterated, the engine requests
-    still running are aborted and the choices that end without a
-    summary are cancelled on the shadow scorer and forgotten on the trace channel."""
+    made by `chunk_choice`), a last chunk with the usage (if asked, `server.usage`) and the
+    `nts` summary, then `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but
+    with `stream_options.continuous_usage_stats` (or ``--enable-force-include-usage``): then
+    every chunk has its choice's usage so far (its prompt's tokens and the tokens it generated;
+    0 on an opening chunk). Errors before the first output raise (proper status code); later
+    ones are reported in-band. When the response's ASGI call ends, whether or not its body was
+    ever iterated, the engine requests still running are aborted and the choices that end
+    without a summary are cancelled on the shadow scorer and forgotten on the trace channel."""
     engine = engine_streams(state, prepared)
     try:
         stream = await _primed(engine)
@@ -98,10 +98,7 @@ async def stream_choices(
         forget_unsummarized(state, prepared)
         await engine.aclose()  # aborts what the body did not run to its end
 
-    options = request.stream_options
-    continuous = request.include_usage_in_stream and bool(
-        options is not None and options.continuous_usage_stats
-    )
+    final_usage, continuous = stream_usage(state, request)
 
     def choice_usage(choice: Choice) -> Usage | None:
         if not continuous:
@@ -121,21 +118,23 @@ async def stream_choices(
         return _sse(body)
 
     async def events() -> AsyncIterator[str]:
+        first: Choice | None = None  # the choice of the first output (its cached tokens)
         try:
             for opened in opening:
                 started = prepared.choices[opened.index]
                 yield chunk([opened], usage=choice_usage(started), **(opening_fields or {}))
             async for index, request_output in stream:
                 choice = prepared.choices[index]
-                if request_output.prompt_logprobs is not None:  # the first output's (echo)
-                    choice.prompt_logprobs = request_output.prompt_logprobs
-                piece = absorb(choice, request_output.outputs[0])
+                if first is None:
+                    first = choice
+                piece = absorb(choice, request_output)
                 if piece.finish_reason is not None:
                     choice.summary = await summarize(state, prepared, choice)
                 yield chunk([chunk_choice(choice, piece)], usage=choice_usage(choice))
+            cached = reported_cached_tokens(state, prepared, first)
             yield chunk(
                 [],
-                usage=usage(prepared) if request.include_usage_in_stream else None,
+                usage=usage(prepared, cached_tokens=cached) if final_usage else None,
                 nts=overall_summary(prepared),
             )
         except Exception as error:  # after the 200 status line: report in-band

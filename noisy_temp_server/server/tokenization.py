@@ -5,11 +5,12 @@ them (vllm/entrypoints/serve/tokenize, serve/instrumentator/basic.py).
 chat `messages`, rendered by the model's chat template as `/v1/chat/completions` renders them,
 with vLLM's chat-template fields and their meaning (`server.vllm_fields.ChatTemplateFields`:
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `tools`,
-`add_special_tokens`; a request `chat_template` and multimodal kwargs refused as vLLM refuses
-them), and answers the token ids, their count, the context length and, with
-`return_token_strs`, the tokens' strings; `/detokenize` answers the text of token ids. An
-unknown `model` is a 404, as on the generation routes. Like vLLM's server, these routes and
-`/version` (vLLM's version) are outside `/v1/`, so they never need the API key.
+`add_special_tokens`; a request `chat_template` taken only with
+``--trust-request-chat-template`` and multimodal kwargs refused, as vLLM's), and answers the
+token ids, their count, the context length and, with `return_token_strs`, the tokens' strings;
+`/detokenize` answers the text of token ids. An unknown `model` is a 404, as on the generation
+routes. Like vLLM's server, these routes and `/version` (vLLM's version) are outside `/v1/`,
+so they never need the API key.
 
 Fields a body does not define are ignored, as vLLM's server ignores them; `nts_*` keys too:
 these routes take none of ours, so a chat request's body, keys of ours included, tokenizes as

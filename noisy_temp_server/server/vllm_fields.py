@@ -70,7 +70,7 @@ from vllm.renderers import TokenizeParams, merge_kwargs
 from vllm.sampling_params import RepetitionDetectionParams, ThinkingTokenBudget
 
 from noisy_temp_server.engine_contract.keys import CLIENT_KEYS, KEY_PREFIX
-from noisy_temp_server.server.errors import openai_error_from_exception
+from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 
 __all__ = ["NOT_TAKEN", "ChatTemplateFields", "VllmChatFields", "VllmFields"]
 
@@ -270,9 +270,9 @@ class ChatTemplateFields(BaseModel):
     by default) or the last message continued (`continue_final_message`; both true is vLLM's
     400), `chat_template_kwargs`, `tools`, special tokens added on top of the template's
     (`add_special_tokens`, off by default). Refused as vLLM's server refuses them (a 400 with
-    its message): a `chat_template` in the request (vLLM takes one only with
-    `--trust-request-chat-template`) and non-empty `media_io_kwargs` / `mm_processor_kwargs`
-    (only with `--trust-request-mm-kwargs`); neither flag is one of this server's."""
+    its message): a `chat_template` in the request without ``--trust-request-chat-template``
+    (`own_chat_template`) and non-empty `media_io_kwargs` / `mm_processor_kwargs` (vLLM takes
+    them only with ``--trust-request-mm-kwargs``, which `serve` does not take)."""
 
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -290,14 +290,35 @@ class ChatTemplateFields(BaseModel):
             "continue_final_message": self.continue_final_message,
         }
 
-    def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's keyword arguments, merged as vLLM's `build_chat_params` merges
-        them (`chat_template_kwargs` under the request's own fields), with `tools` as the
-        template takes them when the request has some."""
-        kwargs = merge_kwargs(self.chat_template_kwargs, self.own_template_kwargs())
-        if self.tools is not None:
-            kwargs["tools"] = [tool.model_dump() for tool in self.tools]
+    def template_kwargs(
+        self, defaults: Mapping[str, Any] | None = None, *, exclude_tools_when_none: bool = False
+    ) -> dict[str, Any]:
+        """The chat template's keyword arguments, merged as vLLM's `build_chat_params` and
+        `with_defaults` merge them (`defaults`, ``--default-chat-template-kwargs``, under
+        `chat_template_kwargs`, under the request's own fields), with `tools` as the template
+        takes them when the request has some (`renders_tools`)."""
+        requested = merge_kwargs(self.chat_template_kwargs, self.own_template_kwargs())
+        kwargs = merge_kwargs(dict(defaults or {}), requested)
+        if self.renders_tools(exclude_when_none=exclude_tools_when_none):
+            kwargs["tools"] = [tool.model_dump() for tool in self.tools or ()]
         return kwargs
+
+    def renders_tools(self, *, exclude_when_none: bool) -> bool:
+        """Whether the template gets the request's tools: whenever it has some."""
+        return self.tools is not None
+
+    def own_chat_template(self, *, trusted: bool) -> str | None:
+        """The request's own chat template (None: the server's). Raises `OpenAIError`, a 400
+        with vLLM's message, when it sends one (as `chat_template` or in
+        `chat_template_kwargs`) and is not `trusted` (``--trust-request-chat-template``)."""
+        sent = (self.chat_template_kwargs or {}).get("chat_template") is not None
+        if not trusted and (sent or self.chat_template is not None):
+            raise OpenAIError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                status_code=400,
+            )
+        return self.chat_template
 
     @model_validator(mode="after")
     def _check_template_fields(self) -> Self:
@@ -309,14 +330,6 @@ class ChatTemplateFields(BaseModel):
         ):
             raise ValueError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-            )
-        if (
-            self.chat_template is not None
-            or (self.chat_template_kwargs or {}).get("chat_template") is not None
-        ):
-            raise ValueError(
-                "Chat template is passed with request, but --trust-request-chat-template is not "
-                "set. Refused request with untrusted chat template."
             )
         try:
             validate_request_mm_kwargs(
@@ -347,6 +360,14 @@ class VllmChatFields(ChatTemplateFields, VllmFields):
     )
     parallel_tool_calls: StrictBool | None = True
     return_prompt_text: StrictBool | None = None
+
+    def renders_tools(self, *, exclude_when_none: bool) -> bool:
+        """`ChatTemplateFields`', but for a request that sets `tool_choice` to `none` when
+        `exclude_when_none` (``--exclude-tools-when-tool-choice-none``, vLLM's)."""
+        excluded = exclude_when_none and self.tool_choice == "none"
+        return super().renders_tools(exclude_when_none=False) and not (
+            excluded and "tool_choice" in self.model_fields_set
+        )
 
     def own_template_kwargs(self) -> dict[str, Any]:
         """`ChatTemplateFields`' with `documents` and `reasoning_effort`; `enable_thinking`

@@ -64,6 +64,8 @@ VLLM_ONLY = frozenset(
         "prompt_logprobs",
         "prompt_token_ids",
         "usage.prompt_tokens_details",
+        "usage.prompt_tokens_details.created_cache_tokens",
+        "usage.prompt_tokens_details.multimodal_tokens",
         "choices[].stop_reason",
         "choices[].token_ids",
         "choices[].prompt_logprobs",
@@ -692,8 +694,47 @@ ROWS += [
     ),
     Row("tokenize what the tokenizer refuses", "/tokenize", {"model": MODEL, "prompt": "\ud800"}),
 ]
-TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
-"""Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves)."""
+SHARED_FLAGS = (
+    *("--enable-auto-tool-choice", "--tool-call-parser", "pythonic"),
+    *("--response-role", "bot", "--enable-prompt-tokens-details"),
+)
+"""Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves),
+answer chat as `bot` and report the prompt's cached tokens (vLLM's server flags)."""
+
+
+def _answers_as_bot(body: Any) -> None:
+    """Every message's role, and every delta's that names one, is `bot` (`--response-role`)."""
+    for choice in body.get("choices", []):
+        if "message" in choice:
+            assert choice["message"]["role"] == "bot", body
+        elif choice.get("delta", {}).get("role") is not None:
+            assert choice["delta"]["role"] == "bot", body
+
+
+_CACHED = ("usage.prompt_tokens_details.cached_tokens",)
+_WITH_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+ROWS += [
+    Row("chat, --response-role", "/v1/chat/completions", _chat(), body_check=_answers_as_bot),
+    Row(
+        "chat streamed, --response-role and --enable-prompt-tokens-details",
+        "/v1/chat/completions",
+        _chat(**_WITH_USAGE),
+        body_check=_answers_as_bot,
+        reports=(*_CACHED, "choices[].delta.role"),
+    ),
+    Row(
+        "completion, --enable-prompt-tokens-details",
+        "/v1/completions",
+        _completion(),
+        reports=_CACHED,
+    ),
+    Row(
+        "completion streamed, --enable-prompt-tokens-details",
+        "/v1/completions",
+        _completion(**_WITH_USAGE),
+        reports=_CACHED,
+    ),
+]
 NO_NTS_PATHS = ("/tokenize", "/detokenize", "/version", "/v1/models", "/v1/responses")
 
 
@@ -737,7 +778,9 @@ KNOWN_DIFFERENCES = {
 
 @pytest.fixture(scope="module")
 def ours(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = start_tiny_server(tiny_model_dir, tmp_path_factory.mktemp("parity-ours"), *TOOL_FLAGS)
+    server = start_tiny_server(
+        tiny_model_dir, tmp_path_factory.mktemp("parity-ours"), *SHARED_FLAGS
+    )
     try:
         yield server.url
     finally:
@@ -755,7 +798,7 @@ def stock(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "--served-model-name", MODEL,
         "--api-key", API_KEY,
         "--port", str(port), "--host", "127.0.0.1",
-        "--max-model-len", "256", "--dtype", "float32", "--enforce-eager", *TOOL_FLAGS,
+        "--max-model-len", "256", "--dtype", "float32", "--enforce-eager", *SHARED_FLAGS,
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("parity-stock") / "server.log"
     with running_server(

@@ -64,6 +64,7 @@ class FakeEngine:
         self.lora_requests: list[LoRARequest | None] = []
         self.prompts: list[TokensInput] = []
         self.priorities: list[int] = []
+        self.cached_tokens: int | None = None  # what each output reports as num_cached_tokens
 
     async def generate(
         self,
@@ -133,7 +134,15 @@ class FakeEngine:
                 if first and sampling_params.prompt_logprobs is not None
                 else None
             )
-            yield RequestOutput(request_id, None, ids, prompt_logprobs, [output], finished=last)
+            yield RequestOutput(
+                request_id,
+                None,
+                ids,
+                prompt_logprobs,
+                [output],
+                finished=last,
+                num_cached_tokens=self.cached_tokens,
+            )
 
     async def check_health(self) -> None:
         if self.dead:
@@ -168,8 +177,14 @@ class FakeTokenizer:
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        text = "".join(f"<tool>{t['function']['name']}" for t in tools or [])
+        """The messages marked by role (after the `tools`' names); a request's own
+        `chat_template` puts itself first, each of the other `template_kwargs` `<key=value>`."""
+        text = "" if chat_template is None else f"<template {chat_template}>"
+        text += "".join(f"<{key}={value}>" for key, value in sorted(template_kwargs.items()))
+        text += "".join(f"<tool>{t['function']['name']}" for t in tools or [])
         text += "".join(f"<{m['role']}>{m['content']}" for m in conversation)
         return text + ("<assistant>" if add_generation_prompt else "")
 

@@ -61,7 +61,6 @@ def test_completion_converts_sampling_fields() -> None:
 
 def test_streaming_requests_get_delta_outputs() -> None:
     request = _completion(stream=True, stream_options={"include_usage": True})
-    assert request.include_usage_in_stream
     params = request.to_sampling_params(max_tokens=4)
     assert params.output_kind == RequestOutputKind.DELTA
 

@@ -1,5 +1,6 @@
-"""vLLM's own engine flags on `serve` (`server.engine_flags`): read by vLLM's parser, applied over
-the engine arguments `serve` builds, refused in one line where they cannot mean the same."""
+"""vLLM's own flags on `serve` (`server.vllm_flags`): read by `vllm serve`'s parser, the engine's
+applied over the engine arguments `serve` builds, refused in one line where they cannot mean the
+same."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from noisy_temp_server import cli
 from noisy_temp_server.server import engine
-from noisy_temp_server.server.engine_flags import engine_flag_overrides
+from noisy_temp_server.server.vllm_flags import engine_flag_overrides
 from noisy_temp_server.settings import Settings
 
 
@@ -25,14 +26,14 @@ def test_the_flags_given_are_read_by_vllms_parser() -> None:
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        ("--no-such-flag 1", "not a flag of vLLM's engine nor of serve: --no-such-flag 1"),
-        ("--host 0.0.0.0", "not a flag of vLLM's engine nor of serve: --host"),
+        ("--no-such-flag", "not a flag of vllm serve nor of serve: --no-such-flag"),
+        ("--host 0.0.0.0", "--host is a setting of serve"),
         ("--kv-cache-dtype bogus", "invalid choice: 'bogus'"),
         ("--max-model-len 512", "--max-model-len is a setting of serve"),
         ("--served-model-name x", "--served-model-name is a setting of serve"),
         ("--logits-processors a.B", "--logits-processors is set by serve itself"),
         ("--reasoning-parser deepseek_r1", "--reasoning-parser is set by serve itself"),
-        ("--seed 'unclosed", "vLLM engine flags: No closing quotation"),
+        ("--seed 'unclosed", "vLLM flags: No closing quotation"),
     ],
 )
 def test_flags_that_cannot_mean_the_same_are_refused_in_one_line(flags: str, says: str) -> None:

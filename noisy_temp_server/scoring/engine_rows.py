@@ -15,7 +15,8 @@ from the engine itself:
 
 Memory: every completion's rows stay until scored, 4·V bytes a generated position (48 prompts
 of 48 tokens at V = 49 152: 0.45 GB), beside the engine's weights and KV cache while it runs;
-the engine is shut down before the rows are returned.
+vLLM's Python objects hold one step's rows at a time (delta outputs; whole completions of them
+took 19 GB at 64 prompts); the engine is shut down before the rows are returned.
 """
 
 from __future__ import annotations
@@ -76,13 +77,12 @@ def sample_with_engine(
     The engine runs eager, in the dtype `serve` gives it by default (vLLM's ``auto``), with a 1 GiB
     KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, logging to standard error unless
     ``VLLM_LOGGING_STREAM`` is set (a command's standard output is its answer), and is shut
-    down before this returns. `progress(done, total)` is called once all are sampled.
+    down before this returns. `progress(done, total)` is called as each completion ends.
     ValueError for no prompts, or when vLLM's engine does not start on `model` (the engine's
     log says why); what else vLLM raises for a folder it cannot serve passes through."""
     if not prompt_ids:
         raise ValueError("no prompts to sample")
-    from vllm import LLM, SamplingParams  # noqa: PLC0415 (vLLM only where the engine is asked for)
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm import LLM  # noqa: PLC0415 (vLLM only where the engine is asked for)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_CACHE_GIB)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -99,36 +99,68 @@ def sample_with_engine(
     except RuntimeError as error:  # vLLM's engine start failure; its log above says why
         raise ValueError(f"vLLM's engine did not start on {model}: {error}") from error
     try:
-        requests = [
-            SamplingParams(
-                temperature=1.0,
-                max_tokens=max_new_tokens,
-                stop_token_ids=sorted(stop_token_ids),
-                logprobs=-1,
-                flat_logprobs=True,
-                seed=seed * 1_000_003 + index,
-                detokenize=False,
-            )
-            for index in range(len(prompt_ids))
-        ]
-        outputs = engine.generate(
-            [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids],
-            requests,
-            use_tqdm=False,
+        tokens, rows = _run_requests(
+            engine,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            progress=progress,
         )
-        vocab_size = engine.llm_engine.model_config.get_vocab_size()
     finally:
         del engine
         gc.collect()
-    if progress is not None:
-        progress(len(prompt_ids), len(prompt_ids))
     return [
         EngineCompletion(
-            ScoringSequence(list(ids) + list(output.outputs[0].token_ids), len(ids), index),
-            _dense_rows(output.outputs[0], vocab_size),
+            ScoringSequence(list(ids) + tokens[index], len(ids), index), torch.cat(rows[index])
         )
-        for index, (ids, output) in enumerate(zip(prompt_ids, outputs, strict=True))
+        for index, ids in enumerate(prompt_ids)
     ]
+
+
+def _run_requests(
+    engine: Any,
+    prompt_ids: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    seed: int,
+    stop_token_ids: Collection[int],
+    progress: Callable[[int, int], None] | None,
+) -> tuple[list[list[int]], list[list[Tensor]]]:
+    """Every prompt's sampled tokens and the dense rows they were sampled from, by prompt index,
+    read from the engine step by step (delta outputs: only the last step's whole-vocabulary
+    log-probabilities are ever held as Python objects)."""
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+
+    core = engine.llm_engine
+    vocab_size = core.model_config.get_vocab_size()
+    for index, ids in enumerate(prompt_ids):
+        params = SamplingParams(
+            temperature=1.0,
+            max_tokens=max_new_tokens,
+            stop_token_ids=sorted(stop_token_ids),
+            logprobs=-1,
+            flat_logprobs=True,
+            seed=seed * 1_000_003 + index,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        core.add_request(str(index), TokensPrompt(prompt_token_ids=list(ids)), params)
+    tokens: list[list[int]] = [[] for _ in prompt_ids]
+    rows: list[list[Tensor]] = [[] for _ in prompt_ids]
+    finished = 0
+    while core.has_unfinished_requests():
+        for output in core.step():
+            index, completion = int(output.request_id), output.outputs[0]
+            if completion.token_ids:
+                tokens[index].extend(completion.token_ids)
+                rows[index].append(_dense_rows(completion, vocab_size))
+            finished += output.finished
+            if output.finished and progress is not None:
+                progress(finished, len(prompt_ids))
+    return tokens, rows
 
 
 def _dense_rows(completion: CompletionOutput, vocab_size: int) -> Tensor:

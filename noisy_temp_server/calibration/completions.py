@@ -8,11 +8,17 @@ from typing import Literal
 from noisy_temp_server.calibration.prompts import Prompt, encode_prompt
 from noisy_temp_server.checkpoints.loading import LoadedPair
 from noisy_temp_server.checkpoints.quantized_formats import quantizes_activations_to_int
-from noisy_temp_server.scoring.engine_rows import EngineCompletion, sample_with_engine
+from noisy_temp_server.scoring.engine_rows import EngineCompletion, EngineRows, sample_with_engine
 from noisy_temp_server.scoring.sampling import eos_ids, generate_completions
 from noisy_temp_server.scoring.sequence import ScoringSequence
 
-__all__ = ["ServedRows", "sample_completions", "sample_engine_completions", "served_rows_for"]
+__all__ = [
+    "ServedRows",
+    "sample_completions",
+    "sample_engine_completions",
+    "sample_served",
+    "served_rows_for",
+]
 
 ServedRows = Literal["auto", "model", "engine"]
 """Where the served rows come from: the served model's forward (``model``), the engine's rows
@@ -79,3 +85,26 @@ def served_rows_for(
     folder = pair.served_path
     engine = folder is not None and not with_adapter and quantizes_activations_to_int(folder)
     return "engine" if engine else "model"
+
+
+def sample_served(
+    pair: LoadedPair,
+    prompts: Sequence[Prompt],
+    served_rows: Literal["model", "engine"],
+    *,
+    max_new_tokens: int,
+    seed: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[ScoringSequence], EngineRows | None]:
+    """The completions the pair's served model samples as served: by the engine, with its rows
+    of them, where `served_rows` is ``engine`` (`sample_engine_completions`); else by the
+    served model in this process (`sample_completions`), with no rows."""
+    if served_rows == "engine":
+        completions = sample_engine_completions(
+            pair, prompts, max_new_tokens=max_new_tokens, seed=seed, progress=progress
+        )
+        return [c.sequence for c in completions], EngineRows(completions)
+    sequences = sample_completions(
+        pair, prompts, max_new_tokens=max_new_tokens, seed=seed, progress=progress
+    )
+    return sequences, None

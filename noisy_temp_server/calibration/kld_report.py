@@ -22,14 +22,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from noisy_temp_server.adapter.lora import LoraAdapter
 from noisy_temp_server.calibration.adapter_calibration import applied_adapter
 from noisy_temp_server.calibration.completions import (
     ServedRows,
-    sample_completions,
-    sample_engine_completions,
+    sample_served,
     served_rows_for,
 )
 from noisy_temp_server.calibration.profile import Profile
@@ -221,26 +219,6 @@ def _score(
     return {"T=1": by_label["T=1"], label: by_label["T*"]}, by_label, mean_t_star, None
 
 
-def _sample(
-    request: KldRequest,
-    pair: LoadedPair,
-    adapter: LoraAdapter | None,
-    served_rows: Literal["model", "engine"],
-) -> tuple[list[ScoringSequence], EngineRows | None]:
-    """The completions the pair's served model samples as served (with `adapter`), and the
-    engine's rows of them when `served_rows` says so."""
-    if served_rows == "engine":
-        completions = sample_engine_completions(
-            pair, request.prompts, max_new_tokens=request.max_new_tokens, seed=request.seed
-        )
-        return [c.sequence for c in completions], EngineRows(completions)
-    with applied_adapter(pair.served_model, adapter):
-        sequences = sample_completions(
-            pair, request.prompts, max_new_tokens=request.max_new_tokens, seed=request.seed
-        )
-    return sequences, None
-
-
 def kld_report(request: KldRequest) -> KldReport:
     """Sample, score and report the pair `request` names (module docstring). Raises ValueError
     for bad input (a bad folder or pair, a profile of another pair, a bad rule or T) and
@@ -263,7 +241,14 @@ def kld_report(request: KldRequest) -> KldReport:
             "serves one: score it with --served-rows model"
         )
     started = time.monotonic()
-    sequences, engine_rows = _sample(request, pair, adapter, served_rows)
+    with applied_adapter(pair.served_model, adapter):  # sampled as served
+        sequences, engine_rows = sample_served(
+            pair,
+            request.prompts,
+            served_rows,
+            max_new_tokens=request.max_new_tokens,
+            seed=request.seed,
+        )
     generated = time.monotonic()
     columns, statistics, mean_t_star, stack = _score(
         request,

@@ -57,7 +57,7 @@ from noisy_temp_server.calibration.bias_fit import BiasCalibration, calibrate_bi
 from noisy_temp_server.calibration.bias_quality import ScoredSet, score_with_rows
 from noisy_temp_server.calibration.completions import (
     sample_completions,
-    sample_engine_completions,
+    sample_served,
     served_rows_for,
 )
 from noisy_temp_server.calibration.fitting import FITTED_RULES, fit_rules
@@ -138,25 +138,18 @@ def score_pair(
 def _sample(
     pair: LoadedPair, prompts: Sequence[Prompt], settings: CalibrationSettings
 ) -> tuple[list[ScoringSequence], EngineRows | None]:
-    """The completions the pair's served model samples, with the engine's rows of them when
-    `settings.served_rows` is ``engine`` (`sample_engine_completions`)."""
-    if settings.served_rows == "engine":
-        completions = sample_engine_completions(
-            pair,
-            prompts,
-            max_new_tokens=settings.max_new_tokens,
-            seed=settings.seed,
-            progress=_log_progress("generating with the engine"),
-        )
-        return [c.sequence for c in completions], EngineRows(completions)
-    sequences = sample_completions(
+    """`sample_served` as `settings` say (``auto`` served rows resolved by `served_rows_for`)."""
+    served_rows = served_rows_for(
+        pair, settings.served_rows, with_adapter=settings.adapter_rank > 0
+    )
+    return sample_served(
         pair,
         prompts,
+        served_rows,
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed,
-        progress=_log_progress("generating"),
+        progress=_log_progress(f"generating ({served_rows} rows)"),
     )
-    return sequences, None
 
 
 def score_sequences(

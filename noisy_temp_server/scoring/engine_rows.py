@@ -15,13 +15,16 @@ from the engine itself:
 
 Memory: every completion's rows stay until scored, 4·V bytes a generated position (48 prompts
 of 48 tokens at V = 49 152: 0.45 GB), beside the engine's weights and KV cache while it runs;
-vLLM's Python objects hold one step's rows at a time (delta outputs; whole completions of them
-took 19 GB at 64 prompts); the engine is shut down before the rows are returned.
+and vLLM's own Python objects of the rows of the requests it runs, which it keeps until each
+ends: so only as many run at once as fit in 2 GiB of them (`_in_flight`: 9 at 48 tokens and
+V = 49 152, 2 at 64 tokens and V = 128 256). The engine is shut down before the rows are
+returned.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +41,11 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineCompletion", "EngineRows", "sample_with_engine"]
 
+_LOGPROBS_BUDGET_BYTES = 2 * 2**30
+"""What the running requests' log-probabilities may take as vLLM's Python objects."""
+_LOGPROB_ENTRY_BYTES = 100
+"""About what one vocabulary entry of one step takes there: a token id, a log-probability and a
+rank as Python objects, and their three list slots."""
 _CPU_KV_CACHE_GIB = "1"
 """The engine's KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise (calibration's
 completions are short and few)."""
@@ -128,15 +136,17 @@ def _run_requests(
     progress: Callable[[int, int], None] | None,
 ) -> tuple[list[list[int]], list[list[Tensor]]]:
     """Every prompt's sampled tokens and the dense rows they were sampled from, by prompt index,
-    read from the engine step by step (delta outputs: only the last step's whole-vocabulary
-    log-probabilities are ever held as Python objects)."""
+    read from the engine step by step (delta outputs), with at most `_in_flight` requests in
+    the engine at a time: vLLM keeps each running request's whole-vocabulary log-probabilities
+    of every step as Python objects until it ends."""
     from vllm import SamplingParams  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
     from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
 
     core = engine.llm_engine
     vocab_size = core.model_config.get_vocab_size()
-    for index, ids in enumerate(prompt_ids):
+
+    def add(index: int) -> None:
         params = SamplingParams(
             temperature=1.0,
             max_tokens=max_new_tokens,
@@ -147,7 +157,11 @@ def _run_requests(
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        core.add_request(str(index), TokensPrompt(prompt_token_ids=list(ids)), params)
+        core.add_request(str(index), TokensPrompt(prompt_token_ids=list(prompt_ids[index])), params)
+
+    waiting = iter(range(len(prompt_ids)))
+    for index in itertools.islice(waiting, _in_flight(max_new_tokens, vocab_size)):
+        add(index)
     tokens: list[list[int]] = [[] for _ in prompt_ids]
     rows: list[list[Tensor]] = [[] for _ in prompt_ids]
     finished = 0
@@ -157,10 +171,20 @@ def _run_requests(
             if completion.token_ids:
                 tokens[index].extend(completion.token_ids)
                 rows[index].append(_dense_rows(completion, vocab_size))
-            finished += output.finished
-            if output.finished and progress is not None:
-                progress(finished, len(prompt_ids))
+            if output.finished:
+                finished += 1
+                for following in itertools.islice(waiting, 1):
+                    add(following)
+                if progress is not None:
+                    progress(finished, len(prompt_ids))
     return tokens, rows
+
+
+def _in_flight(max_new_tokens: int, vocab_size: int) -> int:
+    """Requests sampled at once: as many as `_LOGPROBS_BUDGET_BYTES` of vLLM's log-probability
+    objects allow at `_LOGPROB_ENTRY_BYTES` an entry (at least 1)."""
+    per_request = max_new_tokens * vocab_size * _LOGPROB_ENTRY_BYTES
+    return max(1, _LOGPROBS_BUDGET_BYTES // per_request)
 
 
 def _dense_rows(completion: CompletionOutput, vocab_size: int) -> Tensor:

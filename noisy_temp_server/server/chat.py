@@ -17,8 +17,9 @@ from vllm.exceptions import VLLMClientError
 from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
+from noisy_temp_server.server.chat_messages import ChatMessage, content_format
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
-from noisy_temp_server.server.protocol import ChatCompletionRequest, ChatMessage
+from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
     MIN_LOGPROB,
     ChatChunkChoice,
@@ -178,7 +179,8 @@ def chat_prompt(
     state: ServerState, messages: Sequence[ChatMessage], fields: ChatTemplateFields
 ) -> tuple[str, list[int]]:
     """`messages` rendered by the chat template (the request's own with
-    ``--trust-request-chat-template``, else a 400 as vLLM's) with the request's template fields
+    ``--trust-request-chat-template``, else a 400 as vLLM's), their content in the format of
+    ``--chat-template-content-format`` (`server.chat_messages`), with the request's template fields
     (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools,
     over ``--default-chat-template-kwargs``), and the rendered text's token ids (special tokens
     added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
@@ -188,7 +190,9 @@ def chat_prompt(
         frontend.default_chat_template_kwargs,
         exclude_tools_when_none=frontend.exclude_tools_when_tool_choice_none,
     )
-    text = render_messages(state, [m.template_message() for m in messages], kwargs, template)
+    rendered_by = template or state.tokenizer.chat_template
+    shape = content_format(frontend.chat_template_content_format, rendered_by)
+    text = render_messages(state, [m.template_message(shape) for m in messages], kwargs, template)
     return text, state.tokenizer.encode(text, add_special_tokens=fields.add_special_tokens)
 
 

@@ -28,9 +28,12 @@ import inspect
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from noisy_temp_server.settings import Settings
+
+if TYPE_CHECKING:
+    from noisy_temp_server.server.chat_messages import ContentFormatOption
 
 __all__ = [
     "NOT_TAKEN",
@@ -60,8 +63,6 @@ NOT_TAKEN: dict[str, str] = {
     "grpc": "serve answers over HTTP only",
     "grpc_port": "serve answers over HTTP only",
     "lora_modules": "serve fits and loads its own adapter",
-    "chat_template_content_format": "serve renders each message's content as its text "
-    "(vLLM's 'string' format)",
     "trust_request_mm_kwargs": "serve takes text prompts only",
     "tool_parser_plugin": "serve takes vLLM's built-in tool parsers only",
     "tool_strict_level": "serve's tool calls follow vLLM's default ('auto')",
@@ -103,7 +104,9 @@ class FrontendOptions:
       `continuous_usage_stats` (`enable_force_include_usage`);
     - the chat template: `default_chat_template_kwargs` under the request's own, a request's
       own `chat_template` taken (`trust_request_chat_template`), no tools rendered when
-      `tool_choice` is `none` (`exclude_tools_when_tool_choice_none`);
+      `tool_choice` is `none` (`exclude_tools_when_tool_choice_none`), each message's content
+      as one text or a list of parts (`chat_template_content_format`,
+      `server.chat_messages`);
     - HTTP: no `/docs`, `/redoc`, `/openapi.json` (`disable_fastapi_docs`), `X-Request-Id` on
       every response (`enable_request_id_headers`), the ASGI `middleware` added (import paths),
       and uvicorn's unix socket (`uds`: host and port ignored), TLS ciphers, h11 limits and
@@ -117,6 +120,7 @@ class FrontendOptions:
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     trust_request_chat_template: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    chat_template_content_format: ContentFormatOption = "auto"
     disable_fastapi_docs: bool = False
     enable_request_id_headers: bool = False
     middleware: tuple[str, ...] = ()

@@ -255,6 +255,53 @@ def test_tools_are_left_out_of_the_prompt_when_tool_choice_is_none() -> None:
     assert "<tool>get_weather" in _prompt_text(_serving(""), **none)
 
 
+_PARTS = [{"role": "user", "content": [{"type": "text", "text": t} for t in "ab"]}]
+_LOOPS_OVER_CONTENT = (
+    "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("flags", "template", "user"),
+    [
+        ("", "{{ messages }}", "a\nb"),  # auto: a template that prints the content whole
+        ("", _LOOPS_OVER_CONTENT, str(_PARTS[0]["content"])),  # auto: one that loops over it
+        ("--chat-template-content-format string", _LOOPS_OVER_CONTENT, "a\nb"),
+        ("--chat-template-content-format openai", "{{ messages }}", str(_PARTS[0]["content"])),
+    ],
+)
+def test_the_content_format_is_what_the_template_receives(
+    flags: str, template: str, user: str
+) -> None:
+    """vLLM's: parts joined by newlines (`string`) or the list of parts (`openai`); `auto`
+    detects which on the template (the fake tokenizer prints each message's content)."""
+    server = _serving(flags, FakeTokenizer(chat_template=template))
+    assert _tokenized(server, _PARTS) == f"<user>{user}<assistant>"  # as the chat route renders
+
+
+def _tokenized(server: Harness, messages: list[dict[str, Any]]) -> str:
+    tokens = server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    return bytes(tokens).decode()
+
+
+def test_the_chat_route_renders_the_content_format_too() -> None:
+    server = _serving("--chat-template-content-format openai")
+    assert _prompt_text(server) == "<user>[{'type': 'text', 'text': 'hi'}]<assistant>"
+    assert _prompt_text(_serving("")) == "<user>hi<assistant>"
+
+
+def test_in_the_openai_format_a_string_is_one_part_and_a_tool_messages_parts_are_joined() -> None:
+    server = _serving("--chat-template-content-format openai")
+    tool_turn = [
+        *_USER,
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "x"}] * 2},
+    ]
+    assert _tokenized(server, tool_turn) == (
+        "<user>[{'type': 'text', 'text': 'hi'}]<assistant>[]<tool>x\nx<assistant>"
+    )
+
+
 # ----------------------------------------------------------------------------- HTTP
 
 

@@ -218,12 +218,14 @@ class ChatCompletionLogprobs(_Response):
 
 class ChatResponseMessage(_OmitWhenEmpty):
     """The answer's message; `role`: ``--response-role`` (`assistant`) when the request opens
-    that turn (`add_generation_prompt`), else the last message's (vLLM's)."""
+    that turn (`add_generation_prompt`), else the last message's (vLLM's); `reasoning`: what
+    ``--reasoning-parser`` split out of the text (null without, as vLLM's)."""
 
     _omitted_when_empty = ("tool_calls",)
 
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -255,10 +257,15 @@ class ChatCompletionResponse(_OmitWhenEmpty):
 
 
 class ChatDelta(_OmitWhenEmpty):
+    """What a stream chunk adds to a choice; `reasoning` (only in the chunks that add some):
+    what ``--reasoning-parser`` splits out of the text, as vLLM's."""
+
     _omitted_when_empty = ("tool_calls",)
+    _omitted_when_null = ("reasoning",)
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

@@ -48,6 +48,7 @@ def mount_responses(
     tools: dict[str, Any] = {
         "enable_auto_tools": settings.enable_auto_tool_choice,
         "tool_parser": settings.tool_call_parser,
+        "reasoning_parser": frontend.reasoning_parser,
     }
     common: dict[str, Any] = {
         "request_logger": None,

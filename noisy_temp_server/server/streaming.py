@@ -73,20 +73,20 @@ async def stream_choices(
     prepared: PreparedRequest,
     *,
     chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
-    chunk_choice: Callable[[Choice, Piece], Any],
+    chunk_choice: Callable[[Choice, Piece], Any | None],
     opening: Sequence[Any] = (),
     opening_fields: Mapping[str, Any] | None = None,
 ) -> StreamingResponse:
-    """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's
-    prompt token ids and text when asked), one per engine output (its choice
-    made by `chunk_choice`), a last chunk with the usage (if asked, `server.usage`) and the
-    `nts` summary, then `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but
-    with `stream_options.continuous_usage_stats` (or ``--enable-force-include-usage``): then
-    every chunk has its choice's usage so far (its prompt's tokens and the tokens it generated;
-    0 on an opening chunk). Errors before the first output raise (proper status code); later
-    ones are reported in-band. When the response's ASGI call ends, whether or not its body was
-    ever iterated, the engine requests still running are aborted and the choices that end
-    without a summary are cancelled on the shadow scorer and forgotten on the trace channel."""
+    """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's prompt
+    token ids and text when asked), one per engine output (its choice made by `chunk_choice`; none
+    when that makes None), a last chunk with the usage (if asked, `server.usage`) and the `nts`
+    summary, then `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but with
+    `stream_options.continuous_usage_stats` (or ``--enable-force-include-usage``): then every chunk
+    has its choice's usage so far (its prompt's tokens and the tokens it generated; 0 on an opening
+    chunk). Errors before the first output raise (proper status code); later ones are reported
+    in-band. When the response's ASGI call ends, whether or not its body was ever iterated, the
+    engine requests still running are aborted and the choices that end without a summary are
+    cancelled on the shadow scorer and forgotten on the trace channel."""
     engine = engine_streams(state, prepared)
     try:
         stream = await _primed(engine)
@@ -130,7 +130,9 @@ async def stream_choices(
                 piece = absorb(choice, request_output)
                 if piece.finish_reason is not None:
                     choice.summary = await summarize(state, prepared, choice)
-                yield chunk([chunk_choice(choice, piece)], usage=choice_usage(choice))
+                made = chunk_choice(choice, piece)
+                if made is not None:
+                    yield chunk([made], usage=choice_usage(choice))
             cached = reported_cached_tokens(state, prepared, first)
             yield chunk(
                 [],

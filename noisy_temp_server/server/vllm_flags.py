@@ -28,6 +28,7 @@ import inspect
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from noisy_temp_server.settings import Settings
@@ -45,7 +46,7 @@ __all__ = [
 
 _SET_BY_SERVE = (
     "model", "tokenizer", "kv_cache_memory_bytes", "logprobs_mode", "max_logprobs",
-    "logits_processors", "enable_lora", "max_lora_rank", "max_loras", "reasoning_parser",
+    "logits_processors", "enable_lora", "max_lora_rank", "max_loras",
 )  # fmt: skip
 """Engine arguments `serve` sets itself: the served model and its tokenizer, the KV cache
 (``--kv-cache-gib``), what the processors and the adapter need."""
@@ -107,6 +108,9 @@ class FrontendOptions:
       `tool_choice` is `none` (`exclude_tools_when_tool_choice_none`), each message's content
       as one text or a list of parts (`chat_template_content_format`,
       `server.chat_messages`);
+    - reasoning: vLLM's reasoning parser (`reasoning_parser`; empty: none), an engine flag that
+      vLLM's server reads too (the engine gets it among `engine_flag_overrides`), and the
+      module or file that registers one (`reasoning_parser_plugin`, imported first);
     - HTTP: no `/docs`, `/redoc`, `/openapi.json` (`disable_fastapi_docs`), `X-Request-Id` on
       every response (`enable_request_id_headers`), the ASGI `middleware` added (import paths),
       and uvicorn's unix socket (`uds`: host and port ignored), TLS ciphers, h11 limits and
@@ -121,6 +125,8 @@ class FrontendOptions:
     trust_request_chat_template: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     chat_template_content_format: ContentFormatOption = "auto"
+    reasoning_parser: str = ""
+    reasoning_parser_plugin: str = ""
     disable_fastapi_docs: bool = False
     enable_request_id_headers: bool = False
     middleware: tuple[str, ...] = ()
@@ -147,9 +153,15 @@ def engine_flag_overrides(flags: str) -> dict[str, Any]:
 def frontend_options(flags: str) -> FrontendOptions:
     """The server flags ``flags`` (a shell-quoted string of `vllm serve`'s flags) set, with
     vLLM's defaults for the others. Raises ValueError, one line, for what `serve` refuses
-    (module docstring), a `--default-chat-template-kwargs` that is not a JSON object and a
-    `--middleware` that cannot be imported or is neither a class nor a coroutine function."""
+    (module docstring), a `--default-chat-template-kwargs` that is not a JSON object, a
+    `--middleware` that cannot be imported or is neither a class nor a coroutine function, a
+    `--reasoning-parser-plugin` that cannot be imported and a `--reasoning-parser` vLLM does
+    not know (with that plugin imported)."""
     given = {name: value for name, value in _given(flags).items() if name in _FRONTEND}
+    if plugin := given.get("reasoning_parser_plugin"):
+        _import_plugin(plugin)
+    if name := given.get("reasoning_parser"):
+        _check_reasoning_parser(name)
     kwargs = given.get("default_chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"--default-chat-template-kwargs must be a JSON object, not {kwargs!r}")
@@ -172,6 +184,31 @@ def middleware(path: str) -> Any:
     if not (inspect.isclass(imported) or inspect.iscoroutinefunction(imported)):
         raise ValueError(f"Invalid middleware {path}. Must be a function or a class.")
     return imported
+
+
+def _import_plugin(path: str) -> None:
+    """Import `path` (a module, else a Python file) as vLLM imports a
+    ``--reasoning-parser-plugin``; ValueError, one line, when it cannot be."""
+    from vllm.utils.import_utils import import_from_path  # noqa: PLC0415
+
+    try:
+        try:
+            importlib.import_module(path)
+        except ModuleNotFoundError:
+            import_from_path(Path(path).stem, path)
+    except Exception as error:  # whatever the user's module raises while it is imported
+        message = f"--reasoning-parser-plugin {path}: cannot be imported: {error!r}"
+        raise ValueError(message) from None
+
+
+def _check_reasoning_parser(name: str) -> None:
+    """ValueError, vLLM's message in one line, for a reasoning parser vLLM's
+    `ReasoningParserManager` does not know."""
+    from vllm.reasoning import ReasoningParserManager  # noqa: PLC0415
+
+    known = ReasoningParserManager.list_registered()
+    if name not in known:
+        raise ValueError(f"invalid reasoning parser: {name} (chose from {{ {','.join(known)} }})")
 
 
 def _given(flags: str) -> dict[str, Any]:

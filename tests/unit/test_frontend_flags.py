@@ -19,7 +19,7 @@ import uvicorn
 from server_fakes import MODEL, POLICY, FakeTokenizer, Harness, assert_error, build, sse_events
 from uvicorn.config import LOGGING_CONFIG
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from noisy_temp_server import cli
@@ -74,9 +74,9 @@ def test_every_server_flag_of_vllm_serve_is_taken_a_setting_or_refused() -> None
 
 
 def test_the_options_have_vllms_defaults() -> None:
-    theirs, ours = FrontendArgs(), FrontendOptions()
+    theirs, ours = vars(_vllm_serve_parser().parse_args([])), FrontendOptions()
     for field in dataclasses.fields(FrontendOptions):
-        mine, vllms = getattr(ours, field.name), getattr(theirs, field.name)
+        mine, vllms = getattr(ours, field.name), theirs[field.name]
         assert mine == vllms or not (mine or vllms), field.name  # an empty value for None
 
 
@@ -114,6 +114,8 @@ def test_each_flag_not_taken_is_refused_in_one_line_saying_why(name: str) -> Non
         (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
         (["--middleware", "no_such_module.M"], "--middleware no_such_module.M: cannot be"),
         (["--middleware", "middleware_fakes.NOT_MIDDLEWARE"], "Must be a function or a class"),
+        (["--reasoning-parser", "nope"], "invalid reasoning parser: nope (chose from {"),
+        (["--reasoning-parser-plugin", "no_such_plugin"], "no_such_plugin: cannot be imported"),
     ],
 )
 def test_serve_refuses_them_in_one_line_and_exits_1_before_anything_loads(

@@ -109,6 +109,7 @@ async def create_chat_completion(
             chunk_choice=delta_choice,
             opening=roles,
             opening_fields=prompt_fields,
+            reasoning_tokens=parsing.reasoning_tokens,
         )
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
@@ -127,7 +128,11 @@ async def create_chat_completion(
         id=prepared.request_id,
         model=prepared.model,
         choices=choices,
-        usage=usage(prepared, cached_tokens=reported_cached_tokens(state, prepared)),
+        usage=usage(
+            prepared,
+            cached_tokens=reported_cached_tokens(state, prepared),
+            reasoning_tokens=parsing.reasoning_tokens(prepared.choices),
+        ),
         prompt_logprobs=prompt_logprobs_body(prepared.choices[0].prompt_logprobs),
         **prompt_fields,
         nts=overall_summary(prepared),

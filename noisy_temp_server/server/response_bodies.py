@@ -31,6 +31,7 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionResponse",
     "CompletionStreamResponse",
+    "CompletionTokensDetails",
     "LogprobTokens",
     "ModelCard",
     "ModelList",
@@ -162,13 +163,21 @@ class PromptTokensDetails(_Response):
     cached_tokens: int
 
 
+class CompletionTokensDetails(_Response):
+    """What `usage` details of the completion (with ``--reasoning-parser``, as vLLM's): the
+    generated tokens inside the reasoning, by the parser's count."""
+
+    reasoning_tokens: int
+
+
 class Usage(_OmitWhenEmpty):
-    _omitted_when_null = ("prompt_tokens_details",)
+    _omitted_when_null = ("prompt_tokens_details", "completion_tokens_details")
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionChoice(_OmitWhenEmpty):

@@ -50,11 +50,12 @@ from vllm.renderers.chat_utils import make_tool_call_id
 from noisy_temp_server.server.errors import OpenAIError
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from vllm.parser.abstract_parser import Parser
 
     from noisy_temp_server.server.protocol import ChatCompletionRequest
+    from noisy_temp_server.server.serving import Choice
     from noisy_temp_server.server.state import ChatTokenizer
     from noisy_temp_server.settings import Settings
 
@@ -171,6 +172,14 @@ class ChatOutputParsing:
             "reasoning_ended": self.vllm_request.resolve_reasoning_ended(self.parser(-1), prompt),
             "reasoning_parser_kwargs": {"chat_template_kwargs": self.template_kwargs},
         }
+
+    def reasoning_tokens(self, choices: Sequence[Choice]) -> int | None:
+        """The generated tokens inside the reasoning of `choices`, by their parsers' count
+        (vLLM's `usage.completion_tokens_details.reasoning_tokens`); None without a reasoning
+        parser."""
+        if not self.reasons:
+            return None
+        return sum(self.parser(c.index).count_reasoning_tokens(c.token_ids) for c in choices)
 
     def parse(
         self, index: int, text: str, token_ids: list[int], prompt: list[int], finish: str | None

@@ -145,3 +145,19 @@ def test_a_plugin_registers_a_parser_of_its_own(tmp_path: Path) -> None:
         ValueError, match=re.escape("--reasoning-parser-plugin /no/such.py: cannot")
     ):
         frontend_options("--reasoning-parser-plugin /no/such.py")
+
+
+def test_usage_counts_the_reasoning_tokens() -> None:
+    """vLLM's `usage.completion_tokens_details.reasoning_tokens` (the parser's count: "a"),
+    on every usage a chat answer reports, with a reasoning parser only."""
+    server = _server()
+    usage = server.post(CHAT, _chat()).json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 1}
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    response = server.post(CHAT, _chat(stream=True, stream_options=continuous))
+    usages = [chunk["usage"] for chunk in sse_events(response) if chunk != "[DONE]"]
+    counts = [u["completion_tokens_details"]["reasoning_tokens"] for u in usages]
+    assert counts[0] == 0  # the opening chunk's
+    assert counts[-1] == 1
+    plain = build(Settings(), POLICY).post(CHAT, _chat()).json()["usage"]
+    assert "completion_tokens_details" not in plain

@@ -130,6 +130,15 @@ def test_an_unknown_parser_is_refused_in_one_line() -> None:
         frontend_options("--reasoning-parser nope")
 
 
+def test_a_parser_the_tokenizer_cannot_serve_is_refused_in_one_line() -> None:
+    """vLLM's startup check (`serve` stops with this line once the tokenizer is read)."""
+    with pytest.raises(TypeError) as refused:
+        output_parser_class(Settings(), "deepseek_r1", FakeTokenizer(), MODEL)
+    message = str(refused.value)
+    assert message.startswith("--reasoning-parser deepseek_r1 cannot be used with the tokenizer")
+    assert "\n" not in message
+
+
 def test_a_plugin_registers_a_parser_of_its_own(tmp_path: Path) -> None:
     plugin = tmp_path / "my_reasoning_plugin.py"
     plugin.write_text(

@@ -187,15 +187,15 @@ def middleware(path: str) -> Any:
 
 
 def _import_plugin(path: str) -> None:
-    """Import `path` (a module, else a Python file) as vLLM imports a
+    """Import `path` (a Python file, else a module) as vLLM imports a
     ``--reasoning-parser-plugin``; ValueError, one line, when it cannot be."""
     from vllm.utils.import_utils import import_from_path  # noqa: PLC0415
 
     try:
-        try:
-            importlib.import_module(path)
-        except ModuleNotFoundError:
+        if path.endswith(".py"):
             import_from_path(Path(path).stem, path)
+        else:
+            importlib.import_module(path)
     except Exception as error:  # whatever the user's module raises while it is imported
         message = f"--reasoning-parser-plugin {path}: cannot be imported: {error!r}"
         raise ValueError(message) from None

@@ -63,7 +63,7 @@ def create_app(
     trace_source: TraceSource | None,
     shadow: ShadowScorer | None = None,
     adapter: ServedAdapter | None = None,
-    tool_parser: type[Parser] | None = None,
+    output_parser: type[Parser] | None = None,
     sampling_defaults: Mapping[str, Any] | None = None,
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
@@ -106,7 +106,7 @@ def create_app(
             trace_source=trace_source,
             shadow=shadow,
             adapter=adapter,
-            tool_parser=tool_parser,
+            output_parser=output_parser,
             sampling_defaults=dict(sampling_defaults or {}),
             frontend=frontend,
         ),

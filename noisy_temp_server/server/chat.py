@@ -7,18 +7,21 @@ run, the stream and the `nts` summaries are `server.serving`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.exceptions import VLLMClientError
 from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
+from noisy_temp_server.server.chat_messages import ChatMessage, content_format
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
-from noisy_temp_server.server.protocol import ChatCompletionRequest, ChatMessage
+from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
     MIN_LOGPROB,
     ChatChunkChoice,
@@ -44,7 +47,7 @@ from noisy_temp_server.server.serving import (
 )
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 from noisy_temp_server.server.streaming import stream_choices
-from noisy_temp_server.server.tools import ToolCalls
+from noisy_temp_server.server.tools import ChatOutputParsing
 from noisy_temp_server.server.usage import reported_cached_tokens, usage
 from noisy_temp_server.server.vllm_fields import ChatTemplateFields
 
@@ -60,19 +63,21 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_chat_completion(
     request: ChatCompletionRequest, raw_request: Request, state: ServerStateDep
 ) -> ChatCompletionResponse | StreamingResponse | Response:
-    """The assistant's next message: `n` choices, each with its `nts` summary (and the tool
-    calls vLLM's parser finds in it, `server.tools`), with the token ids and the rendered prompt
-    when asked (`return_token_ids`, `return_prompt_text`), as vLLM's server; the answer's role
-    is ``--response-role`` when the request opens that turn, else the last message's (vLLM's
-    `get_chat_request_role`)."""
+    """The assistant's next message: `n` choices, each with its `nts` summary (and the
+    reasoning and tool calls vLLM's parsers find in it, `server.tools`), with the token ids and
+    the rendered prompt when asked (`return_token_ids`, `return_prompt_text`), as vLLM's
+    server; the answer's role is ``--response-role`` when the request opens that turn, else the
+    last message's (vLLM's `get_chat_request_role`)."""
     role = (
         state.frontend.response_role if request.add_generation_prompt else request.messages[-1].role
     )
-    tools = _tool_calls(state, request)
+    parsing = _output_parsing(state, request)
     rendered = _RenderedPrompt(state, request)
     prepared = await prepare_request(
         state, request, lambda: [rendered.token_ids()], prefix="chatcmpl", param="messages"
     )
+    engine_kwargs = {**prepared.engine_kwargs, **parsing.engine_kwargs(prepared.prompts[0])}
+    prepared = dataclasses.replace(prepared, engine_kwargs=engine_kwargs)
     as_ids = request.return_tokens_as_token_ids
     tokens = LogprobTokens(
         top=request.top_logprobs or 0,
@@ -92,7 +97,7 @@ async def create_chat_completion(
         delta_choice = functools.partial(
             _delta_choice,
             tokens=tokens,
-            tools=tools,
+            parsing=parsing,
             prompt=prepared.prompts[0],
             with_ids=bool(request.return_token_ids),
         )
@@ -104,47 +109,46 @@ async def create_chat_completion(
             chunk_choice=delta_choice,
             opening=roles,
             opening_fields=prompt_fields,
+            reasoning_tokens=parsing.reasoning_tokens,
         )
     finished = await run_unless_disconnected(state, raw_request, prepared)
     if finished is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choices = []
-    for choice, piece in finished:
-        content, calls, finish_reason = tools.parse(
-            choice.index, piece.text, list(piece.token_ids), piece.finish_reason
-        )
-        message = ChatResponseMessage(
-            role=role, content=None if content is None else echoed + content, tool_calls=calls
-        )
-        choices.append(
-            ChatCompletionChoice(
-                index=choice.index,
-                message=message,
-                logprobs=_piece_logprobs(piece, tokens),
-                finish_reason=finish_reason,
-                token_ids=choice.token_ids if request.return_token_ids else None,
-                nts=choice.summary,
-            )
-        )
+    message_choice = functools.partial(
+        _message_choice,
+        role=role,
+        echoed=echoed,
+        tokens=tokens,
+        parsing=parsing,
+        prompt=prepared.prompts[0],
+        with_ids=bool(request.return_token_ids),
+    )
+    choices = [message_choice(choice, piece) for choice, piece in finished]
     return ChatCompletionResponse(
         id=prepared.request_id,
         model=prepared.model,
         choices=choices,
-        usage=usage(prepared, cached_tokens=reported_cached_tokens(state, prepared)),
+        usage=usage(
+            prepared,
+            cached_tokens=reported_cached_tokens(state, prepared),
+            reasoning_tokens=parsing.reasoning_tokens(prepared.choices),
+        ),
         prompt_logprobs=prompt_logprobs_body(prepared.choices[0].prompt_logprobs),
         **prompt_fields,
         nts=overall_summary(prepared),
     )
 
 
-def _tool_calls(state: ServerState, request: ChatCompletionRequest) -> ToolCalls:
-    """The request's tool calling; a 400 for what vLLM's request model or server refuses."""
+def _output_parsing(state: ServerState, request: ChatCompletionRequest) -> ChatOutputParsing:
+    """The request's reasoning and tool calling; a 400 for what vLLM's request model or server
+    refuses."""
     try:
-        return ToolCalls(
+        return ChatOutputParsing(
             request,
-            state.tool_parser,
+            state.output_parser,
             state.tokenizer,
             auto_tools=state.settings.enable_auto_tool_choice,
+            template_kwargs=request.template_kwargs(state.frontend.default_chat_template_kwargs),
         )
     except VLLMClientError as error:
         raise openai_error_from_exception(error) from None
@@ -178,7 +182,8 @@ def chat_prompt(
     state: ServerState, messages: Sequence[ChatMessage], fields: ChatTemplateFields
 ) -> tuple[str, list[int]]:
     """`messages` rendered by the chat template (the request's own with
-    ``--trust-request-chat-template``, else a 400 as vLLM's) with the request's template fields
+    ``--trust-request-chat-template``, else a 400 as vLLM's), their content in the format of
+    ``--chat-template-content-format`` (`server.chat_messages`), with the request's template fields
     (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools,
     over ``--default-chat-template-kwargs``), and the rendered text's token ids (special tokens
     added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
@@ -188,7 +193,9 @@ def chat_prompt(
         frontend.default_chat_template_kwargs,
         exclude_tools_when_none=frontend.exclude_tools_when_tool_choice_none,
     )
-    text = render_messages(state, [m.template_message() for m in messages], kwargs, template)
+    rendered_by = template or state.tokenizer.chat_template
+    shape = content_format(frontend.chat_template_content_format, rendered_by)
+    text = render_messages(state, [m.template_message(shape) for m in messages], kwargs, template)
     return text, state.tokenizer.encode(text, add_special_tokens=fields.add_special_tokens)
 
 
@@ -225,26 +232,70 @@ def render_messages(
     return str(text)
 
 
+def _message_choice(
+    choice: Choice,
+    piece: Piece,
+    *,
+    role: str,
+    echoed: str,
+    tokens: LogprobTokens,
+    parsing: ChatOutputParsing,
+    prompt: list[int],
+    with_ids: bool,
+) -> ChatCompletionChoice:
+    """A finished choice: its message (`echoed` first; its reasoning and tool calls apart), its
+    token ids `with_ids` and its logprobs, unless `parsing.hides_metadata`."""
+    reasoning, content, calls, finish_reason = parsing.parse(
+        choice.index, piece.text, list(piece.token_ids), prompt, piece.finish_reason
+    )
+    message = ChatResponseMessage(
+        role=role,
+        content=None if content is None else echoed + content,
+        reasoning=reasoning,
+        tool_calls=calls,
+    )
+    shown = not parsing.hides_metadata
+    return ChatCompletionChoice(
+        index=choice.index,
+        message=message,
+        logprobs=_piece_logprobs(piece, tokens) if shown else None,
+        finish_reason=finish_reason,
+        token_ids=choice.token_ids if with_ids and shown else None,
+        nts=choice.summary,
+    )
+
+
 def _delta_choice(
     choice: Choice,
     piece: Piece,
     *,
     tokens: LogprobTokens,
-    tools: ToolCalls,
+    parsing: ChatOutputParsing,
     prompt: list[int],
     with_ids: bool,
-) -> ChatChunkChoice:
-    """One stream chunk's choice: what one engine step added (its tool-call deltas apart; its
-    token ids `with_ids`)."""
+) -> ChatChunkChoice | None:
+    """One stream chunk's choice: what one engine step added (its reasoning and tool-call
+    deltas apart; its token ids `with_ids`, its logprobs, unless `parsing.hides_metadata`);
+    None for no chunk, as vLLM's stream sends none, when the step adds nothing to show and the
+    choice goes on."""
     finished = piece.finish_reason is not None
-    content, calls = tools.parse_delta(
+    delta = parsing.parse_delta(
         choice.index, piece.text, list(piece.token_ids), prompt, finished=finished
     )
+    shown = not parsing.hides_metadata
+    logprobs = _piece_logprobs(piece, tokens) if shown else None
+    with_ids = with_ids and shown
+    if delta is None:
+        if not finished and logprobs is None and not with_ids:
+            return None
+        delta = DeltaMessage()
     return ChatChunkChoice(
         index=choice.index,
-        delta=ChatDelta(content=content, tool_calls=calls),
-        logprobs=_piece_logprobs(piece, tokens),
-        finish_reason=tools.stream_finish_reason(choice.index, piece.finish_reason),
+        delta=ChatDelta(
+            content=delta.content, reasoning=delta.reasoning, tool_calls=list(delta.tool_calls)
+        ),
+        logprobs=logprobs,
+        finish_reason=parsing.stream_finish_reason(choice.index, piece.finish_reason),
         token_ids=list(piece.token_ids) if with_ids else None,
         nts=choice.summary,
     )

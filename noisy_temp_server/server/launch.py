@@ -105,16 +105,19 @@ def _check_vllm_flags(settings: Settings) -> None:
         raise ProfileError(str(error)) from error
 
 
-def _tool_parser(settings: Settings, tokenizer: Any, model_name: str) -> type[Parser] | None:
-    """vLLM's tool parser class for `--tool-call-parser` (`server.tools`); ProfileError, one
-    line, for a parser vLLM does not know or the tokenizer cannot serve."""
+def _output_parser(settings: Settings, tokenizer: Any, model_name: str) -> type[Parser] | None:
+    """vLLM's parser class for `--tool-call-parser` and ``--reasoning-parser``
+    (`server.tools`); ProfileError, one line (vLLM's, naming the flag), for a parser vLLM does
+    not know or the tokenizer cannot serve."""
     from noisy_temp_server.calibration.profile import ProfileError  # noqa: PLC0415
-    from noisy_temp_server.server.tools import tool_parser_class  # noqa: PLC0415
+    from noisy_temp_server.server.tools import output_parser_class  # noqa: PLC0415
+    from noisy_temp_server.server.vllm_flags import frontend_options  # noqa: PLC0415
 
+    reasoning_parser = frontend_options(settings.vllm_args).reasoning_parser
     try:
-        return tool_parser_class(settings, tokenizer, model_name)
+        return output_parser_class(settings, reasoning_parser, tokenizer, model_name)
     except (TypeError, KeyError, ValueError) as error:
-        raise ProfileError(f"--tool-call-parser: {error}") from error
+        raise ProfileError(str(error).splitlines()[0]) from error
 
 
 def int4_stack_settings(settings: Settings) -> Settings:
@@ -235,7 +238,7 @@ def _serve(
     metrics = ApiMetrics(CollectorRegistry())  # values live in the multiprocess directory
     tokenizer = AutoTokenizer.from_pretrained(pair.served, local_files_only=True)
     tokenizer.chat_template = chat_template or tokenizer.chat_template
-    tool_parser = _tool_parser(settings, tokenizer, model_name)
+    output_parser = _output_parser(settings, tokenizer, model_name)
     collector = stack.enter_context(
         TraceCollector(
             environment.trace_endpoint,
@@ -276,7 +279,7 @@ def _serve(
         trace_source=collector,
         shadow=shadow,
         adapter=adapter,
-        tool_parser=tool_parser,
+        output_parser=output_parser,
         sampling_defaults=_sampling_defaults(engine),
         on_shutdown=stack.close,
     )

@@ -21,7 +21,7 @@ here.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pydantic import (
     BaseModel,
@@ -45,6 +45,7 @@ from noisy_temp_server.engine_contract.keys import (
     KEY_RUNTIME_NOISE_SIGMA,
     SERVER_KEYS,
 )
+from noisy_temp_server.server.chat_messages import ChatMessage
 from noisy_temp_server.server.structured_outputs import (
     ResponseFormat,
     StructuredOutputs,
@@ -379,44 +380,6 @@ class _CompletionExtras(_Extras):
 
 class CompletionRequest(_CompletionExtras, _CompletionFields):
     """`POST /v1/completions` (https://platform.openai.com/docs/api-reference/completions)."""
-
-
-class ChatMessage(BaseModel):
-    """One chat message. Content may be a string or a list of text parts; null only for an
-    assistant message (as OpenAI)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(
-                f"content of a {self.role} message must be a string or a list of text parts, "
-                "not null (only an assistant message may have null content)."
-            )
-        return self
-
-    def template_message(self) -> dict[str, Any]:
-        """The message as a chat template takes it: its text, with its other keys (such as an
-        assistant's `tool_calls` or a tool's `tool_call_id`)."""
-        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
-
-    def text(self) -> str:
-        """The message's text (text parts joined); raises ValueError for non-text parts."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported.")
-            texts.append(part["text"])
-        return "".join(texts)
 
 
 class _ChatFields(_SamplingFields):

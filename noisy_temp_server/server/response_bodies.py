@@ -31,6 +31,7 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionResponse",
     "CompletionStreamResponse",
+    "CompletionTokensDetails",
     "LogprobTokens",
     "ModelCard",
     "ModelList",
@@ -162,13 +163,21 @@ class PromptTokensDetails(_Response):
     cached_tokens: int
 
 
+class CompletionTokensDetails(_Response):
+    """What `usage` details of the completion (with ``--reasoning-parser``, as vLLM's): the
+    generated tokens inside the reasoning, by the parser's count."""
+
+    reasoning_tokens: int
+
+
 class Usage(_OmitWhenEmpty):
-    _omitted_when_null = ("prompt_tokens_details",)
+    _omitted_when_null = ("prompt_tokens_details", "completion_tokens_details")
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionChoice(_OmitWhenEmpty):
@@ -218,12 +227,14 @@ class ChatCompletionLogprobs(_Response):
 
 class ChatResponseMessage(_OmitWhenEmpty):
     """The answer's message; `role`: ``--response-role`` (`assistant`) when the request opens
-    that turn (`add_generation_prompt`), else the last message's (vLLM's)."""
+    that turn (`add_generation_prompt`), else the last message's (vLLM's); `reasoning`: what
+    ``--reasoning-parser`` split out of the text (null without, as vLLM's)."""
 
     _omitted_when_empty = ("tool_calls",)
 
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -255,10 +266,15 @@ class ChatCompletionResponse(_OmitWhenEmpty):
 
 
 class ChatDelta(_OmitWhenEmpty):
+    """What a stream chunk adds to a choice; `reasoning` (only in the chunks that add some):
+    what ``--reasoning-parser`` splits out of the text, as vLLM's."""
+
     _omitted_when_empty = ("tool_calls",)
+    _omitted_when_null = ("reasoning",)
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

@@ -48,16 +48,17 @@ def mount_responses(
     tools: dict[str, Any] = {
         "enable_auto_tools": settings.enable_auto_tool_choice,
         "tool_parser": settings.tool_call_parser,
+        "reasoning_parser": frontend.reasoning_parser,
     }
     common: dict[str, Any] = {
         "request_logger": None,
         "chat_template": chat_template,
         "default_chat_template_kwargs": dict(frontend.default_chat_template_kwargs),
+        "chat_template_content_format": frontend.chat_template_content_format,
     }
     renderer = OnlineRenderer(
         engine.model_config,
         engine.renderer,
-        chat_template_content_format="auto",
         trust_request_chat_template=frontend.trust_request_chat_template,
         exclude_tools_when_tool_choice_none=frontend.exclude_tools_when_tool_choice_none,
         **common,
@@ -71,7 +72,6 @@ def mount_responses(
         engine,
         models,
         renderer,
-        chat_template_content_format="auto",
         return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
         enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
         enable_force_include_usage=frontend.enable_force_include_usage,

@@ -56,18 +56,18 @@ class ChatTokenizer(Protocol):
 class ServerState:
     """What the handlers share.
 
-    `engine`: vLLM's `AsyncLLM` (or a fake with its interface); `policy_source`: the policy in
-    force for new requests; `trace_source`: the per-step T* of tuned requests (None: tuned
-    requests report no T statistics); `shadow`: the shadow scorer sampled choices are submitted
-    to (None: no shadow scoring); `metrics`: the API metrics, registered where
-    `metrics_registry` (what `/metrics` serves) sees them; `model_name`: the served model name
-    clients must send; `max_model_len`: the context length prompts and completions share;
-    `adapter`: the compensation adapter the served model id stands for with the model (None:
-    none; `server.adapter`); `tool_parser`: vLLM's parser class for tool calls (None: none;
-    `server.tools`); `sampling_defaults`: the model's sampling defaults as vLLM's server reads
-    them (`ModelConfig.get_diff_sampling_param`: its `generation_config.json` under vLLM's
-    default ``--generation-config auto``), for the fields a request leaves unset; `frontend`:
-    vLLM's server flags given in the settings' ``vllm_args`` (`server.vllm_flags`).
+    `engine`: vLLM's `AsyncLLM` (or a fake with its interface); `policy_source`: the policy in force
+    for new requests; `trace_source`: the per-step T* of tuned requests (None: tuned requests report
+    no T statistics); `shadow`: the shadow scorer sampled choices are submitted to (None: no shadow
+    scoring); `metrics`: the API metrics, registered where `metrics_registry` (what `/metrics`
+    serves) sees them; `model_name`: the served model name clients must send; `max_model_len`: the
+    context length prompts and completions share; `adapter`: the compensation adapter the served
+    model id stands for with the model (None: none; `server.adapter`); `output_parser`: vLLM's
+    parser class for reasoning and tool calls (None: none; `server.tools`); `sampling_defaults`: the
+    model's sampling defaults as vLLM's server reads them (`ModelConfig.get_diff_sampling_param`:
+    its `generation_config.json` under vLLM's default ``--generation-config auto``), for the fields
+    a request leaves unset; `frontend`: vLLM's server flags given in the settings' ``vllm_args``
+    (`server.vllm_flags`).
     """
 
     settings: Settings
@@ -81,7 +81,7 @@ class ServerState:
     trace_source: TraceSource | None
     shadow: ShadowScorer | None
     adapter: ServedAdapter | None = None
-    tool_parser: type[Parser] | None = None
+    output_parser: type[Parser] | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     frontend: FrontendOptions = field(default_factory=FrontendOptions)
 

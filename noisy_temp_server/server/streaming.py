@@ -27,7 +27,12 @@ from noisy_temp_server.server.serving import (
     overall_summary,
     summarize,
 )
-from noisy_temp_server.server.usage import reported_cached_tokens, stream_usage, usage
+from noisy_temp_server.server.usage import (
+    reported_cached_tokens,
+    stream_usage,
+    usage,
+    usage_so_far,
+)
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
@@ -73,20 +78,23 @@ async def stream_choices(
     prepared: PreparedRequest,
     *,
     chunk_type: Callable[..., CompletionStreamResponse | ChatCompletionChunk],
-    chunk_choice: Callable[[Choice, Piece], Any],
+    chunk_choice: Callable[[Choice, Piece], Any | None],
     opening: Sequence[Any] = (),
     opening_fields: Mapping[str, Any] | None = None,
+    reasoning_tokens: Callable[[Sequence[Choice]], int | None] = lambda _: None,
 ) -> StreamingResponse:
-    """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's
-    prompt token ids and text when asked), one per engine output (its choice
-    made by `chunk_choice`), a last chunk with the usage (if asked, `server.usage`) and the
-    `nts` summary, then `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but
-    with `stream_options.continuous_usage_stats` (or ``--enable-force-include-usage``): then
-    every chunk has its choice's usage so far (its prompt's tokens and the tokens it generated;
-    0 on an opening chunk). Errors before the first output raise (proper status code); later
-    ones are reported in-band. When the response's ASGI call ends, whether or not its body was
-    ever iterated, the engine requests still running are aborted and the choices that end
-    without a summary are cancelled on the shadow scorer and forgotten on the trace channel."""
+    """Server-sent events: one chunk per `opening` choice (each with `opening_fields`, vLLM's prompt
+    token ids and text when asked), one per engine output (its choice made by `chunk_choice`; none
+    when that makes None), a last chunk with the usage (if asked, `server.usage`) and the `nts`
+    summary, then `[DONE]`. As in vLLM's server, no other chunk has the `usage` key, but with
+    `stream_options.continuous_usage_stats` (or ``--enable-force-include-usage``): then every chunk
+    has its choice's usage so far (its prompt's tokens and the tokens it generated; 0 on an opening
+    chunk). Errors before the first output raise (proper status code); later ones are reported
+    in-band. When the response's ASGI call ends, whether or not its body was ever iterated, the
+    engine requests still running are aborted and the choices that end without a summary are
+    cancelled on the shadow scorer and forgotten on the trace channel. `reasoning_tokens`: the
+    reasoning tokens of some choices, for the usage's `completion_tokens_details` (None: no
+    details)."""
     engine = engine_streams(state, prepared)
     try:
         stream = await _primed(engine)
@@ -103,10 +111,7 @@ async def stream_choices(
     def choice_usage(choice: Choice) -> Usage | None:
         if not continuous:
             return None
-        prompt, completion = len(prepared.prompt_of(choice)), len(choice.token_ids)
-        return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
+        return usage_so_far(prepared, choice, reasoning_tokens=reasoning_tokens([choice]))
 
     def chunk(choices: list[Any], **extra: Any) -> str:
         response = chunk_type(
@@ -130,13 +135,13 @@ async def stream_choices(
                 piece = absorb(choice, request_output)
                 if piece.finish_reason is not None:
                     choice.summary = await summarize(state, prepared, choice)
-                yield chunk([chunk_choice(choice, piece)], usage=choice_usage(choice))
+                made = chunk_choice(choice, piece)
+                if made is not None:
+                    yield chunk([made], usage=choice_usage(choice))
             cached = reported_cached_tokens(state, prepared, first)
-            yield chunk(
-                [],
-                usage=usage(prepared, cached_tokens=cached) if final_usage else None,
-                nts=overall_summary(prepared),
-            )
+            reasoning = reasoning_tokens(prepared.choices)
+            final = usage(prepared, cached_tokens=cached, reasoning_tokens=reasoning)
+            yield chunk([], usage=final if final_usage else None, nts=overall_summary(prepared))
         except Exception as error:  # after the 200 status line: report in-band
             yield _sse(openai_error_from_exception(error).body())
         yield _sse("[DONE]")

@@ -28,8 +28,8 @@ from vllm import __version__ as VLLM_VERSION  # noqa: N812
 
 from noisy_temp_server.server.adapter import check_model
 from noisy_temp_server.server.chat import chat_prompt
+from noisy_temp_server.server.chat_messages import ChatMessage
 from noisy_temp_server.server.errors import OpenAIError
-from noisy_temp_server.server.protocol import ChatMessage
 from noisy_temp_server.server.state import ServerState, ServerStateDep
 from noisy_temp_server.server.vllm_fields import ChatTemplateFields
 

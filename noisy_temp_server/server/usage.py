@@ -1,7 +1,8 @@
 """The `usage` object of the generation responses, as vLLM's server reports it: the token counts
 (each prompt counted once), `prompt_tokens_details.cached_tokens` with
-``--enable-prompt-tokens-details`` (the prompt tokens the engine found in its prefix cache), and
-in streams where vLLM's `should_include_usage` puts it (``stream_options``, or every stream with
+``--enable-prompt-tokens-details`` (the prompt tokens the engine found in its prefix cache),
+`completion_tokens_details.reasoning_tokens` with ``--reasoning-parser`` (chat), and in streams
+where vLLM's `should_include_usage` puts it (``stream_options``, or every stream with
 ``--enable-force-include-usage``).
 """
 
@@ -11,18 +12,28 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
-from noisy_temp_server.server.response_bodies import PromptTokensDetails, Usage
+from noisy_temp_server.server.response_bodies import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from noisy_temp_server.server.serving import Choice, GenerationRequest, PreparedRequest
     from noisy_temp_server.server.state import ServerState
 
-__all__ = ["reported_cached_tokens", "stream_usage", "usage"]
+__all__ = ["reported_cached_tokens", "stream_usage", "usage", "usage_so_far"]
 
 
-def usage(prepared: PreparedRequest, *, cached_tokens: int | None = None) -> Usage:
+def usage(
+    prepared: PreparedRequest,
+    *,
+    cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
+) -> Usage:
     """The token counts of the request so far (all choices; each prompt counted once), with
-    `prompt_tokens_details` when `cached_tokens` is given."""
+    `prompt_tokens_details` when `cached_tokens` is given and `completion_tokens_details` when
+    `reasoning_tokens` is."""
     completion = sum(len(c.token_ids) for c in prepared.choices)
     prompt = sum(len(ids) for ids in prepared.prompts)
     details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
@@ -31,7 +42,30 @@ def usage(prepared: PreparedRequest, *, cached_tokens: int | None = None) -> Usa
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=details,
+        completion_tokens_details=_completion_details(reasoning_tokens),
     )
+
+
+def usage_so_far(
+    prepared: PreparedRequest, choice: Choice, *, reasoning_tokens: int | None = None
+) -> Usage:
+    """`choice`'s usage so far, as a stream's chunks report it with continuous usage: its
+    prompt's tokens and the tokens it generated, with `completion_tokens_details` when
+    `reasoning_tokens` is given."""
+    prompt, completion = len(prepared.prompt_of(choice)), len(choice.token_ids)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        completion_tokens_details=_completion_details(reasoning_tokens),
+    )
+
+
+def _completion_details(reasoning_tokens: int | None) -> CompletionTokensDetails | None:
+    """`usage.completion_tokens_details` for `reasoning_tokens` (None: none)."""
+    if reasoning_tokens is None:
+        return None
+    return CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
 
 
 def reported_cached_tokens(

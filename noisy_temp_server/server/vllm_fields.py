@@ -25,8 +25,9 @@
   effect, as on vLLM's server.
 
 `VllmChatFields` adds vLLM's chat-only fields: the chat template's arguments
-(`ChatTemplateFields`, which `/tokenize`'s chat form takes too), `echo`, `tools` and
-`tool_choice` (`server.tools`), `return_prompt_text` (the rendered prompt in the response).
+(`ChatTemplateFields`, which `/tokenize`'s chat form takes too), `echo`, `tools`, `tool_choice`
+and `include_reasoning` (`server.tools`), `return_prompt_text` (the rendered prompt in the
+response).
 
 `NOT_TAKEN` lists vLLM's fields this server refuses, each with why; a request sending one gets
 a 400 saying why. tests/unit/test_vllm_fields.py checks that every field of vLLM's two request
@@ -345,9 +346,9 @@ class ChatTemplateFields(BaseModel):
 class VllmChatFields(ChatTemplateFields, VllmFields):
     """vLLM's fields of its chat request only: what the chat template is rendered with
     (`ChatTemplateFields`, and `documents`, `reasoning_effort`), `echo` (the last message's
-    text starts the answer when it has the answer's role), and fields without effect here as on
-    vLLM's server for a text-only model without a reasoning parser (`include_reasoning`,
-    `parallel_tool_calls`)."""
+    text starts the answer when it has the answer's role), `include_reasoning` (the reasoning
+    split out of the answer is left out; with ``--reasoning-parser`` only: `server.tools`), and
+    `parallel_tool_calls` (without effect here)."""
 
     echo: StrictBool = False
     documents: list[dict[str, str]] | None = None

@@ -28,9 +28,13 @@ import inspect
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from noisy_temp_server.settings import Settings
+
+if TYPE_CHECKING:
+    from noisy_temp_server.server.chat_messages import ContentFormatOption
 
 __all__ = [
     "NOT_TAKEN",
@@ -42,7 +46,7 @@ __all__ = [
 
 _SET_BY_SERVE = (
     "model", "tokenizer", "kv_cache_memory_bytes", "logprobs_mode", "max_logprobs",
-    "logits_processors", "enable_lora", "max_lora_rank", "max_loras", "reasoning_parser",
+    "logits_processors", "enable_lora", "max_lora_rank", "max_loras",
 )  # fmt: skip
 """Engine arguments `serve` sets itself: the served model and its tokenizer, the KV cache
 (``--kv-cache-gib``), what the processors and the adapter need."""
@@ -60,8 +64,6 @@ NOT_TAKEN: dict[str, str] = {
     "grpc": "serve answers over HTTP only",
     "grpc_port": "serve answers over HTTP only",
     "lora_modules": "serve fits and loads its own adapter",
-    "chat_template_content_format": "serve renders each message's content as its text "
-    "(vLLM's 'string' format)",
     "trust_request_mm_kwargs": "serve takes text prompts only",
     "tool_parser_plugin": "serve takes vLLM's built-in tool parsers only",
     "tool_strict_level": "serve's tool calls follow vLLM's default ('auto')",
@@ -103,7 +105,12 @@ class FrontendOptions:
       `continuous_usage_stats` (`enable_force_include_usage`);
     - the chat template: `default_chat_template_kwargs` under the request's own, a request's
       own `chat_template` taken (`trust_request_chat_template`), no tools rendered when
-      `tool_choice` is `none` (`exclude_tools_when_tool_choice_none`);
+      `tool_choice` is `none` (`exclude_tools_when_tool_choice_none`), each message's content
+      as one text or a list of parts (`chat_template_content_format`,
+      `server.chat_messages`);
+    - reasoning: vLLM's reasoning parser (`reasoning_parser`; empty: none), an engine flag that
+      vLLM's server reads too (the engine gets it among `engine_flag_overrides`), and the
+      module or file that registers one (`reasoning_parser_plugin`, imported first);
     - HTTP: no `/docs`, `/redoc`, `/openapi.json` (`disable_fastapi_docs`), `X-Request-Id` on
       every response (`enable_request_id_headers`), the ASGI `middleware` added (import paths),
       and uvicorn's unix socket (`uds`: host and port ignored), TLS ciphers, h11 limits and
@@ -117,6 +124,9 @@ class FrontendOptions:
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     trust_request_chat_template: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    chat_template_content_format: ContentFormatOption = "auto"
+    reasoning_parser: str = ""
+    reasoning_parser_plugin: str = ""
     disable_fastapi_docs: bool = False
     enable_request_id_headers: bool = False
     middleware: tuple[str, ...] = ()
@@ -143,9 +153,15 @@ def engine_flag_overrides(flags: str) -> dict[str, Any]:
 def frontend_options(flags: str) -> FrontendOptions:
     """The server flags ``flags`` (a shell-quoted string of `vllm serve`'s flags) set, with
     vLLM's defaults for the others. Raises ValueError, one line, for what `serve` refuses
-    (module docstring), a `--default-chat-template-kwargs` that is not a JSON object and a
-    `--middleware` that cannot be imported or is neither a class nor a coroutine function."""
+    (module docstring), a `--default-chat-template-kwargs` that is not a JSON object, a
+    `--middleware` that cannot be imported or is neither a class nor a coroutine function, a
+    `--reasoning-parser-plugin` that cannot be imported and a `--reasoning-parser` vLLM does
+    not know (with that plugin imported)."""
     given = {name: value for name, value in _given(flags).items() if name in _FRONTEND}
+    if plugin := given.get("reasoning_parser_plugin"):
+        _import_plugin(plugin)
+    if name := given.get("reasoning_parser"):
+        _check_reasoning_parser(name)
     kwargs = given.get("default_chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"--default-chat-template-kwargs must be a JSON object, not {kwargs!r}")
@@ -168,6 +184,31 @@ def middleware(path: str) -> Any:
     if not (inspect.isclass(imported) or inspect.iscoroutinefunction(imported)):
         raise ValueError(f"Invalid middleware {path}. Must be a function or a class.")
     return imported
+
+
+def _import_plugin(path: str) -> None:
+    """Import `path` (a Python file, else a module) as vLLM imports a
+    ``--reasoning-parser-plugin``; ValueError, one line, when it cannot be."""
+    from vllm.utils.import_utils import import_from_path  # noqa: PLC0415
+
+    try:
+        if path.endswith(".py"):
+            import_from_path(Path(path).stem, path)
+        else:
+            importlib.import_module(path)
+    except Exception as error:  # whatever the user's module raises while it is imported
+        message = f"--reasoning-parser-plugin {path}: cannot be imported: {error!r}"
+        raise ValueError(message) from None
+
+
+def _check_reasoning_parser(name: str) -> None:
+    """ValueError, vLLM's message in one line, for a reasoning parser vLLM's
+    `ReasoningParserManager` does not know."""
+    from vllm.reasoning import ReasoningParserManager  # noqa: PLC0415
+
+    known = ReasoningParserManager.list_registered()
+    if name not in known:
+        raise ValueError(f"invalid reasoning parser: {name} (chose from {{ {','.join(known)} }})")
 
 
 def _given(flags: str) -> dict[str, Any]:

@@ -697,9 +697,50 @@ ROWS += [
 SHARED_FLAGS = (
     *("--enable-auto-tool-choice", "--tool-call-parser", "pythonic"),
     *("--response-role", "bot", "--enable-prompt-tokens-details"),
+    *("--reasoning-parser", "deepseek_v3", "--chat-template-content-format", "auto"),
 )
 """Both servers parse tool calls with vLLM's pythonic parser (one the tiny tokenizer serves),
-answer chat as `bot` and report the prompt's cached tokens (vLLM's server flags)."""
+answer chat as `bot`, report the prompt's cached tokens (vLLM's server flags) and run vLLM's
+`deepseek_v3` reasoning parser (one the tiny tokenizer serves: without `thinking` among the
+template's arguments it finds no reasoning, so texts and constraints are as without it)."""
+
+
+def _no_logprobs_nor_token_ids(body: Any) -> None:
+    """vLLM's with a parser and `include_reasoning: false`: they would show the reasoning."""
+    for choice in body.get("choices", []):
+        assert choice.get("logprobs") is None, choice
+        assert choice.get("token_ids") is None, choice
+
+
+def _parts_joined_by_newlines(body: Any) -> None:
+    if "prompt_text" in body:
+        assert "Say\nsomething." in body["prompt_text"], body["prompt_text"]
+
+
+_HIDDEN = {"include_reasoning": False, "logprobs": True, "return_token_ids": True}
+_PARTS = [{"role": "user", "content": [{"type": "text", "text": t} for t in ("Say", "something.")]}]
+ROWS += [
+    Row(
+        "chat, include_reasoning false",
+        "/v1/chat/completions",
+        _chat(**_HIDDEN),
+        body_check=_no_logprobs_nor_token_ids,
+        reports=("usage.completion_tokens_details.reasoning_tokens",),
+    ),
+    Row(
+        "chat, include_reasoning false, streamed",
+        "/v1/chat/completions",
+        _chat(**_HIDDEN, stream=True),
+        body_check=_no_logprobs_nor_token_ids,
+    ),
+    Row(
+        "chat, text parts",
+        "/v1/chat/completions",
+        _chat(messages=_PARTS, return_prompt_text=True),
+        body_check=_parts_joined_by_newlines,
+        reports=("prompt_text",),
+    ),
+]
 
 
 def _answers_as_bot(body: Any) -> None:

@@ -65,6 +65,9 @@ class FakeEngine:
         self.prompts: list[TokensInput] = []
         self.priorities: list[int] = []
         self.cached_tokens: int | None = None  # what each output reports as num_cached_tokens
+        self.script: list[int] | None = None  # the token ids each request generates instead
+        self.texts: dict[int, str] = {}  # a token's text instead of " t<id>"
+        self.reasoning: list[tuple[bool | None, dict[str, Any] | None]] = []
 
     async def generate(
         self,
@@ -74,6 +77,8 @@ class FakeEngine:
         *,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         ids = list(prompt["prompt_token_ids"])
         if any(i >= VOCAB for i in ids):
@@ -82,8 +87,11 @@ class FakeEngine:
         self.lora_requests.append(lora_request)
         self.prompts.append(prompt)
         self.priorities.append(priority)
+        self.reasoning.append((reasoning_ended, reasoning_parser_kwargs))
         count = sampling_params.max_tokens or 1
         new = [(len(ids) + step) % VOCAB for step in range(count)]
+        if self.script is not None:
+            new = self.script[:count]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         try:
             async for output in self._outputs(request_id, ids, new, delta, sampling_params):
@@ -122,7 +130,7 @@ class FakeEngine:
                 ]
             output = CompletionOutput(
                 index=0,
-                text="".join(f" t{t}" for t in tokens),
+                text="".join(self.texts.get(t, f" t{t}") for t in tokens),
                 token_ids=tokens,
                 cumulative_logprob=None,
                 logprobs=logprobs,
@@ -160,8 +168,17 @@ def _prompt_logprobs(ids: list[int]) -> list[dict[int, Logprob] | None]:
 class FakeTokenizer:
     eos_token_id = 0
 
-    def __init__(self, chat_template: str | None = "{{ messages }}") -> None:
+    def __init__(
+        self,
+        chat_template: str | None = "{{ messages }}",
+        special_tokens: dict[str, int] | None = None,
+    ) -> None:
         self.chat_template = chat_template
+        self.special_tokens = special_tokens or {}
+
+    def get_vocab(self) -> dict[str, int]:
+        """Only the `special_tokens` (what vLLM's reasoning parsers look up)."""
+        return dict(self.special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 256 for c in text]
@@ -250,7 +267,7 @@ def build(
     *,
     adapter: ServedAdapter | None = None,
     shadow: Any = None,
-    tool_parser: Any = None,
+    output_parser: Any = None,
     sampling_defaults: dict[str, Any] | None = None,
 ) -> Harness:
     engine, registry = FakeEngine(), CollectorRegistry()
@@ -267,7 +284,7 @@ def build(
         trace_source=traces,
         shadow=shadow,
         adapter=adapter,
-        tool_parser=tool_parser,
+        output_parser=output_parser,
         sampling_defaults=sampling_defaults,
     )
     app.state.registry = registry

@@ -19,7 +19,7 @@ import uvicorn
 from server_fakes import MODEL, POLICY, FakeTokenizer, Harness, assert_error, build, sse_events
 from uvicorn.config import LOGGING_CONFIG
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from noisy_temp_server import cli
@@ -74,9 +74,9 @@ def test_every_server_flag_of_vllm_serve_is_taken_a_setting_or_refused() -> None
 
 
 def test_the_options_have_vllms_defaults() -> None:
-    theirs, ours = FrontendArgs(), FrontendOptions()
+    theirs, ours = vars(_vllm_serve_parser().parse_args([])), FrontendOptions()
     for field in dataclasses.fields(FrontendOptions):
-        mine, vllms = getattr(ours, field.name), getattr(theirs, field.name)
+        mine, vllms = getattr(ours, field.name), theirs[field.name]
         assert mine == vllms or not (mine or vllms), field.name  # an empty value for None
 
 
@@ -114,6 +114,8 @@ def test_each_flag_not_taken_is_refused_in_one_line_saying_why(name: str) -> Non
         (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
         (["--middleware", "no_such_module.M"], "--middleware no_such_module.M: cannot be"),
         (["--middleware", "middleware_fakes.NOT_MIDDLEWARE"], "Must be a function or a class"),
+        (["--reasoning-parser", "nope"], "invalid reasoning parser: nope (chose from {"),
+        (["--reasoning-parser-plugin", "no_such_plugin"], "no_such_plugin: cannot be imported"),
     ],
 )
 def test_serve_refuses_them_in_one_line_and_exits_1_before_anything_loads(
@@ -253,6 +255,53 @@ def test_tools_are_left_out_of_the_prompt_when_tool_choice_is_none() -> None:
         _serving("--exclude-tools-when-tool-choice-none"), **none
     )
     assert "<tool>get_weather" in _prompt_text(_serving(""), **none)
+
+
+_PARTS = [{"role": "user", "content": [{"type": "text", "text": t} for t in "ab"]}]
+_LOOPS_OVER_CONTENT = (
+    "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("flags", "template", "user"),
+    [
+        ("", "{{ messages }}", "a\nb"),  # auto: a template that prints the content whole
+        ("", _LOOPS_OVER_CONTENT, str(_PARTS[0]["content"])),  # auto: one that loops over it
+        ("--chat-template-content-format string", _LOOPS_OVER_CONTENT, "a\nb"),
+        ("--chat-template-content-format openai", "{{ messages }}", str(_PARTS[0]["content"])),
+    ],
+)
+def test_the_content_format_is_what_the_template_receives(
+    flags: str, template: str, user: str
+) -> None:
+    """vLLM's: parts joined by newlines (`string`) or the list of parts (`openai`); `auto`
+    detects which on the template (the fake tokenizer prints each message's content)."""
+    server = _serving(flags, FakeTokenizer(chat_template=template))
+    assert _tokenized(server, _PARTS) == f"<user>{user}<assistant>"  # as the chat route renders
+
+
+def _tokenized(server: Harness, messages: list[dict[str, Any]]) -> str:
+    tokens = server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    return bytes(tokens).decode()
+
+
+def test_the_chat_route_renders_the_content_format_too() -> None:
+    server = _serving("--chat-template-content-format openai")
+    assert _prompt_text(server) == "<user>[{'type': 'text', 'text': 'hi'}]<assistant>"
+    assert _prompt_text(_serving("")) == "<user>hi<assistant>"
+
+
+def test_in_the_openai_format_a_string_is_one_part_and_a_tool_messages_parts_are_joined() -> None:
+    server = _serving("--chat-template-content-format openai")
+    tool_turn = [
+        *_USER,
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "x"}] * 2},
+    ]
+    assert _tokenized(server, tool_turn) == (
+        "<user>[{'type': 'text', 'text': 'hi'}]<assistant>[]<tool>x\nx<assistant>"
+    )
 
 
 # ----------------------------------------------------------------------------- HTTP

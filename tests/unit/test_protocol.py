@@ -94,9 +94,24 @@ def test_chat_text_parts_are_joined_and_other_parts_refused() -> None:
             }
         ]
     )
-    assert [m.template_message() for m in request.messages] == [{"role": "user", "content": "ab"}]
+    assert [m.template_message() for m in request.messages] == [{"role": "user", "content": "a\nb"}]
     with pytest.raises(ValidationError, match="only text content parts"):
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_both_names() -> None:
+    """vLLM's renderer: `reasoning_content` is the old name of `reasoning`; the template gets
+    both, for an assistant's message only."""
+    request = _chat(
+        messages=[
+            {"role": "user", "content": "q", "reasoning": "no"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        ]
+    )
+    user, assistant = (m.template_message() for m in request.messages)
+    assert user == {"role": "user", "content": "q"}
+    assert assistant == {"role": "assistant", "content": "a", "reasoning": "r",
+                         "reasoning_content": "r"}  # fmt: skip
 
 
 def test_nts_keys_merge_from_top_level_and_vllm_xargs() -> None:

@@ -13,7 +13,7 @@ from server_fakes import POLICY, FakeTokenizer, Harness, assert_error, build
 from vllm.parser.parser_manager import ParserManager
 
 from noisy_temp_server.server.protocol import ChatCompletionRequest
-from noisy_temp_server.server.tools import ToolCalls
+from noisy_temp_server.server.tools import ChatOutputParsing
 from noisy_temp_server.settings import Settings
 
 _TOOL = {
@@ -38,7 +38,7 @@ def plain() -> Harness:
 
 @pytest.fixture
 def with_parser() -> Harness:
-    return build(Settings(enable_auto_tool_choice=True), POLICY, tool_parser=_pythonic())
+    return build(Settings(enable_auto_tool_choice=True), POLICY, output_parser=_pythonic())
 
 
 @pytest.mark.parametrize(
@@ -83,30 +83,32 @@ def test_auto_leaves_the_output_free(with_parser: Harness) -> None:
     assert with_parser.engine.calls[-1][1].structured_outputs is None
 
 
-def _tool_calls(choice: Any) -> ToolCalls:
+def _tool_calls(choice: Any) -> ChatOutputParsing:
     request = ChatCompletionRequest.model_validate({**_BODY, "tool_choice": choice})
-    return ToolCalls(request, _pythonic(), FakeTokenizer(), auto_tools=True)
+    return ChatOutputParsing(request, _pythonic(), FakeTokenizer(), auto_tools=True)
 
 
 def test_auto_parses_the_models_calls_with_vllms_parser() -> None:
-    content, calls, finish = _tool_calls("auto").parse(0, '[weather(city="Paris")]', [], "stop")
+    _, content, calls, finish = _tool_calls("auto").parse(
+        0, '[weather(city="Paris")]', [], [1], "stop"
+    )
     assert finish == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("weather", {"city": "Paris"})
     ]
     assert content is None
-    plain_text = _tool_calls("auto").parse(0, "no call here", [], "stop")
-    assert plain_text == ("no call here", [], "stop")
+    plain_text = _tool_calls("auto").parse(0, "no call here", [], [1], "stop")
+    assert plain_text == (None, "no call here", [], "stop")
 
 
 def test_required_parses_the_constrained_json() -> None:
     text = json.dumps([{"name": "weather", "parameters": {"city": "Oslo"}}])
-    content, calls, finish = _tool_calls("required").parse(0, text, [], "stop")
+    _, content, calls, finish = _tool_calls("required").parse(0, text, [], [1], "stop")
     assert (content, finish) == ("", "tool_calls")
     assert calls[0].function.name == "weather"
-    named = _tool_calls(_NAMED).parse(0, '{"city": "Rome"}', [], "stop")
-    assert named[1][0].function.arguments == '{"city": "Rome"}'
-    assert named[2] == "stop"
+    named = _tool_calls(_NAMED).parse(0, '{"city": "Rome"}', [], [1], "stop")
+    assert named[2][0].function.arguments == '{"city": "Rome"}'
+    assert named[3] == "stop"
 
 
 def test_a_stream_reports_tool_call_deltas_and_finishes_with_tool_calls() -> None:
@@ -116,7 +118,7 @@ def test_a_stream_reports_tool_call_deltas_and_finishes_with_tool_calls() -> Non
         tools.parse_delta(0, piece, [], [1], finished=i == len(pieces) - 1)
         for i, piece in enumerate(pieces)
     ]
-    assert any(calls for _, calls in deltas)
+    assert any(delta and delta.tool_calls for delta in deltas)
     assert tools.stream_finish_reason(0, "stop") == "tool_calls"
     assert tools.stream_finish_reason(1, "stop") == "stop"
 

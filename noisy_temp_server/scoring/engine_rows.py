@@ -27,6 +27,7 @@ import gc
 import itertools
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,9 +47,14 @@ _LOGPROBS_BUDGET_BYTES = 2 * 2**30
 _LOGPROB_ENTRY_BYTES = 100
 """About what one vocabulary entry of one step takes there: a token id, a log-probability and a
 rank as Python objects, and their three list slots."""
-_CPU_KV_CACHE_GIB = "1"
-"""The engine's KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` says otherwise (calibration's
-completions are short and few)."""
+_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+"""vLLM's settings for the offline engine where the environment gives none: a 1 GiB KV cache on
+a CPU (calibration's completions are short and few), logs on standard error, the engine in this
+process."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,9 @@ def sample_with_engine(
     the prompts' indices; prompt i is sampled with seed ``seed * 1_000_003 + i``. A completion
     stops after a token of `stop_token_ids` (which it keeps) or at `max_new_tokens`.
 
-    The engine runs eager, in the dtype `serve` gives it by default (vLLM's ``auto``), with a 1 GiB
+    The engine runs in this process (no engine or worker process to outlive a killed command,
+    unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` says otherwise), eager, in the dtype `serve` gives
+    it by default (vLLM's ``auto``), with a 1 GiB
     KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, logging to standard error unless
     ``VLLM_LOGGING_STREAM`` is set (a command's standard output is its answer), and is shut
     down before this returns. `progress(done, total)` is called as each completion ends.
@@ -90,40 +98,59 @@ def sample_with_engine(
     log says why); what else vLLM raises for a folder it cannot serve passes through."""
     if not prompt_ids:
         raise ValueError("no prompts to sample")
-    from vllm import LLM  # noqa: PLC0415 (vLLM only where the engine is asked for)
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_CACHE_GIB)
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    try:
-        engine = LLM(
-            str(model),
-            dtype="auto",
-            enforce_eager=True,
-            max_model_len=max(len(ids) for ids in prompt_ids) + max_new_tokens,
-            max_logprobs=-1,
-            skip_tokenizer_init=True,
-            seed=seed,
-        )
-    except RuntimeError as error:  # vLLM's engine start failure; its log above says why
-        raise ValueError(f"vLLM's engine did not start on {model}: {error}") from error
-    try:
-        tokens, rows = _run_requests(
-            engine,
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-            progress=progress,
-        )
-    finally:
-        del engine
-        gc.collect()
+    with _engine_environment():
+        engine = _start_engine(model, max(len(ids) for ids in prompt_ids) + max_new_tokens, seed)
+        try:
+            tokens, rows = _run_requests(
+                engine,
+                prompt_ids,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                stop_token_ids=stop_token_ids,
+                progress=progress,
+            )
+        finally:
+            del engine
+            gc.collect()
     return [
         EngineCompletion(
             ScoringSequence(list(ids) + tokens[index], len(ids), index), torch.cat(rows[index])
         )
         for index, ids in enumerate(prompt_ids)
     ]
+
+
+@contextmanager
+def _engine_environment() -> Iterator[None]:
+    """`_ENGINE_ENV`'s variables that the environment does not set, set while inside: for this
+    engine alone, not for the engines and servers started after it."""
+    added = {name: value for name, value in _ENGINE_ENV.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def _start_engine(model: Path, max_model_len: int, seed: int) -> Any:
+    """vLLM's offline engine on `model` as `sample_with_engine` describes it; ValueError when it
+    does not start."""
+    from vllm import LLM  # noqa: PLC0415 (vLLM only where the engine is asked for)
+
+    try:
+        return LLM(
+            str(model),
+            dtype="auto",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            max_logprobs=-1,
+            skip_tokenizer_init=True,
+            seed=seed,
+            distributed_executor_backend="uni",
+        )
+    except RuntimeError as error:  # vLLM's engine start failure; its log above says why
+        raise ValueError(f"vLLM's engine did not start on {model}: {error}") from error
 
 
 def _run_requests(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,9 +38,12 @@ def test_the_engine_rows_are_the_served_models_distributions_step_by_step(
     tiny_model_dir: Path,
 ) -> None:
     stop = 7
+    ours = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    before = [os.environ.get(name) for name in ours]
     completions = sample_with_engine(
         tiny_model_dir, [[1, 2, 3], [4, 5, 6, 8]], max_new_tokens=12, seed=3, stop_token_ids={stop}
     )
+    assert [os.environ.get(name) for name in ours] == before  # the engine's settings were its own
     assert [c.sequence.sequence_id for c in completions] == [0, 1]
     assert [c.sequence.prompt_length for c in completions] == [3, 4]
     for completion in completions:

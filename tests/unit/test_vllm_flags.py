@@ -32,7 +32,6 @@ def test_the_flags_given_are_read_by_vllms_parser() -> None:
         ("--max-model-len 512", "--max-model-len is a setting of serve"),
         ("--served-model-name x", "--served-model-name is a setting of serve"),
         ("--logits-processors a.B", "--logits-processors is set by serve itself"),
-        ("--reasoning-parser deepseek_r1", "--reasoning-parser is set by serve itself"),
         ("--seed 'unclosed", "vLLM flags: No closing quotation"),
     ],
 )

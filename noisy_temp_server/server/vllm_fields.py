@@ -348,7 +348,8 @@ class VllmChatFields(ChatTemplateFields, VllmFields):
     (`ChatTemplateFields`, and `documents`, `reasoning_effort`), `echo` (the last message's
     text starts the answer when it has the answer's role), `include_reasoning` (the reasoning
     split out of the answer is left out; with ``--reasoning-parser`` only: `server.tools`), and
-    `parallel_tool_calls` (without effect here)."""
+    `parallel_tool_calls` (`false`: only the first tool call is answered, streams included, as
+    vLLM's: `server.tools`)."""
 
     echo: StrictBool = False
     documents: list[dict[str, str]] | None = None

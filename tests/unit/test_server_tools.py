@@ -83,8 +83,8 @@ def test_auto_leaves_the_output_free(with_parser: Harness) -> None:
     assert with_parser.engine.calls[-1][1].structured_outputs is None
 
 
-def _tool_calls(choice: Any) -> ChatOutputParsing:
-    request = ChatCompletionRequest.model_validate({**_BODY, "tool_choice": choice})
+def _tool_calls(choice: Any, **fields: Any) -> ChatOutputParsing:
+    request = ChatCompletionRequest.model_validate({**_BODY, "tool_choice": choice, **fields})
     return ChatOutputParsing(request, _pythonic(), FakeTokenizer(), auto_tools=True)
 
 
@@ -121,6 +121,40 @@ def test_a_stream_reports_tool_call_deltas_and_finishes_with_tool_calls() -> Non
     assert any(delta and delta.tool_calls for delta in deltas)
     assert tools.stream_finish_reason(0, "stop") == "tool_calls"
     assert tools.stream_finish_reason(1, "stop") == "stop"
+
+
+def test_a_stream_cut_short_after_calls_keeps_the_engines_finish_reason() -> None:
+    """vLLM's stream says `tool_calls` only when the engine's finish reason is `stop`."""
+    tools = _tool_calls("auto")
+    tools.parse_delta(0, '[weather(city="Paris")]', [], [1], finished=True)
+    assert tools.stream_finish_reason(0, "stop") == "tool_calls"
+    assert tools.stream_finish_reason(0, "length") == "length"
+    assert tools.stream_finish_reason(0, "abort") == "abort"
+
+
+_TWO_CALLS = '[weather(city="Paris"), weather(city="Rome")]'
+
+
+@pytest.mark.parametrize(("parallel", "kept"), [(True, ["Paris", "Rome"]), (False, ["Paris"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool, kept: list[str]) -> None:
+    tools = _tool_calls("auto", parallel_tool_calls=parallel)
+    _, _, calls, finish = tools.parse(0, _TWO_CALLS, [], [1], "stop")
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == kept
+    assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize(("parallel", "indices"), [(True, {0, 1}), (False, {0})])
+def test_parallel_tool_calls_false_streams_the_first_calls_deltas_only(
+    parallel: bool, indices: set[int]
+) -> None:
+    tools = _tool_calls("auto", parallel_tool_calls=parallel)
+    pieces = ["[weather(", 'city="Paris"), ', "weather(", 'city="Rome")]']
+    deltas = [
+        tools.parse_delta(0, piece, [], [1], finished=i == len(pieces) - 1)
+        for i, piece in enumerate(pieces)
+    ]
+    assert {call.index for delta in deltas if delta for call in delta.tool_calls} == indices
+    assert tools.stream_finish_reason(0, "stop") == "tool_calls"
 
 
 def test_a_body_vllms_chat_model_refuses_is_a_400_with_tools(with_parser: Harness) -> None:

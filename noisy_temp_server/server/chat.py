@@ -74,7 +74,12 @@ async def create_chat_completion(
     parsing = _output_parsing(state, request)
     rendered = _RenderedPrompt(state, request)
     prepared = await prepare_request(
-        state, request, lambda: [rendered.token_ids()], prefix="chatcmpl", param="messages"
+        state,
+        request,
+        lambda: [rendered.token_ids()],
+        prefix="chatcmpl",
+        param="messages",
+        header_id=raw_request.headers.get("X-Request-Id"),
     )
     engine_kwargs = {**prepared.engine_kwargs, **parsing.engine_kwargs(prepared.prompts[0])}
     prepared = dataclasses.replace(prepared, engine_kwargs=engine_kwargs)

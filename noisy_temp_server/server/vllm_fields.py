@@ -13,7 +13,8 @@
 - `prompt_logprobs`: the prompt's logprobs (the served model's own: vLLM computes them before
   any logits processor), in the response as vLLM puts them;
 - `request_id` names the response (`cmpl-<request_id>`, `chatcmpl-<request_id>`) as on vLLM's
-  server; the engine requests keep ids of this server's own (one per choice, unique);
+  server, unless an ``X-Request-Id`` header names it (`server.serving.prepare_request`); the
+  engine requests keep ids of this server's own (one per choice, unique);
 - what the response reports, as vLLM's server reports it: `return_token_ids` (the prompt's and
   each choice's token ids), `return_tokens_as_token_ids` (logprob tokens named
   `token_id:<id>`), `logprob_token_ids` (the logprobs of these ids at each generated position,

@@ -73,13 +73,9 @@ async def create_chat_completion(
     )
     parsing = _output_parsing(state, request)
     rendered = _RenderedPrompt(state, request)
+    header_id = raw_request.headers.get("X-Request-Id")
     prepared = await prepare_request(
-        state,
-        request,
-        lambda: [rendered.token_ids()],
-        prefix="chatcmpl",
-        param="messages",
-        header_id=raw_request.headers.get("X-Request-Id"),
+        state, request, rendered.prompts, prefix="chatcmpl", param="messages", header_id=header_id
     )
     engine_kwargs = {**prepared.engine_kwargs, **parsing.engine_kwargs(prepared.prompts[0])}
     prepared = dataclasses.replace(prepared, engine_kwargs=engine_kwargs)
@@ -169,18 +165,18 @@ def _echoed(request: ChatCompletionRequest, role: str) -> str:
 
 
 class _RenderedPrompt:
-    """The request's messages rendered by the chat template (`chat_prompt`): `token_ids()`
-    renders and tokenizes them; `text` is the rendered text once it has (vLLM's
-    `prompt_text`)."""
+    """The request's messages rendered by the chat template (`chat_prompt`): `prompts()`
+    renders and tokenizes them (the token ids of the request's one prompt); `text` is the
+    rendered text once it has (vLLM's `prompt_text`)."""
 
     def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
         self.state = state
         self.request = request
         self.text = ""
 
-    def token_ids(self) -> list[int]:
+    def prompts(self) -> list[list[int]]:
         self.text, ids = chat_prompt(self.state, self.request.messages, self.request)
-        return ids
+        return [ids]
 
 
 def chat_prompt(

@@ -19,7 +19,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.chat_messages import ChatMessage, content_format
+from noisy_temp_server.server.chat_messages import ChatMessage, content_format, template_messages
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
@@ -187,7 +187,8 @@ def chat_prompt(
     ``--chat-template-content-format`` (`server.chat_messages`), with the request's template fields
     (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools,
     over ``--default-chat-template-kwargs``), and the rendered text's token ids (special tokens
-    added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
+    added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says,
+    or vLLM's for a tool call `template_messages` refuses."""
     frontend = state.frontend
     template = fields.own_chat_template(trusted=frontend.trust_request_chat_template)
     kwargs = fields.template_kwargs(
@@ -196,7 +197,11 @@ def chat_prompt(
     )
     rendered_by = template or state.tokenizer.chat_template
     shape = content_format(frontend.chat_template_content_format, rendered_by)
-    text = render_messages(state, [m.template_message(shape) for m in messages], kwargs, template)
+    try:
+        as_template_takes = template_messages(messages, shape)
+    except VLLMClientError as error:  # vLLM's refusal of a tool call in the history
+        raise openai_error_from_exception(error) from None
+    text = render_messages(state, as_template_takes, kwargs, template)
     return text, state.tokenizer.encode(text, add_special_tokens=fields.add_special_tokens)
 
 

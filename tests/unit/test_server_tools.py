@@ -168,3 +168,18 @@ def test_a_body_vllms_chat_model_refuses_is_a_400_with_tools(with_parser: Harnes
 def test_a_tool_choice_without_tools_is_vllms_400(with_parser: Harness) -> None:
     body = {"messages": _BODY["messages"], "max_tokens": 2, "tool_choice": "required"}
     assert_error(with_parser.post("/v1/chat/completions", body), 400)
+
+
+def test_a_tool_call_in_the_history_vllm_refuses_is_its_400(plain: Harness) -> None:
+    """vLLM's renderer takes only function tool calls in an assistant's history
+    (`_postprocess_messages`): chat and `/tokenize` answer its 400, nothing reaches the engine."""
+    custom = {"id": "c", "type": "custom", "custom": {"name": "weather", "input": "Paris"}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [custom]},
+        {"role": "user", "content": "and?"},
+    ]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = assert_error(plain.post(path, {**_BODY, "messages": history}), 400)
+        assert "tool_calls of type 'function'" in error["message"], path
+    assert plain.engine.calls == []

@@ -19,7 +19,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.renderers.hf import resolve_chat_template_kwargs
 
 from noisy_temp_server.server.auth import require_api_key
-from noisy_temp_server.server.chat_messages import ChatMessage, content_format
+from noisy_temp_server.server.chat_messages import ChatMessage, content_format, template_messages
 from noisy_temp_server.server.errors import OpenAIError, openai_error_from_exception
 from noisy_temp_server.server.protocol import ChatCompletionRequest
 from noisy_temp_server.server.response_bodies import (
@@ -73,8 +73,9 @@ async def create_chat_completion(
     )
     parsing = _output_parsing(state, request)
     rendered = _RenderedPrompt(state, request)
+    header_id = raw_request.headers.get("X-Request-Id")
     prepared = await prepare_request(
-        state, request, lambda: [rendered.token_ids()], prefix="chatcmpl", param="messages"
+        state, request, rendered.prompts, prefix="chatcmpl", param="messages", header_id=header_id
     )
     engine_kwargs = {**prepared.engine_kwargs, **parsing.engine_kwargs(prepared.prompts[0])}
     prepared = dataclasses.replace(prepared, engine_kwargs=engine_kwargs)
@@ -164,18 +165,18 @@ def _echoed(request: ChatCompletionRequest, role: str) -> str:
 
 
 class _RenderedPrompt:
-    """The request's messages rendered by the chat template (`chat_prompt`): `token_ids()`
-    renders and tokenizes them; `text` is the rendered text once it has (vLLM's
-    `prompt_text`)."""
+    """The request's messages rendered by the chat template (`chat_prompt`): `prompts()`
+    renders and tokenizes them (the token ids of the request's one prompt); `text` is the
+    rendered text once it has (vLLM's `prompt_text`)."""
 
     def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
         self.state = state
         self.request = request
         self.text = ""
 
-    def token_ids(self) -> list[int]:
+    def prompts(self) -> list[list[int]]:
         self.text, ids = chat_prompt(self.state, self.request.messages, self.request)
-        return ids
+        return [ids]
 
 
 def chat_prompt(
@@ -186,7 +187,8 @@ def chat_prompt(
     ``--chat-template-content-format`` (`server.chat_messages`), with the request's template fields
     (`ChatTemplateFields.template_kwargs`: the assistant's turn opened by default, its tools,
     over ``--default-chat-template-kwargs``), and the rendered text's token ids (special tokens
-    added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says."""
+    added on top only with `add_special_tokens`, as vLLM's); a 400 as `render_messages` says,
+    or vLLM's for a tool call `template_messages` refuses."""
     frontend = state.frontend
     template = fields.own_chat_template(trusted=frontend.trust_request_chat_template)
     kwargs = fields.template_kwargs(
@@ -195,7 +197,11 @@ def chat_prompt(
     )
     rendered_by = template or state.tokenizer.chat_template
     shape = content_format(frontend.chat_template_content_format, rendered_by)
-    text = render_messages(state, [m.template_message(shape) for m in messages], kwargs, template)
+    try:
+        as_template_takes = template_messages(messages, shape)
+    except VLLMClientError as error:  # vLLM's refusal of a tool call in the history
+        raise openai_error_from_exception(error) from None
+    text = render_messages(state, as_template_takes, kwargs, template)
     return text, state.tokenizer.encode(text, add_special_tokens=fields.add_special_tokens)
 
 

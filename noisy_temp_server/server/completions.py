@@ -67,6 +67,7 @@ async def create_completion(
         lambda: [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts],
         prefix="cmpl",
         param="prompt",
+        header_id=raw_request.headers.get("X-Request-Id"),
     )
     as_ids = request.return_tokens_as_token_ids
     tokens = LogprobTokens(

@@ -83,9 +83,10 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
-    """With `include_usage`, every chunk also reports its choice's usage so far (vLLM's)."""
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+    """With `include_usage`, every chunk also reports its choice's usage so far (vLLM's). Null
+    means false for both, as vLLM's `should_include_usage` reads them."""
 
 
 class _Extras(VllmFields):
@@ -273,7 +274,9 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingFields:
-        if self.stream_options is not None and not self.stream:
+        # vLLM refuses non-empty `stream_options` without `stream` (null and `{}` pass)
+        options_sent = self.stream_options is not None and self.stream_options.model_fields_set
+        if options_sent and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true.")
         if self.logit_bias is not None:
             for token in self.logit_bias:

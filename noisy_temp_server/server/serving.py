@@ -141,17 +141,21 @@ class Piece:
 class PreparedRequest:
     """A validated request, ready for the engine.
 
-    `prompts`: the token ids of each of its prompts (one, but for a completions request that
-    sends a list); `keys`: its `nts_*` keys over the server defaults, with `policy` pinned;
-    `tuning`: what the processor will apply to it (None when not tuned: no trace records come);
-    `correction`: the per-token bias its logits get (None: none); `adapter`:
-    the compensation adapter it is served with (`server.adapter`); `model`: the model id its
-    response names (the one it asked for: the base model id is served without the adapter);
+    `request_id`: its response's `id` (`prepare_request`); `engine_id`: this server's own,
+    unique whatever the client sent (its choices' trace ids, its beam search's engine requests
+    and its shadow scorer's cluster derive from it); `prompts`: the token ids of each of its
+    prompts (one, but for a completions request that sends a list); `keys`: its `nts_*` keys
+    over the server defaults, with `policy` pinned; `tuning`: what the processor will apply to
+    it (None when not tuned: no trace records come); `correction`: the per-token bias its
+    logits get (None: none); `adapter`: the compensation adapter it is served with
+    (`server.adapter`); `model`: the model id its response names (the one it asked for: the
+    base model id is served without the adapter);
     `prompt_kwargs`, `engine_kwargs`: vLLM's fields for the engine (`server.vllm_fields`);
     `beam`: a beam search's parameters (None: no beam search; `server.beam_search`).
     """
 
     request_id: str
+    engine_id: str
     prompts: list[list[int]]
     keys: TuningKeys
     policy: TemperaturePolicy
@@ -180,17 +184,23 @@ async def prepare_request(
     *,
     prefix: str,
     param: str,
+    header_id: str | None = None,
 ) -> PreparedRequest:
     """Validate `request` and make its engine requests; raises `OpenAIError` for anything the
     engine would refuse. The model name is checked first; then `tokenize()` (the token ids of
     each prompt, truncated as asked; it may raise `OpenAIError`) runs in a worker thread, so a
     long prompt does not stall the event loop. Each prompt gets `n` choices (`Choice.prompt`).
-    `prefix` starts the request id; `param` names the prompt's field in error bodies. Raised
+    The response's id is vLLM's (`_base_request_id`): `prefix-` and the ``X-Request-Id`` header
+    `header_id` when sent, else the client's `request_id` when sent, else the engine id (new,
+    `prefix-` and a uuid). `param` names the prompt's field in error bodies. Raised
     before anything reaches the engine, a `ValueError`, `TypeError` or `OverflowError` comes
     from the request's values (a tokenizer refusing a prompt, vLLM's checks, ours): a 400 with
     its message, as on vLLM's server; vLLM's client errors get theirs."""
     try:
-        return await _prepare(state, request, tokenize, prefix=prefix, param=param)
+        engine_id = f"{prefix}-{uuid.uuid4().hex}"
+        base = request.request_id if header_id is None else header_id
+        ids = (engine_id if base is None else f"{prefix}-{base}", engine_id)
+        return await _prepare(state, request, tokenize, request_ids=ids, param=param)
     except (ValueError, TypeError, OverflowError) as error:
         raise OpenAIError(str(error) or type(error).__name__, status_code=400) from None
     except VLLMClientError as error:
@@ -202,7 +212,7 @@ async def _prepare(
     request: GenerationRequest,
     tokenize: Callable[[], list[list[int]]],
     *,
-    prefix: str,
+    request_ids: tuple[str, str],
     param: str,
 ) -> PreparedRequest:
     check_model(state, request.model)
@@ -218,7 +228,11 @@ async def _prepare(
         message = f"{len(prompts)} prompts x n = {request.n} asks for {count} choices"
         raise OpenAIError(f"{message}; at most {MAX_CHOICES} a request: split it.", param=param)
     budgets = [_max_tokens(state, request, len(ids), param) for ids in prompts]
-    request_id, choices = _choices(request, len(prompts), prefix)
+    request_id, engine_id = request_ids
+    choices = [
+        Choice(index=i, trace_id=f"{engine_id}-{i}", prompt=i // request.n)
+        for i in range(request.n * len(prompts))
+    ]
     params = [
         request.to_sampling_params(max_tokens=budgets[c.prompt], choice=c.index % request.n)
         for c in choices
@@ -247,6 +261,7 @@ async def _prepare(
         add_extra_args(choice_params, issue_extra_args(_choice_keys(keys, tuning, choice)))
     return PreparedRequest(
         request_id,
+        engine_id,
         prompts,
         keys,
         policy,
@@ -260,18 +275,6 @@ async def _prepare(
         engine_kwargs=request.engine_kwargs(),
         beam=request.beam_search_params(budgets[0]) if request.use_beam_search else None,
     )
-
-
-def _choices(request: GenerationRequest, prompts: int, prefix: str) -> tuple[str, list[Choice]]:
-    """The response's id (the client's `request_id` when it sent one) and the request's choices,
-    `n` per prompt, each with an engine (trace) id of its own, unique whatever the client sent."""
-    engine_id = f"{prefix}-{uuid.uuid4().hex}"
-    request_id = engine_id if request.request_id is None else f"{prefix}-{request.request_id}"
-    n = request.n
-    choices = [
-        Choice(index=i, trace_id=f"{engine_id}-{i}", prompt=i // n) for i in range(n * prompts)
-    ]
-    return request_id, choices
 
 
 def _choice_keys(keys: TuningKeys, tuning: RequestTuning | None, choice: Choice) -> TuningKeys:
@@ -342,7 +345,7 @@ def engine_streams(
             prepared.prompts,
             prepared.params,
             prepared.beam,
-            request_id=prepared.request_id,
+            request_id=prepared.engine_id,
             lora_request=prepared.adapter.lora_request,
             prompt_kwargs=prepared.prompt_kwargs,
             engine_kwargs=prepared.engine_kwargs,
@@ -422,7 +425,7 @@ async def summarize(state: ServerState, prepared: PreparedRequest, choice: Choic
             choice.token_ids,
             trace,
             choice.trace_id,
-            request_id=prepared.request_id,
+            request_id=prepared.engine_id,
             request_temperature=prepared.params[choice.index].temperature,  # as vLLM samples
             correction=prepared.correction,
         )
@@ -488,5 +491,5 @@ async def run_unless_disconnected(
             await asyncio.wait((work,))  # unlike `await work`, lets our own cancellation through
     if not work.cancelled():
         return work.result()
-    _LOGGER.info("Client disconnected: aborted %s", prepared.request_id)
+    _LOGGER.info("Client disconnected: aborted %s", prepared.engine_id)
     return None

@@ -45,6 +45,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as VllmChatRequest,
 )
+from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
 from vllm.renderers.chat_utils import make_tool_call_id
 
 from noisy_temp_server.server.errors import OpenAIError
@@ -185,7 +186,9 @@ class ChatOutputParsing:
         self, index: int, text: str, token_ids: list[int], prompt: list[int], finish: str | None
     ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
         """A finished choice's reasoning (None unless `include_reasoning`), content, tool calls
-        and finish reason, as vLLM's serving makes them from the parser's result."""
+        (the first only with `parallel_tool_calls: false`, vLLM's
+        `maybe_filter_parallel_tool_calls`) and finish reason, as vLLM's serving makes them from
+        the parser's result."""
         if not self.parses:
             return None, text, [], finish
         parser = self.parser(index)
@@ -198,7 +201,8 @@ class ChatOutputParsing:
             reasoning = None
         if not self.parses_tools:
             return reasoning, content, [], finish
-        tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls or []]
+        kept = maybe_filter_parallel_tool_calls(list(calls or []), self.vllm_request)
+        tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in kept]
         required = self.request.tool_choice == "required"
         if self.named or required:
             content = content or ""
@@ -211,21 +215,25 @@ class ChatOutputParsing:
         self, index: int, text: str, token_ids: list[int], prompt: list[int], *, finished: bool
     ) -> DeltaMessage | None:
         """What one stream step adds to choice `index`: reasoning (none unless
-        `include_reasoning`), content and tool-call deltas; None when it adds nothing to show
-        (the parser holds it back, or it is reasoning not asked for)."""
+        `include_reasoning`), content and tool-call deltas (those of the first call only with
+        `parallel_tool_calls: false`, as vLLM's stream filters them: by the delta's `index`);
+        None when it adds nothing to show (the parser holds it back, or it is reasoning not
+        asked for)."""
         if not self.parses:
             return DeltaMessage(content=text)
         delta = self.parser(index).parse_delta(
             text, token_ids, self.vllm_request, prompt, finished=finished
         )
         if delta is not None and delta.tool_calls:
-            self.streamed.add(index)
+            self.streamed.add(index)  # before the filter, as vLLM's `tools_streamed`
+            delta = maybe_filter_parallel_tool_calls(delta, self.vllm_request)
         return delta
 
     def stream_finish_reason(self, index: int, finish_reason: str | None) -> str | None:
-        """A streamed choice's finish reason: `tool_calls` when it streamed calls (not for a
-        named function), as vLLM's stream says."""
-        if finish_reason is not None and index in self.streamed and not self.named:
+        """A streamed choice's finish reason: `tool_calls` when the engine's is `stop` and the
+        choice streamed calls (not for a named function), as vLLM's stream says; any other
+        (`length`: the calls may be cut short) as the engine gave it."""
+        if finish_reason == "stop" and index in self.streamed and not self.named:
             return "tool_calls"
         return finish_reason
 

@@ -13,7 +13,8 @@
 - `prompt_logprobs`: the prompt's logprobs (the served model's own: vLLM computes them before
   any logits processor), in the response as vLLM puts them;
 - `request_id` names the response (`cmpl-<request_id>`, `chatcmpl-<request_id>`) as on vLLM's
-  server; the engine requests keep ids of this server's own (one per choice, unique);
+  server, unless an ``X-Request-Id`` header names it (`server.serving.prepare_request`); the
+  engine requests keep ids of this server's own (one per choice, unique);
 - what the response reports, as vLLM's server reports it: `return_token_ids` (the prompt's and
   each choice's token ids), `return_tokens_as_token_ids` (logprob tokens named
   `token_id:<id>`), `logprob_token_ids` (the logprobs of these ids at each generated position,
@@ -348,7 +349,8 @@ class VllmChatFields(ChatTemplateFields, VllmFields):
     (`ChatTemplateFields`, and `documents`, `reasoning_effort`), `echo` (the last message's
     text starts the answer when it has the answer's role), `include_reasoning` (the reasoning
     split out of the answer is left out; with ``--reasoning-parser`` only: `server.tools`), and
-    `parallel_tool_calls` (without effect here)."""
+    `parallel_tool_calls` (`false`: only the first tool call is answered, streams included, as
+    vLLM's: `server.tools`)."""
 
     echo: StrictBool = False
     documents: list[dict[str, str]] | None = None

@@ -98,6 +98,8 @@ class Row:
     """Key paths both servers must answer with a value (not null) in some body or chunk."""
     body_check: Callable[[Any], None] | None = None
     """Checks each body (each chunk of a stream) of both servers."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Sent on top of the API key's."""
 
 
 def _is_json_object(text: str) -> None:
@@ -694,6 +696,83 @@ ROWS += [
     ),
     Row("tokenize what the tokenizer refuses", "/tokenize", {"model": MODEL, "prompt": "\ud800"}),
 ]
+
+
+def _id_is(expected: str) -> Callable[[Any], None]:
+    def check(body: Any) -> None:
+        assert body.get("id") == expected, body.get("id")
+
+    return check
+
+
+def _finish_reasons_are(*reasons: str) -> Callable[[Any], None]:
+    def check(body: Any) -> None:
+        for choice in body.get("choices", []):
+            assert choice.get("finish_reason") in (None, *reasons), choice
+
+    return check
+
+
+_CUSTOM_CALL = {"id": "c", "type": "custom", "custom": {"name": "weather", "input": "Paris"}}
+ROWS += [
+    Row(
+        "chat, stream_options null", "/v1/chat/completions", _chat(stream=True, stream_options=None)
+    ),
+    Row(
+        "chat, continuous_usage_stats null",
+        "/v1/chat/completions",
+        _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": None}),
+        reports=("usage.total_tokens",),
+    ),
+    Row(
+        "completion, empty stream_options without stream",
+        "/v1/completions",
+        _completion(stream_options={}),
+    ),
+    Row(
+        "chat, X-Request-Id header over request_id",
+        "/v1/chat/completions",
+        _chat(request_id="from-body"),
+        headers={"X-Request-Id": "from-header"},
+        body_check=_id_is("chatcmpl-from-header"),
+    ),
+    Row(
+        "completion, X-Request-Id header, streamed",
+        "/v1/completions",
+        _completion(stream=True),
+        headers={"X-Request-Id": "from-header"},
+        body_check=_id_is("cmpl-from-header"),
+    ),
+    Row(
+        "tools, auto, parallel_tool_calls false, streamed",
+        "/v1/chat/completions",
+        _chat(tools=_TOOLS, tool_choice="auto", parallel_tool_calls=False, stream=True),
+    ),
+    Row(
+        "tools, required, streamed, cut short",
+        "/v1/chat/completions",
+        _chat(tools=_TOOLS, tool_choice="required", stream=True, max_tokens=4),
+        body_check=_finish_reasons_are("length"),
+    ),
+    Row(
+        "tools, a call not of type function in the history",
+        "/v1/chat/completions",
+        _chat(messages=[*_CHAT["messages"], {"role": "assistant", "tool_calls": [_CUSTOM_CALL]}]),
+        nts=False,
+    ),
+    Row(
+        "tokenize chat, keys vLLM does not pass to the template",
+        "/tokenize",
+        {
+            **_TOKENIZE_CHAT,
+            "messages": [
+                {"role": "system", "content": "x-anthropic-billing-header: cch=1\nBe brief."},
+                {"role": "user", "content": "hi", "name": "ann", "task": "t", "custom": 1},
+                *_TOOL_HISTORY[1:],
+            ],
+        },
+    ),
+]
 SHARED_FLAGS = (
     *("--enable-auto-tool-choice", "--tool-call-parser", "pythonic"),
     *("--response-role", "bot", "--enable-prompt-tokens-details"),
@@ -857,10 +936,10 @@ class Answer:
 
 def _ask(url: str, row: Row) -> Answer:
     if row.body is None:
-        reply = httpx.get(f"{url}{row.path}", headers=HEADERS, timeout=300)
+        reply = httpx.get(f"{url}{row.path}", headers={**HEADERS, **row.headers}, timeout=300)
     else:
         body = json.dumps(row.body)  # ASCII escapes: a lone surrogate is valid JSON this way
-        headers = {**HEADERS, "Content-Type": "application/json"}
+        headers = {**HEADERS, **row.headers, "Content-Type": "application/json"}
         reply = httpx.post(f"{url}{row.path}", content=body, headers=headers, timeout=300)
     if reply.headers.get("content-type", "").startswith("text/event-stream"):
         chunks = [

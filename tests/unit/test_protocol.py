@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest as VllmChatRequest,
+)
+from vllm.renderers.chat_utils import _parse_chat_message_content, _postprocess_messages
 from vllm.sampling_params import RequestOutputKind
 
+from noisy_temp_server.server.chat_messages import ContentFormat, template_messages
 from noisy_temp_server.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -112,6 +118,56 @@ def test_an_assistants_reasoning_reaches_the_template_under_both_names() -> None
     assert user == {"role": "user", "content": "q"}
     assert assistant == {"role": "assistant", "content": "a", "reasoning": "r",
                          "reasoning_content": "r"}  # fmt: skip
+
+
+_MESSAGES_WITH_EXTRA_KEYS: list[dict[str, Any]] = [
+    {"role": "system", "content": "x-anthropic-billing-header: cch=1\nbe brief", "name": "s",
+     "custom": 1},
+    {"role": "developer", "content": "d", "tool_call_id": "no"},
+    {"role": "user", "content": [{"type": "text", "text": "q"}] * 2, "name": "ann", "task": "t",
+     "tool_call_id": "no", "reasoning": "no", "tools": []},
+    {"role": "assistant", "content": None, "reasoning_content": "r", "tool_call_id": "no",
+     "tool_calls": [{"id": "c", "type": "function",
+                     "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+    {"role": "assistant", "content": "ok", "tool_calls": [], "name": "bot"},
+    {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "x"}] * 2,
+     "name": "f", "tool_calls": []},
+]  # fmt: skip
+
+
+class _TextOnlyTracker:
+    """What vLLM's message parser asks of its multimodal tracker for text-only messages."""
+
+    def create_parser(self, **_: Any) -> Any:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(enable_prompt_embeds=False),
+            mm_placeholder_storage=dict,
+        )
+
+
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_messages_reach_the_template_with_the_keys_vllms_renderer_passes(
+    content_format: ContentFormat,
+) -> None:
+    """Compared with vLLM's own parsing (`_parse_chat_message_content`, then
+    `_postprocess_messages`) of the same body: only the keys vLLM passes, tool-call arguments
+    as objects, an empty `tool_calls` dropped, the billing-header line of a system message
+    stripped."""
+    vllm_request = VllmChatRequest(messages=_MESSAGES_WITH_EXTRA_KEYS, model="m")  # type: ignore[arg-type]
+    theirs: list[Any] = []
+    for message in vllm_request.messages:
+        theirs += _parse_chat_message_content(
+            message,
+            _TextOnlyTracker(),
+            content_format,
+            interleave_strings=False,  # type: ignore[arg-type]
+        )
+    _postprocess_messages(theirs)
+    request = _chat(messages=_MESSAGES_WITH_EXTRA_KEYS)
+    assert template_messages(request.messages, content_format) == theirs
+    assert request.messages[3].model_extra["tool_calls"][0]["function"]["arguments"] == (
+        '{"a": 1}'  # the request's own message is left as sent
+    )
 
 
 def test_nts_keys_merge_from_top_level_and_vllm_xargs() -> None:

@@ -120,6 +120,29 @@ def test_without_continuous_usage_stats_only_the_last_chunk_has_usage(server: Ha
     assert ["usage" in c for c in chunks] == [False, False, True]
 
 
+_CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_null_stream_options_mean_false_as_on_vllms_server(server: Harness) -> None:
+    """vLLM's `StreamOptions` takes null for each option (false), and null or empty
+    `stream_options` without `stream`; non-empty ones without `stream` stay its 400."""
+    body = {"prompt": "a", "max_tokens": 2}
+    nulls = {"include_usage": True, "continuous_usage_stats": None}
+    response = server.post("/v1/completions", {**body, "stream": True, "stream_options": nulls})
+    assert response.status_code == 200, response.text
+    chunks = [e for e in sse_events(response) if e != "[DONE]"]
+    assert ["usage" in c for c in chunks] == [False, False, True]
+    no_usage = {"stream": True, "stream_options": {"include_usage": None}}
+    chunks = [e for e in sse_events(server.post("/v1/completions", {**body, **no_usage}))]
+    assert not any("usage" in c for c in chunks if c != "[DONE]")
+    for options, stream in [(None, True), (None, False), ({}, False)]:
+        fields = {"stream": stream, "stream_options": options}
+        response = server.post("/v1/chat/completions", {**_CHAT_BODY, **fields})
+        assert response.status_code == 200, (options, stream, response.text)
+    refused = {"stream_options": {"include_usage": False}}
+    assert_error(server.post("/v1/chat/completions", {**_CHAT_BODY, **refused}), 400)
+
+
 def test_min_tokens_and_structured_outputs_reach_the_engine(server: Harness) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "min_tokens": 2}
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}

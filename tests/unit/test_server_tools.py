@@ -83,8 +83,8 @@ def test_auto_leaves_the_output_free(with_parser: Harness) -> None:
     assert with_parser.engine.calls[-1][1].structured_outputs is None
 
 
-def _tool_calls(choice: Any) -> ChatOutputParsing:
-    request = ChatCompletionRequest.model_validate({**_BODY, "tool_choice": choice})
+def _tool_calls(choice: Any, **fields: Any) -> ChatOutputParsing:
+    request = ChatCompletionRequest.model_validate({**_BODY, "tool_choice": choice, **fields})
     return ChatOutputParsing(request, _pythonic(), FakeTokenizer(), auto_tools=True)
 
 
@@ -123,6 +123,40 @@ def test_a_stream_reports_tool_call_deltas_and_finishes_with_tool_calls() -> Non
     assert tools.stream_finish_reason(1, "stop") == "stop"
 
 
+def test_a_stream_cut_short_after_calls_keeps_the_engines_finish_reason() -> None:
+    """vLLM's stream says `tool_calls` only when the engine's finish reason is `stop`."""
+    tools = _tool_calls("auto")
+    tools.parse_delta(0, '[weather(city="Paris")]', [], [1], finished=True)
+    assert tools.stream_finish_reason(0, "stop") == "tool_calls"
+    assert tools.stream_finish_reason(0, "length") == "length"
+    assert tools.stream_finish_reason(0, "abort") == "abort"
+
+
+_TWO_CALLS = '[weather(city="Paris"), weather(city="Rome")]'
+
+
+@pytest.mark.parametrize(("parallel", "kept"), [(True, ["Paris", "Rome"]), (False, ["Paris"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool, kept: list[str]) -> None:
+    tools = _tool_calls("auto", parallel_tool_calls=parallel)
+    _, _, calls, finish = tools.parse(0, _TWO_CALLS, [], [1], "stop")
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == kept
+    assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize(("parallel", "indices"), [(True, {0, 1}), (False, {0})])
+def test_parallel_tool_calls_false_streams_the_first_calls_deltas_only(
+    parallel: bool, indices: set[int]
+) -> None:
+    tools = _tool_calls("auto", parallel_tool_calls=parallel)
+    pieces = ["[weather(", 'city="Paris"), ', "weather(", 'city="Rome")]']
+    deltas = [
+        tools.parse_delta(0, piece, [], [1], finished=i == len(pieces) - 1)
+        for i, piece in enumerate(pieces)
+    ]
+    assert {call.index for delta in deltas if delta for call in delta.tool_calls} == indices
+    assert tools.stream_finish_reason(0, "stop") == "tool_calls"
+
+
 def test_a_body_vllms_chat_model_refuses_is_a_400_with_tools(with_parser: Harness) -> None:
     messages = [{"role": "system", "content": "x", "name": None}, {"role": "user", "content": "y"}]
     body = {**_BODY, "messages": messages, "tool_choice": "auto"}
@@ -134,3 +168,18 @@ def test_a_body_vllms_chat_model_refuses_is_a_400_with_tools(with_parser: Harnes
 def test_a_tool_choice_without_tools_is_vllms_400(with_parser: Harness) -> None:
     body = {"messages": _BODY["messages"], "max_tokens": 2, "tool_choice": "required"}
     assert_error(with_parser.post("/v1/chat/completions", body), 400)
+
+
+def test_a_tool_call_in_the_history_vllm_refuses_is_its_400(plain: Harness) -> None:
+    """vLLM's renderer takes only function tool calls in an assistant's history
+    (`_postprocess_messages`): chat and `/tokenize` answer its 400, nothing reaches the engine."""
+    custom = {"id": "c", "type": "custom", "custom": {"name": "weather", "input": "Paris"}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [custom]},
+        {"role": "user", "content": "and?"},
+    ]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = assert_error(plain.post(path, {**_BODY, "messages": history}), 400)
+        assert "tool_calls of type 'function'" in error["message"], path
+    assert plain.engine.calls == []

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
-from server_fakes import MAX_MODEL_LEN, POLICY, Harness, assert_error, build
+from server_fakes import MAX_MODEL_LEN, POLICY, Harness, assert_error, build, sse_events
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as VllmChatRequest,
 )
@@ -150,6 +150,32 @@ def test_request_id_priority_and_cache_salt(server: Harness) -> None:
     assert "mine" not in "".join(engine_ids)
     assert server.engine.priorities == [3, 3]
     assert all(p.get("cache_salt") == "salt" for p in server.engine.prompts)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "prefix"),
+    [("/v1/completions", _COMPLETION, "cmpl"), ("/v1/chat/completions", _CHAT, "chatcmpl")],
+)
+def test_an_x_request_id_header_names_the_response_as_on_vllms_server(
+    server: Harness, path: str, body: dict[str, Any], prefix: str
+) -> None:
+    """vLLM's `_base_request_id`: the header wins over the body's `request_id`; the engine
+    requests keep ids of ours, unique though two requests send the same header."""
+    header = {"X-Request-Id": "from-header"}
+    sent = {**body, "request_id": "from-body"}
+    answers = [
+        server.post(path, sent, headers=header),
+        server.post(path, {**sent, "stream": True}, headers=header),
+    ]
+    assert answers[0].json()["id"] == f"{prefix}-from-header"
+    assert "nts" in answers[0].json()
+    chunks = [c for c in sse_events(answers[1]) if c != "[DONE]"]
+    assert {c["id"] for c in chunks} == {f"{prefix}-from-header"}
+    assert "nts" in chunks[-1]
+    engine_ids = [call[2] for call in server.engine.calls]
+    assert len(set(engine_ids)) == 2
+    assert not any("from-" in engine_id for engine_id in engine_ids)
+    assert server.post(path, sent).json()["id"] == f"{prefix}-from-body"
 
 
 def test_chat_template_arguments_render_as_vllm_renders_them(server: Harness) -> None:

@@ -81,7 +81,10 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """OpenAI's `stream_options`; keys it does not define are ignored, as vLLM's server ignores
+    them."""
+
+    model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False

@@ -47,14 +47,15 @@ _LOGPROBS_BUDGET_BYTES = 2 * 2**30
 _LOGPROB_ENTRY_BYTES = 100
 """About what one vocabulary entry of one step takes there: a token id, a log-probability and a
 rank as Python objects, and their three list slots."""
+_KV_CACHE_BYTES = 2**30
+"""The engine's KV cache on any device (calibration's completions are short and few; on a GPU it
+leaves the memory to the clean model beside it), unless ``VLLM_CPU_KVCACHE_SPACE`` sets it."""
 _ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-"""vLLM's settings for the offline engine where the environment gives none: a 1 GiB KV cache on
-a CPU (calibration's completions are short and few), logs on standard error, the engine in this
-process."""
+"""vLLM's settings for the offline engine where the environment gives none: logs on standard
+error, the engine in this process."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,12 @@ def sample_with_engine(
 
     The engine runs in this process (no engine or worker process to outlive a killed command,
     unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` says otherwise), eager, in the dtype `serve` gives
-    it by default (vLLM's ``auto``), with a 1 GiB
-    KV cache on a CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set, logging to standard error unless
-    ``VLLM_LOGGING_STREAM`` is set (a command's standard output is its answer), and is shut
-    down before this returns. `progress(done, total)` is called as each completion ends.
-    ValueError for no prompts, or when vLLM's engine does not start on `model` (the engine's
-    log says why); what else vLLM raises for a folder it cannot serve passes through."""
+    it by default (vLLM's ``auto``), with a 1 GiB KV cache (`_KV_CACHE_BYTES`), logging to
+    standard error unless ``VLLM_LOGGING_STREAM`` is set (a command's standard output is its
+    answer), and is shut down before this returns. `progress(done, total)` is called as each
+    completion ends. ValueError for no prompts, or when vLLM's engine does not start on `model`
+    (the engine's log says why); what else vLLM raises for a folder it cannot serve passes
+    through."""
     if not prompt_ids:
         raise ValueError("no prompts to sample")
     with _engine_environment():
@@ -145,6 +146,7 @@ def _start_engine(model: Path, max_model_len: int, seed: int) -> Any:
             enforce_eager=True,
             max_model_len=max_model_len,
             max_logprobs=-1,
+            kv_cache_memory_bytes=_KV_CACHE_BYTES,
             skip_tokenizer_init=True,
             seed=seed,
             distributed_executor_backend="uni",

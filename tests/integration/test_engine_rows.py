@@ -38,7 +38,7 @@ def test_the_engine_rows_are_the_served_models_distributions_step_by_step(
     tiny_model_dir: Path,
 ) -> None:
     stop = 7
-    ours = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_STREAM", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    ours = ("VLLM_LOGGING_STREAM", "VLLM_ENABLE_V1_MULTIPROCESSING")
     before = [os.environ.get(name) for name in ours]
     completions = sample_with_engine(
         tiny_model_dir, [[1, 2, 3], [4, 5, 6, 8]], max_new_tokens=12, seed=3, stop_token_ids={stop}

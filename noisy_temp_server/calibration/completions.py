@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -19,6 +20,8 @@ __all__ = [
     "sample_served",
     "served_rows_for",
 ]
+
+logger = logging.getLogger(__name__)
 
 ServedRows = Literal["auto", "model", "engine"]
 """Where the served rows come from: the served model's forward (``model``), the engine's rows
@@ -78,13 +81,22 @@ def served_rows_for(
 ) -> Literal["model", "engine"]:
     """`choice` with ``auto`` resolved: ``engine`` for a served folder whose activations are
     quantized to integers (`quantizes_activations_to_int`: transformers' forward is not what
-    vLLM serves) when no adapter is fitted or served (the engine's rows have none), else
-    ``model``."""
+    vLLM serves) when no adapter is fitted or served (the engine's rows have none; a warning
+    then says that transformers' forward is scored), else ``model``."""
     if choice != "auto":
         return choice
     folder = pair.served_path
-    engine = folder is not None and not with_adapter and quantizes_activations_to_int(folder)
-    return "engine" if engine else "model"
+    if folder is None or not quantizes_activations_to_int(folder):
+        return "model"
+    if with_adapter:
+        logger.warning(
+            "%s quantizes its activations to integers, which transformers' forward does not do "
+            "as vLLM's kernels do; with an adapter it is scored with transformers' forward all "
+            "the same (the engine's rows have no adapter)",
+            folder,
+        )
+        return "model"
+    return "engine"
 
 
 def sample_served(

@@ -121,12 +121,16 @@ def test_engine_rows_serve_only_the_sequences_the_engine_sampled() -> None:
         EngineCompletion(sequence, rows[:1])
 
 
-def test_auto_takes_the_engine_rows_for_w8a8_alone_and_never_with_an_adapter() -> None:
+def test_auto_takes_the_engine_rows_for_w8a8_alone_and_never_with_an_adapter(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     def pair(folder: Path | None) -> Any:
         return SimpleNamespace(served_path=folder)
 
     assert served_rows_for(pair(W8A8), "auto", with_adapter=False) == "engine"
+    assert not caplog.records
     assert served_rows_for(pair(W8A8), "auto", with_adapter=True) == "model"
+    assert "scored with transformers' forward all the same" in caplog.text
     for other in ("ct-fp8-dynamic", "ct-gptq-w4a16", "gptq-4bit-g32"):
         assert served_rows_for(pair(FIXTURES / other), "auto", with_adapter=False) == "model"
     assert served_rows_for(pair(None), "auto", with_adapter=False) == "model"
